@@ -1,0 +1,3 @@
+from hpcfed.cli import main
+
+raise SystemExit(main())

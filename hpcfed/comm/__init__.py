@@ -1,0 +1,1 @@
+"""The secure message layer: bytes, keys and channels. Knows nothing of learning."""

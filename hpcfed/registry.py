@@ -1,0 +1,33 @@
+"""Name -> class registries for tasks and strategies.
+
+Adding a task or strategy is one file plus one line here. Entries are import paths so that
+`import hpcfed` and the CLI's help stay fast (torch, gensim, PyG load only when used).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+TASKS: dict[str, str] = {
+    "synthetic": "hpcfed.tasks.synthetic:SyntheticTask",
+}
+
+STRATEGIES: dict[str, str] = {
+    "fedavg": "hpcfed.strategies.fedavg:FedAvg",
+}
+
+
+def _resolve(table: dict[str, str], kind: str, name: str) -> Any:
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(table))}")
+    module, attr = table[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def task_class(name: str) -> Any:
+    return _resolve(TASKS, "task", name)
+
+
+def strategy_class(name: str) -> Any:
+    return _resolve(STRATEGIES, "strategy", name)

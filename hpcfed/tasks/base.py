@@ -1,0 +1,121 @@
+"""The `Task` protocol: what one site learns.
+
+A task owns its data, model and optimizer on one client rank. The runtime calls, in order::
+
+    task = TaskCls(config, site)             # load this site's data, build the model
+    payload = task.setup()                   # optional bundle for the server (word counts, sizes)
+    task.on_setup(reply)                     # the server's answer (vocabulary, initial arrays)
+    loop:  task.set_parameters(p); result = task.fit(round); task.get_parameters(); task.evaluate(...)
+    final: task.set_parameters(p); task.evaluate(final=True); task.export_embeddings(dir)
+
+Server-side work that needs the task's knowledge but no private data (merging vocabularies,
+building a model to probe client updates) lives in classmethods, which the server calls without
+instantiating the task.
+
+Reproducibility contract: every random draw inside `fit(round)` comes from generators seeded with
+(site.seed, site.client_id, round) or from state returned by `state_dict`, so a resumed synchronous run
+repeats the uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from hpcfed.params import Params
+
+# A bundle is what travels in one message: a small JSON-able header plus named arrays.
+Bundle = tuple[dict[str, Any], dict[str, np.ndarray]]
+EMPTY_BUNDLE: Bundle = ({}, {})
+
+
+@dataclass(kw_only=True)
+class Site:
+    """Where a task runs: which client it is, among how many, and where it writes."""
+
+    client_id: int
+    num_clients: int
+    seed: int
+    out_dir: Path
+    data_root: Path | None = None
+    device: str = "cpu"
+    method: str | None = None
+    attack: str | None = None  # set on the malicious site only
+    config_hash: str = ""
+
+
+@dataclass
+class FitResult:
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Task(ABC):
+    """One site's learner. Subclasses define a nested keyword-only ``Config`` dataclass."""
+
+    name: ClassVar[str] = ""
+
+    @dataclass(kw_only=True)
+    class Config:
+        pass
+
+    def __init__(self, config: Any, site: Site) -> None:
+        self.config = config
+        self.site = site
+
+    # -- setup exchange -----------------------------------------------------------------------
+    def setup(self) -> Bundle:
+        """Bundle sent to the server before training (default: nothing)."""
+        return EMPTY_BUNDLE
+
+    def on_setup(self, reply: Bundle) -> None:
+        """Receive the server's setup answer (default: ignore)."""
+
+    @classmethod
+    def server_setup(cls, config: Any, payloads: dict[int, Bundle]) -> tuple[dict[int, Bundle], Params | None]:
+        """Server side of the setup exchange: per-client replies and, optionally, initial parameters.
+
+        When it returns None for the parameters, client 0's initial model is the global start.
+        """
+        return {cid: EMPTY_BUNDLE for cid in payloads}, None
+
+    @classmethod
+    def apply_method(cls, method: str, run_config: Any) -> None:
+        """Translate ``method=NAME`` into strategy/task settings on `run_config` (mutated in place).
+
+        Raise ValueError naming the allowed methods for an unknown one.
+        """
+        raise ValueError(f"task {cls.name!r} defines no methods; remove method={method}")
+
+    # -- learning -----------------------------------------------------------------------------
+    @abstractmethod
+    def get_parameters(self) -> Params:
+        """Current model parameters (float32 arrays; the dict order is the model's)."""
+
+    @abstractmethod
+    def set_parameters(self, params: Params) -> None:
+        """Load parameters received from the server."""
+
+    @abstractmethod
+    def fit(self, round: int) -> FitResult:
+        """Train locally for one round (or one async step) and report examples and metrics."""
+
+    @abstractmethod
+    def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+        """Metrics of the current model; `final` asks for the test split."""
+
+    def export_embeddings(self, out_dir: Path) -> Path | None:
+        """Write this site's embedding export (`hpcfed.store.embeddings`), or return None."""
+        return None
+
+    # -- resumable state ----------------------------------------------------------------------
+    def state_dict(self) -> Bundle:
+        """Optimizer and RNG state needed to resume bit-exactly (header + arrays)."""
+        return EMPTY_BUNDLE
+
+    def load_state_dict(self, state: Bundle) -> None:
+        """Restore what `state_dict` returned."""
