@@ -1,0 +1,136 @@
+"""Per-site embedding exports in HDF5.
+
+Layout (one file per site, written by that site: raw data never leaves it)::
+
+    /<entity>/vectors   float32 (n, d), chunked + gzip
+    /<entity>/ids       UTF-8 strings (n,)
+    /<entity>/labels    int64 (n,)          optional
+    attrs on the file:  format="hpcfed-embeddings", format_version, hpcfed_version, created
+    attrs on /<entity>: model, dim, metric, normalized, site, config_hash, version
+
+Readable with plain h5py (``f["node/vectors"][:]``). Files are written to a temporary name and
+``os.replace``d, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+FORMAT = "hpcfed-embeddings"
+FORMAT_VERSION = 1
+
+
+class ExportError(ValueError):
+    """An embedding export is missing, corrupt or not in the hpcfed format."""
+
+
+@dataclass
+class EmbeddingSet:
+    entity: str
+    vectors: np.ndarray
+    ids: list[str]
+    labels: np.ndarray | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+def write_export(
+    path: str | Path,
+    vectors: np.ndarray,
+    ids: Sequence[Any],
+    labels: np.ndarray | None = None,
+    *,
+    entity: str = "node",
+    model: str,
+    site: int | str,
+    metric: str = "cosine",
+    normalized: bool = False,
+    config_hash: str = "",
+    version: int = 0,
+    extra: dict[str, Any] | None = None,
+    append: bool = False,
+) -> Path:
+    """Write (or, with `append`, add an entity to) an embedding export atomically."""
+    import h5py
+
+    from hpcfed import __version__
+
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    if vectors.ndim != 2:
+        raise ExportError(f"vectors must be 2-D (n, d), got shape {vectors.shape}")
+    if len(ids) != vectors.shape[0]:
+        raise ExportError(f"{len(ids)} ids for {vectors.shape[0]} vectors")
+    if labels is not None and len(labels) != vectors.shape[0]:
+        raise ExportError(f"{len(labels)} labels for {vectors.shape[0]} vectors")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    if append and path.exists():
+        import shutil
+
+        shutil.copyfile(path, tmp)
+    mode = "a" if append and path.exists() else "w"
+    with h5py.File(tmp, mode) as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["hpcfed_version"] = __version__
+        f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if entity in f:
+            del f[entity]
+        g = f.create_group(entity)
+        n, d = vectors.shape
+        chunk_rows = max(1, min(n, (256 << 10) // max(1, 4 * d)))
+        g.create_dataset("vectors", data=vectors, chunks=(chunk_rows, d) if n else None,
+                         compression="gzip" if n else None, compression_opts=4 if n else None)
+        g.create_dataset("ids", data=np.array([str(i) for i in ids], dtype=object), dtype=h5py.string_dtype("utf-8"))
+        if labels is not None:
+            g.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
+        attrs = {"model": model, "dim": d, "metric": metric, "normalized": bool(normalized),
+                 "site": str(site), "config_hash": config_hash, "version": int(version)}
+        attrs.update(extra or {})
+        for key, value in attrs.items():
+            g.attrs[key] = value
+    os.replace(tmp, path)
+    return path
+
+
+def read_export(path: str | Path, entity: str | None = None) -> EmbeddingSet:
+    """Read one entity (default: the only/first one) from an export, checking the format."""
+    import h5py
+
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"embedding export {path} does not exist")
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise ExportError(f"{path} is not an hpcfed embedding export (attribute format={f.attrs.get('format')!r})")
+            groups = [k for k in f.keys() if isinstance(f[k], h5py.Group)]
+            if not groups:
+                raise ExportError(f"{path} holds no embedding group")
+            name = entity or groups[0]
+            if name not in f:
+                raise ExportError(f"{path} has no entity {name!r}; it has: {', '.join(groups)}")
+            g = f[name]
+            for key in ("vectors", "ids"):
+                if key not in g:
+                    raise ExportError(f"{path}: /{name}/{key} is missing")
+            vectors = np.asarray(g["vectors"][:], dtype=np.float32)
+            ids = [s.decode() if isinstance(s, bytes) else str(s) for s in g["ids"][:]]
+            labels = np.asarray(g["labels"][:]) if "labels" in g else None
+            attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in g.attrs.items()}
+    except OSError as exc:
+        raise ExportError(f"{path} is not a readable HDF5 file ({exc}); re-export it") from None
+    if vectors.ndim != 2 or vectors.shape[0] != len(ids):
+        raise ExportError(f"{path}: /{name}/vectors shape {vectors.shape} does not match {len(ids)} ids")
+    return EmbeddingSet(name, vectors, ids, labels, attrs)
+
+
+def export_path(out_dir: str | Path, client_id: int) -> Path:
+    """Where site `client_id` writes its export inside a run directory."""
+    return Path(out_dir) / "embeddings" / f"site{client_id}.h5"

@@ -1,0 +1,104 @@
+"""Pure aggregation functions over flat float32 vectors.
+
+Each takes a stacked matrix ``X`` of shape (n_clients, P) (or a list of vectors) and returns one
+vector of shape (P,). No Python loop runs over parameters; Krum's pairwise distances come from one
+Gram matrix. These are the functions the strategies call and the unit tests check by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def stack(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    if len(vectors) == 0:
+        raise ValueError("cannot aggregate zero updates")
+    return np.stack([np.asarray(v, dtype=np.float32) for v in vectors])
+
+
+def weighted_mean(vectors: Sequence[np.ndarray] | np.ndarray, weights: Sequence[float] | None = None,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """Σ w_i x_i / Σ w_i, accumulated in place into `out` (float32) without a K-fold copy."""
+    n = len(vectors)
+    if n == 0:
+        raise ValueError("cannot aggregate zero updates")
+    w = np.ones(n, dtype=np.float64) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"aggregation weights must be {n} finite non-negative numbers with a positive sum, got {w}")
+    w = w / w.sum()
+    acc = np.zeros(np.shape(vectors[0]), dtype=np.float32) if out is None else out
+    if out is not None:
+        acc.fill(0.0)
+    for wi, x in zip(w, vectors):
+        if wi:
+            acc += np.float32(wi) * np.asarray(x, dtype=np.float32)
+    return acc
+
+
+def coordinate_median(vectors: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
+    """Element-wise median (Yin et al. 2018)."""
+    return np.median(stack(vectors), axis=0).astype(np.float32)
+
+
+def trimmed_mean(vectors: Sequence[np.ndarray] | np.ndarray, trim_ratio: float = 0.1) -> np.ndarray:
+    """Element-wise mean after dropping the `trim_ratio` largest and smallest values per coordinate."""
+    x = stack(vectors)
+    n = x.shape[0]
+    k = int(np.floor(trim_ratio * n))
+    if not 0 <= trim_ratio < 0.5:
+        raise ValueError(f"trim_ratio must be in [0, 0.5), got {trim_ratio}")
+    if k == 0:
+        return x.mean(axis=0, dtype=np.float64).astype(np.float32)
+    part = np.partition(x, (k, n - k - 1), axis=0)[k : n - k]
+    return part.mean(axis=0, dtype=np.float64).astype(np.float32)
+
+
+def pairwise_sq_distances(x: np.ndarray) -> np.ndarray:
+    """||x_i - x_j||² for all pairs, from one Gram matrix (float64 for stability)."""
+    x64 = x.astype(np.float64)
+    sq = np.einsum("ij,ij->i", x64, x64)
+    gram = x64 @ x64.T
+    d = sq[:, None] + sq[None, :] - 2.0 * gram
+    np.maximum(d, 0.0, out=d)
+    np.fill_diagonal(d, 0.0)
+    return d
+
+
+def krum_scores(vectors: Sequence[np.ndarray] | np.ndarray, num_byzantine: int) -> np.ndarray:
+    """Krum score of each client: sum of squared distances to its n - f - 2 nearest others."""
+    x = stack(vectors)
+    n = x.shape[0]
+    m = n - num_byzantine - 2
+    if m < 1:
+        raise ValueError(f"Krum needs n > f + 2 clients; got n={n}, f={num_byzantine}")
+    d = pairwise_sq_distances(x)
+    np.fill_diagonal(d, np.inf)
+    nearest = np.sort(d, axis=1)[:, :m]
+    return nearest.sum(axis=1)
+
+
+def krum(vectors: Sequence[np.ndarray] | np.ndarray, num_byzantine: int, multi: int = 1) -> np.ndarray:
+    """(Multi-)Krum (Blanchard et al. 2017): mean of the `multi` updates with the lowest scores."""
+    x = stack(vectors)
+    scores = krum_scores(x, num_byzantine)
+    chosen = np.argsort(scores, kind="stable")[: max(1, multi)]
+    return x[chosen].mean(axis=0, dtype=np.float64).astype(np.float32)
+
+
+ROBUST_RULES = ("mean", "median", "trimmed_mean", "krum")
+
+
+def robust_aggregate(vectors: Sequence[np.ndarray], weights: Sequence[float] | None, rule: str,
+                     trim_ratio: float = 0.1, num_byzantine: int = 1) -> np.ndarray:
+    """Dispatch on a rule name from the config (`ROBUST_RULES`)."""
+    if rule == "mean":
+        return weighted_mean(vectors, weights)
+    if rule == "median":
+        return coordinate_median(vectors)
+    if rule == "trimmed_mean":
+        return trimmed_mean(vectors, trim_ratio)
+    if rule == "krum":
+        return krum(vectors, num_byzantine)
+    raise ValueError(f"unknown aggregation rule {rule!r}; choose one of: {', '.join(ROBUST_RULES)}")

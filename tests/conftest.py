@@ -1,0 +1,46 @@
+"""Shared fixtures: the real-data root, the MPI launcher, and a helper to run the CLI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = (REPO / ".." / "shared" / "data").resolve()
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The real datasets; tests that need them skip with a reason when they are absent."""
+    root = Path(os.environ.get("HPCFED_DATA", SHARED_DATA))
+    if not root.is_dir():
+        pytest.skip(f"real datasets not available at {root} (set HPCFED_DATA)")
+    return root
+
+
+def mpiexec() -> str:
+    exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        pytest.skip("no mpiexec on PATH (pip install mpich)")
+    return exe
+
+
+def run_cli(args: list[str], *, np: int | None = None, timeout: float = 300, env: dict | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``hpcfed ARGS`` (under ``mpiexec -n NP`` when `np` is given) and return the process."""
+    cmd = [sys.executable, "-m", "hpcfed", *args]
+    if np is not None:
+        cmd = [mpiexec(), "-n", str(np), *cmd]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.setdefault("HPCFED_PSK", "00" * 32)
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
