@@ -1,0 +1,115 @@
+"""The ``hpcfed`` command line.
+
+    hpcfed run CONFIG [--np K] [--out DIR] [--resume] [key=value ...]
+    hpcfed keygen PATH
+    hpcfed inspect FILE.h5
+    hpcfed bench comm [--json]
+    hpcfed data import-hin|import-messages ...
+    hpcfed search ... / hpcfed report DIR
+
+Subcommands that belong to one part of the system are listed in `DATA_COMMANDS` and
+`EXTRA_COMMANDS` as ``"module:function"``; each function takes its argv and returns an exit code.
+Errors the user can fix print one plain line (no traceback) and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+# `hpcfed data NAME ...` -> function(argv) -> int
+DATA_COMMANDS: dict[str, str] = {
+}
+
+# `hpcfed NAME ...` -> function(argv) -> int
+EXTRA_COMMANDS: dict[str, str] = {
+}
+
+USER_ERROR_EXIT = 2
+
+
+def _load(spec: str) -> Callable[[list[str]], int]:
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcfed", description="Federated learning for HPC clusters over MPI.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a federation (rank 0 = server, ranks 1..K = clients)")
+    run.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
+    run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 task.lr=0.01 method=fedavg")
+    run.add_argument("--np", type=int, default=None, help="outside MPI: relaunch under `mpiexec -n NP` (server + NP-1 clients)")
+    run.add_argument("--out", default=None, help="output directory (default runs/<config name>)")
+    run.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in OUT")
+    run.add_argument("--mpiexec", default=None, help="launcher for --np (default: mpiexec on PATH)")
+
+    keygen = sub.add_parser("keygen", help="create an Ed25519 site identity (PATH and PATH.pub)")
+    keygen.add_argument("path")
+    keygen.add_argument("--force", action="store_true", help="overwrite an existing key")
+
+    inspect = sub.add_parser("inspect", help="print what a checkpoint or embedding export holds")
+    inspect.add_argument("file")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench.add_argument("what", choices=["comm"])
+    bench.add_argument("--json", action="store_true")
+
+    data = sub.add_parser("data", help="dataset tools: " + ", ".join(sorted(DATA_COMMANDS)))
+    data.add_argument("action", choices=sorted(DATA_COMMANDS) or ["(none)"])
+    data.add_argument("args", nargs=argparse.REMAINDER)
+
+    for name in sorted(EXTRA_COMMANDS):
+        extra = sub.add_parser(name, help=f"see `hpcfed {name} --help`", add_help=False)
+        extra.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in EXTRA_COMMANDS:
+        return _guard(lambda: _load(EXTRA_COMMANDS[argv[0]])(argv[1:]))
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        from hpcfed.launcher import run_command
+
+        return _guard(lambda: run_command(args.config, args.overrides, np=args.np, out=args.out,
+                                          resume=args.resume, mpiexec=args.mpiexec))
+    if args.command == "keygen":
+        from hpcfed.comm.keys import generate_identity
+
+        def keygen() -> int:
+            public = generate_identity(args.path, overwrite=args.force)
+            print(f"wrote {args.path} (private, mode 0600) and {args.path}.pub")
+            print(f"add this line to the server's authorized_keys file:\n{public}")
+            return 0
+
+        return _guard(keygen)
+    if args.command == "inspect":
+        from hpcfed.store.inspect import inspect_file
+
+        return _guard(lambda: (print(inspect_file(args.file)), 0)[1])
+    if args.command == "bench":
+        from hpcfed.comm.bench import main as bench_main
+
+        return _guard(lambda: bench_main(["--json"] if args.json else []))
+    if args.command == "data":
+        return _guard(lambda: _load(DATA_COMMANDS[args.action])(args.args))
+    return 1
+
+
+def _guard(fn: Callable[[], int]) -> int:
+    """Run a command; user errors become one plain line and exit code 2."""
+    from hpcfed.errors import USER_ERRORS
+
+    try:
+        return int(fn() or 0)
+    except USER_ERRORS as exc:
+        print(f"hpcfed: error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        print("hpcfed: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,143 @@
+"""Ranks 1..K: a client site's loop.
+
+receive model -> `Task.set_parameters` -> `Task.fit` -> (evaluate) -> upload, until the server says
+FINAL (evaluate on the test split, export embeddings, report) and STOP. Every wait has a deadline
+(`federation.client_timeout_s`): a client never loops forever after the server is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcfed import protocol as P
+from hpcfed.config import Config, build
+from hpcfed.errors import FederationError
+from hpcfed.params import ParamLayout
+from hpcfed.registry import task_class
+from hpcfed.tasks.base import Site, Task
+
+log = logging.getLogger("hpcfed.client")
+
+
+class Client:
+    def __init__(self, cfg: Config, channel: Any, out_dir: Path, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.channel = channel
+        self.client_id = channel.rank - 1
+        self.num_clients = channel.size - 1
+        task_cls = task_class(cfg.task.name)
+        task_config = build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
+        from hpcfed.data.root import data_root
+
+        malicious = cfg.attack is not None and self.client_id == self.num_clients - 1
+        self.site = Site(client_id=self.client_id, num_clients=self.num_clients, seed=cfg.seed, out_dir=out_dir,
+                         data_root=data_root(cfg.data_root), device=device, method=cfg.method,
+                         attack=cfg.attack if malicious else None, config_hash=cfg.hash())
+        self.task: Task = task_cls(task_config, self.site)
+        self.layout: ParamLayout | None = None
+        self.slowdown = float(cfg.federation.slowdown.get(self.client_id, 1.0))
+        self.client_version = 1
+
+    def run(self) -> None:
+        self._setup()
+        while True:
+            msg = self._wait({P.PARAMS, P.FINAL, P.STOP})
+            if msg.kind == P.STOP:
+                return
+            if msg.kind == P.FINAL:
+                self._final(msg)
+                continue
+            msg = self._newest_params(msg)
+            if msg is None:  # a FINAL or STOP overtook the queued models
+                continue
+            self._train_and_upload(msg)
+
+    # ------------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        header, tensors = self.task.setup()
+        out = P.prefixed(tensors, P.SETUP_PREFIX)
+        if self.client_id == 0:
+            out.update(P.prefixed(self.task.get_parameters(), P.INIT_PREFIX))
+        self.channel.send(0, P.SETUP, {"task": header}, out)
+        reply = self._wait({P.SETUP_REPLY, P.STOP}, self.cfg.federation.setup_timeout_s + self.cfg.federation.client_timeout_s)
+        if reply.kind == P.STOP:
+            raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
+        self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
+        self.layout = ParamLayout.of(self.task.get_parameters())
+        expected = [[n, list(s)] for n, s in zip(self.layout.names, self.layout.shapes)]
+        if reply.header.get("layout") != expected:
+            raise FederationError(
+                f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes "
+                f"differ); every site must use the same task config")
+        if reply.header.get("resumed"):
+            state = P.split_prefixed(reply.tensors, P.STATE_PREFIX)
+            if state or reply.header.get("state"):
+                self.task.load_state_dict((reply.header.get("state", {}), state))
+
+    def _train_and_upload(self, msg: Any) -> None:
+        rnd = int(msg.header["round"])
+        self._load(msg)
+        t0 = time.monotonic()
+        result = self.task.fit(rnd)
+        if self.slowdown > 1.0:
+            # Straggler knob: make this site `slowdown` times slower than its real work.
+            time.sleep((self.slowdown - 1.0) * (time.monotonic() - t0))
+        metrics = dict(result.metrics)
+        metrics["fit_time_s"] = time.monotonic() - t0
+        if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.federation.mode == "sync":
+            metrics.update(self.task.evaluate(rnd))
+        self.client_version += 1
+        tensors = {P.PARAMS_KEY: self.layout.flatten(self.task.get_parameters())}
+        header: dict[str, Any] = {"round": rnd, "version": msg.header.get("version", 0),
+                                  "client_version": self.client_version, "num_examples": int(result.num_examples),
+                                  "metrics": {k: _json_number(v) for k, v in metrics.items()}}
+        if msg.header.get("want_state"):
+            state_header, state = self.task.state_dict()
+            header["state"] = state_header
+            tensors.update(P.prefixed(state, P.STATE_PREFIX))
+        self.channel.send(0, P.UPDATE, header, tensors)
+
+    def _final(self, msg: Any) -> None:
+        self._load(msg)
+        metrics = self.task.evaluate(int(msg.header.get("round", 0)), final=True)
+        path = self.task.export_embeddings(self.site.out_dir)
+        if path is not None:
+            log.info("client %d: embeddings written to %s", self.client_id, path)
+        self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
+                                        "export": str(path) if path else None})
+
+    def _load(self, msg: Any) -> None:
+        flat = msg.tensors.get(P.PARAMS_KEY)
+        if flat is None or flat.dtype != np.float32 or flat.shape != (self.layout.size,):
+            raise FederationError(f"client {self.client_id}: the server sent a model of the wrong shape")
+        self.task.set_parameters({k: np.array(v) for k, v in self.layout.unflatten(flat).items()})
+
+    def _newest_params(self, msg: Any) -> Any:
+        """Async broadcasts may queue up behind the answer; train from the newest model."""
+        newest = msg
+        while (extra := self.channel.recv(kinds={P.PARAMS}, timeout=0)) is not None:
+            if extra.header.get("version", 0) >= newest.header.get("version", 0):
+                newest = extra
+        return newest
+
+    def _wait(self, kinds: set[int], timeout: float | None = None) -> Any:
+        timeout = timeout or self.cfg.federation.client_timeout_s
+        msg = self.channel.recv(source=0, kinds=kinds, timeout=timeout)
+        if msg is None:
+            raise FederationError(
+                f"client {self.client_id} (rank {self.client_id + 1}): the server (rank 0) sent nothing for "
+                f"{timeout:g} s (federation.client_timeout_s); it has probably died — leaving")
+        return msg
+
+
+def _json_number(v: Any) -> Any:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if np.isfinite(f) else None

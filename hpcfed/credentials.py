@@ -1,0 +1,64 @@
+"""Config `security:` section -> `hpcfed.comm.crypto.Credentials` for this rank.
+
+Two modes:
+- ``psk``: one pre-shared 32-byte key (hex) for the whole job, from ``$HPCFED_PSK`` (or
+  ``security.psk_env``) or ``security.psk_file``. `hpcfed run --np` creates a fresh one per job.
+- ``keys``: every site has an Ed25519 identity (`hpcfed keygen`); the server lists the allowed site
+  public keys in ``security.authorized_keys`` and clients pin ``security.server_public_key``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hpcfed.config import ConfigError, SecurityConfig
+
+
+def load_credentials(sec: SecurityConfig, rank: int):
+    from hpcfed.comm.crypto import Credentials
+    from hpcfed.comm.keys import load_identity, load_public_keys
+
+    if sec.mode == "psk":
+        return Credentials(mode="psk", psk=_read_psk(sec), identity=None, authorized=[], server_public=None)
+    if not sec.identity:
+        raise ConfigError("security.mode=keys needs security.identity (path to this rank's key; "
+                          "'{rank}' expands), made with `hpcfed keygen PATH`")
+    identity = load_identity(_expand(sec.identity, rank))
+    if rank == 0:
+        if not sec.authorized_keys:
+            raise ConfigError("security.mode=keys: the server needs security.authorized_keys (one site public key per line)")
+        return Credentials(mode="keys", psk=None, identity=identity,
+                           authorized=load_public_keys(_expand(sec.authorized_keys, rank)), server_public=None)
+    if not sec.server_public_key:
+        raise ConfigError("security.mode=keys: clients need security.server_public_key (the server's .pub file)")
+    server = load_public_keys(_expand(sec.server_public_key, rank))
+    if len(server) != 1:
+        raise ConfigError(f"security.server_public_key must hold exactly one key, found {len(server)}")
+    return Credentials(mode="keys", psk=None, identity=identity, authorized=[], server_public=server[0])
+
+
+def _read_psk(sec: SecurityConfig) -> bytes:
+    if sec.psk_file:
+        path = Path(sec.psk_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"security.psk_file {path} does not exist")
+        text, where = path.read_text().strip(), f"security.psk_file {path}"
+    else:
+        text, where = os.environ.get(sec.psk_env, "").strip(), f"${sec.psk_env}"
+        if not text:
+            raise ConfigError(
+                f"no pre-shared key: set {sec.psk_env} to 64 hex digits on every rank, e.g. "
+                f"`export {sec.psk_env}=$(python -c 'import secrets; print(secrets.token_hex(32))')` "
+                f"(hpcfed run --np does this for you), or use security.psk_file / security.mode=keys")
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(f"{where} is not hex") from None
+    if len(key) < 16:
+        raise ConfigError(f"{where} holds {len(key)} bytes; use at least 16 (32 recommended)")
+    return key
+
+
+def _expand(template: str, rank: int) -> Path:
+    return Path(template.replace("{rank}", str(rank)).replace("{client_id}", str(rank - 1))).expanduser()

@@ -1,0 +1,201 @@
+"""From a command line to running ranks.
+
+Outside MPI, ``hpcfed run --np K`` relaunches itself under ``mpiexec -n K`` (creating a pre-shared
+key for the job if none is set). Inside MPI every rank loads the same config, the ranks agree on a
+job id, run the secure handshake, and rank 0 becomes the server while ranks 1..K become clients.
+Any uncaught failure on any rank is logged with the rank and ends the whole job (MPI Abort), so a
+job never hangs on a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from hpcfed.config import Config, ConfigError, load
+from hpcfed.errors import FederationError
+
+# Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, Slurm PMI2, PMIx).
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALRANKID")
+
+
+def under_mpi() -> bool:
+    return any(v in os.environ for v in _MPI_ENV)
+
+
+def prepare_config(path: str, overrides: list[str]) -> Config:
+    """Load the config and apply the task's ``method=`` translation (identical on every rank)."""
+    from hpcfed.registry import task_class
+
+    cfg = load(path, overrides)
+    task_cls = task_class(cfg.task.name)
+    if cfg.method:
+        try:
+            task_cls.apply_method(cfg.method, cfg)
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.source}: method={cfg.method}: {exc}") from None
+    return cfg
+
+
+def run_command(config: str, overrides: list[str], *, np: int | None, out: str | None, resume: bool,
+                mpiexec: str | None = None) -> int:
+    cfg = prepare_config(config, overrides)  # validate before spending a launch
+    out_dir = Path(out or Path("runs") / cfg.name)
+    if not under_mpi():
+        if np is None:
+            np = (cfg.federation.num_clients + 1) if cfg.federation.num_clients else None
+        if np is None:
+            raise ConfigError("not running under MPI: pass --np K (server + K-1 clients) or start with mpiexec -n K")
+        return relaunch(config, overrides, np=np, out=out_dir, resume=resume, mpiexec=mpiexec, cfg=cfg)
+    return run_rank(cfg, out_dir, resume)
+
+
+def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: bool, mpiexec: str | None,
+             cfg: Config) -> int:
+    if np < 2:
+        raise ConfigError(f"--np {np}: a federation needs at least 2 ranks (one server and one client)")
+    exe = mpiexec or shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        raise ConfigError("no mpiexec on PATH; install an MPI (`pip install mpich`) or use your site's module")
+    env = dict(os.environ)
+    if cfg.security.mode == "psk" and not env.get(cfg.security.psk_env) and not cfg.security.psk_file:
+        env[cfg.security.psk_env] = secrets.token_hex(32)  # fresh key for this job only
+    cmd = [exe, "-n", str(np)]
+    if cfg.federation.on_client_failure == "continue" and _is_hydra(exe):
+        cmd.append("-disable-auto-cleanup")  # let the server outlive a dead client
+    cmd += [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--out", str(out)]
+    if resume:
+        cmd.append("--resume")
+    return subprocess.call(cmd, env=env)
+
+
+def _is_hydra(exe: str) -> bool:
+    try:
+        text = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in text.upper()
+
+
+def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
+    """Body of one MPI rank. Returns the exit code; aborts the job on failure."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    _setup_logging(rank, out_dir, size)
+    log = logging.getLogger("hpcfed")
+    try:
+        _check_world(cfg, size)
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "embeddings").mkdir(exist_ok=True)
+        comm.Barrier()
+        channel = _open_channel(cfg, comm)
+        device = _device(cfg, rank)
+        if rank == 0:
+            from hpcfed.server.server import Server
+
+            summary = Server(cfg, channel, out_dir, resume=resume).run()
+            log.info("done: %s", _brief(summary))
+        else:
+            import torch
+
+            torch.set_num_threads(max(1, cfg.threads_per_rank))
+            from hpcfed.client.client import Client
+
+            Client(cfg, channel, out_dir, device=device).run()
+        channel.close()
+        return 0
+    except (ConfigError, FederationError, ValueError) as exc:
+        log.error("rank %d failed: %s", rank, exc)
+        _abort(comm, rank, 2 if isinstance(exc, ConfigError) else 1)
+    except BaseException as exc:  # noqa: BLE001 — any failure must end the whole job, not hang it
+        log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
+        _abort(comm, rank, 1)
+    return 1
+
+
+def _abort(comm: object, rank: int, code: int) -> None:
+    logging.shutdown()
+    sys.stderr.flush()
+    comm.Abort(code)  # type: ignore[attr-defined]
+
+
+def _check_world(cfg: Config, size: int) -> None:
+    ntasks = os.environ.get("SLURM_NTASKS")
+    if size == 1 and ntasks and int(ntasks) > 1:
+        raise ConfigError(f"this rank sees an MPI world of 1 but Slurm started {ntasks} tasks: plain `srun` "
+                          f"started separate programs; use `srun --mpi=pmi2` or `mpiexec -n $SLURM_NTASKS`")
+    if size < 2:
+        raise ConfigError("the MPI world has 1 rank; a federation needs a server and at least one client (mpiexec -n 3)")
+    want = cfg.federation.num_clients
+    if want is not None and want != size - 1:
+        raise ConfigError(f"{cfg.source}: federation.num_clients={want} but the job has {size - 1} client ranks "
+                          f"(world size {size}); start it with -n {want + 1} or drop the key")
+
+
+def _open_channel(cfg: Config, comm: object):
+    from hpcfed.comm.channel import SecureChannel
+    from hpcfed.comm.transport import MPITransport
+    from hpcfed.credentials import load_credentials
+
+    transport = MPITransport(comm)
+    job_id = _agree_job_id(comm)
+    credentials = load_credentials(cfg.security, transport.rank)
+    log = logging.getLogger("hpcfed.comm")
+    channel = SecureChannel(transport, credentials, job_id, chunk_bytes=cfg.comm.chunk_bytes,
+                            max_message_bytes=cfg.comm.max_message_bytes, backoff_max_s=cfg.comm.backoff_max_s,
+                            max_rejects=cfg.security.max_rejects, log=log.warning)
+    peers = list(range(1, transport.size)) if transport.rank == 0 else [0]
+    channel.connect(peers, timeout=cfg.federation.setup_timeout_s)
+    return channel
+
+
+def _agree_job_id(comm: object) -> bytes:
+    """Rank 0 draws 16 random bytes and broadcasts them (buffer Bcast, no pickle).
+
+    The id is bound into every handshake transcript and message AAD, so messages of another job
+    (or an earlier attempt of a requeued one) never authenticate here.
+    """
+    import numpy as np
+
+    buf = np.frombuffer(bytearray(secrets.token_bytes(16)), dtype=np.uint8).copy()
+    comm.Bcast(buf, root=0)  # type: ignore[attr-defined]
+    return os.environ.get("SLURM_JOB_ID", "").encode() + b":" + buf.tobytes()
+
+
+def _device(cfg: Config, rank: int) -> str:
+    from hpcfed.device import select_device
+
+    return select_device(rank, cfg.device)
+
+
+def _setup_logging(rank: int, out_dir: Path, size: int) -> None:
+    fmt = logging.Formatter(f"[hpcfed r{rank}/{size} %(asctime)s] %(levelname)s %(message)s", "%H:%M:%S")
+    root = logging.getLogger("hpcfed")
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(fmt)
+    stream.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.addHandler(stream)
+    root.propagate = False
+    try:
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        fileh = logging.FileHandler(out_dir / "logs" / f"rank{rank}.log")
+        fileh.setFormatter(fmt)
+        root.addHandler(fileh)
+    except OSError:
+        pass
+
+
+def _brief(summary: dict) -> str:
+    keys = [k for k, v in summary.get("mean", {}).items() if isinstance(v, float)][:4]
+    return ", ".join(f"mean {k}={summary['mean'][k]:.4f}" for k in keys) or "no metrics"

@@ -1,0 +1,393 @@
+"""Rank 0: the parameter server's event loop.
+
+The server never sees raw data. It runs the setup exchange, then either synchronous rounds (quorum +
+per-round deadline; stragglers are reported, never waited on forever) or an asynchronous loop
+(every accepted upload goes through `Strategy.on_update`), writes metrics and checkpoints, and ends
+with a final evaluation round whose results become ``summary.json``.
+
+Every message is validated before use (`_as_update`): unknown tensor names, wrong dtypes or shapes,
+and NaN/Inf parameters are rejected, counted and logged with the rank, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcfed import protocol as P
+from hpcfed.config import Config, build
+from hpcfed.errors import FederationError
+from hpcfed.params import ParamLayout
+from hpcfed.registry import strategy_class, task_class
+from hpcfed.server.metrics import MetricsLog
+from hpcfed.store import checkpoint as ckpt_store
+from hpcfed.strategies.base import Strategy, StrategyContext, Update
+
+log = logging.getLogger("hpcfed.server")
+
+
+class Server:
+    def __init__(self, cfg: Config, channel: Any, out_dir: Path, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.channel = channel
+        self.out_dir = out_dir
+        self.resume = resume
+        self.num_clients = channel.size - 1
+        self.live: set[int] = set(range(self.num_clients))
+        self.task_cls = task_class(cfg.task.name)
+        self.task_config = build(self.task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
+        strategy_cls = strategy_class(cfg.strategy.name)
+        self.strategy: Strategy = strategy_cls(
+            build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
+            StrategyContext(num_clients=self.num_clients, seed=cfg.seed, task_cls=self.task_cls,
+                            task_config=self.task_config, log=log.info),
+        )
+        if strategy_cls.synchronous != (cfg.federation.mode == "sync"):
+            raise ValueError(
+                f"{cfg.source}: strategy {cfg.strategy.name!r} is {'synchronous' if strategy_cls.synchronous else 'asynchronous'}"
+                f" but federation.mode={cfg.federation.mode}; set federation.mode="
+                f"{'sync' if strategy_cls.synchronous else 'async'}")
+        self.layout: ParamLayout | None = None
+        self.rejected: dict[str, int] = {}
+        self.updates_accepted = 0
+        self.round = -1
+        self.last_checkpoint: Path | None = None
+        self.metrics: MetricsLog | None = None
+        self._last_status = time.monotonic()
+        self._cpu0 = time.process_time()
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        fed = self.cfg.federation
+        start_round, resumed = self._setup()
+        self.metrics.log(None, None, "num_clients", self.num_clients)
+        if fed.mode == "sync":
+            for rnd in range(start_round, self.cfg.rounds):
+                self._sync_round(rnd)
+        else:
+            self._async_loop(resumed)
+        summary = self._finish()
+        return summary
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _setup(self) -> tuple[int, ckpt_store.Checkpoint | None]:
+        fed = self.cfg.federation
+        payloads: dict[int, tuple[dict, dict]] = {}
+        initial = None
+        deadline = time.monotonic() + fed.setup_timeout_s
+        while len(payloads) < self.num_clients:
+            msg = self._recv_until(deadline, {P.SETUP, P.FAILED}, "the setup exchange",
+                                   waiting_for=set(range(self.num_clients)) - set(payloads))
+            cid = msg.source - 1
+            header = msg.header.get("task", {})
+            if not isinstance(header, dict):
+                self._reject(msg.source, "malformed SETUP header")
+                continue
+            payloads[cid] = (header, P.split_prefixed(msg.tensors, P.SETUP_PREFIX))
+            if cid == 0:
+                initial = {k: np.array(v, dtype=np.float32) for k, v in P.split_prefixed(msg.tensors, P.INIT_PREFIX).items()}
+        replies, server_init = self.task_cls.server_setup(self.task_config, payloads)
+        init = server_init if server_init is not None else initial
+        if not init:
+            raise FederationError("client 0 (rank 1) sent no initial model and the task's server_setup built none")
+        self.strategy.initialize(init)
+        self.layout = self.strategy.layout
+        resumed = self._load_checkpoint() if self.resume else None
+        start_round = resumed.round + 1 if resumed else 0
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", resume_round=resumed.round if resumed else None,
+                                  time_offset=float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0)
+        layout_header = [[n, list(s)] for n, s in zip(self.layout.names, self.layout.shapes)]
+        for cid in range(self.num_clients):
+            reply_header, reply_tensors = replies.get(cid, ({}, {}))
+            tensors = P.prefixed(reply_tensors, P.SETUP_PREFIX)
+            state_header: dict = {}
+            if resumed and cid in resumed.clients:
+                state_header, state_arrays = resumed.clients[cid]
+                tensors.update(P.prefixed(state_arrays, P.STATE_PREFIX))
+            self.channel.send(cid + 1, P.SETUP_REPLY, {
+                "task": reply_header, "layout": layout_header, "start_round": start_round,
+                "state": state_header, "resumed": bool(resumed),
+            }, tensors)
+        log.info("setup done: %d clients, %d parameters%s", self.num_clients, self.layout.size,
+                 f", resumed from {resumed.path} (round {resumed.round})" if resumed else "")
+        return start_round, resumed
+
+    def _load_checkpoint(self) -> ckpt_store.Checkpoint | None:
+        ckpt = ckpt_store.latest_valid(self.out_dir / "checkpoints", warn=log.warning)
+        if ckpt is None:
+            log.warning("--resume: no valid checkpoint in %s; starting from round 0", self.out_dir / "checkpoints")
+            return None
+        self.strategy.load_state_dict(ckpt.strategy)
+        self.updates_accepted = int(ckpt.meta.get("updates_accepted", 0))
+        self.last_checkpoint = ckpt.path
+        self.round = ckpt.round
+        return ckpt
+
+    # -- synchronous rounds ----------------------------------------------------------------------
+    def _sync_round(self, rnd: int) -> None:
+        fed = self.cfg.federation
+        self.round = rnd
+        t0 = time.monotonic()
+        want_state = self._checkpoint_due(rnd)
+        for cid in sorted(self.live):
+            self.channel.send(cid + 1, P.PARAMS, {"round": rnd, "version": self.strategy.version,
+                                                  "want_state": want_state},
+                              {P.PARAMS_KEY: self.strategy.model_for(cid)})
+        got: dict[int, tuple[Update, tuple[dict, dict]]] = {}
+        deadline = t0 + fed.round_deadline_s
+        while len(got) < len(self.live):
+            msg = self._recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
+                                   waiting_for=self.live - set(got), fatal=False)
+            if msg is None:
+                break
+            if msg.header.get("round") != rnd:
+                self._reject(msg.source, f"stale update for round {msg.header.get('round')!r} during round {rnd}")
+                continue
+            parsed = self._as_update(msg, allow_state=want_state)
+            if parsed is not None:
+                got[parsed[0].client_id] = parsed
+        missing = sorted(self.live - set(got))
+        if missing:
+            needed = max(1, math.ceil(fed.quorum * len(self.live)))
+            who = ", ".join(f"client {c} (rank {c + 1})" for c in missing)
+            if len(got) < needed:
+                raise FederationError(
+                    f"round {rnd}: only {len(got)} of {len(self.live)} clients answered within "
+                    f"{fed.round_deadline_s:g} s (quorum {needed}); silent: {who}; "
+                    f"last checkpoint: {self.last_checkpoint or 'none'}")
+            log.warning("round %d: straggler(s) past the %g s deadline, aggregated without them: %s",
+                        rnd, fed.round_deadline_s, who)
+            for c in missing:
+                self.metrics.log(rnd, c, "straggler", 1)
+        updates = [got[c][0] for c in sorted(got)]
+        self.strategy.aggregate(rnd, updates)
+        self.strategy.version += 1
+        self.updates_accepted += len(updates)
+        for upd in updates:
+            self.metrics.log_many(rnd, upd.client_id, upd.metrics)
+        self.metrics.log_many(rnd, None, {"round_time_s": time.monotonic() - t0, "num_updates": len(updates),
+                                          **self.strategy.metrics()})
+        log.info("round %d/%d done in %.2f s (%d updates)%s", rnd + 1, self.cfg.rounds, time.monotonic() - t0,
+                 len(updates), _metric_brief(updates))
+        if want_state:
+            self._checkpoint(rnd, {u.client_id: got[u.client_id][1] for u in updates})
+        self._maybe_status()
+
+    def _checkpoint_due(self, rnd: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return every > 0 and ((rnd + 1) % every == 0 or rnd == self.cfg.rounds - 1)
+
+    # -- asynchronous loop ---------------------------------------------------------------------
+    def _async_loop(self, resumed: ckpt_store.Checkpoint | None) -> None:
+        fed = self.cfg.federation
+        max_updates = fed.max_updates or self.cfg.rounds * self.num_clients
+        every = max(1, self.cfg.checkpoint_every) * self.num_clients
+        for cid in sorted(self.live):
+            self._send_model(cid)
+        last_seen = {cid: time.monotonic() for cid in self.live}
+        next_ckpt = (self.updates_accepted // every + 1) * every
+        while self.updates_accepted < max_updates:
+            if not self.live:
+                raise FederationError(f"every client has failed; last checkpoint: {self.last_checkpoint or 'none'}")
+            msg = self.channel.recv(kinds={P.UPDATE, P.FAILED}, timeout=min(1.0, fed.status_every_s))
+            if msg is None:
+                self._check_silent(last_seen)
+                self._maybe_status()
+                continue
+            if msg.kind == P.FAILED:
+                self._client_failed(msg.source - 1, str(msg.header.get("error", "unknown error")))
+                continue
+            parsed = self._as_update(msg, allow_state=False)
+            if parsed is None:
+                continue
+            upd = parsed[0]
+            last_seen[upd.client_id] = time.monotonic()
+            targets = set(self.strategy.on_update(upd)) | {upd.client_id}
+            self.updates_accepted += 1
+            self.round = self.updates_accepted
+            self.metrics.log_many(self.updates_accepted, upd.client_id, upd.metrics)
+            self.metrics.log(self.updates_accepted, None, "broadcast", int(len(targets) > 1))
+            for name, value in self.strategy.metrics().items():
+                self.metrics.log(self.updates_accepted, None, name, value)
+            for cid in sorted(targets & self.live):
+                self._send_model(cid)
+            if self.updates_accepted >= next_ckpt:
+                self._checkpoint(self.updates_accepted, {})
+                next_ckpt += every
+            self._maybe_status()
+        log.info("async: %d updates accepted, server version %d", self.updates_accepted, self.strategy.version)
+        if self.cfg.checkpoint_every > 0:
+            self._checkpoint(self.updates_accepted, {})
+
+    def _send_model(self, cid: int) -> None:
+        self.channel.send(cid + 1, P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
+                                              "want_state": False},
+                          {P.PARAMS_KEY: self.strategy.model_for(cid)})
+
+    def _check_silent(self, last_seen: dict[int, float]) -> None:
+        limit = self.cfg.federation.round_deadline_s
+        now = time.monotonic()
+        for cid in sorted(self.live):
+            if now - last_seen[cid] > limit:
+                self._client_failed(cid, f"sent no update for {limit:g} s (federation.round_deadline_s)")
+
+    def _client_failed(self, cid: int, why: str) -> None:
+        text = f"client {cid} (rank {cid + 1}) {why}"
+        if self.cfg.federation.on_client_failure == "continue" and self.cfg.federation.mode == "async":
+            log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
+            self.live.discard(cid)
+            self.metrics.log(self.round, cid, "client_failed", 1)
+            return
+        raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
+
+    # -- validation ------------------------------------------------------------------------------
+    def _as_update(self, msg: Any, allow_state: bool) -> tuple[Update, tuple[dict, dict]] | None:
+        """Check an UPDATE against the model layout; return it, or count and log a rejection."""
+        if msg.kind == P.FAILED:
+            self._client_failed(msg.source - 1, f"failed: {msg.header.get('error', 'unknown error')}")
+            return None
+        cid = msg.source - 1
+        if cid not in self.live:
+            self._reject(msg.source, "update from a client that is not part of the federation")
+            return None
+        h, tensors = msg.header, msg.tensors
+        unknown = [k for k in tensors if k != P.PARAMS_KEY and not (allow_state and k.startswith(P.STATE_PREFIX))]
+        if unknown:
+            self._reject(msg.source, f"unknown tensor name(s) {unknown[:3]}")
+            return None
+        flat = tensors.get(P.PARAMS_KEY)
+        if flat is None or flat.dtype != np.float32 or flat.shape != (self.layout.size,):
+            got = "missing" if flat is None else f"{flat.dtype} {flat.shape}"
+            self._reject(msg.source, f"parameters are {got}, expected float32 ({self.layout.size},)")
+            return None
+        if not np.isfinite(flat).all():
+            self._reject(msg.source, "parameters contain NaN or Inf")
+            return None
+        num = h.get("num_examples")
+        metrics = h.get("metrics", {})
+        if not _is_int(num) or num < 0 or not isinstance(metrics, dict) or not all(
+                isinstance(k, str) and (_is_number(v) or v is None) for k, v in metrics.items()):
+            self._reject(msg.source, "malformed update header (num_examples/metrics)")
+            return None
+        upd = Update(client_id=cid, flat=flat, num_examples=int(num),
+                     base_version=int(h.get("version", 0)) if _is_int(h.get("version", 0)) else 0,
+                     client_version=int(h.get("client_version", 0)) if _is_int(h.get("client_version", 0)) else 0,
+                     metrics={k: (float(v) if v is not None else math.nan) for k, v in metrics.items()})
+        state = (h.get("state", {}) if isinstance(h.get("state", {}), dict) else {},
+                 P.split_prefixed(tensors, P.STATE_PREFIX))
+        return upd, state
+
+    def _reject(self, rank: int, reason: str) -> None:
+        key = reason.split(" (")[0][:60]
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+        log.warning("rejected message from rank %d: %s", rank, reason)
+
+    # -- waiting -----------------------------------------------------------------------------------
+    def _recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int],
+                    fatal: bool = True) -> Any:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if not fatal:
+                    return None
+                who = ", ".join(f"client {c} (rank {c + 1})" for c in sorted(waiting_for))
+                raise FederationError(f"no answer during {what} from {who}; "
+                                      f"last checkpoint: {self.last_checkpoint or 'none'}")
+            msg = self.channel.recv(kinds=kinds, timeout=min(remaining, 1.0))
+            if msg is None:
+                self._maybe_status()
+                continue
+            if msg.kind == P.FAILED:
+                self._client_failed(msg.source - 1, f"failed: {msg.header.get('error', 'unknown error')}")
+                continue
+            return msg
+
+    # -- checkpoints, status, finish ---------------------------------------------------------------
+    def _checkpoint(self, rnd: int, client_states: dict[int, tuple[dict, dict]]) -> None:
+        meta = {"elapsed": self.metrics.elapsed(), "updates_accepted": self.updates_accepted,
+                "rejected": self.rejected}
+        ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
+                                   strategy=self.strategy.state_dict(), clients=client_states, meta=meta)
+        self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints)
+        self.metrics.log(rnd, None, "checkpoint", str(self.last_checkpoint.name))
+
+    def _maybe_status(self) -> None:
+        now = time.monotonic()
+        every = self.cfg.federation.status_every_s
+        if now - self._last_status < every:
+            return
+        stats = self.channel.stats
+        dt = now - self._last_status
+        self._last_status = now
+        rejected = sum(self.rejected.values()) + sum(stats.rejected.values())
+        log.info("status: round %s, version %d, %d updates, %.1f msg/s, %.2f MB/s in, rejected %d",
+                 self.round, self.strategy.version, self.updates_accepted,
+                 (stats.messages_received - getattr(self, "_last_msgs", 0)) / dt,
+                 (stats.bytes_received - getattr(self, "_last_bytes", 0)) / dt / 1e6, rejected)
+        self._last_msgs, self._last_bytes = stats.messages_received, stats.bytes_received
+
+    def _finish(self) -> dict[str, Any]:
+        fed = self.cfg.federation
+        for cid in sorted(self.live):
+            self.channel.send(cid + 1, P.FINAL, {"round": self.round, "version": self.strategy.version},
+                              {P.PARAMS_KEY: self.strategy.final_model_for(cid)})
+        results: dict[int, dict[str, float]] = {}
+        deadline = time.monotonic() + fed.round_deadline_s
+        while len(results) < len(self.live):
+            msg = self._recv_until(deadline, {P.RESULT, P.UPDATE, P.FAILED}, "the final evaluation",
+                                   waiting_for=self.live - set(results))
+            if msg.kind == P.UPDATE:
+                continue  # an async client's last upload, overtaken by the stop
+            metrics = msg.header.get("metrics", {})
+            if not isinstance(metrics, dict):
+                self._reject(msg.source, "malformed RESULT header")
+                continue
+            results[msg.source - 1] = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        for cid in sorted(results):
+            self.metrics.log_many(self.round, cid, {f"final_{k}": v for k, v in results[cid].items()})
+        for cid in range(self.num_clients):
+            self.channel.send(cid + 1, P.STOP, {"reason": "done"})
+        summary = self._summary(results)
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        self.metrics.close()
+        return summary
+
+    def _summary(self, results: dict[int, dict[str, float]]) -> dict[str, Any]:
+        names = sorted({k for r in results.values() for k in r})
+        mean = {}
+        for k in names:
+            vals = [r[k] for r in results.values() if k in r and math.isfinite(r[k])]
+            mean[k] = float(np.mean(vals)) if vals else None
+        return {
+            **mean,
+            "mean": mean,
+            "clients": {str(c): results[c] for c in sorted(results)},
+            "rounds": self.cfg.rounds,
+            "updates_accepted": self.updates_accepted,
+            "server_version": self.strategy.version,
+            "wall_time_s": self.metrics.elapsed(),
+            "server_cpu_s": time.process_time() - self._cpu0,
+            "rejected": {"runtime": self.rejected, "channel": dict(self.channel.stats.rejected)},
+            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.hash(),
+        }
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _metric_brief(updates: list[Update]) -> str:
+    names = [n for n in ("loss", "accuracy", "val_accuracy", "micro_f1", "nmi") if all(n in u.metrics for u in updates)]
+    return "".join(f", mean {n} {np.mean([u.metrics[n] for u in updates]):.4f}" for n in names[:2])

@@ -1,0 +1,158 @@
+"""The built-in quickstart task: classification + embeddings on data with planted structure.
+
+Every site draws from the same world (class prototypes fixed by the run seed) but with its own
+label skew (Dirichlet(`label_skew`) over classes), so a site alone sees few examples of most classes
+and the federation beats local training. Each class is a mixture of `modes_per_class` Gaussian
+blobs, which a linear model cannot separate; the model is an MLP encoder (-> `embed_dim`) plus a
+linear head. The encoder output is what the site exports as its embeddings.
+
+Needs no download; a 3-rank federation of 5 rounds runs in seconds on a laptop core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcfed.params import Params
+from hpcfed.store.embeddings import export_path, write_export
+from hpcfed.tasks import torch_state
+from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+
+
+def _rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([abs(int(k)) for k in keys]))
+
+
+def make_site_data(seed: int, client_id: int, *, num_classes: int, dim: int, modes_per_class: int,
+                   samples: int, label_skew: float, noise: float) -> dict[str, np.ndarray]:
+    """Train/val/test arrays for one site. Test labels are balanced; train labels are skewed."""
+    world = _rng(seed, 7919)
+    centres = world.normal(0.0, 1.0, size=(num_classes, modes_per_class, dim)).astype(np.float32) * 2.0
+    site = _rng(seed, 104729, client_id)
+    probs = site.dirichlet(np.full(num_classes, label_skew)) if label_skew > 0 else np.full(num_classes, 1 / num_classes)
+
+    def draw(n: int, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        y = site.choice(num_classes, size=n, p=p)
+        m = site.integers(0, modes_per_class, size=n)
+        x = centres[y, m] + site.normal(0.0, noise, size=(n, dim)).astype(np.float32)
+        return x.astype(np.float32), y.astype(np.int64)
+
+    x_tr, y_tr = draw(samples, probs)
+    x_va, y_va = draw(max(50, samples // 5), probs)
+    uniform = np.full(num_classes, 1.0 / num_classes)
+    x_te, y_te = draw(max(100, samples // 2), uniform)
+    return {"x_train": x_tr, "y_train": y_tr, "x_val": x_va, "y_val": y_va, "x_test": x_te, "y_test": y_te}
+
+
+class SyntheticTask(Task):
+    name = "synthetic"
+
+    @dataclass(kw_only=True)
+    class Config:
+        num_classes: int = 6
+        dim: int = 16
+        modes_per_class: int = 2
+        samples_per_site: int = 600
+        label_skew: float = 0.3  # Dirichlet concentration; smaller = more skewed; 0 = IID
+        noise: float = 1.0
+        hidden: int = 64
+        embed_dim: int = 16
+        lr: float = 0.01
+        local_epochs: int = 1
+        batch_size: int = 32
+
+        def validate(self) -> None:
+            for key in ("num_classes", "dim", "samples_per_site", "hidden", "embed_dim", "batch_size"):
+                if getattr(self, key) < 1:
+                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+            if self.num_classes < 2:
+                raise ValueError("num_classes must be >= 2")
+
+    def __init__(self, config: Config, site: Site) -> None:
+        super().__init__(config, site)
+        import torch
+        from torch import nn
+
+        c = config
+        self.data = {k: torch.as_tensor(v) for k, v in make_site_data(
+            site.seed, site.client_id, num_classes=c.num_classes, dim=c.dim, modes_per_class=c.modes_per_class,
+            samples=c.samples_per_site, label_skew=c.label_skew, noise=c.noise).items()}
+        torch.manual_seed(site.seed)  # identical initial model on every site
+        self.encoder = nn.Sequential(nn.Linear(c.dim, c.hidden), nn.ReLU(), nn.Linear(c.hidden, c.embed_dim))
+        self.head = nn.Linear(c.embed_dim, c.num_classes)
+        self.model = nn.Sequential(self.encoder, nn.ReLU(), self.head)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr)
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    # -- parameters ---------------------------------------------------------------------------
+    def get_parameters(self) -> Params:
+        return torch_state.module_parameters(self.model)
+
+    def set_parameters(self, params: Params) -> None:
+        torch_state.load_module_parameters(self.model, params)
+
+    # -- learning -----------------------------------------------------------------------------
+    def fit(self, round: int) -> FitResult:
+        import torch
+
+        c = self.config
+        x, y = self.data["x_train"], self.data["y_train"]
+        gen = torch.Generator().manual_seed(int(_rng(self.site.seed, self.site.client_id, round).integers(2**62)))
+        self.model.train()
+        total, count = 0.0, 0
+        for _ in range(c.local_epochs):
+            order = torch.randperm(len(x), generator=gen)
+            for start in range(0, len(x), c.batch_size):
+                idx = order[start : start + c.batch_size]
+                self.optimizer.zero_grad()
+                loss = self.loss_fn(self.model(x[idx]), y[idx])
+                loss.backward()
+                self.optimizer.step()
+                total += float(loss) * len(idx)
+                count += len(idx)
+        return FitResult(num_examples=len(x), metrics={"train_loss": total / max(count, 1)})
+
+    def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+        import torch
+        from sklearn.metrics import f1_score
+
+        split = "test" if final else "val"
+        x, y = self.data[f"x_{split}"], self.data[f"y_{split}"]
+        self.model.eval()
+        with torch.no_grad():
+            logits = self.model(x)
+            loss = float(self.loss_fn(logits, y))
+        pred = logits.argmax(1).numpy()
+        acc = float((pred == y.numpy()).mean())
+        if not final:
+            return {"val_loss": loss, "val_accuracy": acc}
+        return {"loss": loss, "accuracy": acc,
+                "macro_f1": float(f1_score(y.numpy(), pred, average="macro", zero_division=0))}
+
+    def export_embeddings(self, out_dir: Path) -> Path:
+        import torch
+
+        self.model.eval()
+        with torch.no_grad():
+            vectors = self.encoder(self.data["x_test"]).numpy()
+        ids = [f"site{self.site.client_id}-test{i}" for i in range(len(vectors))]
+        return write_export(export_path(out_dir, self.site.client_id), vectors, ids, self.data["y_test"].numpy(),
+                            entity="node", model="synthetic-mlp", site=self.site.client_id,
+                            config_hash=self.site.config_hash, version=0)
+
+    # -- resumable state ------------------------------------------------------------------------
+    def state_dict(self) -> Bundle:
+        header, arrays = torch_state.optimizer_state(self.optimizer)
+        _, rng = torch_state.rng_state()
+        return {"optimizer": header}, {**arrays, **rng}
+
+    def load_state_dict(self, state: Bundle) -> None:
+        header, arrays = state
+        if "optimizer" in header:
+            torch_state.load_optimizer_state(self.optimizer, header["optimizer"],
+                                             {k: v for k, v in arrays.items() if k.startswith("opt/")})
+        torch_state.load_rng_state(arrays)
