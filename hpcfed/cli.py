@@ -21,6 +21,8 @@ from typing import Callable
 
 # `hpcfed data NAME ...` -> function(argv) -> int
 DATA_COMMANDS: dict[str, str] = {
+    "verify": "hpcfed.data.manifest:verify_main",
+    "fetch": "hpcfed.data.manifest:fetch_main",
 }
 
 # `hpcfed NAME ...` -> function(argv) -> int

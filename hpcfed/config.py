@@ -85,7 +85,8 @@ class Config:
     threads_per_rank: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
     data_root: str | None = None
-    attack: str | None = None  # task-defined malicious-site behaviour (issue: DAMe attacks)
+    attack: str | None = None  # task-defined malicious-site behaviour (the last client turns malicious)
+    halt_after_round: int | None = None  # stop cleanly after this round's checkpoint (time-boxed jobs, resume tests)
     federation: FederationConfig = field(default_factory=FederationConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     comm: CommConfig = field(default_factory=CommConfig)

@@ -70,6 +70,8 @@ class Server:
         if fed.mode == "sync":
             for rnd in range(start_round, self.cfg.rounds):
                 self._sync_round(rnd)
+                if self.cfg.halt_after_round == rnd and rnd < self.cfg.rounds - 1:
+                    return self._halt(rnd)
         else:
             self._async_loop(resumed)
         summary = self._finish()
@@ -181,6 +183,8 @@ class Server:
 
     def _checkpoint_due(self, rnd: int) -> bool:
         every = self.cfg.checkpoint_every
+        if rnd == self.cfg.halt_after_round:
+            return True
         return every > 0 and ((rnd + 1) % every == 0 or rnd == self.cfg.rounds - 1)
 
     # -- asynchronous loop ---------------------------------------------------------------------
@@ -331,6 +335,14 @@ class Server:
                  (stats.messages_received - getattr(self, "_last_msgs", 0)) / dt,
                  (stats.bytes_received - getattr(self, "_last_bytes", 0)) / dt / 1e6, rejected)
         self._last_msgs, self._last_bytes = stats.messages_received, stats.bytes_received
+
+    def _halt(self, rnd: int) -> dict[str, Any]:
+        """Stop every rank cleanly after round `rnd` (halt_after_round); resume with --resume."""
+        for cid in range(self.num_clients):
+            self.channel.send(cid + 1, P.STOP, {"reason": f"halted after round {rnd}"})
+        log.info("halted after round %d as configured (halt_after_round); checkpoint %s", rnd, self.last_checkpoint)
+        self.metrics.close()
+        return {"halted_after_round": rnd, "last_checkpoint": str(self.last_checkpoint)}
 
     def _finish(self) -> dict[str, Any]:
         fed = self.cfg.federation

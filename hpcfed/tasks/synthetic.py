@@ -112,7 +112,7 @@ class SyntheticTask(Task):
                 loss = self.loss_fn(self.model(x[idx]), y[idx])
                 loss.backward()
                 self.optimizer.step()
-                total += float(loss) * len(idx)
+                total += float(loss.detach()) * len(idx)
                 count += len(idx)
         return FitResult(num_examples=len(x), metrics={"train_loss": total / max(count, 1)})
 

@@ -1,0 +1,79 @@
+"""The real CLI under `mpiexec -n 3`: quickstart outputs, bit-exact resume, an idle server's CPU use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from hpcfed.store import checkpoint as ck
+from hpcfed.store.embeddings import read_export
+
+pytestmark = pytest.mark.mpi
+
+
+def _events(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_quickstart_writes_metrics_checkpoints_and_exports(tmp_path):
+    out = tmp_path / "qs"
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(out)], np=3, timeout=240)
+    events = _events(out)
+    acc = {(e["round"], e["client"]): e["value"] for e in events if e["name"] == "val_accuracy"}
+    assert {c for _, c in acc} == {0, 1}
+    assert sorted({r for r, _ in acc}) == list(range(8))
+    mean_acc = [np.mean([acc[(r, c)] for c in (0, 1)]) for r in range(8)]
+    assert mean_acc[-1] > mean_acc[0] + 0.05, mean_acc  # the federation learns
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["clients"]) == {"0", "1"}
+    assert summary["accuracy"] == pytest.approx(np.mean([summary["clients"][c]["accuracy"] for c in "01"]))
+    assert summary["accuracy"] > 0.6
+    assert summary["config"]["task"]["name"] == "synthetic"
+    assert sum(summary["rejected"]["channel"].values()) == 0
+
+    newest = ck.latest_valid(out / "checkpoints")
+    assert newest is not None and newest.round == 7
+    assert set(newest.clients) == {0, 1} and any(k.startswith("opt/") for k in newest.clients[0][1])
+    assert newest.strategy[1]["global"].dtype == np.float32
+
+    for site in (0, 1):
+        emb = read_export(out / "embeddings" / f"site{site}.h5")
+        assert emb.vectors.shape[1] == 16 and emb.vectors.shape[0] == len(emb.ids) == len(emb.labels) > 0
+        assert emb.attrs["site"] == str(site) and emb.attrs["config_hash"] == summary["config_hash"]
+        assert np.isfinite(emb.vectors).all()
+
+
+def _final_global(out: Path) -> np.ndarray:
+    with h5py.File(ck.list_checkpoints(out / "checkpoints")[0], "r") as f:
+        return f["strategy/global"][()]
+
+
+def test_resumed_sync_run_matches_uninterrupted_bit_for_bit(tmp_path):
+    common = ["rounds=4", "checkpoint_every=1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(full), *common], np=3, timeout=240)
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), *common, "halt_after_round=1"], np=3, timeout=240)
+    assert ck.latest_valid(part / "checkpoints").round == 1
+    assert not (part / "summary.json").exists()
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), *common, "--resume"], np=3, timeout=240)
+    a, b = _final_global(full), _final_global(part)
+    assert a.tobytes() == b.tobytes()
+    sa = json.loads((full / "summary.json").read_text())
+    sb = json.loads((part / "summary.json").read_text())
+    assert sa["clients"] == sb["clients"]
+
+
+def test_idle_server_uses_under_a_fifth_of_a_core(tmp_path):
+    out = tmp_path / "idle"
+    # Clients are made ~60x slower than their real work, so the server mostly waits.
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=2", "checkpoint_every=0",
+             "federation.slowdown={0: 60, 1: 60}"], np=3, timeout=240)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["wall_time_s"] > 2.0
+    assert summary["server_cpu_s"] / summary["wall_time_s"] < 0.2, summary
