@@ -23,10 +23,14 @@ from typing import Callable
 DATA_COMMANDS: dict[str, str] = {
     "verify": "hpcfed.data.manifest:verify_main",
     "fetch": "hpcfed.data.manifest:fetch_main",
+    "import-hin": "hpcfed.data.hin_import:import_main",
+    "import-messages": "hpcfed.data.messages_import:main",
 }
 
 # `hpcfed NAME ...` -> function(argv) -> int
 EXTRA_COMMANDS: dict[str, str] = {
+    "report": "hpcfed.report:main",
+    "search": "hpcfed.search.cli:main",
 }
 
 USER_ERROR_EXIT = 2
@@ -74,7 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in EXTRA_COMMANDS:
         return _guard(lambda: _load(EXTRA_COMMANDS[argv[0]])(argv[1:]))
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "run":
+        # key=value overrides may come before or after the options
+        stray = [a for a in extra if a.startswith("-") or "=" not in a]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "run":
         from hpcfed.launcher import run_command
 

@@ -147,7 +147,10 @@ def _open_channel(cfg: Config, comm: object):
     from hpcfed.credentials import load_credentials
 
     transport = MPITransport(comm)
-    job_id = _agree_job_id(comm)
+    # Rank 0 draws the job id; it is bound into every handshake transcript and message AAD, so
+    # messages of another job (or an earlier attempt of a requeued one) never authenticate here.
+    nonce = transport.bcast_bytes(secrets.token_bytes(16) if transport.rank == 0 else None, 16)
+    job_id = os.environ.get("SLURM_JOB_ID", "").encode() + b":" + nonce
     credentials = load_credentials(cfg.security, transport.rank)
     log = logging.getLogger("hpcfed.comm")
     channel = SecureChannel(transport, credentials, job_id, chunk_bytes=cfg.comm.chunk_bytes,
@@ -156,19 +159,6 @@ def _open_channel(cfg: Config, comm: object):
     peers = list(range(1, transport.size)) if transport.rank == 0 else [0]
     channel.connect(peers, timeout=cfg.federation.setup_timeout_s)
     return channel
-
-
-def _agree_job_id(comm: object) -> bytes:
-    """Rank 0 draws 16 random bytes and broadcasts them (buffer Bcast, no pickle).
-
-    The id is bound into every handshake transcript and message AAD, so messages of another job
-    (or an earlier attempt of a requeued one) never authenticate here.
-    """
-    import numpy as np
-
-    buf = np.frombuffer(bytearray(secrets.token_bytes(16)), dtype=np.uint8).copy()
-    comm.Bcast(buf, root=0)  # type: ignore[attr-defined]
-    return os.environ.get("SLURM_JOB_ID", "").encode() + b":" + buf.tobytes()
 
 
 def _device(cfg: Config, rank: int) -> str:

@@ -11,10 +11,22 @@ from typing import Any
 
 TASKS: dict[str, str] = {
     "synthetic": "hpcfed.tasks.synthetic:SyntheticTask",
+    "events": "hpcfed.tasks.events:EventsTask",
+    "hin": "hpcfed.tasks.hin:HINTask",
+    "doc2vec": "hpcfed.tasks.doc2vec:Doc2VecTask",
+    "node2vec": "hpcfed.tasks.node2vec:Node2VecTask",
 }
 
 STRATEGIES: dict[str, str] = {
     "fedavg": "hpcfed.strategies.fedavg:FedAvg",
+    "sega": "hpcfed.strategies.sega:Sega",
+    "median": "hpcfed.strategies.robust:Median",
+    "trimmed_mean": "hpcfed.strategies.robust:TrimmedMean",
+    "krum": "hpcfed.strategies.robust:Krum",
+    "feddwa": "hpcfed.strategies.feddwa:FedDWA",
+    "fedasync": "hpcfed.strategies.fedasync:FedAsync",
+    "afed": "hpcfed.strategies.fedasync:FedAsync",
+    "local": "hpcfed.strategies.local:Local",
 }
 
 

@@ -53,15 +53,15 @@ class SyntheticTask(Task):
 
     @dataclass(kw_only=True)
     class Config:
-        num_classes: int = 6
+        num_classes: int = 8
         dim: int = 16
-        modes_per_class: int = 2
-        samples_per_site: int = 600
-        label_skew: float = 0.3  # Dirichlet concentration; smaller = more skewed; 0 = IID
-        noise: float = 1.0
+        modes_per_class: int = 3
+        samples_per_site: int = 500
+        label_skew: float = 0.5  # Dirichlet concentration; smaller = more skewed; 0 = IID
+        noise: float = 1.5
         hidden: int = 64
         embed_dim: int = 16
-        lr: float = 0.01
+        lr: float = 0.005
         local_epochs: int = 1
         batch_size: int = 32
 

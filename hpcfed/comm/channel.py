@@ -1,0 +1,626 @@
+"""SecureChannel: authenticated, encrypted, chunked messages between MPI ranks.
+
+A message is (kind 0..255, JSON header, named ndarrays), laid out by `wire` and cut into frames of
+at most `chunk_bytes`. Every frame is::
+
+    offset  size  field (little-endian)
+    0       1     protocol version (1)
+    1       1     frame type: 1 DATA, 2 HELLO, 3 REPLY, 4 FINISH, 5 CONFIRM, 6 REFUSE
+    2       1     message kind (0..255; 0 for handshake frames)
+    3       1     flags (0)
+    4       4     source rank
+    8       4     destination rank
+    12      4     length: ciphertext bytes in this frame (plaintext bytes for handshake frames)
+    16      8     sequence number (per direction, strictly increasing; 0 for plaintext frames)
+    24      8     message id (per direction)
+    32      4     chunk index
+    36      4     chunk count
+    40      8     offset of this chunk in the message
+    48      8     total message length
+    56      ...   AES-256-GCM ciphertext (length bytes) + 16-byte tag   | handshake body
+
+The associated data of every sealed frame is ``job_digest (16 bytes) | the 56 header bytes``, and
+the nonce is ``direction | sequence number`` (see `crypto`). So a frame authenticates only in this
+job, from this source to this destination, with this kind, at this position of this message:
+tampering, truncation, misrouting, a wrong key, or splicing chunks of different messages fail the
+tag; replays and reordering fail the sequence check (a frame must carry a sequence number above the
+last one accepted from its source). A frame that fails is dropped, counted in `stats.rejected` and
+`stats.rejected_by_rank`, logged with the rank, and never raises; a rank with `max_rejects`
+rejections is cut off.
+
+Sending encrypts chunk n+1 (straight from the tensors' memory) while chunk n is in flight. Receiving
+decrypts each chunk straight into its slot of the message buffer, and the decoded tensors are views
+into that buffer. Waiting never blocks inside MPI: it polls (``Iprobe`` / ``Test``), spinning for
+`spin_s` and then sleeping with a doubling back-off up to `backoff_max_s`, so an idle rank uses
+well under 20% of a core. While a send waits, incoming frames are still received, so two ranks
+sending big messages to each other never deadlock.
+
+A `SecureChannel` is not thread-safe; use one per rank and call it from one thread.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping
+
+import numpy as np
+
+from hpcfed.comm import crypto, wire
+from hpcfed.comm.transport import Request, Transport
+
+VERSION = crypto.PROTOCOL_VERSION
+FRAME = struct.Struct("<BBBBIIIQQIIQQ")
+HDR = FRAME.size  # 56
+TAG = crypto.TAG_BYTES
+F_DATA, F_HELLO, F_REPLY, F_FINISH, F_CONFIRM, F_REFUSE = 1, 2, 3, 4, 5, 6
+_HANDSHAKE_TYPES = {F_HELLO, F_REPLY, F_FINISH, F_REFUSE}
+_MAX_PLAIN_FRAME = 1024  # handshake bodies and refusal texts
+_SMALL_FRAME = 64 << 10  # frames this small have arrived whole when probed (MPI eager protocol)
+_LOG_FIRST = 10  # log the first rejections of each rank in full, then every 1000th
+
+
+def _free_refs() -> int:
+    """References an unused pooled buffer has inside `_payload_buffer`'s loop (interpreter-specific)."""
+    for buf in [np.empty(1, dtype=np.uint8)]:
+        return sys.getrefcount(buf)
+    return 0
+
+
+_FREE_REFS = _free_refs()
+
+
+class ChannelError(RuntimeError):
+    """The channel cannot go on with a peer (handshake failed, timeout, cut off); names the rank."""
+
+
+@dataclass
+class Message:
+    source: int
+    kind: int
+    header: dict
+    tensors: dict[str, np.ndarray]
+    nbytes: int  # bundle bytes (before encryption)
+
+
+@dataclass
+class ChannelStats:
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0  # frame bytes put on the wire
+    bytes_received: int = 0  # frame bytes taken off the wire, rejected ones included
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> frames
+    rejected_by_rank: dict[int, int] = field(default_factory=dict)  # rank -> frames
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"messages_sent": self.messages_sent, "messages_received": self.messages_received,
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "rejected": dict(self.rejected),
+                "rejected_by_rank": {str(k): v for k, v in sorted(self.rejected_by_rank.items())}}
+
+
+class _Assembly:
+    __slots__ = ("msg_id", "kind", "total", "count", "next_index", "filled", "payload", "last_seq")
+
+    def __init__(self, msg_id: int, kind: int, total: int, count: int, payload: np.ndarray) -> None:
+        self.msg_id, self.kind, self.total, self.count = msg_id, kind, total, count
+        self.next_index, self.filled, self.payload, self.last_seq = 0, 0, payload, 0
+
+
+class _Peer:
+    __slots__ = ("rank", "role", "state", "hs", "tx", "rx", "send_seq", "last_seq", "next_msg_id",
+                 "asm", "rejects", "cut_off", "error", "identity")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.role = ""  # "initiator" (this rank said HELLO) or "responder"
+        self.state = "none"  # none|wait_hello|hello_sent|reply_sent|finish_sent|ready|failed
+        self.hs: crypto.Initiator | crypto.Responder | None = None
+        self.tx: crypto.Sealer | None = None
+        self.rx: crypto.Sealer | None = None
+        self.send_seq = 0
+        self.last_seq = 0
+        self.next_msg_id = 0
+        self.asm: _Assembly | None = None
+        self.rejects = 0
+        self.cut_off = False
+        self.error = ""
+        self.identity = ""
+
+
+class _Backoff:
+    """Spin for `spin_s`, then sleep 10 us, 20 us, ... up to `max_s` between polls."""
+
+    __slots__ = ("spin_s", "max_s", "t0", "sleep")
+
+    def __init__(self, spin_s: float, max_s: float) -> None:
+        self.spin_s, self.max_s = spin_s, max_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.sleep = 1e-5
+
+    def pause(self, deadline: float | None = None) -> None:
+        now = time.perf_counter()
+        if now - self.t0 < self.spin_s:
+            return
+        s = self.sleep
+        if deadline is not None:
+            s = min(s, max(0.0, deadline - time.monotonic()))
+        if s > 0:
+            time.sleep(s)
+        self.sleep = min(self.sleep * 2, self.max_s)
+
+
+class SecureChannel:
+    """Encrypted, authenticated messages between this rank and its peers (see the module doc)."""
+
+    def __init__(self, transport: Transport, credentials: crypto.Credentials, job_id: bytes, *,
+                 chunk_bytes: int = 4 << 20, limits: wire.WireLimits = wire.WireLimits(),
+                 max_message_bytes: int = 8 << 30, backoff_max_s: float = 0.005, max_rejects: int = 10000,
+                 log: Callable[[str], None] | None = None, spin_s: float = 5e-4,
+                 send_timeout_s: float = 600.0) -> None:
+        if not 4096 <= chunk_bytes <= crypto.MAX_AEAD_INPUT - HDR - TAG:
+            raise ValueError(f"comm.chunk_bytes={chunk_bytes}: use 4096 .. {1 << 30} (4 MiB is a good default)")
+        if max_message_bytes < 1:
+            raise ValueError(f"comm.max_message_bytes={max_message_bytes} must be positive")
+        if not 0 < backoff_max_s <= 1:
+            raise ValueError(f"comm.backoff_max_s={backoff_max_s}: use a value in (0, 1] seconds")
+        if max_rejects < 1:
+            raise ValueError(f"security.max_rejects={max_rejects} must be at least 1")
+        self.transport = transport
+        self.credentials = credentials
+        self.job_id = bytes(job_id)
+        self.rank: int = transport.rank
+        self.size: int = transport.size
+        self.chunk_bytes = chunk_bytes
+        self.limits = limits
+        self.max_message_bytes = min(max_message_bytes, limits.max_total_bytes)
+        self.max_rejects = max_rejects
+        self.backoff_max_s = backoff_max_s
+        self.spin_s = spin_s
+        self.send_timeout_s = send_timeout_s
+        self.stats = ChannelStats()
+        self.peers: list[int] = []
+        self._log = log or (lambda text: None)
+        self._jd = crypto.job_digest(self.job_id)
+        self._peer: dict[int, _Peer] = {}
+        self._inbox: deque[Message] = deque()
+        self._background: list[tuple[Request, Any]] = []  # small sends whose buffers must live on
+        self._max_frame = HDR + chunk_bytes + TAG
+        self._rx_small = np.empty(_SMALL_FRAME + HDR + TAG, dtype=np.uint8)
+        self._rx_big: np.ndarray | None = None
+        self._tx_slots: list[np.ndarray] = []
+        self._gather: np.ndarray | None = None
+        self._plain0: np.ndarray | None = None
+        self._pool: list[np.ndarray] = []  # multi-chunk message buffers, recycled when free
+        self._closed = False
+
+    # -- handshake --------------------------------------------------------------------------------
+    def connect(self, peers: Collection[int], timeout: float, *, require_all: bool = True) -> None:
+        """Authenticate with each peer (rank 0 answers, the others initiate). Afterwards
+        `self.peers` lists the peers with a session. Raises ChannelError naming the ranks that
+        did not answer within `timeout` s, or (with `require_all`) that failed authentication."""
+        todo = []
+        for p in sorted(set(int(x) for x in peers)):
+            if p == self.rank or not 0 <= p < self.size:
+                raise ValueError(f"connect: rank {p} is not another rank of this {self.size}-rank job")
+            peer = self._peer_of(p)
+            if peer.state == "ready":
+                continue
+            if peer.state != "none":
+                raise ChannelError(f"rank {p}: a handshake is already under way or failed ({peer.state})")
+            if self.rank < p:
+                peer.role, peer.state = "responder", "wait_hello"
+                peer.hs = crypto.Responder(self.credentials, self.job_id, self.rank, p)
+            else:
+                peer.role, peer.state = "initiator", "hello_sent"
+                hs = crypto.Initiator(self.credentials, self.job_id, self.rank, p)
+                peer.hs = hs
+                self._send_plain(p, F_HELLO, hs.hello)
+            todo.append(peer)
+        deadline = time.monotonic() + timeout
+        backoff = _Backoff(self.spin_s, self.backoff_max_s)
+        while any(p.state not in ("ready", "failed") for p in todo):
+            if self._pump():
+                backoff.reset()
+                continue
+            if time.monotonic() >= deadline:
+                break
+            self._reap_background()
+            backoff.pause(deadline)
+        self.peers = sorted(r for r, p in self._peer.items() if p.state == "ready")
+        silent = [p.rank for p in todo if p.state not in ("ready", "failed")]
+        failed = [p for p in todo if p.state == "failed"]
+        problems = [p.error for p in failed] if require_all else []
+        if silent:
+            problems.append(f"rank(s) {', '.join(map(str, silent))} did not complete the secure handshake within "
+                            f"{timeout:g} s (not started, crashed, or using another job id)")
+        if problems:
+            raise ChannelError("; ".join(problems))
+
+    def _on_handshake(self, src: int, ftype: int, body: memoryview) -> None:
+        peer = self._peer.get(src)
+        state = peer.state if peer else "none"
+        expected = {F_HELLO: "wait_hello", F_REPLY: "hello_sent", F_FINISH: "reply_sent"}
+        if ftype == F_REFUSE:
+            if peer is None or state in ("none", "ready", "failed"):
+                self._reject(src, "unexpected handshake frame", "a refusal outside a handshake")
+                return
+            text = bytes(body).decode("utf-8", "replace")[:300].replace("\n", " ")
+            peer.state, peer.error = "failed", f"rank {src} refused the handshake: {text}"
+            self._log(f"secure handshake with rank {src} failed: rank {src} refused: {text}")
+            return
+        if peer is None or state != expected[ftype]:
+            self._reject(src, "unexpected handshake frame",
+                         f"handshake frame type {ftype} while the session is '{state}'")
+            return
+        try:
+            if ftype == F_HELLO:
+                reply = peer.hs.on_hello(bytes(body))  # type: ignore[union-attr]
+                self._send_plain(src, F_REPLY, reply)
+                peer.state = "reply_sent"
+            elif ftype == F_REPLY:
+                finish, keys = peer.hs.on_reply(bytes(body))  # type: ignore[union-attr]
+                self._install(peer, keys)
+                self._send_plain(src, F_FINISH, finish)
+                peer.state = "finish_sent"
+            else:  # F_FINISH
+                keys = peer.hs.on_finish(bytes(body))  # type: ignore[union-attr]
+                self._install(peer, keys)
+                peer.state = "ready"
+                self._send_sealed_message(peer, F_CONFIRM, 0, None)
+        except crypto.HandshakeError as exc:
+            peer.state, peer.error = "failed", f"rank {src} failed the secure handshake: {exc}"
+            peer.hs = None
+            self._reject(src, "handshake failed", str(exc))
+            self._send_plain(src, F_REFUSE, str(exc).encode("utf-8")[:_MAX_PLAIN_FRAME])
+
+    def _install(self, peer: _Peer, keys: crypto.SessionKeys) -> None:
+        peer.tx, peer.rx, peer.identity = keys.send, keys.recv, keys.peer_identity
+        peer.hs = None
+
+    # -- sending ----------------------------------------------------------------------------------
+    def send(self, dest: int, kind: int, header: dict, tensors: Mapping[str, Any] | None = None) -> None:
+        """Encrypt and send one message; returns when `tensors` may be modified again."""
+        if not isinstance(kind, int) or not 0 <= kind <= 255:
+            raise ValueError(f"message kind {kind!r} must be an int in 0..255")
+        peer = self._peer.get(dest)
+        if peer is None or peer.state != "ready":
+            raise ChannelError(f"no secure session with rank {dest}; connect() first"
+                               + (f" ({peer.error})" if peer is not None and peer.error else ""))
+        enc = wire.prepare(header, tensors, self.limits)
+        if enc.total > self.max_message_bytes:
+            raise ValueError(f"message to rank {dest} is {enc.total} bytes; comm.max_message_bytes is "
+                             f"{self.max_message_bytes}")
+        self._send_sealed_message(peer, F_DATA, kind, enc)
+        self.stats.messages_sent += 1
+
+    def _slot(self, i: int, need: int) -> memoryview:
+        while len(self._tx_slots) <= i:
+            self._tx_slots.append(np.empty(0, dtype=np.uint8))
+        if len(self._tx_slots[i]) < need:
+            self._tx_slots[i] = np.empty(max(need, min(self._max_frame, 1 << 16)), dtype=np.uint8)
+        return memoryview(self._tx_slots[i])
+
+    def _send_sealed_message(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None) -> None:
+        total = enc.total if enc is not None else 0
+        chunk = self.chunk_bytes
+        count = max(1, -(-total // chunk))
+        msg_id = peer.next_msg_id
+        peer.next_msg_id += 1
+        dest = peer.rank
+        inflight: deque[Request] = deque()
+        nslots = 1 if count == 1 else 3  # three buffers: encrypt one while two are in flight
+        for i in range(count):
+            start = i * chunk
+            n = min(total - start, chunk)
+            if len(inflight) == nslots:
+                self._wait_send(inflight.popleft(), dest)
+            buf = self._slot(i % nslots, HDR + n + TAG)
+            peer.send_seq += 1
+            seq = peer.send_seq
+            hdr = FRAME.pack(VERSION, ftype, kind, 0, self.rank, dest, n, seq, msg_id, i, count, start, total)
+            buf[:HDR] = hdr
+            if enc is None:
+                data: memoryview | bytes = b""
+            else:
+                pieces = enc.pieces(start, start + n)
+                data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
+            peer.tx.seal_into(seq, data, self._jd + hdr, buf[HDR:HDR + n + TAG])  # type: ignore[union-attr]
+            inflight.append(self.transport.isend(buf[:HDR + n + TAG], dest))
+            self.stats.bytes_sent += HDR + n + TAG
+            for req in inflight:  # nudge MPI's progress on the chunks already out
+                req.test()
+        while inflight:
+            self._wait_send(inflight.popleft(), dest)
+
+    def _gathered(self, pieces: list[memoryview], n: int) -> memoryview:
+        if self._gather is None or len(self._gather) < n:
+            self._gather = np.empty(max(n, min(self.chunk_bytes, 1 << 16)), dtype=np.uint8)
+        out = memoryview(self._gather)
+        pos = 0
+        for p in pieces:
+            out[pos:pos + len(p)] = p
+            pos += len(p)
+        return out[:n]
+
+    def _wait_send(self, req: Request, dest: int) -> None:
+        if req.test():
+            return
+        backoff = _Backoff(self.spin_s, self.backoff_max_s)
+        deadline = time.monotonic() + self.send_timeout_s
+        while not req.test():
+            # Keep receiving while we wait: a peer that is itself blocked sending to us must be
+            # able to finish, or two big sends in opposite directions would deadlock.
+            if self._pump():
+                backoff.reset()
+                continue
+            if time.monotonic() > deadline:
+                req.cancel()
+                raise ChannelError(f"sending to rank {dest} did not complete within {self.send_timeout_s:g} s "
+                                   f"(is rank {dest} alive and receiving?)")
+            backoff.pause()
+
+    def _send_plain(self, dest: int, ftype: int, body: bytes) -> None:
+        frame = bytearray(FRAME.pack(VERSION, ftype, 0, 0, self.rank, dest, len(body), 0, 0, 0, 1, 0, len(body)))
+        frame += body
+        self._background.append((self.transport.isend(memoryview(frame), dest), frame))
+        self.stats.bytes_sent += len(frame)
+        self._reap_background()
+
+    def _reap_background(self) -> None:
+        if self._background:
+            self._background = [(r, b) for r, b in self._background if not r.test()]
+
+    # -- receiving --------------------------------------------------------------------------------
+    def recv(self, *, source: int | None = None, kinds: Collection[int] | None = None,
+             timeout: float | None = None) -> Message | None:
+        """The next message (from `source`, of one of `kinds`), or None after `timeout` s.
+        Messages that do not match are kept for later calls."""
+        msg = self._take(source, kinds)
+        if msg is not None:
+            return msg
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        backoff = _Backoff(self.spin_s if timeout != 0 else 0.0, self.backoff_max_s)
+        while True:
+            if self._pump():
+                backoff.reset()
+                msg = self._take(source, kinds)
+                if msg is not None:
+                    return msg
+                continue
+            if source is not None:
+                peer = self._peer.get(source)
+                if peer is not None and peer.cut_off:
+                    raise ChannelError(f"rank {source} was cut off after {peer.rejects} rejected messages")
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            self._reap_background()
+            backoff.pause(deadline)
+
+    def poll(self) -> Message | None:
+        """A waiting message, if any; never waits."""
+        return self.recv(timeout=0)
+
+    def _take(self, source: int | None, kinds: Collection[int] | None) -> Message | None:
+        for i, m in enumerate(self._inbox):
+            if (source is None or m.source == source) and (kinds is None or m.kind in kinds):
+                del self._inbox[i]
+                return m
+        return None
+
+    def _pump(self) -> bool:
+        """Receive and process one frame if one has arrived; True if it did."""
+        probe = self.transport.iprobe()
+        if probe is None:
+            return False
+        src, n = probe
+        self.stats.bytes_received += n if n < (1 << 62) else 0
+        peer = self._peer.get(src)
+        if peer is not None and peer.cut_off:
+            self.transport.discard(src)
+            self.stats.rejected["from a cut-off rank"] = self.stats.rejected.get("from a cut-off rank", 0) + 1
+            return True
+        if n > self._max_frame:
+            self.transport.discard(src)
+            self._reject(src, "oversize frame", f"{n}-byte frame exceeds the {self._max_frame}-byte limit")
+            return True
+        view = self._rx_view(n)
+        if n <= _SMALL_FRAME + HDR + TAG:
+            self.transport.recv_into(src, view)
+        else:
+            self._wait_recv(self.transport.irecv_into(src, view))
+        self._on_frame(src, view)
+        return True
+
+    def _rx_view(self, n: int) -> memoryview:
+        if n <= len(self._rx_small):
+            return memoryview(self._rx_small)[:n]
+        if self._rx_big is None:
+            self._rx_big = np.empty(self._max_frame, dtype=np.uint8)
+        return memoryview(self._rx_big)[:n]
+
+    def _wait_recv(self, req: Request) -> None:
+        backoff = _Backoff(max(self.spin_s, 2e-3), self.backoff_max_s)  # the frame is on its way
+        deadline = time.monotonic() + self.send_timeout_s
+        while not req.test():
+            if time.monotonic() > deadline:
+                req.cancel()
+                raise ChannelError(f"a frame announced to rank {self.rank} never arrived within {self.send_timeout_s:g} s")
+            backoff.pause()
+
+    def _on_frame(self, src: int, view: memoryview) -> None:
+        n = len(view)
+        if n < HDR:
+            self._reject(src, "truncated frame", f"{n}-byte frame is shorter than the {HDR}-byte frame header")
+            return
+        (version, ftype, kind, flags, f_src, f_dst, length, seq, msg_id, index, count,
+         offset, total) = FRAME.unpack_from(view, 0)
+        if version != VERSION:
+            self._reject(src, "unsupported protocol version", f"frame protocol version {version}, expected {VERSION}")
+            return
+        if f_src != src or f_dst != self.rank:
+            self._reject(src, "misrouted frame", f"frame says rank {f_src} -> rank {f_dst}, "
+                                                 f"but came from rank {src} to rank {self.rank}")
+            return
+        if ftype in _HANDSHAKE_TYPES:
+            if n != HDR + length or length > _MAX_PLAIN_FRAME or flags:
+                self._reject(src, "malformed frame", f"handshake frame of {n} bytes declares {length} body bytes")
+                return
+            self._on_handshake(src, ftype, view[HDR:])
+            return
+        if ftype not in (F_DATA, F_CONFIRM) or flags:
+            self._reject(src, "malformed frame", f"unknown frame type {ftype} / flags {flags}")
+            return
+        if n != HDR + length + TAG:
+            self._reject(src, "truncated frame", f"{n}-byte frame should be {HDR + length + TAG} "
+                                                 f"({length} ciphertext bytes + header + tag)")
+            return
+        peer = self._peer.get(src)
+        if peer is None or peer.rx is None:
+            self._reject(src, "no session", "encrypted frame before a secure handshake")
+            return
+        if seq <= peer.last_seq:
+            self._reject(src, "replayed or reordered frame",
+                         f"sequence number {seq}, but {peer.last_seq} was already accepted")
+            return
+        problem = self._check_chunk(peer, ftype, msg_id, index, count, offset, length, total, seq)
+        if problem:
+            self._reject(src, "chunk out of sequence" if problem[0] == "seq" else "malformed frame", problem[1])
+            return
+        # Decrypt straight into the message buffer; the first chunk of a multi-chunk message goes
+        # to scratch first so that no large buffer is allocated before the frame authenticates.
+        if index == 0:
+            out = self._scratch0(length) if count > 1 else np.empty(length, dtype=np.uint8)
+        else:
+            out = peer.asm.payload[offset:offset + length]  # type: ignore[union-attr]
+        if not peer.rx.open_into(seq, view[HDR:], self._jd + bytes(view[:HDR]), memoryview(out)):
+            self._reject(src, "authentication failed",
+                         f"frame {seq} does not authenticate (tampered, truncated, misrouted or wrong key)")
+            return
+        peer.last_seq = seq
+        if ftype == F_CONFIRM:
+            if peer.state != "finish_sent" or total != 0:
+                self._reject(src, "unexpected handshake frame", "a handshake confirmation outside a handshake")
+                return
+            peer.state = "ready"
+            return
+        if peer.state != "ready":
+            self._reject(src, "unexpected handshake frame", "data before the handshake was confirmed")
+            return
+        if index == 0:
+            if peer.asm is not None:
+                self._reject(src, "incomplete message abandoned",
+                             f"message {peer.asm.msg_id} stopped after {peer.asm.next_index} of {peer.asm.count} chunks")
+            if count == 1:
+                self._deliver(src, kind, out)
+                peer.asm = None
+                return
+            payload = self._payload_buffer(total)
+            payload[:length] = out
+            peer.asm = _Assembly(msg_id, kind, total, count, payload)
+        asm = peer.asm
+        asm.next_index = index + 1  # type: ignore[union-attr]
+        asm.filled = offset + length  # type: ignore[union-attr]
+        asm.last_seq = seq  # type: ignore[union-attr]
+        if asm.next_index == asm.count:  # type: ignore[union-attr]
+            peer.asm = None
+            self._deliver(src, kind, asm.payload)  # type: ignore[union-attr]
+
+    def _check_chunk(self, peer: _Peer, ftype: int, msg_id: int, index: int, count: int, offset: int,
+                     length: int, total: int, seq: int) -> tuple[str, str] | None:
+        if total > self.max_message_bytes:
+            return "bad", f"message of {total} bytes exceeds comm.max_message_bytes={self.max_message_bytes}"
+        if count < 1 or index >= count or count > max(1, -(-total // 4096)):
+            return "bad", f"chunk {index} of {count} for a {total}-byte message"
+        if offset + length > total or (index < count - 1 and length == 0) or (index == count - 1 and offset + length != total):
+            return "bad", f"chunk {index}/{count} covers bytes {offset}..{offset + length} of {total}"
+        if ftype == F_CONFIRM and (count != 1 or total != 0):
+            return "bad", "a handshake confirmation carries no data"
+        if index == 0:
+            if offset != 0:
+                return "bad", f"first chunk at offset {offset}"
+            return None
+        asm = peer.asm
+        if asm is None or asm.msg_id != msg_id or asm.count != count or asm.total != total:
+            return "seq", f"chunk {index} of message {msg_id} without its earlier chunks"
+        if index != asm.next_index or offset != asm.filled or seq != asm.last_seq + 1:
+            return "seq", f"chunk {index} of message {msg_id} where chunk {asm.next_index} was expected"
+        return None
+
+    def _payload_buffer(self, n: int) -> np.ndarray:
+        """A buffer for an n-byte message: a recycled one when the tensors of an earlier message
+        of that size are no longer referenced anywhere (big fresh buffers cost page faults that
+        are as slow as the decryption itself), else a new one."""
+        pool = self._pool
+        for buf in pool:
+            # a live view of the tensors holds a reference beyond the pool's and this loop's
+            if len(buf) == n and sys.getrefcount(buf) <= _FREE_REFS:
+                return buf
+        buf = np.empty(n, dtype=np.uint8)
+        pool.append(buf)
+        if len(pool) > 4:
+            pool.pop(0)
+        return buf
+
+    def _scratch0(self, n: int) -> np.ndarray:
+        if self._plain0 is None or len(self._plain0) < n:
+            self._plain0 = np.empty(max(n, self.chunk_bytes), dtype=np.uint8)
+        return self._plain0[:n]
+
+    def _deliver(self, src: int, kind: int, payload: np.ndarray) -> None:
+        try:
+            header, tensors = wire.decode(payload, self.limits)
+        except wire.WireError as exc:
+            self._reject(src, "malformed bundle", str(exc))
+            return
+        self._inbox.append(Message(source=src, kind=kind, header=header, tensors=tensors, nbytes=len(payload)))
+        self.stats.messages_received += 1
+
+    # -- rejections -------------------------------------------------------------------------------
+    def _peer_of(self, rank: int) -> _Peer:
+        peer = self._peer.get(rank)
+        if peer is None:
+            peer = self._peer[rank] = _Peer(rank)
+        return peer
+
+    def _reject(self, src: int, reason: str, detail: str) -> None:
+        st = self.stats
+        st.rejected[reason] = st.rejected.get(reason, 0) + 1
+        st.rejected_by_rank[src] = st.rejected_by_rank.get(src, 0) + 1
+        peer = self._peer_of(src)
+        peer.rejects += 1
+        if peer.rejects <= _LOG_FIRST or peer.rejects % 1000 == 0:
+            more = f" ({peer.rejects} rejected from this rank so far)" if peer.rejects > _LOG_FIRST else ""
+            self._log(f"rejected message from rank {src}: {reason}: {detail}{more}")
+        if peer.rejects >= self.max_rejects and not peer.cut_off:
+            peer.cut_off = True
+            peer.asm = None
+            self._log(f"rank {src} cut off after {peer.rejects} rejected messages (security.max_rejects); "
+                      f"its frames are dropped from now on")
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> None:
+        """Complete (or, after `timeout` s, cancel) outstanding sends and drop the buffers."""
+        if self._closed:
+            return
+        deadline = time.monotonic() + timeout
+        backoff = _Backoff(self.spin_s, self.backoff_max_s)
+        while self._background and time.monotonic() < deadline:
+            self._reap_background()
+            backoff.pause(deadline)
+        for req, _ in self._background:
+            try:
+                req.cancel()
+            except Exception:  # noqa: BLE001 — the peer may be gone; nothing left to do
+                pass
+        self._background.clear()
+        self._tx_slots.clear()
+        self._rx_big = self._gather = self._plain0 = None
+        self._pool.clear()
+        self._closed = True

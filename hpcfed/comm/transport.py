@@ -1,0 +1,208 @@
+"""Moving opaque frames between ranks. The only module that calls mpi4py.
+
+A transport moves byte frames and nothing else: no pickle, no objects. Frames between one pair of
+ranks arrive in the order they were sent (MPI's non-overtaking rule, one tag for everything).
+
+- `MPITransport`: buffer-based ``Isend`` / ``Iprobe`` / ``Irecv`` on bytes over a communicator.
+- `InProcTransport`: the same interface over in-memory queues, one object per simulated rank, for
+  unit tests of the channel without MPI (the pattern of Dask's ``distributed/comm/inproc.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Protocol
+
+import numpy as np
+
+FRAME_TAG = 0x4846  # one tag for all frames keeps MPI's per-pair ordering
+
+
+class Request(Protocol):
+    def test(self) -> bool: ...
+    def cancel(self) -> None: ...
+
+
+class Transport(Protocol):
+    rank: int
+    size: int
+
+    def isend(self, frame: memoryview, dest: int) -> Request: ...
+    def iprobe(self) -> tuple[int, int] | None: ...
+    def irecv_into(self, source: int, out: memoryview) -> Request: ...
+    def discard(self, source: int) -> None: ...
+    def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes: ...
+
+
+# -- MPI --------------------------------------------------------------------------------------------
+class _MPIRequest:
+    __slots__ = ("_req", "_done")
+
+    def __init__(self, req: object) -> None:
+        self._req = req
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done:
+            self._done = bool(self._req.Test())  # type: ignore[attr-defined]
+        return self._done
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._req.Cancel()  # type: ignore[attr-defined]
+            self._req.Wait()  # type: ignore[attr-defined]  # a cancelled request completes at once
+            self._done = True
+
+
+class MPITransport:
+    """Frames over an mpi4py communicator with buffer calls only (never the pickle-based
+    lowercase ``send``/``recv``). Frames are at most a few MiB (the channel chunks), far from
+    MPI's int32 count limit."""
+
+    def __init__(self, comm: object | None = None, tag: int = FRAME_TAG) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank: int = self.comm.Get_rank()  # type: ignore[attr-defined]
+        self.size: int = self.comm.Get_size()  # type: ignore[attr-defined]
+        self.tag = tag
+        self._status = MPI.Status()
+
+    def isend(self, frame: memoryview, dest: int) -> _MPIRequest:
+        return _MPIRequest(self.comm.Isend([frame, self._MPI.BYTE], dest=dest, tag=self.tag))  # type: ignore[attr-defined]
+
+    def iprobe(self) -> tuple[int, int] | None:
+        st = self._status
+        if not self.comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=self.tag, status=st):  # type: ignore[attr-defined]
+            return None
+        count = st.Get_count(self._MPI.BYTE)
+        if count == self._MPI.UNDEFINED or count < 0:
+            count = 1 << 62  # larger than any limit: the channel discards it as oversize
+        return st.Get_source(), count
+
+    def irecv_into(self, source: int, out: memoryview) -> _MPIRequest:
+        return _MPIRequest(self.comm.Irecv([out, self._MPI.BYTE], source=source, tag=self.tag))  # type: ignore[attr-defined]
+
+    def recv_into(self, source: int, out: memoryview) -> None:
+        """Receive a frame that `iprobe` has already seen (it has arrived, so this does not wait)."""
+        self.comm.Recv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]
+
+    def discard(self, source: int) -> None:
+        """Drop the next frame from `source` without reading it (an oversize frame): receiving it
+        into a 1-byte buffer completes the receive with a truncation error, which MPI defines as
+        consuming the message."""
+        MPI = self._MPI
+        try:
+            self.comm.Recv([bytearray(1), MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+
+    def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        if self.rank == root:
+            if data is None or len(data) != nbytes:
+                raise ValueError(f"bcast_bytes: the root must pass exactly {nbytes} bytes")
+            buf[:] = np.frombuffer(data, dtype=np.uint8)
+        self.comm.Bcast([buf, self._MPI.BYTE], root=root)  # type: ignore[attr-defined]
+        return buf.tobytes()
+
+
+# -- in-process -------------------------------------------------------------------------------------
+class _Done:
+    __slots__ = ()
+
+    def test(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
+# tap(source, dest, frame) -> frames actually delivered (tests use it to tamper, drop or replay)
+Tap = Callable[[int, int, bytes], list[bytes]]
+
+
+class _Hub:
+    def __init__(self, size: int, tap: Tap | None) -> None:
+        self.size = size
+        self.tap = tap
+        self.lock = threading.Lock()
+        self.inbox: list[deque[tuple[int, bytes]]] = [deque() for _ in range(size)]
+        self.bcast: dict[int, bytes] = {}
+        self.bcast_cv = threading.Condition(self.lock)
+
+
+class InProcTransport:
+    """One simulated rank of an in-memory job; create a job with `InProcTransport.group(size)`.
+    Sends copy the frame and complete at once; run each rank's channel in its own thread."""
+
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self._hub = hub
+        self.rank = rank
+        self.size = hub.size
+
+    @classmethod
+    def group(cls, size: int, tap: Tap | None = None) -> list["InProcTransport"]:
+        hub = _Hub(size, tap)
+        return [cls(hub, r) for r in range(size)]
+
+    def isend(self, frame: memoryview, dest: int) -> _Done:
+        if not 0 <= dest < self.size:
+            raise ValueError(f"rank {dest} does not exist (size {self.size})")
+        data = bytes(frame)
+        frames = self._hub.tap(self.rank, dest, data) if self._hub.tap else [data]
+        with self._hub.lock:
+            self._hub.inbox[dest].extend((self.rank, f) for f in frames)
+        return _DONE
+
+    def inject(self, dest: int, frame: bytes) -> None:
+        """Deliver raw bytes from this rank, bypassing the tap (hostile-peer tests)."""
+        with self._hub.lock:
+            self._hub.inbox[dest].append((self.rank, bytes(frame)))
+
+    def iprobe(self) -> tuple[int, int] | None:
+        with self._hub.lock:
+            q = self._hub.inbox[self.rank]
+            if not q:
+                return None
+            src, frame = q[0]
+            return src, len(frame)
+
+    def _pop(self, source: int) -> bytes:
+        with self._hub.lock:
+            q = self._hub.inbox[self.rank]
+            for i, (src, frame) in enumerate(q):
+                if src == source:
+                    del q[i]
+                    return frame
+        raise RuntimeError(f"no frame from rank {source} to receive (probe first)")
+
+    def irecv_into(self, source: int, out: memoryview) -> _Done:
+        self.recv_into(source, out)
+        return _DONE
+
+    def recv_into(self, source: int, out: memoryview) -> None:
+        frame = self._pop(source)
+        if len(frame) > len(out):
+            raise ValueError(f"frame of {len(frame)} bytes does not fit the {len(out)}-byte buffer")
+        out[: len(frame)] = frame
+
+    def discard(self, source: int) -> None:
+        self._pop(source)
+
+    def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
+        hub = self._hub
+        with hub.bcast_cv:
+            if self.rank == root:
+                if data is None or len(data) != nbytes:
+                    raise ValueError(f"bcast_bytes: the root must pass exactly {nbytes} bytes")
+                hub.bcast[root] = bytes(data)
+                hub.bcast_cv.notify_all()
+            elif not hub.bcast_cv.wait_for(lambda: root in hub.bcast, timeout=60):
+                raise TimeoutError("bcast_bytes: the root never sent")
+            return hub.bcast[root]

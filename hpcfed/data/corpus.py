@@ -1,0 +1,181 @@
+"""Text corpora for SEEC (doc2vec): 20 Newsgroups, users' own documents, gensim's test corpora.
+
+Every loader returns a list of `Document` (id, text, optional label). Tokenisation is gensim's
+``simple_preprocess`` (lower-case, 2..15 letters), as in the SEEC reference code.
+
+Users' documents come in one of two formats, chosen by the file suffix:
+
+* ``.jsonl`` — one JSON object per line: ``{"id": "doc-17", "text": "...", "label": 3}``;
+  ``id`` and ``text`` are required (id: a non-empty string or integer, unique in the file),
+  ``label`` is optional (integer; used only for label precision@k).
+* anything else (``.txt``) — plain text, one document per line; the id is the 0-based line number.
+  Empty lines are kept as empty documents so that ids stay line numbers.
+
+20 Newsgroups is read straight from ``text/20news-bydate.tar.gz`` under the data root (no
+extraction): ``20news-bydate-{train,test}/<group>/<id>``, latin-1 Usenet posts. By default the
+headers (up to the first blank line) are dropped, as scikit-learn's ``remove=("headers",)`` does,
+because the ``Newsgroups:`` and ``Path:`` lines give the label away.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from hpcfed.data.root import DataError, dataset_dir
+
+NEWSGROUPS_ARCHIVE = "20news-bydate.tar.gz"
+
+# The six topical families of the 20 groups (the grouping of the dataset's own home page).
+NEWSGROUP_FAMILIES: dict[str, str] = {
+    "comp.graphics": "comp", "comp.os.ms-windows.misc": "comp", "comp.sys.ibm.pc.hardware": "comp",
+    "comp.sys.mac.hardware": "comp", "comp.windows.x": "comp",
+    "rec.autos": "rec", "rec.motorcycles": "rec", "rec.sport.baseball": "rec", "rec.sport.hockey": "rec",
+    "sci.crypt": "sci", "sci.electronics": "sci", "sci.med": "sci", "sci.space": "sci",
+    "misc.forsale": "misc",
+    "talk.politics.misc": "politics", "talk.politics.guns": "politics", "talk.politics.mideast": "politics",
+    "talk.religion.misc": "religion", "alt.atheism": "religion", "soc.religion.christian": "religion",
+}
+NEWSGROUPS = sorted(NEWSGROUP_FAMILIES)
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    label: int = -1  # -1 = unlabelled
+    group: str = ""  # 20NG: the newsgroup name
+
+
+def tokenize(text: str) -> list[str]:
+    """gensim ``simple_preprocess``: lower-case alphabetic tokens of 2..15 characters."""
+    from gensim.utils import simple_preprocess
+
+    return simple_preprocess(text)
+
+
+# -- 20 Newsgroups -----------------------------------------------------------------------------------
+def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all", strip_headers: bool = True,
+                      max_docs: int | None = None, seed: int = 0) -> list[Document]:
+    """The 20 Newsgroups posts of `subset` (``train``, ``test`` or ``all``), label = index in `NEWSGROUPS`.
+
+    Ids are ``"<split>/<group>/<file>"``. `max_docs` keeps a random (seeded) sample, for quick runs.
+    """
+    if subset not in ("train", "test", "all"):
+        raise ValueError(f"20 Newsgroups subset={subset!r}; choose train, test or all")
+    path = dataset_dir("text", data_root) / NEWSGROUPS_ARCHIVE
+    if not path.is_file():
+        raise DataError(f"{path} not found; set HPCFED_DATA to the folder holding text/{NEWSGROUPS_ARCHIVE}")
+    wanted = ("train", "test") if subset == "all" else (subset,)
+    docs: list[Document] = []
+    with tarfile.open(path, "r:gz") as tar:
+        for member in tar:  # sequential read: one pass over the gzip stream
+            if not member.isfile():
+                continue
+            parts = member.name.split("/")
+            if len(parts) != 3 or not parts[0].startswith("20news-bydate-"):
+                continue
+            split, group, name = parts[0].rsplit("-", 1)[1], parts[1], parts[2]
+            if split not in wanted:
+                continue
+            if group not in NEWSGROUP_FAMILIES:
+                raise DataError(f"{path}: unknown newsgroup folder {group!r} in {member.name}")
+            raw = tar.extractfile(member).read().decode("latin-1")  # type: ignore[union-attr]
+            text = _strip_headers(raw) if strip_headers else raw
+            docs.append(Document(f"{split}/{group}/{name}", text, NEWSGROUPS.index(group), group))
+    if not docs:
+        raise DataError(f"{path}: no posts found under 20news-bydate-{'/'.join(wanted)}")
+    docs.sort(key=lambda d: d.id)  # archive order is not guaranteed; ids are
+    if max_docs is not None and max_docs < len(docs):
+        keep = np.sort(np.random.default_rng(seed).choice(len(docs), size=max_docs, replace=False))
+        docs = [docs[i] for i in keep]
+    return docs
+
+
+def _strip_headers(raw: str) -> str:
+    head, sep, body = raw.partition("\n\n")
+    return body if sep else raw
+
+
+# -- splitting across sites ----------------------------------------------------------------------------
+def split_documents(docs: Sequence[Document], num_sites: int, *, mode: str = "random",
+                    seed: int = 0) -> list[list[Document]]:
+    """Assign documents to `num_sites` sites.
+
+    ``random``: a seeded permutation dealt out in equal shares. ``family``: every newsgroup family
+    (`NEWSGROUP_FAMILIES`; unknown groups form their own family) goes whole to one site, families
+    dealt largest first to the site with the fewest documents, so sites see different topics.
+    """
+    if num_sites < 1:
+        raise ValueError(f"num_sites must be >= 1, got {num_sites}")
+    if mode == "random":
+        order = np.random.default_rng(seed).permutation(len(docs))
+        return [[docs[i] for i in sorted(order[s::num_sites])] for s in range(num_sites)]
+    if mode == "family":
+        families: dict[str, list[Document]] = {}
+        for d in docs:
+            families.setdefault(NEWSGROUP_FAMILIES.get(d.group, d.group or "unlabelled"), []).append(d)
+        if len(families) < num_sites:
+            raise ValueError(f"split=family: {len(families)} families for {num_sites} sites; use split=random")
+        sites: list[list[Document]] = [[] for _ in range(num_sites)]
+        for name in sorted(families, key=lambda f: (-len(families[f]), f)):
+            min(sites, key=len).extend(families[name])
+        return [sorted(s, key=lambda d: d.id) for s in sites]
+    raise ValueError(f"split={mode!r}; choose random or family")
+
+
+# -- users' documents ------------------------------------------------------------------------------------
+def load_corpus_file(path: str | Path) -> list[Document]:
+    """Read a user corpus: JSONL (``id``, ``text``, optional ``label``) or plain text (one doc per line)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"corpus file {path} does not exist")
+    docs: list[Document] = []
+    with path.open(encoding="utf-8") as f:
+        if path.suffix.lower() != ".jsonl":
+            return [Document(str(i), line.rstrip("\n")) for i, line in enumerate(f)]
+        seen: set[str] = set()
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one object") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object with 'id' and 'text'")
+            doc_id, text, label = obj.get("id"), obj.get("text"), obj.get("label", -1)
+            if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or str(doc_id) == "":
+                raise DataError(f"{path}:{lineno}: field 'id' must be a non-empty string or integer")
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: field 'text' must be a string")
+            if label is None:
+                label = -1
+            if isinstance(label, bool) or not isinstance(label, int):
+                raise DataError(f"{path}:{lineno}: field 'label' must be an integer (or absent)")
+            if str(doc_id) in seen:
+                raise DataError(f"{path}:{lineno}: duplicate id {doc_id!r}; ids must be unique")
+            seen.add(str(doc_id))
+            docs.append(Document(str(doc_id), text, label))
+    return docs
+
+
+def gensim_test_corpus(name: str = "lee_background.cor") -> list[Document]:
+    """A corpus bundled with gensim's tests (``lee_background.cor``: 300 news articles; ``lee.cor``)."""
+    from gensim.test.utils import datapath
+
+    path = Path(datapath(name))
+    if not path.is_file():
+        raise DataError(f"gensim test corpus {name!r} not found at {path}")
+    with path.open(encoding="latin-1") as f:
+        return [Document(str(i), line.strip()) for i, line in enumerate(f)]
+
+
+def iter_tokens(docs: Iterable[Document]) -> Iterable[list[str]]:
+    for d in docs:
+        yield tokenize(d.text)

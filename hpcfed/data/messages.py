@@ -1,0 +1,404 @@
+"""Social messages for event detection: one documented table format, readers, and dataset loaders.
+
+Message table (one row per message; CSV with a header row, JSON Lines, or Parquet):
+
+=============  ========  =====================================================================
+column         required  meaning
+=============  ========  =====================================================================
+``id``         yes       message id, unique within the file (string; digits kept exactly)
+``text``       yes       message text (UTF-8, may be empty only if attributes link it)
+``time``       yes       creation time: ISO 8601 (``2012-10-11T07:19:34Z``; no zone = UTC) or
+                         Unix seconds
+``event``      yes       event label (any string or integer; the ground truth for clustering)
+``user``       no        author id; empty = unknown
+``mentions``   no        user ids mentioned; list (JSONL/Parquet) or, in CSV, a JSON list
+                         (``["a","b"]``) or ``|``-separated string (``a|b``)
+``hashtags``   no        hashtags without ``#``; same list encodings
+``entities``   no        named entities; same list encodings
+=============  ========  =====================================================================
+
+A missing optional column is filled from the text by `hpcfed.data.message_graph` (mentions, hashtags,
+entities). Rows that cannot be used (empty id, duplicate id, unparsable time, missing event) raise a
+`DataError` naming the file, row and field, or, with ``on_error="skip"``, are skipped and counted in
+the returned `LoadReport` -- never dropped silently.
+
+Loaders for the shared research datasets (``events/...`` under the data root, see its README):
+`load_crisislext26`, `load_crisislext6` (on-topic rows only), `load_arabic`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from hpcfed.data.root import DataError, dataset_dir
+
+COLUMNS = ("id", "text", "time", "user", "mentions", "hashtags", "entities", "event")
+REQUIRED = ("id", "text", "time", "event")
+LIST_COLUMNS = ("mentions", "hashtags", "entities")
+TWITTER_EPOCH_MS = 1288834974657  # snowflake ids: time_ms = (id >> 22) + this
+
+
+@dataclass
+class LoadReport:
+    """What a reader kept and skipped, with one reason per skipped row (file:row: field: why)."""
+
+    source: str
+    num_rows: int = 0
+    num_kept: int = 0
+    skipped: list[str] = field(default_factory=list)
+    reasons: Counter = field(default_factory=Counter)  # field name -> skipped rows
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def summary(self) -> str:
+        text = f"{self.source}: kept {self.num_kept} of {self.num_rows} rows"
+        if self.skipped:
+            text += f", skipped {self.num_skipped} (" + ", ".join(f"bad {k}: {v}" for k, v in self.reasons.most_common()) + ")"
+        return text
+
+
+@dataclass
+class Messages:
+    """A validated message table: parallel lists/arrays in time order is NOT implied (see `sort_by_time`)."""
+
+    ids: list[str]
+    texts: list[str]
+    times: np.ndarray  # datetime64[s], UTC
+    events: list[str]
+    users: list[str]  # "" = unknown
+    mentions: list[list[str]]
+    hashtags: list[list[str]]
+    entities: list[list[str]]
+    has: dict[str, bool] = field(default_factory=dict)  # which optional columns the source had
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, index: Iterable[int]) -> "Messages":
+        idx = list(index)
+        return Messages([self.ids[i] for i in idx], [self.texts[i] for i in idx], self.times[idx],
+                        [self.events[i] for i in idx], [self.users[i] for i in idx],
+                        [self.mentions[i] for i in idx], [self.hashtags[i] for i in idx],
+                        [self.entities[i] for i in idx], dict(self.has), self.source)
+
+    def sort_by_time(self) -> "Messages":
+        """Stable sort by creation time (spec 1.1 step 1: the graph and features follow this order)."""
+        return self.take(np.argsort(self.times, kind="stable").tolist())
+
+    def to_frame(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame({"id": self.ids, "text": self.texts, "time": self.times.astype("datetime64[s]"),
+                             "user": self.users, "mentions": self.mentions, "hashtags": self.hashtags,
+                             "entities": self.entities, "event": self.events})
+
+
+# ----------------------------------------------------------------------------------------------
+# parsing helpers
+
+
+def _is_missing(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, float) and np.isnan(value):
+        return True
+    return isinstance(value, str) and value.strip() == ""
+
+
+def parse_list(value: Any) -> list[str]:
+    """A list cell: list/array, JSON list text, ``a|b`` text, or empty -> list of non-empty strings."""
+    if _is_missing(value):
+        return []
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [str(v).strip() for v in value if not _is_missing(v) and str(v).strip()]
+    text = str(value).strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"not a JSON list: {text[:60]!r}") from None
+        if not isinstance(items, list):
+            raise ValueError(f"not a JSON list: {text[:60]!r}")
+        return [str(v).strip() for v in items if str(v).strip()]
+    return [v.strip() for v in text.split("|") if v.strip()]
+
+
+def parse_time(value: Any) -> np.datetime64:
+    """ISO 8601 text (no zone = UTC), Unix seconds, datetime or pandas Timestamp -> datetime64[s] UTC."""
+    if _is_missing(value):
+        raise ValueError("empty")
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return np.datetime64(int(value), "s")
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+(\.\d+)?\s*", value):
+        return np.datetime64(int(float(value)), "s")
+    import pandas as pd
+
+    try:
+        ts = pd.Timestamp(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"cannot parse {str(value)[:40]!r} as ISO 8601 time or Unix seconds") from None
+    if ts is pd.NaT:
+        raise ValueError("empty")
+    if ts.tzinfo is not None:
+        ts = ts.tz_convert("UTC").tz_localize(None)
+    return np.datetime64(ts.to_pydatetime().replace(microsecond=0), "s")
+
+
+def snowflake_time(tweet_id: int | str) -> np.datetime64:
+    """Creation time encoded in a Twitter snowflake id (ids after Nov 2010)."""
+    ms = (int(tweet_id) >> 22) + TWITTER_EPOCH_MS
+    return np.datetime64(ms // 1000, "s")
+
+
+def from_records(records: Iterable[dict[str, Any]], source: str, *, on_error: str = "raise",
+                 first_row: int = 2) -> tuple[Messages, LoadReport]:
+    """Validate rows (dicts keyed by `COLUMNS`) into `Messages`.
+
+    `first_row` is the file row number of the first record (2 for a CSV with a header) so that
+    messages name the row a user sees in an editor. ``on_error`` is ``raise`` or ``skip``.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error={on_error!r}; choose raise or skip")
+    report = LoadReport(source)
+    cols: dict[str, list[Any]] = {c: [] for c in COLUMNS}
+    seen: set[str] = set()
+    has: dict[str, bool] = {}
+    for n, rec in enumerate(records):
+        row = first_row + n
+        report.num_rows += 1
+        if n == 0:
+            missing = [c for c in REQUIRED if c not in rec]
+            if missing:
+                raise DataError(f"{source}: missing required column(s) {missing}; a message table needs "
+                                f"{', '.join(REQUIRED)} (optional: user, mentions, hashtags, entities)")
+            has = {c: c in rec for c in ("user", *LIST_COLUMNS)}
+        try:
+            mid = rec.get("id")
+            if _is_missing(mid):
+                raise _RowError("id", "empty id")
+            mid = str(mid).strip()
+            if isinstance(rec.get("id"), float):
+                raise _RowError("id", f"id {rec['id']!r} is a float; write ids as strings or integers")
+            if mid in seen:
+                raise _RowError("id", f"duplicate id {mid}")
+            if _is_missing(rec.get("event")):
+                raise _RowError("event", "missing event label")
+            try:
+                t = parse_time(rec.get("time"))
+            except ValueError as exc:
+                raise _RowError("time", str(exc)) from None
+            text = rec.get("text")
+            text = "" if _is_missing(text) else str(text)
+            lists = {}
+            for c in LIST_COLUMNS:
+                try:
+                    lists[c] = parse_list(rec.get(c))
+                except ValueError as exc:
+                    raise _RowError(c, str(exc)) from None
+            user = rec.get("user")
+            event = rec["event"]
+            if isinstance(event, float) and event.is_integer():
+                event = int(event)
+        except _RowError as exc:
+            msg = f"{source}: row {row}: {exc.field}: {exc}"
+            if on_error == "raise":
+                raise DataError(msg + " (fix the row, or import with --skip-bad to skip and count such rows)") from None
+            report.skipped.append(msg)
+            report.reasons[exc.field] += 1
+            continue
+        seen.add(mid)
+        cols["id"].append(mid)
+        cols["text"].append(text)
+        cols["time"].append(t)
+        cols["event"].append(str(event).strip())
+        cols["user"].append("" if _is_missing(user) else str(user).strip())
+        for c in LIST_COLUMNS:
+            cols[c].append(lists[c])
+    report.num_kept = len(cols["id"])
+    msgs = Messages(cols["id"], cols["text"], np.array(cols["time"], dtype="datetime64[s]"), cols["event"],
+                    cols["user"], cols["mentions"], cols["hashtags"], cols["entities"], has, source)
+    return msgs, report
+
+
+class _RowError(ValueError):
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+
+
+# ----------------------------------------------------------------------------------------------
+# user files
+
+
+def read_messages(path: str | Path, *, fmt: str | None = None, on_error: str = "raise") -> tuple[Messages, LoadReport]:
+    """Read a message table from CSV, JSONL or Parquet (format from `fmt` or the file suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"message file {path} does not exist")
+    fmt = (fmt or path.suffix.lstrip(".")).lower()
+    if fmt in ("csv", "tsv"):
+        import csv
+
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",")
+            rows = []
+            for rec in reader:
+                if None in rec:  # more cells than header fields
+                    rec = {k: v for k, v in rec.items() if k is not None} | {"__extra__": rec[None]}
+                rows.append(rec)
+            header = reader.fieldnames or []
+        if not header:
+            raise DataError(f"{path}: empty file; expected a header row with {', '.join(REQUIRED)}")
+        return from_records(_check_extra(rows, path), str(path), on_error=on_error, first_row=2)
+    if fmt in ("jsonl", "ndjson", "json"):
+        def records() -> Iterable[dict[str, Any]]:
+            with path.open(encoding="utf-8") as f:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        rec = {"__bad__": f"line {line_no}: not valid JSON ({exc.msg})"}
+                    if not isinstance(rec, dict):
+                        rec = {"__bad__": f"line {line_no}: not a JSON object"}
+                    yield rec
+        return from_records(_check_bad(records(), path, on_error), str(path), on_error=on_error, first_row=1)
+    if fmt == "parquet":
+        import pandas as pd
+
+        frame = pd.read_parquet(path)
+        return from_records(frame.to_dict("records"), str(path), on_error=on_error, first_row=1)
+    raise DataError(f"{path}: unknown message format {fmt!r}; use .csv, .jsonl or .parquet (or --format)")
+
+
+def _check_extra(rows: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    for n, rec in enumerate(rows, start=2):
+        if "__extra__" in rec:
+            raise DataError(f"{path}: row {n}: more cells than header columns; quote text that holds commas")
+    return rows
+
+
+def _check_bad(records: Iterable[dict[str, Any]], path: Path, on_error: str) -> Iterable[dict[str, Any]]:
+    for rec in records:
+        if "__bad__" in rec:
+            if on_error == "raise":
+                raise DataError(f"{path}: {rec['__bad__']}")
+            # a broken line becomes a row with no id, which from_records skips and counts
+            yield {"id": None, "text": None, "time": None, "event": None}
+            continue
+        yield rec
+
+
+def write_messages(messages: Messages, path: str | Path) -> Path:
+    """Write `messages` as Parquet (.parquet) or JSON Lines (.jsonl) in the documented format."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = messages.to_frame()
+    if path.suffix == ".parquet":
+        frame.to_parquet(path, index=False)
+    elif path.suffix in (".jsonl", ".ndjson"):
+        frame["time"] = frame["time"].dt.strftime("%Y-%m-%dT%H:%M:%SZ")
+        frame.to_json(path, orient="records", lines=True, force_ascii=False)
+    else:
+        raise DataError(f"{path}: write .parquet or .jsonl")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# shared research datasets
+
+
+def load_crisislext26(data_root: str | Path | None = None, *, on_error: str = "skip") -> tuple[Messages, LoadReport]:
+    """CrisisLexT26: one folder per event; time from the entire-period file, else from the snowflake id."""
+    import pandas as pd
+
+    root = dataset_dir("events/crisislext26", data_root)
+    records: list[dict[str, Any]] = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        labeled = list(folder.glob("*-tweets_labeled.csv"))
+        if not labeled:
+            raise DataError(f"{folder}: no *-tweets_labeled.csv; is this a CrisisLexT26 event folder?")
+        frame = pd.read_csv(labeled[0], skipinitialspace=True, dtype=str, keep_default_na=False)
+        times: dict[str, str] = {}
+        period = list(folder.glob("*-tweetids_entire_period.csv"))
+        if period:
+            tf = pd.read_csv(period[0], skipinitialspace=True, dtype=str, keep_default_na=False)
+            times = dict(zip(tf.iloc[:, 1].str.strip("'\" "), tf.iloc[:, 0]))
+        for rec in frame.itertuples(index=False):
+            tid = str(rec[0]).strip("'\" ")
+            when: Any = times.get(tid)
+            if when is None and tid.isdigit():
+                when = int(snowflake_time(tid).astype("int64"))
+            records.append({"id": tid, "text": rec[1], "time": when, "event": folder.name})
+    return from_records(records, str(root), on_error=on_error, first_row=1)
+
+
+def load_crisislext6(data_root: str | Path | None = None, *, on_error: str = "skip") -> tuple[Messages, LoadReport]:
+    """CrisisLexT6, on-topic rows only (off-topic rows are not events); time from the snowflake id."""
+    import pandas as pd
+
+    root = dataset_dir("events/crisislext6", data_root)
+    records: list[dict[str, Any]] = []
+    off_topic = 0
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        files = list(folder.glob("*-ontopic_offtopic.csv"))
+        if not files:
+            raise DataError(f"{folder}: no *-ontopic_offtopic.csv; is this a CrisisLexT6 event folder?")
+        frame = pd.read_csv(files[0], skipinitialspace=True, dtype=str, keep_default_na=False)
+        for rec in frame.itertuples(index=False):
+            if str(rec[2]).strip() != "on-topic":
+                off_topic += 1
+                continue
+            tid = str(rec[0]).strip("'\" ")
+            when = int(snowflake_time(tid).astype("int64")) if tid.isdigit() else None
+            records.append({"id": tid, "text": rec[1], "time": when, "event": folder.name})
+    msgs, report = from_records(records, str(root), on_error=on_error, first_row=1)
+    # off-topic rows are left out by design (they belong to no event), not skipped as bad; say how many
+    report.source += f" (on-topic rows only; {off_topic} off-topic rows left out)"
+    return msgs, report
+
+
+def load_arabic(data_root: str | Path | None = None, *, on_error: str = "skip") -> tuple[Messages, LoadReport]:
+    """Arabic crisis tweets (Kawarith subset), `Arabic_100.npy`: users, mentions, hashtags, entities given."""
+    root = dataset_dir("events/arabic", data_root)
+    path = root / "Arabic_100.npy"
+    if not path.is_file():
+        raise DataError(f"{path} not found; the events/arabic folder should hold Arabic_100.npy")
+    # allow_pickle only for this local research file, shipped as a numpy object array (it holds pandas
+    # Timestamps and Python lists). It is read from the site's own disk and never crosses a process
+    # boundary; nothing received over the network is ever unpickled.
+    table = np.load(path, allow_pickle=True)
+    if table.ndim != 2 or table.shape[1] != 13:
+        raise DataError(f"{path}: expected a (n, 13) object array, got shape {table.shape}")
+    records = [{"id": row[0], "user": row[1], "text": row[2], "time": row[9], "event": row[4],
+                "mentions": [m.lstrip("@") for m in (row[5] or [])], "hashtags": [h.lstrip("#") for h in (row[6] or [])],
+                "entities": [str(e) for e in (row[11] or [])]} for row in table]
+    return from_records(records, str(path), on_error=on_error, first_row=0)
+
+
+LOADERS = {
+    "crisislext26": load_crisislext26,
+    "crisislext6": load_crisislext6,
+    "arabic": load_arabic,
+}
+
+
+def load_site(name: str, data_root: str | Path | None = None) -> tuple[Messages, LoadReport]:
+    """A built-in dataset name (`LOADERS`) or a path to a message file in the documented format."""
+    if name in LOADERS:
+        return LOADERS[name](data_root)
+    path = Path(name).expanduser()
+    if path.suffix.lower() in (".csv", ".tsv", ".jsonl", ".ndjson", ".json", ".parquet"):
+        return read_messages(path)
+    raise DataError(f"unknown message dataset {name!r}; use one of {', '.join(LOADERS)} or a .csv/.jsonl/.parquet path")

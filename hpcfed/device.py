@@ -1,0 +1,116 @@
+"""Which device a rank trains on: GPU binding of client ranks.
+
+Rank 0 (the parameter server) only averages flat buffers, so it always stays on the CPU and leaves
+the node's GPUs to the clients. A client rank picks ``cuda:N`` with
+
+    N = local_rank mod num_visible_gpus
+
+where `local_rank` is the rank's index among the ranks on its own node, taken from the first
+launcher variable that is set (`LOCAL_RANK_ENV`: Slurm's ``SLURM_LOCALID``, MPICH/Hydra's
+``MPI_LOCALRANKID``, Open MPI's ``OMPI_COMM_WORLD_LOCAL_RANK``, ...). Counting visible GPUs through
+torch respects ``CUDA_VISIBLE_DEVICES``, so both common Slurm layouts work:
+
+- ``--gpus-per-task=1`` / ``--gpu-bind=single:1``: every task sees exactly one GPU -> ``cuda:0``;
+- ``--gres=gpu:4`` with 5 tasks on a node: the tasks see all 4 GPUs and local ranks 1..4 (the
+  clients next to the server) land on ``cuda:1, cuda:2, cuda:3, cuda:0`` — one client per GPU.
+
+``device: auto`` falls back to the CPU when no GPU is visible; ``device: cuda`` makes a missing GPU
+an error, because a job that asked for GPUs and silently trains on the CPU wastes its allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping
+
+log = logging.getLogger("hpcfed.device")
+
+# Node-local rank, by launcher; the first one set wins (Slurm first: with `srun` it is authoritative).
+LOCAL_RANK_ENV: tuple[str, ...] = (
+    "SLURM_LOCALID",  # srun
+    "MPI_LOCALRANKID",  # MPICH / Hydra (also Intel MPI)
+    "OMPI_COMM_WORLD_LOCAL_RANK",  # Open MPI
+    "PMI_LOCAL_RANK",  # some PMI-2 launchers
+    "PALS_LOCAL_RANKID",  # HPE Cray PALS
+    "MV2_COMM_WORLD_LOCAL_RANK",  # MVAPICH2
+    "LOCAL_RANK",  # torchrun-style environments
+)
+
+PREFERENCES = ("auto", "cpu", "cuda")
+
+
+def local_rank(rank: int, env: Mapping[str, str] | None = None) -> int:
+    """This rank's index among the ranks on its node; the global rank when no launcher says.
+
+    Falling back to the global rank is right on one node and still spreads ranks over GPUs on many.
+    """
+    env = os.environ if env is None else env
+    for name in LOCAL_RANK_ENV:
+        text = env.get(name, "").strip()
+        if text:
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={text!r} is not an integer local rank; "
+                                 f"unset it or fix the launcher") from None
+            if value < 0:
+                raise ValueError(f"environment variable {name}={value} is negative; it must be a local rank >= 0")
+            return value
+    return rank
+
+
+def gpu_for(local: int, num_gpus: int) -> int:
+    """GPU index for a node-local rank: ``local mod num_gpus`` (one client per GPU, round robin)."""
+    if num_gpus <= 0:
+        raise ValueError("gpu_for needs at least one GPU")
+    return local % num_gpus
+
+
+def _num_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except RuntimeError:  # a broken driver: treat as no GPU rather than crash the rank
+        return 0
+
+
+def select_device(rank: int, preference: str, *, env: Mapping[str, str] | None = None,
+                  num_gpus: int | None = None) -> str:
+    """The torch device string for MPI rank `rank` under config ``device: preference``.
+
+    `preference` is ``auto`` (GPU when visible, else CPU), ``cpu``, ``cuda`` (GPU required), or an
+    explicit ``cuda:N`` (pins every client to GPU N). Rank 0, the server, always gets ``cpu``.
+    `env` and `num_gpus` exist so the binding can be tested without GPUs; they default to the
+    process environment and torch's count of visible GPUs.
+    """
+    pref = (preference or "auto").strip().lower()
+    explicit: int | None = None
+    if pref.startswith("cuda:"):
+        try:
+            explicit = int(pref.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"device={preference!r}: expected auto, cpu, cuda or cuda:N") from None
+    elif pref not in PREFERENCES:
+        raise ValueError(f"device={preference!r}: expected one of auto, cpu, cuda, cuda:N")
+    if rank == 0 or pref == "cpu":
+        return "cpu"
+    count = _num_gpus() if num_gpus is None else int(num_gpus)
+    if count == 0:
+        if pref == "auto":
+            return "cpu"
+        visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"rank {rank}: device={preference} but no GPU is visible (CUDA_VISIBLE_DEVICES="
+            f"{visible!r}, torch.cuda.is_available() is false); request GPUs from Slurm "
+            f"(--gpus-per-task=1 or --gres=gpu:N), install a CUDA build of torch, or set device=auto")
+    if explicit is not None:
+        if explicit >= count:
+            raise ValueError(f"rank {rank}: device={preference} but only {count} GPU(s) are visible (cuda:0..cuda:{count - 1})")
+        return f"cuda:{explicit}"
+    device = f"cuda:{gpu_for(local_rank(rank, env), count)}"
+    log.debug("rank %d -> %s (%d GPUs visible)", rank, device, count)
+    return device

@@ -1,0 +1,94 @@
+"""Cross-site semantic search over per-site exports (paper Alg. 2 GlobalSearch; spec §4.4).
+
+    query at site q:  v_q = m_q(d)
+    for each site j:  v_j = v_q                    (joint: one shared space)
+                          | mapper_{q→j}(v_q)      (mapping: independently trained sites)
+                          | v_q unmapped           (nomapping: the baseline)
+    site j returns top-k over its own documents; the initiator merges by score and keeps k
+
+`GlobalSearch` is the offline form (every site's export in one folder); the live form over MPI in
+`hpcfed.search.live` runs the same steps with each rank holding only its own export.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
+from hpcfed.search.index import Hit, SiteIndex, merge_results
+
+MODES = ("joint", "mapping", "nomapping")
+
+
+def site_exports(folder: str | Path) -> dict[str, Path]:
+    """``site<k>.h5`` files of a folder (a run's ``embeddings/`` or the run directory itself), by site."""
+    folder = Path(folder)
+    if (folder / "embeddings").is_dir():
+        folder = folder / "embeddings"
+    found = {}
+    for path in sorted(folder.glob("site*.h5")):
+        m = re.fullmatch(r"site(\d+)\.h5", path.name)
+        if m:
+            found[m.group(1)] = path
+    if not found:
+        raise ValueError(f"no site<k>.h5 embedding exports in {folder}; point at a run's embeddings/ folder")
+    return dict(sorted(found.items(), key=lambda kv: int(kv[0])))
+
+
+def map_query(mode: str, home: str, site: str, vectors: np.ndarray,
+              mappers: Mapping[tuple[str, str], Mapper] | None) -> np.ndarray:
+    """The query as site `site` sees it (spec §4.4)."""
+    if mode not in MODES:
+        raise ValueError(f"search mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if mode != "mapping" or site == home:
+        return vectors
+    if not mappers or (home, site) not in mappers:
+        raise ValueError(f"mode=mapping needs the mapper site{home} -> site{site}; "
+                         f"train it with `hpcfed search train-mappers RUN_DIR`")
+    return mappers[(home, site)](vectors)
+
+
+class GlobalSearch:
+    def __init__(self, indexes: Mapping[str, SiteIndex], mode: str = "joint",
+                 mappers: Mapping[tuple[str, str], Mapper] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"search mode {mode!r}; choose one of: {', '.join(MODES)}")
+        self.indexes = dict(indexes)
+        self.mode = mode
+        self.mappers = dict(mappers or {})
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, *, entity: str | None = None, mode: str = "joint",
+                    mappers_dir: str | Path | None = None) -> "GlobalSearch":
+        exports = site_exports(folder)
+        indexes = {site: SiteIndex.from_export(path, entity, site=site) for site, path in exports.items()}
+        mappers = {}
+        if mode == "mapping":
+            mdir = Path(mappers_dir) if mappers_dir else Path(folder) / "mappers"
+            for i in indexes:
+                for j in indexes:
+                    if i != j:
+                        mappers[(i, j)] = load_mapper(mapper_path(mdir, i, j))
+        return cls(indexes, mode, mappers)
+
+    def home_of(self, doc_id: str) -> str:
+        for site, index in self.indexes.items():
+            if doc_id in index.position:
+                return site
+        raise ValueError(f"id {doc_id!r} is in none of the sites' exports ({', '.join(self.indexes)})")
+
+    def search(self, home: str, vectors: np.ndarray, k: int,
+               exclude: Sequence[str | None] | None = None) -> list[list[Hit]]:
+        """Top-k merged over all sites for each query vector of site `home` (batched)."""
+        vectors = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
+        per_site = [index.hits(map_query(self.mode, home, site, vectors, self.mappers), k, exclude)
+                    for site, index in self.indexes.items()]
+        return [merge_results([lists[i] for lists in per_site], k) for i in range(len(vectors))]
+
+    def search_id(self, doc_id: str, k: int) -> list[Hit]:
+        home = self.home_of(doc_id)
+        return self.search(home, self.indexes[home].vector_of(doc_id)[None], k, [doc_id])[0]

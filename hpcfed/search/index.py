@@ -1,0 +1,109 @@
+"""One site's searchable index over its embedding export, and the merge of per-site results.
+
+SEEC global search (paper Alg. 2 GlobalSearch, Fig. 6/8; spec §4.4)::
+
+    site j returns top-k (doc_id, cos(v_j, dv_j[doc])) over its own documents
+    the initiator merges all lists, sorts by score (desc; ties -> doc id) and keeps the top k
+
+A query that is itself in the corpus is excluded from the results (as gensim ``most_similar(tag)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from hpcfed.store.embeddings import read_export
+
+
+@dataclass(frozen=True)
+class Hit:
+    site: str
+    id: str
+    score: float
+    label: int = -1
+
+    def as_dict(self) -> dict:
+        return {"site": self.site, "id": self.id, "score": round(float(self.score), 6), "label": int(self.label)}
+
+
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)  # a zero vector stays zero (cosine 0 with everything)
+
+
+class SiteIndex:
+    """Cosine top-k over one site's vectors (rows L2-normalised once, queries in batches)."""
+
+    def __init__(self, site: str, ids: Sequence[str], vectors: np.ndarray, labels: np.ndarray | None = None,
+                 attrs: dict | None = None) -> None:
+        if len(ids) != len(vectors):
+            raise ValueError(f"site {site}: {len(ids)} ids for {len(vectors)} vectors")
+        self.site = str(site)
+        self.ids = [str(i) for i in ids]
+        self.position = {doc_id: i for i, doc_id in enumerate(self.ids)}
+        self.raw = np.asarray(vectors, dtype=np.float32)
+        self.unit = normalize_rows(self.raw)
+        self.labels = np.full(len(ids), -1, dtype=np.int64) if labels is None else np.asarray(labels, dtype=np.int64)
+        self.attrs = dict(attrs or {})
+
+    @property
+    def dim(self) -> int:
+        return int(self.raw.shape[1])
+
+    @classmethod
+    def from_export(cls, path: str | Path, entity: str | None = None, site: str | None = None) -> "SiteIndex":
+        es = read_export(path, entity)
+        return cls(site if site is not None else str(es.attrs.get("site", Path(path).stem)), es.ids, es.vectors,
+                   es.labels, es.attrs)
+
+    def vector_of(self, doc_id: str) -> np.ndarray:
+        if doc_id not in self.position:
+            raise ValueError(f"id {doc_id!r} is not in site {self.site}'s export")
+        return self.raw[self.position[doc_id]]
+
+    def topk(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
+             block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+        """Indices and cosine scores (m, k') of the nearest rows to each query, best first, k' = min(k, n)."""
+        q = normalize_rows(np.atleast_2d(queries))
+        if q.shape[1] != self.dim:
+            raise ValueError(f"site {self.site}: query vectors have {q.shape[1]} dims, the index has {self.dim}; "
+                             f"vectors from another model need a mapper (mode=mapping)")
+        n = len(self.ids)
+        kk = min(k, n)
+        idx_out = np.zeros((len(q), kk), dtype=np.int64)
+        score_out = np.zeros((len(q), kk), dtype=np.float32)
+        for s in range(0, len(q), block):
+            scores = q[s:s + block] @ self.unit.T
+            if exclude is not None:
+                for row, doc_id in enumerate(exclude[s:s + block]):
+                    pos = self.position.get(doc_id) if doc_id is not None else None
+                    if pos is not None:
+                        scores[row, pos] = -np.inf
+            if kk < n:
+                part = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]
+            else:
+                part = np.tile(np.arange(n), (len(scores), 1))
+            part_scores = np.take_along_axis(scores, part, axis=1)
+            # best first; ties broken by id so results do not depend on the partition
+            for row in range(len(part)):
+                order = sorted(range(kk), key=lambda c: (-part_scores[row, c], self.ids[part[row, c]]))
+                idx_out[s + row] = part[row, order]
+                score_out[s + row] = part_scores[row, order]
+        return idx_out, score_out
+
+    def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None) -> list[list[Hit]]:
+        idx, scores = self.topk(queries, k, exclude)
+        return [[Hit(self.site, self.ids[i], float(sc), int(self.labels[i])) for i, sc in zip(ri, rs)
+                 if np.isfinite(sc)] for ri, rs in zip(idx, scores)]
+
+
+def merge_results(per_site: Sequence[Sequence[Hit]], k: int) -> list[Hit]:
+    """Merge the sites' lists: score descending, ties by id (then site), keep k (spec §4.4)."""
+    merged = [h for hits in per_site for h in hits]
+    merged.sort(key=lambda h: (-h.score, h.id, h.site))
+    return merged[:k]

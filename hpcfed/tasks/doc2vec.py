@@ -1,0 +1,335 @@
+"""SEEC doc2vec task: federated PV-DM over text split across sites (paper Alg. 1; spec §4.1-4.3).
+
+Setup exchange (joint mode): each site sends its word counts U_i (``setup()``); the server merges
+them into one ordered vocabulary and seeded initial arrays (``server_setup``); every site builds the
+same gensim skeleton with its own document tags (``on_setup``). Each round is one local epoch
+(``local_epochs``) with the reference's continuous learning-rate decay; the runtime's FedAvg
+averages ``wv`` and ``syn1neg`` (``federated_arrays``). Document vectors never leave the site.
+
+Methods (``method=``):
+  joint        the above (default)
+  centralized  the same model on one site holding every document (run with ``--np 2``): the reference
+               that sim_k compares against
+  mapping      sites train independently (nothing is averaged) and also vectorise the public corpus,
+  nomapping    so that `hpcfed search train-mappers` can fit m_{i→j}; ``nomapping`` trains the same way
+               and searches without mappers (the baseline)
+
+At the end each site writes ``embeddings/site<k>.h5`` (entity ``doc``: its own document vectors,
+ids, labels; entity ``public``: inferred public-corpus vectors in mapping mode) and
+``models/site<k>.h5`` (what inference of new text needs).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from hpcfed.models import doc2vec as g
+from hpcfed.params import Params
+from hpcfed.store.embeddings import export_path, write_export
+from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+
+METHODS = ("joint", "centralized", "mapping", "nomapping")
+# Independent training shares no arrays, but the runtime's protocol carries a model every round:
+# the sites exchange this one constant instead (FedAvg of a constant is that constant).
+INDEPENDENT_PLACEHOLDER = "independent_training_shares_nothing"
+
+
+def model_path(out_dir: str | Path, client_id: int) -> Path:
+    """Where site `client_id` writes its gensim model (HDF5) inside a run directory."""
+    return Path(out_dir) / "models" / f"site{client_id}.h5"
+
+
+def words_to_tensor(words: list[str]) -> np.ndarray:
+    """Words as one uint8 tensor ("\\n"-joined UTF-8): a 100k-word vocabulary would overflow a JSON header."""
+    if any("\n" in w for w in words):
+        raise ValueError("vocabulary words must not contain newlines")
+    return np.frombuffer("\n".join(words).encode("utf-8"), dtype=np.uint8).copy()
+
+
+def tensor_to_words(data: np.ndarray, where: str) -> list[str]:
+    arr = np.asarray(data)
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise ValueError(f"{where}: vocabulary words must be a 1-D uint8 tensor, got {arr.dtype} {arr.shape}")
+    if arr.size == 0:
+        return []
+    try:
+        return arr.tobytes().decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: vocabulary words are not valid UTF-8") from None
+
+
+def counts_bundle(counts: dict[str, int]) -> dict[str, np.ndarray]:
+    words = sorted(counts)
+    return {"words": words_to_tensor(words), "counts": np.array([counts[w] for w in words], dtype=np.int64)}
+
+
+def bundle_counts(tensors: dict[str, np.ndarray], where: str) -> dict[str, int]:
+    if "words" not in tensors or "counts" not in tensors:
+        return {}
+    words = tensor_to_words(tensors["words"], where)
+    return g.decode_counts(words, tensors["counts"], where)
+
+
+def _rng_seed(*keys: int) -> int:
+    return int(np.random.SeedSequence([abs(int(k)) for k in keys]).generate_state(1)[0])
+
+
+class GensimJointTask(Task):
+    """What doc2vec and node2vec share: vocabulary exchange, shared arrays, schedule, state."""
+
+    kind: ClassVar[str] = "doc2vec"
+    entity: ClassVar[str] = "doc"
+
+    def __init__(self, config: Any, site: Site) -> None:
+        super().__init__(config, site)
+        self.settings = self._settings()
+        self.corpus: list[Any] = []  # TaggedDocument (doc2vec) or list[str] walks (node2vec)
+        self.model: Any = None
+        self.independent = self._mode() in ("mapping", "nomapping")
+
+    # -- subclass hooks -------------------------------------------------------------------------
+    def _settings(self) -> g.GensimSettings:
+        raise NotImplementedError
+
+    def _mode(self) -> str:
+        return getattr(self.config, "mode", "joint")
+
+    def _local_counts(self) -> Counter[str]:
+        raise NotImplementedError
+
+    # -- setup exchange -------------------------------------------------------------------------
+    def setup(self) -> Bundle:
+        if self.independent:
+            # No shared vocabulary: every site builds its own model from its own counts now.
+            vocab = g.order_vocab(dict(self._local_counts()), self.settings.min_count)
+            self.model = g.site_model(vocab, self.settings, self.site.seed + self.site.client_id, self._tagged())
+            return {"independent": True}, {}
+        return {"num_docs": len(self.corpus)}, counts_bundle(dict(self._local_counts()))
+
+    @classmethod
+    def server_setup(cls, config: Any, payloads: dict[int, Bundle]) -> tuple[dict[int, Bundle], Params | None]:
+        if getattr(config, "mode", "joint") in ("mapping", "nomapping"):
+            return {cid: ({}, {}) for cid in payloads}, {INDEPENDENT_PLACEHOLDER: np.zeros(1, dtype=np.float32)}
+        counts = {cid: bundle_counts(tensors, f"setup payload of client {cid}") for cid, (_, tensors) in payloads.items()}
+        settings = cls.settings_of(config)
+        vocab = g.order_vocab(g.merge_counts(counts, config.vocab_merge), settings.min_count)
+        reply = counts_bundle(dict(vocab))
+        init = g.initial_arrays(vocab, settings, seed=config.model_seed)
+        params = {name: init[name] for name in config.federated_arrays}
+        return {cid: ({"vocab_size": len(vocab)}, reply) for cid in payloads}, params
+
+    @classmethod
+    def settings_of(cls, config: Any) -> g.GensimSettings:
+        raise NotImplementedError
+
+    def on_setup(self, reply: Bundle) -> None:
+        if self.independent:
+            return
+        header, tensors = reply
+        counts = bundle_counts(tensors, "the server's vocabulary reply")
+        if not counts:
+            raise ValueError("the server sent no vocabulary; is every site running the same task config?")
+        vocab = sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))
+        self.model = g.site_model(vocab, self.settings, self.config.model_seed, self._tagged())
+        # Same seed and vocabulary -> the same initial arrays as the server's; the first PARAMS overwrite them anyway.
+
+    def _tagged(self) -> list[Any]:
+        return self.corpus
+
+    # -- parameters ---------------------------------------------------------------------------------
+    def get_parameters(self) -> Params:
+        if self.independent:
+            return {INDEPENDENT_PLACEHOLDER: np.zeros(1, dtype=np.float32)}
+        if self.model is None:  # before the vocabulary exists the server builds the initial model
+            return {}
+        return g.get_arrays(self.model, self.config.federated_arrays)
+
+    def set_parameters(self, params: Params) -> None:
+        if self.independent:
+            return
+        g.set_arrays(self.model, params)
+
+    # -- learning -------------------------------------------------------------------------------------
+    def fit(self, round: int) -> FitResult:
+        c = self.config
+        g.train_epochs(self.model, self.corpus, self.settings, first_epoch=round * c.local_epochs,
+                       num_epochs=c.local_epochs, total_epochs=c.total_epochs,
+                       seed=_rng_seed(self.site.seed, self.site.client_id, round))
+        return FitResult(num_examples=len(self.corpus),
+                         metrics={"alpha": g.epoch_alpha(self.settings, (round + 1) * c.local_epochs - 1, c.total_epochs)})
+
+    # -- resumable state: the private arrays ------------------------------------------------------------
+    def state_dict(self) -> Bundle:
+        arrays: dict[str, np.ndarray] = {}
+        if self.model is None:
+            return {}, arrays
+        if hasattr(self.model, "dv") and len(self.model.dv):
+            arrays["dv"] = self.model.dv.vectors
+        shared = set() if self.independent else set(self.config.federated_arrays)
+        if "wv" not in shared:
+            arrays["wv"] = self.model.wv.vectors
+        if "syn1neg" not in shared:
+            arrays["syn1neg"] = self.model.syn1neg
+        return {}, arrays
+
+    def load_state_dict(self, state: Bundle) -> None:
+        _, arrays = state
+        if "dv" in arrays:
+            if arrays["dv"].shape != self.model.dv.vectors.shape:
+                raise ValueError(f"checkpointed document vectors {arrays['dv'].shape} do not match this site's "
+                                 f"{self.model.dv.vectors.shape}; the site's data changed since the checkpoint")
+            self.model.dv.vectors[...] = arrays["dv"]
+        g.set_arrays(self.model, {k: v for k, v in arrays.items() if k in ("wv", "syn1neg")})
+
+
+class Doc2VecTask(GensimJointTask):
+    name = "doc2vec"
+    kind = "doc2vec"
+    entity = "doc"
+
+    @dataclass(kw_only=True)
+    class Config:
+        mode: Literal["joint", "centralized", "mapping", "nomapping"] = "joint"
+        dataset: Literal["20newsgroups", "file", "gensim"] = "20newsgroups"
+        subset: Literal["train", "test", "all"] = "train"  # 20NG posts the sites own
+        path: str | None = None  # dataset=file: JSONL/plain text; dataset=gensim: corpus name
+        max_docs: int | None = None  # random sample of the corpus (quick runs)
+        split: Literal["random", "family"] = "random"
+        public_corpus: str = "20newsgroups:test"  # mapping: "20newsgroups:test" | "file:PATH" | "gensim:NAME"
+        public_max_docs: int | None = None
+        vector_size: int = 50
+        dm: int = 1
+        window: int = 5
+        negative: int = 5
+        sample: float = 1e-3
+        min_count: int = 2
+        alpha: float = 0.025
+        min_alpha: float = 0.0001
+        infer_epochs: int = 40
+        local_epochs: int = 1
+        total_epochs: int = 40  # the decay spans all rounds: set rounds = total_epochs / local_epochs
+        federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
+        vocab_merge: Literal["sum", "reference_compat"] = "sum"
+        model_seed: int = 0
+        eval_k: int = 10
+
+        def validate(self) -> None:
+            for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "infer_epochs"):
+                if getattr(self, key) < 1:
+                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+            bad = [a for a in self.federated_arrays if a not in g.FEDERATED_ARRAYS]
+            if bad or not self.federated_arrays:
+                raise ValueError(f"federated_arrays={self.federated_arrays}; choose from {list(g.FEDERATED_ARRAYS)}")
+            if self.dataset != "20newsgroups" and self.dataset != "gensim" and not self.path:
+                raise ValueError(f"dataset={self.dataset} needs path (a .jsonl or .txt corpus)")
+
+    def __init__(self, config: Config, site: Site) -> None:
+        super().__init__(config, site)
+        from gensim.models.doc2vec import TaggedDocument
+
+        from hpcfed.data.corpus import split_documents, tokenize
+
+        docs = self._load(config.dataset, config.path, config.subset, config.max_docs)
+        if config.mode == "centralized":
+            if site.num_clients != 1:
+                raise ValueError(f"method=centralized trains one model on the union of the data: run it with one "
+                                 f"client (--np 2), not {site.num_clients}")
+            mine = docs
+        else:
+            mine = split_documents(docs, site.num_clients, mode=config.split, seed=site.seed)[site.client_id]
+        self.docs = mine
+        self.corpus = [TaggedDocument(tokenize(d.text), [d.id]) for d in mine]
+        self.public: list[Any] = []
+        if self.independent and config.public_corpus not in ("", "none"):
+            self.public = self._load_public(config.public_corpus, config.public_max_docs)
+
+    def _load(self, dataset: str, path: str | None, subset: str, max_docs: int | None) -> list[Any]:
+        from hpcfed.data import corpus
+
+        if dataset == "20newsgroups":
+            return corpus.load_20newsgroups(self.site.data_root, subset=subset, max_docs=max_docs, seed=self.site.seed)
+        docs = corpus.gensim_test_corpus(path or "lee_background.cor") if dataset == "gensim" \
+            else corpus.load_corpus_file(path)  # type: ignore[arg-type]
+        if max_docs is not None:
+            docs = docs[:max_docs]
+        return docs
+
+    def _load_public(self, spec: str, max_docs: int | None) -> list[Any]:
+        kind, _, arg = spec.partition(":")
+        if kind == "20newsgroups":
+            return self._load("20newsgroups", None, arg or "test", max_docs)
+        if kind in ("file", "gensim"):
+            return self._load(kind, arg or None, "all", max_docs)
+        raise ValueError(f"task.public_corpus={spec!r}; use 20newsgroups:test, file:PATH or gensim:NAME")
+
+    def _settings(self) -> g.GensimSettings:
+        return self.settings_of(self.config)
+
+    @classmethod
+    def settings_of(cls, config: Any) -> g.GensimSettings:
+        return g.GensimSettings(kind="doc2vec", vector_size=config.vector_size, dm=config.dm, window=config.window,
+                                negative=config.negative, sample=config.sample, min_count=config.min_count,
+                                alpha=config.alpha, min_alpha=config.min_alpha, infer_epochs=config.infer_epochs)
+
+    def _local_counts(self) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for d in self.corpus:
+            counts.update(d.words)
+        return counts
+
+    @classmethod
+    def apply_method(cls, method: str, run_config: Any) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r} for task doc2vec; choose one of: {', '.join(METHODS)}")
+        apply_gensim_method(method, run_config)
+
+    # -- evaluation and export -----------------------------------------------------------------------
+    def doc_vectors(self) -> np.ndarray:
+        if not self.docs:
+            return np.zeros((0, self.settings.vector_size), dtype=np.float32)
+        return np.stack([self.model.dv[d.id] for d in self.docs]).astype(np.float32)
+
+    def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+        from hpcfed.search.index import SiteIndex
+        from hpcfed.search.metrics import label_precision_at_k
+
+        k = self.config.eval_k
+        out = {"num_docs": float(len(self.docs)), "vocab_size": float(len(self.model.wv))}
+        labels = [d.label for d in self.docs]
+        if len(self.docs) > 1 and max(labels) >= 0:
+            index = SiteIndex(str(self.site.client_id), [d.id for d in self.docs], self.doc_vectors(), np.array(labels))
+            hits = index.hits(index.raw, k, exclude=index.ids)
+            out[f"local_label_precision_at_{k}"] = label_precision_at_k(labels, [[h.label for h in r] for r in hits], k)
+        return out
+
+    def export_embeddings(self, out_dir: Path) -> Path:
+        from hpcfed.data.corpus import tokenize
+
+        cid = self.site.client_id
+        path = export_path(out_dir, cid)
+        extra = {"mode": self.config.mode, "kind": "doc2vec"}
+        write_export(path, self.doc_vectors(), [d.id for d in self.docs], np.array([d.label for d in self.docs]),
+                     entity="doc", model=f"doc2vec-pvdm{self.config.vector_size}", site=cid,
+                     config_hash=self.site.config_hash, extra=extra)
+        if self.public:
+            vectors = g.infer_many(self.model, [tokenize(d.text) for d in self.public], self.settings, seed=self.site.seed)
+            write_export(path, vectors, [d.id for d in self.public], np.array([d.label for d in self.public]),
+                         entity="public", model=f"doc2vec-pvdm{self.config.vector_size}", site=cid,
+                         config_hash=self.site.config_hash, extra=extra, append=True)
+        g.save_model(model_path(out_dir, cid), self.model, self.settings, site=cid)
+        return path
+
+
+def apply_gensim_method(method: str, run_config: Any) -> None:
+    """method=joint|centralized|mapping|nomapping -> task.mode, FedAvg with an unweighted mean (§4.2)."""
+    run_config.task.options["mode"] = method
+    if run_config.strategy.name != "fedavg":
+        run_config.strategy.name, run_config.strategy.options = "fedavg", {}
+    run_config.strategy.options.setdefault("weighting", "uniform")
+    if method == "centralized":
+        run_config.federation.num_clients = 1

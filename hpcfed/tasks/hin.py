@@ -1,0 +1,273 @@
+"""The FedAHE task: HIN node embedding + classification on one site (spec section 2, Algorithm 1).
+
+Each site loads the same HIN (``dataset``), assigns target nodes to sites with the same seed
+(`hpcfed.data.partition`), and keeps only its own relation instances; from them it builds its
+meta-path adjacencies over the shared node index, so every site's model has the same shapes. It
+trains on its own labelled train nodes and is evaluated on its own val/test nodes (HeCo splits,
+``split: "20"`` -> train_20/val_20/test_20).
+
+One `fit` call is the local work between two exchanges: ``sync_every: epoch`` runs `local_epochs`
+passes over the site's train nodes, ``sync_every: batch`` one batch (paper Algorithm 1 exchanges
+after every batch). ``method=`` picks the federation (see `HINTask.apply_method`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from hpcfed.params import Params
+from hpcfed.store.embeddings import export_path, write_export
+from hpcfed.tasks import torch_state
+from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+
+METHODS = {
+    # method: (strategy, federation mode)
+    "feddwa": ("feddwa", "async"),
+    "afed": ("fedasync", "async"),
+    "fedavg": ("fedavg", "sync"),
+    "local": ("local", "sync"),
+    "centralized": ("fedavg", "sync"),
+}
+
+
+def _rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([abs(int(k)) for k in keys]))
+
+
+class HINTask(Task):
+    name = "hin"
+
+    @dataclass(kw_only=True)
+    class Config:
+        dataset: str = "synthetic"  # synthetic | hin/acm | hin/aminer | path/to/graph.npz
+        metapaths: list[str] | None = None  # default: the dataset's (ACM: PAP, PSP)
+        split: str = "20"  # HeCo train_20/val_20/test_20; files without it use train/val/test;
+        # "frac:0.3" draws a stratified 30% train / 10% val / 60% test split (HAHE's --train 0.3)
+        partition: Literal["random", "attribute", "dirichlet", "none"] = "random"
+        partition_attribute: str | None = None  # attr/NAME of the HIN or a node type letter (S)
+        dirichlet_alpha: float = 0.5
+        use_features: bool = False  # concatenate the target features to A_i^π (ACM p_feat)
+        dim: int = 128  # d
+        pref_dim: int = 32  # k
+        num_sample: int = 100
+        eq4_activation: Literal["none", "sigmoid"] = "none"
+        eq5_activation: Literal["none", "tanh"] = "none"
+        lr: float = 1e-3
+        weight_decay: float = 1e-3
+        batch_size: int = 256
+        local_epochs: int = 1
+        sync_every: Literal["epoch", "batch"] = "epoch"
+        personal_params: list[str] = field(default_factory=list)  # e.g. ["p"]: keep preference vectors local
+        fit_eval_every: int = 0  # also report val F1 from fit every n calls (async runs log no evaluate)
+        synthetic: dict[str, Any] = field(default_factory=dict)  # options of hpcfed.data.hin.synthetic_hin
+
+        def validate(self) -> None:
+            for key in ("dim", "pref_dim", "num_sample", "batch_size", "local_epochs"):
+                if getattr(self, key) < 1:
+                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+            if self.lr <= 0 or self.weight_decay < 0:
+                raise ValueError("lr must be > 0 and weight_decay >= 0")
+            if self.fit_eval_every < 0:
+                raise ValueError(f"fit_eval_every must be >= 0, got {self.fit_eval_every}")
+            unknown = set(self.personal_params) - {"p"}
+            if unknown:
+                raise ValueError(f"personal_params may only name 'p' (preference vectors), got {sorted(unknown)}")
+
+    @classmethod
+    def apply_method(cls, method: str, run_config: Any) -> None:
+        """feddwa|afed (async), fedavg|local (sync), centralized (all data on one client rank)."""
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r} for task hin; choose one of: {', '.join(METHODS)}")
+        strategy, mode = METHODS[method]
+        if run_config.strategy.name != strategy:
+            run_config.strategy.name = strategy
+            run_config.strategy.options = {}  # the other strategy's options would not validate
+        run_config.federation.mode = mode
+        options = run_config.task.options
+        if mode == "async":
+            options.setdefault("fit_eval_every", 1)
+        if method == "centralized":
+            options["partition"] = "none"
+            run_config.federation.num_clients = 1  # `hpcfed run` without --np starts 2 ranks
+
+    # ------------------------------------------------------------------------------------------
+    def __init__(self, config: Config, site: Site) -> None:
+        super().__init__(config, site)
+        import torch
+
+        from hpcfed.data.hin import load_dataset, metapath_adjacency
+        from hpcfed.data.partition import assign_owners, site_view
+        from hpcfed.models.fedahe import FedAHE, MetapathInput
+
+        c = config
+        hin = load_dataset(c.dataset, site.data_root, **({"seed": site.seed, **c.synthetic}
+                                                         if c.dataset == "synthetic" else {}))
+        if c.metapaths:
+            hin.metapaths = list(c.metapaths)
+        if not hin.metapaths:
+            raise ValueError(f"dataset {c.dataset}: no meta-paths; set task.metapaths (e.g. [PAP, PSP])")
+        hin.validate(c.dataset)
+        self.hin = hin
+        names = self._split_names(hin, c.split)
+        self.owners = assign_owners(hin, site.num_clients, c.partition, site.seed,
+                                    attribute=c.partition_attribute, alpha=c.dirichlet_alpha)
+        view = site_view(hin, self.owners, site.client_id)
+        own = self.owners == site.client_id
+        self.nodes = {k: np.sort(hin.splits[n][own[hin.splits[n]]]) for k, n in zip(("train", "val", "test"), names)}
+        self.own_nodes = np.flatnonzero(own)
+        features = None
+        if c.use_features:
+            if hin.features is None:
+                raise ValueError(f"task.use_features: dataset {c.dataset} has no node features; set it to false")
+            features = hin.features
+        self.inputs = [MetapathInput(metapath_adjacency(view, mp), features) for mp in hin.metapaths]
+        self.labels = torch.as_tensor(hin.labels)
+        torch.manual_seed(site.seed)  # identical initial model on every site
+        self.model = FedAHE(num_nodes=hin.num_targets, input_dim=self.inputs[0].input_dim,
+                            num_metapaths=len(hin.metapaths), num_classes=max(hin.num_classes, 2), dim=c.dim,
+                            pref_dim=c.pref_dim, eq4_activation=c.eq4_activation, eq5_activation=c.eq5_activation)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        self.steps = 0  # fit calls so far (batch cursor for sync_every=batch)
+
+    @staticmethod
+    def _split_names(hin: Any, split: str) -> tuple[str, str, str]:
+        if split.startswith("frac:"):
+            from hpcfed.data.hin import stratified_split
+
+            try:
+                fraction = float(split[5:])
+            except ValueError:
+                raise ValueError(f"task.split={split!r}: write frac:0.3 (the train fraction)") from None
+            drawn = stratified_split(hin.labels, fraction, 0.1, seed=0)  # same on every site and method
+            hin.splits.update({f"{k}_{split}": v for k, v in drawn.items()})
+        for names in ((f"train_{split}", f"val_{split}", f"test_{split}"), ("train", "val", "test")):
+            if all(n in hin.splits for n in names):
+                return names
+        raise ValueError(f"dataset {hin.name}: no splits train_{split}/val_{split}/test_{split} or train/val/test; "
+                         f"it has: {', '.join(sorted(hin.splits)) or 'none'}")
+
+    # -- parameters ---------------------------------------------------------------------------
+    def get_parameters(self) -> Params:
+        return torch_state.module_parameters(self.model)
+
+    def set_parameters(self, params: Params) -> None:
+        if self.config.personal_params:
+            params = dict(params)
+            own = self.get_parameters()
+            for name in self.config.personal_params:
+                params[name] = own[name]
+        torch_state.load_module_parameters(self.model, params)
+
+    # -- learning -----------------------------------------------------------------------------
+    def _batches(self, rng: np.random.Generator) -> list[np.ndarray]:
+        train = rng.permutation(self.nodes["train"])
+        b = self.config.batch_size
+        return [train[i:i + b] for i in range(0, len(train), b)]
+
+    def fit(self, round: int) -> FitResult:
+        import torch
+
+        c = self.config
+        self.model.train()
+        rng = _rng(self.site.seed, self.site.client_id, round, self.steps)
+        if c.sync_every == "epoch":
+            batches = [b for _ in range(c.local_epochs) for b in self._batches(rng)]
+        else:
+            epoch_batches = self._batches(_rng(self.site.seed, self.site.client_id, 104729,
+                                               self.steps // max(1, self._num_batches())))
+            batches = [epoch_batches[self.steps % len(epoch_batches)]] if epoch_batches else []
+        total, count = 0.0, 0
+        for nodes in batches:
+            if len(nodes) == 0:
+                continue  # an empty batch is skipped (spec edge case)
+            self.optimizer.zero_grad()
+            logits = self.model(self.inputs, nodes, c.num_sample, rng)
+            loss = torch.nn.functional.cross_entropy(logits, self.labels[torch.as_tensor(nodes)])  # eq 8
+            loss.backward()
+            self.optimizer.step()
+            total += float(loss.detach()) * len(nodes)
+            count += len(nodes)
+        self.steps += 1
+        metrics = {"train_loss": total / max(count, 1)}
+        if c.fit_eval_every and self.steps % c.fit_eval_every == 0:
+            metrics.update(self.evaluate(round))
+        return FitResult(num_examples=int(count), metrics=metrics)
+
+    def _num_batches(self) -> int:
+        return -(-len(self.nodes["train"]) // self.config.batch_size)
+
+    def embed(self, nodes: np.ndarray, chunk: int = 2048) -> np.ndarray:
+        """e_i (eq 7) for `nodes`, with a fixed neighbour sample so evaluations are repeatable."""
+        import torch
+
+        self.model.eval()
+        rng = _rng(self.site.seed, 65537)
+        out = []
+        with torch.no_grad():
+            for i in range(0, len(nodes), chunk):
+                out.append(self.model.embed(self.inputs, nodes[i:i + chunk], self.config.num_sample, rng).numpy())
+        return np.concatenate(out) if out else np.zeros((0, self.config.dim), np.float32)
+
+    def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+        import torch
+        from sklearn.metrics import f1_score
+
+        split = "test" if final else "val"
+        nodes = self.nodes[split]
+        if len(nodes) == 0:
+            return {}
+        emb = self.embed(nodes)
+        with torch.no_grad():
+            logits = self.model.classifier(torch.as_tensor(emb))
+            y = self.labels[torch.as_tensor(nodes)]
+            loss = float(torch.nn.functional.cross_entropy(logits, y))
+        pred, y = logits.argmax(1).numpy(), y.numpy()
+        micro = float(f1_score(y, pred, average="micro"))
+        macro = float(f1_score(y, pred, average="macro", zero_division=0))
+        if not final:
+            return {"val_loss": loss, "val_micro_f1": micro, "val_macro_f1": macro}
+        out = {"loss": loss, "micro_f1": micro, "macro_f1": macro, "num_test": float(len(nodes))}
+        out.update(self._logreg_f1(emb, y))
+        return out
+
+    def _logreg_f1(self, test_emb: np.ndarray, test_y: np.ndarray) -> dict[str, float]:
+        """Micro/Macro-F1 of a logistic regression trained on this site's train-node embeddings."""
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.metrics import f1_score
+
+        train = self.nodes["train"]
+        y_train = self.labels.numpy()[train]
+        if len(np.unique(y_train)) < 2:
+            return {}
+        clf = LogisticRegression(max_iter=2000).fit(self.embed(train), y_train)
+        pred = clf.predict(test_emb)
+        return {"lr_micro_f1": float(f1_score(test_y, pred, average="micro")),
+                "lr_macro_f1": float(f1_score(test_y, pred, average="macro", zero_division=0))}
+
+    def export_embeddings(self, out_dir: Path) -> Path:
+        """This site's target nodes (those whose relations it holds): e_i, original ids, labels."""
+        nodes = self.own_nodes
+        ids_all = self.hin.ids.get(self.hin.target)
+        ids = [str(ids_all[i]) for i in nodes] if ids_all is not None else [str(i) for i in nodes]
+        return write_export(export_path(out_dir, self.site.client_id), self.embed(nodes), ids,
+                            self.hin.labels[nodes], entity="node", model="fedahe", site=self.site.client_id,
+                            config_hash=self.site.config_hash, version=0,
+                            extra={"dataset": self.hin.name, "metapaths": ",".join(self.hin.metapaths)})
+
+    # -- resumable state ------------------------------------------------------------------------
+    def state_dict(self) -> Bundle:
+        header, arrays = torch_state.optimizer_state(self.optimizer)
+        _, rng = torch_state.rng_state()
+        return {"optimizer": header, "steps": self.steps}, {**arrays, **rng}
+
+    def load_state_dict(self, state: Bundle) -> None:
+        header, arrays = state
+        if "optimizer" in header:
+            torch_state.load_optimizer_state(self.optimizer, header["optimizer"],
+                                             {k: v for k, v in arrays.items() if k.startswith("opt/")})
+        self.steps = int(header.get("steps", 0))
+        torch_state.load_rng_state(arrays)

@@ -1,0 +1,140 @@
+"""SEEC node2vec task: federated skip-gram over biased random walks of a graph split across sites.
+
+Each site owns a random share of the nodes (paper §V.A.1) and walks its local graph (p = 0.6,
+q = 0.1, length 20, 20 walks per node; `hpcfed.models.node2vec`). Cross-site edges are dropped
+(``retain_cross_site: false``) or kept at both sites with their foreign endpoint (``true``). The
+vocabulary is the set of global node ids; the setup exchange and FedAvg of ``wv``/``syn1neg`` are
+doc2vec's (`hpcfed.tasks.doc2vec.GensimJointTask`). Search runs only over each site's own nodes,
+so the export holds this site's nodes (entity ``node``: vectors, ids, labels).
+
+Methods: ``joint`` (default) and ``centralized`` (one site, the whole graph; run with ``--np 2``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from hpcfed.models import doc2vec as g
+from hpcfed.models.node2vec import walk_corpus
+from hpcfed.store.embeddings import export_path, write_export
+from hpcfed.tasks.base import Site
+from hpcfed.tasks.doc2vec import GensimJointTask, _rng_seed, apply_gensim_method, model_path
+
+METHODS = ("joint", "centralized")
+
+
+class Node2VecTask(GensimJointTask):
+    name = "node2vec"
+    kind = "word2vec"
+    entity = "node"
+
+    @dataclass(kw_only=True)
+    class Config:
+        mode: Literal["joint", "centralized"] = "joint"
+        dataset: Literal["cora", "planted"] = "cora"
+        planted_nodes: int = 120  # dataset=planted: a small graph with communities (tests, demos)
+        retain_cross_site: bool = False
+        p: float = 0.6
+        q: float = 0.1
+        walk_length: int = 20
+        num_walks: int = 20
+        vector_size: int = 124
+        window: int = 5
+        negative: int = 5
+        sample: float = 1e-3
+        min_count: int = 1
+        alpha: float = 0.025
+        min_alpha: float = 0.0001
+        local_epochs: int = 1
+        total_epochs: int = 40
+        federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
+        vocab_merge: Literal["sum", "reference_compat"] = "sum"
+        model_seed: int = 0
+        eval_k: int = 10
+
+        def validate(self) -> None:
+            for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "walk_length",
+                        "num_walks"):
+                if getattr(self, key) < 1:
+                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+            if self.p <= 0 or self.q <= 0:
+                raise ValueError(f"p and q must be > 0, got p={self.p}, q={self.q}")
+            bad = [a for a in self.federated_arrays if a not in g.FEDERATED_ARRAYS]
+            if bad or not self.federated_arrays:
+                raise ValueError(f"federated_arrays={self.federated_arrays}; choose from {list(g.FEDERATED_ARRAYS)}")
+
+    def __init__(self, config: Config, site: Site) -> None:
+        super().__init__(config, site)
+        from hpcfed.data.cora import load_cora, planted_graph, split_graph
+
+        self.graph = load_cora(site.data_root) if config.dataset == "cora" else \
+            planted_graph(config.planted_nodes, seed=site.seed)
+        if config.mode == "centralized":
+            if site.num_clients != 1:
+                raise ValueError(f"method=centralized trains one model on the whole graph: run it with one client "
+                                 f"(--np 2), not {site.num_clients}")
+        part = split_graph(self.graph, site.num_clients, site.client_id,
+                           retain_cross_site=config.retain_cross_site, seed=site.seed)
+        self.own = part.own
+        # Walks are drawn once (seeded by site) and reused every epoch, as the node2vec package does.
+        self.corpus = walk_corpus(self.graph.num_nodes, part.edges, part.nodes, num_walks=config.num_walks,
+                                  walk_length=config.walk_length, p=config.p, q=config.q,
+                                  seed=_rng_seed(site.seed, site.client_id, 7), node_id=self.graph.node_id)
+
+    def _settings(self) -> g.GensimSettings:
+        return self.settings_of(self.config)
+
+    @classmethod
+    def settings_of(cls, config: Any) -> g.GensimSettings:
+        return g.GensimSettings(kind="word2vec", vector_size=config.vector_size, sg=1, window=config.window,
+                                negative=config.negative, sample=config.sample, min_count=config.min_count,
+                                alpha=config.alpha, min_alpha=config.min_alpha)
+
+    def _local_counts(self) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for walk in self.corpus:
+            counts.update(walk)
+        return counts
+
+    @classmethod
+    def apply_method(cls, method: str, run_config: Any) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r} for task node2vec; choose one of: {', '.join(METHODS)}")
+        apply_gensim_method(method, run_config)
+
+    # -- evaluation and export ---------------------------------------------------------------------
+    def node_vectors(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        ids = [self.graph.node_id(v) for v in self.own if self.graph.node_id(v) in self.model.wv.key_to_index]
+        vectors = np.stack([self.model.wv[i] for i in ids]).astype(np.float32) if ids else \
+            np.zeros((0, self.config.vector_size), dtype=np.float32)
+        labels = np.array([self.graph.labels[int(i)] for i in ids], dtype=np.int64)
+        return ids, vectors, labels
+
+    def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+        from hpcfed.search.index import SiteIndex
+        from hpcfed.search.metrics import label_precision_at_k
+
+        k = self.config.eval_k
+        ids, vectors, labels = self.node_vectors()
+        out = {"num_nodes": float(len(ids)), "vocab_size": float(len(self.model.wv))}
+        if len(ids) > 1:
+            index = SiteIndex(str(self.site.client_id), ids, vectors, labels)
+            hits = index.hits(vectors, k, exclude=ids)
+            out[f"local_label_precision_at_{k}"] = label_precision_at_k(list(labels), [[h.label for h in r] for r in hits], k)
+        return out
+
+    def export_embeddings(self, out_dir: Path) -> Path:
+        cid = self.site.client_id
+        ids, vectors, labels = self.node_vectors()
+        path = write_export(export_path(out_dir, cid), vectors, ids, labels, entity="node",
+                            model=f"node2vec-sg{self.config.vector_size}", site=cid,
+                            config_hash=self.site.config_hash,
+                            extra={"mode": self.config.mode, "kind": "node2vec",
+                                   "retain_cross_site": bool(self.config.retain_cross_site)})
+        g.save_model(model_path(out_dir, cid), self.model, self.settings, site=cid)
+        return path

@@ -1,0 +1,277 @@
+"""SecureChannel on the in-process transport: handshakes, chunking, and every kind of bad frame
+rejected, counted by reason and rank, while honest traffic goes on."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from comm_attacks import ANY, attacks, seal
+from hpcfed.comm import crypto
+from hpcfed.comm.channel import HDR, ChannelError, SecureChannel
+from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.transport import InProcTransport
+
+PSK = bytes(range(32))
+
+
+def _psk(key: bytes = PSK) -> Credentials:
+    return Credentials(mode="psk", psk=key)
+
+
+def _job(creds: list[Credentials], tap=None, job_ids=None, **kw) -> list[SecureChannel]:
+    ts = InProcTransport.group(len(creds), tap=tap)
+    logs: list[str] = []
+    chans = [SecureChannel(t, c, (job_ids or {}).get(r, b"job-1"), log=logs.append, **kw)
+             for r, (t, c) in enumerate(zip(ts, creds))]
+    for ch in chans:
+        ch.test_log = logs  # type: ignore[attr-defined]
+    return chans
+
+
+def _connect(chans: list[SecureChannel], timeout: float = 5.0, **kw) -> dict[int, BaseException]:
+    """Connect clients (threads) and the server; returns the exceptions raised, by rank."""
+    errors: dict[int, BaseException] = {}
+
+    def client(r: int) -> None:
+        try:
+            chans[r].connect([0], timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 — reported to the test
+            errors[r] = exc
+
+    threads = [threading.Thread(target=client, args=(r,)) for r in range(1, len(chans))]
+    for t in threads:
+        t.start()
+    try:
+        chans[0].connect(range(1, len(chans)), timeout=timeout, **kw)
+    except ChannelError as exc:
+        errors[0] = exc
+    # the server has answered every client it will answer; let clients see their confirmation
+    deadline = time.monotonic() + timeout
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        chans[0].poll()
+        time.sleep(0.001)
+    for t in threads:
+        t.join()
+    return errors
+
+
+def _keys_job(n_clients: int, authorized: list[int] | None = None, pinned=None):
+    ids = [crypto.new_identity() for _ in range(n_clients + 1)]
+    allowed = [ids[r].public_key() for r in (authorized or range(1, n_clients + 1))]
+    creds = [Credentials(mode="keys", identity=ids[0], authorized=allowed)]
+    creds += [Credentials(mode="keys", identity=ids[r], server_public=(pinned or ids[0]).public_key())
+              for r in range(1, n_clients + 1)]
+    return creds
+
+
+def _echo(chans: list[SecureChannel], r: int, tensors=None, kind: int = 4) -> None:
+    chans[r].send(0, kind, {"from": r}, tensors or {"x": np.full(3, r, np.float32)})
+    msg = chans[0].recv(source=r, timeout=5)
+    assert msg is not None and msg.header == {"from": r} and msg.kind == kind
+
+
+def test_psk_handshake_and_messages_both_ways():
+    chans = _job([_psk()] * 3)
+    assert _connect(chans) == {}
+    assert chans[0].peers == [1, 2] and chans[1].peers == [0]
+    big = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+    chans[1].send(0, 4, {"round": 1}, {"params": big, "n": np.array(7)})
+    chans[2].send(0, 4, {"round": 1}, {"params": -big})
+    got = {m.source: m for m in (chans[0].recv(timeout=5), chans[0].recv(timeout=5))}
+    np.testing.assert_array_equal(got[1].tensors["params"], big)
+    np.testing.assert_array_equal(got[2].tensors["params"], -big)
+    assert int(got[1].tensors["n"]) == 7 and got[1].nbytes > big.nbytes
+    chans[0].send(2, 3, {"reply": True}, {"params": big})
+    m = chans[2].recv(source=0, timeout=5)
+    np.testing.assert_array_equal(m.tensors["params"], big)
+    for ch in chans:
+        assert ch.stats.rejected == {}
+        ch.close()
+
+
+def test_keys_handshake_authorized_sites_only():
+    chans = _job(_keys_job(2))
+    assert _connect(chans) == {}
+    _echo(chans, 1)
+    _echo(chans, 2)
+
+
+def test_unauthorized_identity_is_refused_and_named():
+    chans = _job(_keys_job(2, authorized=[1]))
+    errors = _connect(chans)
+    assert "rank 2" in str(errors[0]) and "not in the authorized keys" in str(errors[0])
+    assert "refused" in str(errors[2])
+    assert 1 not in errors and chans[0].peers == [1]
+    assert chans[0].stats.rejected_by_rank == {2: 1}
+    _echo(chans, 1)  # the authorized site still works
+
+
+def test_server_may_continue_without_a_refused_site():
+    chans = _job(_keys_job(2, authorized=[2]))
+    errors = _connect(chans, require_all=False)
+    assert 0 not in errors and chans[0].peers == [2] and 1 in errors
+    _echo(chans, 2)
+
+
+def test_client_refuses_a_server_with_the_wrong_key():
+    creds = _keys_job(1, pinned=crypto.new_identity())
+    errors = _connect(_job(creds))
+    assert "not the pinned server key" in str(errors[1])
+    assert "rank 1" in str(errors[0])
+
+
+def test_wrong_psk_fails_the_handshake_on_both_sides():
+    errors = _connect(_job([_psk(), _psk(os.urandom(32))]))
+    assert "pre-shared key" in str(errors[1]) and "rank 1" in str(errors[0])
+
+
+def test_mode_mismatch_is_explained():
+    errors = _connect(_job([_psk(), _keys_job(1)[1]]))
+    assert "security mode" in str(errors[0]) + str(errors.get(1, ""))
+
+
+def test_a_handshake_from_another_job_fails():
+    errors = _connect(_job([_psk(), _psk()], job_ids={1: b"job-2"}))
+    assert errors  # the transcript binds the job id
+
+
+def test_silent_peer_times_out_naming_the_rank():
+    chans = _job([_psk()] * 3)
+    t = threading.Thread(target=chans[1].connect, args=([0], 5))
+    t.start()
+    with pytest.raises(ChannelError, match=r"rank\(s\) 2 did not complete"):
+        chans[0].connect([1, 2], timeout=0.5)
+    t.join()
+    assert chans[0].peers == [1]
+
+
+@pytest.mark.parametrize("mode", ["psk", "keys"])
+def test_every_hostile_frame_is_rejected_counted_and_honest_traffic_continues(mode):
+    creds = [_psk()] * 3 if mode == "psk" else _keys_job(2)
+    chans = _job(creds)
+    assert _connect(chans) == {}
+    hostile = chans[2]
+    plan = attacks(hostile, 0)
+    for _name, frame, _reason in plan:
+        hostile.transport.inject(0, frame)
+        _echo(chans, 1)  # honest traffic interleaved with every attack
+    msgs = []
+    while (m := chans[0].poll()) is not None:
+        msgs.append(m)
+    assert [m.header["text"] for m in msgs] == ["legit 1", "legit 2", "legit 3"]
+    assert all(m.source == 2 for m in msgs)
+    st = chans[0].stats
+    bad = [(n, r) for n, _, r in plan if r is not None]
+    assert st.rejected_by_rank == {2: len(bad)}
+    for name, reason in bad:
+        if reason != ANY:
+            assert st.rejected.get(reason, 0) >= 1, (name, st.rejected)
+    assert sum(st.rejected.values()) == len(bad)
+    assert any("rejected message from rank 2" in line for line in chans[0].test_log)
+    # the hostile rank's own session still works for honest messages after its attacks
+    _echo(chans, 2)
+
+
+def test_in_transit_tampering_of_a_chunk_drops_only_that_message():
+    victim = {"armed": True}
+
+    def tap(src: int, dst: int, frame: bytes) -> list[bytes]:
+        if src == 1 and dst == 0 and victim["armed"] and len(frame) > 8000 and frame[32] == 1:  # chunk index 1
+            victim["armed"] = False
+            return [frame[:HDR + 100] + bytes([frame[HDR + 100] ^ 1]) + frame[HDR + 101:]]
+        return [frame]
+
+    chans = _job([_psk()] * 2, tap=tap, chunk_bytes=8192)
+    assert _connect(chans) == {}
+    big = np.arange(10_000, dtype=np.float64)
+    chans[1].send(0, 4, {"n": 1}, {"p": big})  # chunk 1 of 10 is corrupted on the way
+    chans[1].send(0, 4, {"n": 2}, {"p": big})
+    m = chans[0].recv(timeout=5)
+    assert m.header == {"n": 2}
+    np.testing.assert_array_equal(m.tensors["p"], big)
+    st = chans[0].stats.rejected
+    assert st["authentication failed"] == 1
+    assert st["chunk out of sequence"] >= 1 and st["incomplete message abandoned"] == 1
+
+
+def test_replay_of_a_whole_recorded_session_is_rejected():
+    recorded: list[bytes] = []
+
+    def tap(src, dst, frame):
+        if src == 1 and dst == 0:
+            recorded.append(frame)
+        return [frame]
+
+    chans = _job([_psk()] * 2, tap=tap, chunk_bytes=4096)
+    assert _connect(chans) == {}
+    _echo(chans, 1, {"p": np.arange(3000, dtype=np.float32)})
+    n = len(recorded)
+    for frame in recorded:
+        chans[1].transport.inject(0, frame)
+    assert chans[0].recv(timeout=0.2) is None
+    assert sum(chans[0].stats.rejected.values()) == n
+    assert chans[0].stats.rejected_by_rank == {1: n}
+
+
+def test_oversize_frames_and_messages_are_rejected():
+    chans = _job([_psk()] * 2, chunk_bytes=4096, max_message_bytes=20_000)
+    assert _connect(chans) == {}
+    chans[1].transport.inject(0, bytes(HDR + 5000 + 16))
+    chans[1].transport.inject(0, seal(chans[1], 0, b"x" * 100, count=10, total=50_000))
+    assert chans[0].recv(timeout=0.1) is None
+    assert chans[0].stats.rejected == {"oversize frame": 1, "malformed frame": 1}
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        chans[1].send(0, 4, {}, {"p": np.zeros(10_000)})
+
+
+def test_peer_is_cut_off_after_max_rejects():
+    chans = _job([_psk()] * 3, max_rejects=5)
+    assert _connect(chans) == {}
+    for _ in range(8):
+        chans[2].transport.inject(0, b"\x01" * 10)
+    _echo(chans, 1)
+    assert chans[0].recv(timeout=0.05) is None
+    assert chans[0].stats.rejected_by_rank == {2: 5}
+    assert chans[0].stats.rejected["from a cut-off rank"] == 3
+    assert any("cut off" in line for line in chans[0].test_log)
+    with pytest.raises(ChannelError, match="rank 2 was cut off"):
+        chans[0].recv(source=2, timeout=0.05)
+
+
+def test_kinds_and_sources_filter_without_losing_messages():
+    chans = _job([_psk()] * 3)
+    assert _connect(chans) == {}
+    chans[1].send(0, 7, {"i": 1})
+    chans[2].send(0, 8, {"i": 2})
+    chans[1].send(0, 8, {"i": 3})
+    assert chans[0].recv(kinds={8}, source=1, timeout=5).header == {"i": 3}
+    assert chans[0].recv(kinds={9}, timeout=0.05) is None
+    assert chans[0].recv(timeout=5).header == {"i": 1}
+    assert chans[0].recv(timeout=5).header == {"i": 2}
+    assert chans[0].poll() is None
+
+
+def test_send_checks_its_arguments():
+    chans = _job([_psk()] * 3)
+    assert _connect(chans) == {}
+    with pytest.raises(ValueError, match="kind"):
+        chans[1].send(0, 256, {})
+    with pytest.raises(ChannelError, match="no secure session with rank 2"):
+        chans[1].send(2, 1, {})
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        SecureChannel(chans[0].transport, _psk(), b"j", chunk_bytes=10)
+
+
+def test_idle_receive_uses_little_cpu():
+    chans = _job([_psk()] * 2)
+    assert _connect(chans) == {}
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    assert chans[0].recv(timeout=2.0) is None
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    assert wall >= 1.9
+    assert cpu < 0.2 * wall, f"idle recv used {cpu:.3f} s of CPU in {wall:.2f} s"

@@ -1,0 +1,46 @@
+"""The secure channel in a real ``mpiexec -n 3`` job with a hostile rank (see comm_live.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comm_attacks import ANY
+from conftest import mpiexec
+
+pytestmark = pytest.mark.mpi
+HERE = Path(__file__).resolve().parent
+
+
+def test_hostile_rank_is_rejected_while_the_honest_one_is_served(tmp_path):
+    out = tmp_path / "live.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, str(HERE / "comm_live.py"), str(out)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    plan = json.loads(Path(str(out) + ".plan").read_text())
+
+    # the honest site: every message arrived intact and was answered
+    assert [h[0] for h in got["honest"]] == list(range(12))
+    assert {h[2] for h in got["honest"]} == {200_000, 100}
+
+    # the hostile site: every bad frame rejected and counted against rank 2, nothing against rank 1
+    bad = [(name, reason) for name, reason in plan if reason is not None]
+    stats = got["stats"]
+    assert stats["rejected_by_rank"] == {"2": len(bad)}
+    for name, reason in bad:
+        if reason != ANY:
+            assert stats["rejected"].get(reason, 0) >= 1, (name, stats["rejected"])
+    assert sum(stats["rejected"].values()) == len(bad)
+    assert got["hostile_texts"] == ["legit 1", "legit 2", "legit 3"]
+    assert any(line.startswith("rejected message from rank 2:") for line in got["log"])
+
+    # an idle rank does not burn a core
+    assert not got["idle_got_message"] and got["idle_wall_s"] >= 1.9
+    assert got["idle_cpu_s"] < 0.2 * got["idle_wall_s"], got["idle_cpu_s"]

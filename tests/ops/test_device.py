@@ -1,0 +1,53 @@
+"""GPU binding of client ranks (`hpcfed.device.select_device`), checked with a given GPU count."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcfed.device import gpu_for, local_rank, select_device
+
+
+def test_server_rank_always_on_cpu():
+    for pref in ("auto", "cuda", "cuda:1", "cpu"):
+        assert select_device(0, pref, env={"SLURM_LOCALID": "0"}, num_gpus=4) == "cpu"
+
+
+def test_clients_round_robin_over_visible_gpus_by_local_rank():
+    # 5 ranks on a node with 4 GPUs: the server (local 0) is on CPU, clients take one GPU each.
+    got = [select_device(r, "auto", env={"SLURM_LOCALID": str(r)}, num_gpus=4) for r in range(1, 5)]
+    assert got == ["cuda:1", "cuda:2", "cuda:3", "cuda:0"]
+    # Second node: global rank 7 is local rank 2 there.
+    assert select_device(7, "cuda", env={"SLURM_LOCALID": "2"}, num_gpus=4) == "cuda:2"
+
+
+def test_one_gpu_per_task_layout_gives_cuda0():
+    # --gpus-per-task=1: every task sees exactly one GPU.
+    assert {select_device(r, "cuda", env={"SLURM_LOCALID": str(r)}, num_gpus=1) for r in (1, 2, 3)} == {"cuda:0"}
+
+
+def test_local_rank_sources_in_order_and_fallback_to_global_rank():
+    assert local_rank(5, {"MPI_LOCALRANKID": "1"}) == 1
+    assert local_rank(5, {"OMPI_COMM_WORLD_LOCAL_RANK": "3", "SLURM_LOCALID": "2"}) == 2  # Slurm wins
+    assert local_rank(5, {}) == 5
+    with pytest.raises(ValueError, match="SLURM_LOCALID='x'"):
+        local_rank(1, {"SLURM_LOCALID": "x"})
+    assert gpu_for(6, 4) == 2
+
+
+def test_cpu_fallback_and_errors_when_cuda_is_required():
+    assert select_device(1, "auto", env={}, num_gpus=0) == "cpu"
+    assert select_device(1, "cpu", env={}, num_gpus=8) == "cpu"
+    with pytest.raises(ValueError, match="rank 2: device=cuda but no GPU is visible"):
+        select_device(2, "cuda", env={"CUDA_VISIBLE_DEVICES": ""}, num_gpus=0)
+    with pytest.raises(ValueError, match="only 2 GPU"):
+        select_device(1, "cuda:3", env={}, num_gpus=2)
+    assert select_device(1, "cuda:1", env={}, num_gpus=2) == "cuda:1"
+    with pytest.raises(ValueError, match="expected one of auto, cpu, cuda"):
+        select_device(1, "tpu", env={}, num_gpus=0)
+
+
+def test_real_torch_count_on_this_machine():
+    import torch
+
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert select_device(1, "auto", env={"SLURM_LOCALID": "0"}) == want

@@ -1,0 +1,61 @@
+"""Corpora: user files (JSONL / plain text), gensim's test corpus, 20 Newsgroups and its site splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpcfed.data.corpus import (NEWSGROUP_FAMILIES, Document, gensim_test_corpus, load_20newsgroups,
+                                load_corpus_file, split_documents)
+from hpcfed.data.root import DataError
+
+
+def test_jsonl_and_plain_text(tmp_path: Path) -> None:
+    p = tmp_path / "docs.jsonl"
+    p.write_text('{"id": "a", "text": "hello world", "label": 2}\n\n{"id": 7, "text": "more"}\n')
+    docs = load_corpus_file(p)
+    assert [(d.id, d.label) for d in docs] == [("a", 2), ("7", -1)]
+    t = tmp_path / "docs.txt"
+    t.write_text("first line\n\nthird\n")
+    assert [(d.id, d.text) for d in load_corpus_file(t)] == [("0", "first line"), ("1", ""), ("2", "third")]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "docs.jsonl:2: not valid JSON"),
+    ('{"text": "x"}', "docs.jsonl:2: field 'id'"),
+    ('{"id": "b", "text": 3}', "docs.jsonl:2: field 'text'"),
+    ('{"id": "b", "text": "x", "label": "sport"}', "docs.jsonl:2: field 'label'"),
+    ('{"id": "a", "text": "x"}', "docs.jsonl:2: duplicate id"),
+])
+def test_jsonl_errors_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    p = tmp_path / "docs.jsonl"
+    p.write_text('{"id": "a", "text": "ok"}\n' + line + "\n")
+    with pytest.raises(DataError, match=message):
+        load_corpus_file(p)
+
+
+def test_gensim_corpus_and_random_split() -> None:
+    docs = gensim_test_corpus()
+    assert len(docs) == 300
+    parts = split_documents(docs, 3, seed=1)
+    assert sorted(d.id for p in parts for d in p) == sorted(d.id for d in docs)
+    assert [len(p) for p in parts] == [100, 100, 100]
+
+
+def test_family_split_keeps_families_whole() -> None:
+    groups = sorted(NEWSGROUP_FAMILIES)
+    docs = [Document(f"{g}/{i}", "t", groups.index(g), g) for g in groups for i in range(3)]
+    parts = split_documents(docs, 2, mode="family")
+    fams = [{NEWSGROUP_FAMILIES[d.group] for d in p} for p in parts]
+    assert fams[0].isdisjoint(fams[1]) and fams[0] | fams[1] == set(NEWSGROUP_FAMILIES.values())
+    with pytest.raises(ValueError, match="families for 9 sites"):
+        split_documents(docs, 9, mode="family")
+
+
+@pytest.mark.realdata
+def test_20newsgroups_from_the_tarball(shared_data) -> None:
+    docs = load_20newsgroups(shared_data, subset="test", max_docs=200)
+    assert len(docs) == 200 and all(d.id.startswith("test/") for d in docs)
+    assert all(0 <= d.label < 20 and d.group in NEWSGROUP_FAMILIES for d in docs)
+    assert not any(d.text.startswith("From:") for d in docs)  # headers are dropped

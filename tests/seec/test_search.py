@@ -1,0 +1,74 @@
+"""Global search: merge order (spec 4.5 test 6), site indexes, offline search over exports, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcfed.models.mapper import Mapper, MapperConfig, mapper_path, save_mapper
+from hpcfed.search.global_search import GlobalSearch
+from hpcfed.search.index import Hit, SiteIndex, merge_results
+from hpcfed.store.embeddings import export_path, write_export
+
+from tests.conftest import run_cli
+
+
+def test_merge_order_hand_case() -> None:
+    site0 = [Hit("0", "x", 0.9), Hit("0", "y", 0.5)]
+    site1 = [Hit("1", "z", 0.7)]
+    assert [h.id for h in merge_results([site0, site1], 2)] == ["x", "z"]
+    tie = merge_results([[Hit("0", "b", 0.5)], [Hit("1", "a", 0.5)]], 2)
+    assert [h.id for h in tie] == ["a", "b"]  # ties -> doc id
+
+
+def test_site_index_topk_excludes_the_query() -> None:
+    idx = SiteIndex("0", ["a", "b", "c"], np.array([[1, 0], [0.9, 0.1], [0, 1]], np.float32), np.array([0, 0, 1]))
+    hits = idx.hits(idx.raw[:1], 2, exclude=["a"])[0]
+    assert [h.id for h in hits] == ["b", "c"]
+    assert hits[0].score == pytest.approx(0.9 / np.hypot(0.9, 0.1), rel=1e-5)
+    with pytest.raises(ValueError, match="need a mapper"):
+        idx.topk(np.zeros((1, 3)), 1)
+
+
+def _write_sites(run: Path, *, rotate_site1: bool) -> None:
+    """Two sites in a 2-d space; site 1's space optionally rotated by 90 degrees."""
+    rot = np.array([[0.0, -1.0], [1.0, 0.0]], np.float32)
+    site0 = np.array([[1, 0], [0.7, 0.7]], np.float32)
+    site1 = np.array([[0.95, 0.05], [0, 1]], np.float32)
+    if rotate_site1:
+        site1 = site1 @ rot.T
+    write_export(export_path(run, 0), site0, ["q", "a"], np.array([1, 2]), entity="doc", model="t", site=0)
+    write_export(export_path(run, 1), site1, ["b", "c"], np.array([1, 3]), entity="doc", model="t", site=1)
+    if rotate_site1:  # exact linear mappers as MLPs: relu(x) - relu(-x) = x
+        eye = np.eye(2, dtype=np.float32)
+        for src, dst, r in (("0", "1", rot), ("1", "0", rot.T)):
+            m = Mapper(src, dst, np.vstack([eye, -eye]), np.zeros(4, np.float32), np.hstack([r, -r]),
+                       np.zeros(2, np.float32), [1.0], MapperConfig(hidden=4))
+            save_mapper(mapper_path(run / "mappers", src, dst), m)
+
+
+def test_global_search_joint_and_mapping(tmp_path: Path) -> None:
+    _write_sites(tmp_path / "joint", rotate_site1=False)
+    hits = GlobalSearch.from_folder(tmp_path / "joint").search_id("q", 2)
+    assert [(h.site, h.id) for h in hits] == [("1", "b"), ("0", "a")]
+    _write_sites(tmp_path / "mapped", rotate_site1=True)
+    mapped = GlobalSearch.from_folder(tmp_path / "mapped", mode="mapping").search_id("q", 2)
+    assert [(h.site, h.id) for h in mapped] == [("1", "b"), ("0", "a")]
+    unmapped = GlobalSearch.from_folder(tmp_path / "mapped", mode="nomapping").search_id("q", 1)
+    assert unmapped[0].id != "b"  # without the mapper the rotated space gives the wrong neighbour
+    with pytest.raises(ValueError, match="train-mappers"):
+        GlobalSearch.from_folder(tmp_path / "joint", mode="mapping")
+
+
+def test_search_cli_offline_json(tmp_path: Path) -> None:
+    _write_sites(tmp_path, rotate_site1=True)
+    proc = run_cli(["search", "query", str(tmp_path), "--id", "q", "--mode", "mapping", "--k", "2", "--compact"])
+    out = json.loads(proc.stdout)
+    results = out["queries"][0]["results"]
+    assert [(r["site"], r["id"]) for r in results] == [("1", "b"), ("0", "a")]
+    assert results[0]["score"] >= results[1]["score"]
+    bad = run_cli(["search", "query", str(tmp_path), "--id", "nope"], check=False)
+    assert bad.returncode == 2 and "in none of the sites" in bad.stderr

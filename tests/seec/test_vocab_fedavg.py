@@ -1,0 +1,129 @@
+"""SEEC joint learning: vocabulary aggregation (spec 4.5 test 1) and FedAvg of gensim arrays (test 2, 3)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from hpcfed.models import doc2vec as g
+from hpcfed.params import ParamLayout
+from hpcfed.strategies.base import StrategyContext, Update
+from hpcfed.strategies.fedavg import FedAvg
+from hpcfed.tasks.base import Site
+from hpcfed.tasks.doc2vec import Doc2VecTask, bundle_counts, counts_bundle
+
+A = {"cat": 2, "dog": 1}
+B = {"dog": 3, "eel": 1}
+
+
+def test_vocabulary_sum_and_order() -> None:
+    merged = g.merge_counts({0: A, 1: B})
+    assert merged == {"dog": 4, "cat": 2, "eel": 1}
+    assert [w for w, _ in g.order_vocab(merged, min_count=2)] == ["dog", "cat"]
+
+
+def test_vocabulary_reference_compat_last_writer_wins() -> None:
+    assert g.merge_counts({0: A, 1: B}, "reference_compat") == {"cat": 2, "dog": 3, "eel": 1}
+
+
+def test_vocabulary_is_independent_of_arrival_order() -> None:
+    sites = {0: A, 1: B, 2: {"eel": 5, "fox": 2, "ant": 2}}
+    expected = g.order_vocab(g.merge_counts(sites), 2)
+    for perm in itertools.permutations(sites):
+        shuffled = {cid: sites[cid] for cid in perm}  # dict order = the order the server heard them
+        assert g.order_vocab(g.merge_counts(shuffled), 2) == expected
+        assert g.merge_counts(shuffled, "reference_compat") == g.merge_counts(sites, "reference_compat")
+    # ties broken by the word: ant before fox (both 2)
+    assert [w for w, _ in expected] == ["eel", "dog", "ant", "cat", "fox"]
+
+
+def test_empty_vocabulary_is_an_error() -> None:
+    with pytest.raises(ValueError, match="min_count=5"):
+        g.order_vocab({"a": 1, "b": 2}, 5)
+
+
+def test_counts_travel_as_tensors() -> None:
+    counts = {"über": 3, "cat": 1}
+    assert bundle_counts(counts_bundle(counts), "test") == counts
+
+
+def test_both_sites_build_identical_vocabularies() -> None:
+    from gensim.models.doc2vec import TaggedDocument
+
+    settings = g.GensimSettings(vector_size=8, sample=0)
+    docs_a = [TaggedDocument(["cat", "cat", "dog"], ["a0"])]
+    docs_b = [TaggedDocument(["dog", "dog", "dog", "eel"], ["b0"]), TaggedDocument(["dog"], ["b1"])]
+    vocab = g.order_vocab(g.merge_counts({0: Counter(A), 1: Counter(B)}), 2)
+    ma, mb = g.site_model(vocab, settings, 0, docs_a), g.site_model(vocab, settings, 0, docs_b)
+    assert ma.wv.index_to_key == mb.wv.index_to_key == ["dog", "cat"]
+    assert ma.dv.vectors.shape == (1, 8) and mb.dv.vectors.shape == (2, 8)
+
+
+def test_average_arrays_hand_values() -> None:
+    a, b = {"syn1neg": np.array([[1.0, 2.0]])}, {"syn1neg": np.array([[3.0, 6.0]])}
+    np.testing.assert_allclose(g.average_arrays([a, b])["syn1neg"], [[2.0, 4.0]])
+    np.testing.assert_allclose(g.average_arrays([a, b], weights=[1, 3])["syn1neg"], [[2.5, 5.0]])
+
+
+def test_fedavg_strategy_on_gensim_arrays_hand_values() -> None:
+    params = [{"syn1neg": np.array([[1.0, 2.0]], np.float32)}, {"syn1neg": np.array([[3.0, 6.0]], np.float32)}]
+    layout = ParamLayout.of(params[0])
+    for weighting, n_docs, expected in (("uniform", (1, 3), [[2.0, 4.0]]), ("num_examples", (1, 3), [[2.5, 5.0]])):
+        s = FedAvg(FedAvg.Config(weighting=weighting), StrategyContext(num_clients=2, seed=0))
+        s.initialize(params[0])
+        s.aggregate(0, [Update(client_id=i, flat=layout.flatten(p), num_examples=n)
+                        for i, (p, n) in enumerate(zip(params, n_docs))])
+        np.testing.assert_allclose(layout.unflatten(s.global_flat)["syn1neg"], expected)
+
+
+def _joint_sites(num_docs: int = 5, **options) -> tuple[list[Doc2VecTask], dict]:
+    cfg = Doc2VecTask.Config(dataset="gensim", max_docs=num_docs, vector_size=8, sample=0, min_count=1,
+                             total_epochs=2, **options)
+    tasks = [Doc2VecTask(cfg, Site(client_id=c, num_clients=2, seed=0, out_dir=None)) for c in range(2)]  # type: ignore[arg-type]
+    replies, init = Doc2VecTask.server_setup(cfg, {c: t.setup() for c, t in enumerate(tasks)})
+    for c, t in enumerate(tasks):
+        t.on_setup(replies[c])
+        t.set_parameters(init)
+    return tasks, init
+
+
+def test_joint_round_changes_shared_arrays_and_keeps_doc_vectors_private() -> None:
+    tasks, init = _joint_sites()
+    assert [t.model.dv.vectors.shape for t in tasks] == [(3, 8), (2, 8)]  # 5 documents dealt over 2 sites
+    assert tasks[0].model.wv.index_to_key == tasks[1].model.wv.index_to_key
+    for t in tasks:
+        t.fit(0)
+    arrays = [t.get_parameters() for t in tasks]
+    assert set(arrays[0]) == {"syn1neg", "wv"}  # dv is never a federated array
+    for name in ("syn1neg", "wv"):
+        assert not np.allclose(arrays[0][name], init[name])
+    avg = g.average_arrays(arrays)
+    for t in tasks:
+        t.set_parameters(avg)
+    np.testing.assert_array_equal(tasks[0].model.syn1neg, tasks[1].model.syn1neg)
+    assert [t.model.dv.vectors.shape for t in tasks] == [(3, 8), (2, 8)]
+
+
+def test_fit_is_reproducible_per_round() -> None:
+    runs = []
+    for _ in range(2):
+        tasks, _ = _joint_sites()
+        tasks[0].fit(0)
+        runs.append(tasks[0].get_parameters()["syn1neg"].copy())
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+def test_reference_mode_federates_only_syn1neg() -> None:
+    tasks, init = _joint_sites(federated_arrays=["syn1neg"])
+    assert set(init) == {"syn1neg"} and set(tasks[0].get_parameters()) == {"syn1neg"}
+    assert "wv" in tasks[0].state_dict()[1]  # the local word vectors are private state then
+
+
+def test_learning_rate_decays_across_rounds() -> None:
+    s = g.GensimSettings(alpha=0.025, min_alpha=0.0001)
+    assert g.epoch_alpha(s, 0, 40) == pytest.approx(0.025)
+    assert g.epoch_alpha(s, 39, 40) == pytest.approx(0.0001)
+    assert g.epoch_alpha(s, 20, 40) == pytest.approx(0.025 - 20 * (0.025 - 0.0001) / 39)

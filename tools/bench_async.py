@@ -1,0 +1,80 @@
+"""Straggler benchmark: asynchronous FedDWA vs synchronous FedAvg with one site made 4x slower.
+
+    python tools/bench_async.py [--config configs/fedahe_synthetic.yaml] [--np 4] [--slow 2] [--factor 4]
+                                [--json] [--plot conv.png] [--afed] [key=value ...]
+
+Both runs use the same config, seed and number of uploads (``rounds`` x clients), and
+``federation.slowdown={SLOW: FACTOR}`` (the slow site sleeps (factor - 1) x its real work after
+each fit). The target is the F1 that sync FedAvg **ends** with (mean over sites of each site's
+latest ``val_micro_f1``); the speedup is FedAvg's wall time to first reach it divided by
+FedDWA's. ``--json`` prints ``{"speedup": ..., "target_f1": ..., "runs": {...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hpcfed.tasks.hin_plots import convergence_curves, plot_convergence, time_to_reach  # noqa: E402
+
+
+def run(config: str, method: str, out: Path, np_: int, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out),
+           f"method={method}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    curve = convergence_curves(out / "metrics.jsonl", "val_micro_f1")
+    return {"method": method, "out": str(out), "wall_time_s": summary["wall_time_s"],
+            "updates_accepted": summary["updates_accepted"], "final_val_micro_f1": float(curve["value"][-1]),
+            "test_micro_f1": summary.get("micro_f1"), "test_macro_f1": summary.get("macro_f1"), "curve": curve}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/fedahe_synthetic.yaml")
+    p.add_argument("--np", type=int, default=4, help="MPI ranks (server + clients)")
+    p.add_argument("--slow", type=int, default=2, help="client id of the straggler")
+    p.add_argument("--factor", type=float, default=4.0)
+    p.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
+    p.add_argument("--afed", action="store_true", help="also run AFed/FedAsync for the figure")
+    p.add_argument("--plot", default=None, help="write the convergence PNG here")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_async_"))
+    overrides = [f"federation.slowdown={{{args.slow}: {args.factor}}}", *args.overrides]
+    runs = {m: run(args.config, m, root / m, args.np, overrides)
+            for m in ("fedavg", "feddwa", *(("afed",) if args.afed else ()))}
+    target = runs["fedavg"]["final_val_micro_f1"]
+    t_avg = time_to_reach(runs["fedavg"]["curve"], target)
+    t_dwa = time_to_reach(runs["feddwa"]["curve"], target)
+    speedup = (t_avg / t_dwa) if (t_avg is not None and t_dwa) else 0.0
+    if args.plot:
+        plot_convergence({m: r["out"] for m, r in runs.items()}, args.plot)
+    report = {"speedup": speedup, "target_f1": target, "time_to_target_s": {"fedavg": t_avg, "feddwa": t_dwa},
+              "slowdown": {str(args.slow): args.factor},
+              "runs": {m: {k: v for k, v in r.items() if k != "curve"} for m, r in runs.items()}}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"target val Micro-F1 {target:.4f} (sync FedAvg's final); FedAvg reaches it at {t_avg} s, "
+              f"FedDWA at {t_dwa} s: speedup {speedup:.2f}x")
+        for m, r in report["runs"].items():
+            print(f"  {m}: wall {r['wall_time_s']:.1f} s, {r['updates_accepted']} uploads, "
+                  f"test Micro/Macro-F1 {r['test_micro_f1']:.4f}/{r['test_macro_f1']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
