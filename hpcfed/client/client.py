@@ -45,17 +45,19 @@ class Client:
 
     def run(self) -> None:
         self._setup()
-        while True:
-            msg = self._wait({P.PARAMS, P.FINAL, P.STOP})
-            if msg.kind == P.STOP:
-                return
-            if msg.kind == P.FINAL:
-                self._final(msg)
-                continue
-            msg = self._newest_params(msg)
-            if msg is None:  # a FINAL or STOP overtook the queued models
-                continue
-            self._train_and_upload(msg)
+        try:
+            while True:
+                msg = self._wait({P.PARAMS, P.FINAL, P.STOP})
+                if msg.kind == P.PARAMS:
+                    msg = self._skip_stale(msg)
+                if msg.kind == P.STOP:
+                    return
+                if msg.kind == P.FINAL:
+                    self._final(msg)
+                    continue
+                self._train_and_upload(msg)
+        except _Stopped:
+            return
 
     # ------------------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -86,7 +88,7 @@ class Client:
         result = self.task.fit(rnd)
         if self.slowdown > 1.0:
             # Straggler knob: make this site `slowdown` times slower than its real work.
-            time.sleep((self.slowdown - 1.0) * (time.monotonic() - t0))
+            self._straggle((self.slowdown - 1.0) * (time.monotonic() - t0))
         metrics = dict(result.metrics)
         metrics["fit_time_s"] = time.monotonic() - t0
         if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.federation.mode == "sync":
@@ -117,13 +119,23 @@ class Client:
             raise FederationError(f"client {self.client_id}: the server sent a model of the wrong shape")
         self.task.set_parameters({k: np.array(v) for k, v in self.layout.unflatten(flat).items()})
 
-    def _newest_params(self, msg: Any) -> Any:
-        """Async broadcasts may queue up behind the answer; train from the newest model."""
+    def _skip_stale(self, msg: Any) -> Any:
+        """Work only on the newest instruction: a straggler (or an async client behind broadcasts)
+        skips queued models it has been overtaken on, and goes straight to FINAL/STOP if queued."""
+        for kind in (P.STOP, P.FINAL):
+            queued = self.channel.recv(source=0, kinds={kind}, timeout=0)
+            if queued is not None:
+                return queued
         newest = msg
-        while (extra := self.channel.recv(kinds={P.PARAMS}, timeout=0)) is not None:
+        while (extra := self.channel.recv(source=0, kinds={P.PARAMS}, timeout=0)) is not None:
             if extra.header.get("version", 0) >= newest.header.get("version", 0):
                 newest = extra
         return newest
+
+    def _straggle(self, seconds: float) -> None:
+        """Sleep for the straggler knob, but leave at once if the server says STOP meanwhile."""
+        if self.channel.recv(source=0, kinds={P.STOP}, timeout=seconds) is not None:
+            raise _Stopped
 
     def _wait(self, kinds: set[int], timeout: float | None = None) -> Any:
         timeout = timeout or self.cfg.federation.client_timeout_s
@@ -133,6 +145,10 @@ class Client:
                 f"client {self.client_id} (rank {self.client_id + 1}): the server (rank 0) sent nothing for "
                 f"{timeout:g} s (federation.client_timeout_s); it has probably died — leaving")
         return msg
+
+
+class _Stopped(Exception):
+    """The server ended the federation while this client was busy."""
 
 
 def _json_number(v: Any) -> Any:

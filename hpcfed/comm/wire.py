@@ -57,6 +57,7 @@ DTYPES: dict[int, np.dtype] = {
 }
 _CODE = {dt.str: code for code, dt in DTYPES.items()}
 _ZEROS = memoryview(bytes(ALIGN))
+_FAST = frozenset(DTYPES.values()) if sys.byteorder == "little" else frozenset()
 
 
 class WireError(ValueError):
@@ -107,7 +108,7 @@ def _encode_header(header: dict, limits: WireLimits) -> bytes:
     if not isinstance(header, dict):
         raise WireError(f"the header must be a dict, got {type(header).__name__}")
     _check_json(header, 0, limits.max_header_depth, "header")
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    text = _ENCODER.encode(header).encode("utf-8")
     if len(text) > limits.max_header_bytes:
         raise WireError(f"header is {len(text)} bytes as JSON; the limit is {limits.max_header_bytes}")
     return text
@@ -126,13 +127,17 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unique_pairs)
+
+
 def _decode_header(raw: memoryview, limits: WireLimits) -> dict:
     try:
         text = bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise WireError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_pairs)
+        value = _DECODER.decode(text)
     except WireError:
         raise
     except RecursionError:
@@ -155,6 +160,8 @@ def _as_wire_array(name: Any, value: Any) -> np.ndarray:
     except Exception as exc:  # noqa: BLE001 — whatever the object was, say which tensor
         raise WireError(f"tensor {name!r} cannot be viewed as an array: {exc}") from None
     dt = arr.dtype
+    if dt in _FAST:  # native little-endian whitelisted dtype: the common case
+        return arr if arr.flags.c_contiguous else arr.copy(order="C")
     if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
         arr = arr.astype(dt.newbyteorder("<"))  # the wire is little-endian only
         dt = arr.dtype

@@ -59,6 +59,7 @@ class Server:
         self.round = -1
         self.last_checkpoint: Path | None = None
         self.metrics: MetricsLog | None = None
+        self.missing_results: list[int] = []
         self._last_status = time.monotonic()
         self._cpu0 = time.process_time()
 
@@ -353,7 +354,13 @@ class Server:
         deadline = time.monotonic() + fed.round_deadline_s
         while len(results) < len(self.live):
             msg = self._recv_until(deadline, {P.RESULT, P.UPDATE, P.FAILED}, "the final evaluation",
-                                   waiting_for=self.live - set(results))
+                                   waiting_for=self.live - set(results), fatal=not results)
+            if msg is None:  # a straggler missed the final deadline: report it, keep the others' results
+                late = sorted(self.live - set(results))
+                log.warning("final evaluation: no result within %g s from %s", fed.round_deadline_s,
+                            ", ".join(f"client {c} (rank {c + 1})" for c in late))
+                self.missing_results = late
+                break
             if msg.kind == P.UPDATE:
                 continue  # an async client's last upload, overtaken by the stop
             metrics = msg.header.get("metrics", {})
@@ -380,6 +387,7 @@ class Server:
             **mean,
             "mean": mean,
             "clients": {str(c): results[c] for c in sorted(results)},
+            "missing_clients": self.missing_results,
             "rounds": self.cfg.rounds,
             "updates_accepted": self.updates_accepted,
             "server_version": self.strategy.version,
