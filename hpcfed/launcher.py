@@ -113,13 +113,23 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
             Client(cfg, channel, out_dir, device=device).run()
         channel.close()
         return 0
-    except (ConfigError, FederationError, ValueError) as exc:
-        log.error("rank %d failed: %s", rank, exc)
+    except Exception as exc:  # noqa: BLE001 — any failure must end the whole job, not hang it
+        if _expected(exc):
+            log.error("rank %d failed: %s", rank, exc)
+        else:
+            log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
         _abort(comm, rank, 2 if isinstance(exc, ConfigError) else 1)
-    except BaseException as exc:  # noqa: BLE001 — any failure must end the whole job, not hang it
-        log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
+    except BaseException as exc:  # noqa: BLE001 — KeyboardInterrupt, SystemExit: still end the job
+        log.error("rank %d stopped: %s", rank, type(exc).__name__)
         _abort(comm, rank, 1)
     return 1
+
+
+def _expected(exc: BaseException) -> bool:
+    """Failures with a plain-words message (bad config, data, peers): no traceback needed."""
+    from hpcfed.comm.channel import ChannelError
+
+    return isinstance(exc, (ValueError, FileNotFoundError, FederationError, ChannelError))
 
 
 def _abort(comm: object, rank: int, code: int) -> None:

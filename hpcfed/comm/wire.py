@@ -238,10 +238,10 @@ def prepare(header: dict, tensors: Mapping[str, Any] | None, limits: WireLimits 
     tensors = tensors or {}
     if len(tensors) > limits.max_tensors:
         raise WireError(f"bundle has {len(tensors)} tensors; the limit is {limits.max_tensors}")
-    arrays = [(name, _as_wire_array(name, value)) for name, value in tensors.items()]
-    table = bytearray()
     entries = []
-    for name, arr in arrays:
+    table_len = 0
+    for name, value in tensors.items():
+        arr = _as_wire_array(name, value)
         raw = name.encode("utf-8")
         if len(raw) > limits.max_name_bytes or not raw:
             raise WireError(f"tensor name {name[:40]!r} is {len(raw)} bytes of UTF-8; "
@@ -249,26 +249,31 @@ def prepare(header: dict, tensors: Mapping[str, Any] | None, limits: WireLimits 
         if arr.ndim > limits.max_ndim:
             raise WireError(f"tensor {name!r} has {arr.ndim} dimensions; the limit is {limits.max_ndim}")
         entries.append((raw, arr))
-    table_len = sum(_pad(_ENT.size + 8 * a.ndim + len(r), 8) for r, a in entries)
-    data_offset = _pad(_PRE.size + _pad(len(head), 8) + table_len, ALIGN)
+        table_len += (_ENT.size + 8 * arr.ndim + len(raw) + 7) & ~7
+    head_pad = ((len(head) + 7) & ~7) - len(head)
+    table_at = _PRE.size + len(head) + head_pad
+    data_offset = (table_at + table_len + ALIGN - 1) & ~(ALIGN - 1)
+    parts = [b"", head, bytes(head_pad)]
     pos = data_offset
     segments: list[tuple[int, memoryview]] = []
     for raw, arr in entries:
-        off = _pad(pos, ALIGN)
-        table += _ENT.pack(len(raw), _CODE[arr.dtype.str], arr.ndim, 0, off, arr.nbytes)
-        table += struct.pack(f"<{arr.ndim}Q", *arr.shape)
-        table += raw
-        table += bytes(_pad(len(table), 8) - len(table))
-        if arr.nbytes:
+        off = (pos + ALIGN - 1) & ~(ALIGN - 1)
+        ndim = arr.ndim
+        nbytes = arr.nbytes
+        parts.append(_ENT.pack(len(raw), _CODE[arr.dtype.str], ndim, 0, off, nbytes))
+        if ndim:
+            parts.append(struct.pack(f"<{ndim}Q", *arr.shape))
+        parts.append(raw)
+        parts.append(bytes(((8 * ndim + len(raw) + 7) & ~7) - 8 * ndim - len(raw)))
+        if nbytes:
             segments.append((off, memoryview(arr.reshape(-1).view(np.uint8))))
-        pos = off + arr.nbytes
-    total = pos if entries else data_offset
+        pos = off + nbytes
+    total = pos
     if total > limits.max_total_bytes:
         raise WireError(f"bundle is {total} bytes; the limit is {limits.max_total_bytes}")
-    pre = _PRE.pack(MAGIC, VERSION, 0, 0, len(head), len(entries), data_offset, total)
-    prefix = pre + head + bytes(_pad(len(head), 8) - len(head)) + bytes(table)
-    prefix += bytes(data_offset - len(prefix))
-    return Encoded(prefix, segments, total)
+    parts[0] = _PRE.pack(MAGIC, VERSION, 0, 0, len(head), len(entries), data_offset, total)
+    parts.append(bytes(data_offset - table_at - table_len))
+    return Encoded(b"".join(parts), segments, total)
 
 
 def encoded_size(header: dict, tensors: Mapping[str, Any] | None) -> int:

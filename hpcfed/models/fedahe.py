@@ -68,10 +68,12 @@ class MetapathInput:
         adjacency = sp.csr_matrix(adjacency, dtype=np.float32)
         self.indptr = adjacency.indptr.astype(np.int64)
         self.indices = adjacency.indices.astype(np.int64)
-        rows = row_normalize(adjacency)
-        if features is not None:
-            rows = sp.hstack([rows, row_normalize(sp.csr_matrix(features, dtype=np.float32))], format="csr")
-        rows = sp.csr_matrix(rows, dtype=np.float32)
+        rows = sp.csr_matrix(row_normalize(adjacency), dtype=np.float32)
+        # Features are kept apart from the adjacency so that identical adjacency rows stay shareable;
+        # W_s^π [A_i ‖ x_i] = W_s^π[:, :N] A_i + W_s^π[:, N:] x_i.
+        self.features = None if features is None else sp.csr_matrix(
+            row_normalize(sp.csr_matrix(features, dtype=np.float32)), dtype=np.float32)
+        self._features_torch: torch.Tensor | None = None
         rows.sort_indices()
         # Identical input rows share one projection: in a meta-path built through a low-degree type
         # (ACM's PSP: one subject per paper) whole blocks of rows are equal, so the N x N product
@@ -92,7 +94,7 @@ class MetapathInput:
 
     @property
     def input_dim(self) -> int:
-        return self.rows.shape[1]
+        return self.rows.shape[1] + (0 if self.features is None else self.features.shape[1])
 
     def sample(self, nodes: np.ndarray, num_sample: int | None, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """≤ num_sample meta-path neighbours of each node (uniform, without replacement), plus the node.
@@ -111,16 +113,21 @@ class MetapathInput:
 
     def project(self, linear: nn.Linear, nodes: np.ndarray) -> torch.Tensor:
         """``W_s^π`` applied to the input rows of `nodes` -> (len(nodes), d)."""
+        n = self.rows.shape[1]
+        w_adj = linear.weight[:, :n].t()
         groups, inverse = np.unique(self.row_group[nodes], return_inverse=True)
         rows = self.unique_rows
         sub_nnz = int((rows.indptr[groups + 1] - rows.indptr[groups]).sum())
         if sub_nnz >= rows.nnz:
             if self._full is None:
                 self._full = _to_torch(rows)
-            h = torch.sparse.mm(self._full, linear.weight.t())[torch.as_tensor(groups)]
+            h = torch.sparse.mm(self._full, w_adj)[torch.as_tensor(groups)]
         else:
-            h = torch.sparse.mm(_to_torch(rows[groups]), linear.weight.t())
-        return (h + linear.bias)[torch.as_tensor(inverse)]
+            h = torch.sparse.mm(_to_torch(rows[groups]), w_adj)
+        h = (h + linear.bias)[torch.as_tensor(inverse)]
+        if self.features is not None:
+            h = h + torch.sparse.mm(_to_torch(self.features[nodes]), linear.weight[:, n:].t())
+        return h
 
 
 def _to_torch(m: sp.csr_matrix) -> torch.Tensor:

@@ -9,7 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpcfed.data.hin import metapath_adjacency, synthetic_hin  # noqa: E402
+import scipy.sparse as sp  # noqa: E402
+
+from hpcfed.data.hin import metapath_adjacency, row_normalize, synthetic_hin  # noqa: E402
 from hpcfed.data.partition import assign_owners, site_view  # noqa: E402
 from hpcfed.models.fedahe import FedAHE, MetapathInput, metapath_attention, node_attention  # noqa: E402
 
@@ -117,3 +119,14 @@ def test_sparse_projection_paths_agree() -> None:
     assert torch.allclose(inp.project(model.ws[1], few), dense[few], atol=1e-6)  # row-gather path
     everything = np.arange(60)
     assert torch.allclose(inp.project(model.ws[1], everything), dense, atol=1e-6)  # whole-matrix path
+
+
+def test_feature_input_equals_the_concatenated_row() -> None:
+    adj = sp.csr_matrix(np.array([[1, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=np.float32))
+    feats = sp.csr_matrix(np.array([[3.0, 4.0], [0.0, 1.0], [1.0, 0.0]], dtype=np.float32))
+    inp = MetapathInput(adj, feats)
+    assert inp.input_dim == 5 and inp.unique_rows.shape[0] == 2  # rows 0 and 1 share an adjacency row
+    lin = torch.nn.Linear(5, 3)
+    concat = np.hstack([row_normalize(adj).toarray(), row_normalize(feats).toarray()])
+    expected = torch.as_tensor(concat, dtype=torch.float32) @ lin.weight.t() + lin.bias
+    assert torch.allclose(inp.project(lin, np.array([0, 1, 2])), expected, atol=1e-6)

@@ -92,3 +92,23 @@ def test_straggler_past_deadline_is_reported_not_waited_for(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert "0" in summary["clients"]
     assert summary["wall_time_s"] < 60
+
+
+def test_identity_keys_mode_admits_authorized_sites_only(tmp_path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for rank in range(3):
+        run_cli(["keygen", str(keys / f"rank{rank}")])
+    (keys / "authorized").write_text((keys / "rank1.pub").read_text() + (keys / "rank2.pub").read_text())
+    (keys / "only2").write_text((keys / "rank2.pub").read_text())
+    common = ["rounds=1", "checkpoint_every=0", "security.mode=keys", f"security.identity={keys}/rank{{rank}}",
+              f"security.server_public_key={keys}/rank0.pub", "federation.setup_timeout_s=30"]
+    ok = tmp_path / "ok"
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(ok), *common, f"security.authorized_keys={keys}/authorized"],
+            np=3, timeout=180)
+    assert set(json.loads((ok / "summary.json").read_text())["clients"]) == {"0", "1"}
+    bad = run_cli(["run", "configs/quickstart.yaml", "--out", str(tmp_path / "bad"), *common,
+                   f"security.authorized_keys={keys}/only2"], np=3, timeout=180, check=False)
+    assert bad.returncode != 0
+    assert "not in the authorized keys" in bad.stderr and "rank 1" in bad.stderr
+    assert not (tmp_path / "bad" / "summary.json").exists()
