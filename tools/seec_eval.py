@@ -146,8 +146,20 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
 
 
 # -- experiments -------------------------------------------------------------------------------------------------
+def _runner(args: argparse.Namespace):
+    run = run_mpi if args.launcher == "mpi" else run_inprocess
+
+    def runner(config: str, overrides: list[str], num_clients: int, out: Path) -> dict:
+        if args.reuse and (out / "summary.json").is_file():
+            print(f"  reusing {out}", flush=True)
+            return json.loads((out / "summary.json").read_text())
+        return run(config, overrides, num_clients, out)
+
+    return runner
+
+
 def experiment_doc2vec(args: argparse.Namespace) -> dict:
-    runner = run_mpi if args.launcher == "mpi" else run_inprocess
+    runner = _runner(args)
     out = Path(args.out)
     ov = list(args.overrides)
     res: dict = {}
@@ -179,7 +191,7 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
 
 
 def experiment_node2vec(args: argparse.Namespace) -> dict:
-    runner = run_mpi if args.launcher == "mpi" else run_inprocess
+    runner = _runner(args)
     out = Path(args.out)
     ov = list(args.overrides)
     res: dict = {}
@@ -204,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         e.add_argument("--max-queries", type=int, default=None, help="score a random sample of documents")
         e.add_argument("--mapper-lr", type=float, default=1e-5, help="paper: 1e-5")
         e.add_argument("--mapper-epochs", type=int, default=20, help="paper: 20")
+        e.add_argument("--reuse", action="store_true", help="keep runs whose summary.json exists")
         e.add_argument("--only", nargs="+", default=["joint", "mapping"], help="doc2vec: joint and/or mapping")
         e.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. task.max_docs=3000")
     s = sub.add_parser("score")
@@ -223,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = experiment_doc2vec(args) if args.cmd == "doc2vec" else experiment_node2vec(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    results_path = Path(args.out) / "results.json"
+    if results_path.is_file():  # runs of the same folder (e.g. --only joint, then --only mapping) accumulate
+        result = {**json.loads(results_path.read_text()), **result}
+    results_path.write_text(json.dumps(result, indent=2, default=str))
     print(json.dumps({k: v for k, v in result.items() if k != "mapper"}, indent=2, default=str))
     return 0
 

@@ -57,10 +57,17 @@ FRAME = struct.Struct("<BBBBIIIQQIIQQ")
 HDR = FRAME.size  # 56
 TAG = crypto.TAG_BYTES
 F_DATA, F_HELLO, F_REPLY, F_FINISH, F_CONFIRM, F_REFUSE = 1, 2, 3, 4, 5, 6
+F_SHM_OFFER, F_SHM_ACCEPT, F_SHM_DATA, F_SHM_FREE = 7, 8, 9, 10
 _HANDSHAKE_TYPES = {F_HELLO, F_REPLY, F_FINISH, F_REFUSE}
+_SEALED_TYPES = {F_DATA, F_CONFIRM, F_SHM_OFFER, F_SHM_ACCEPT, F_SHM_DATA}
+_SLOT = struct.Struct("<I")
+_OFFER = struct.Struct("<II")  # slots, bytes per slot; then the segment name
+_RING_SLOTS = 4
 _MAX_PLAIN_FRAME = 1024  # handshake bodies and refusal texts
 _SMALL_FRAME = 64 << 10  # frames this small have arrived whole when probed (MPI eager protocol)
 _LOG_FIRST = 10  # log the first rejections of each rank in full, then every 1000th
+_ACTIVE_SPIN_S = 2e-3  # spin while a transfer is under way (a 4 MiB chunk takes ~1 ms) ...
+_ACTIVE_SLEEP_S = 2e-4  # ... and then sleep at most this long between polls
 
 
 def _free_refs() -> int:
@@ -131,6 +138,26 @@ class _Peer:
         self.identity = ""
 
 
+class _TxRing:
+    """Shared memory this rank encrypts chunks into for one peer on the same node."""
+
+    __slots__ = ("name", "buf", "nslots", "slot_bytes", "free", "state")
+
+    def __init__(self, name: str, buf: np.ndarray | None, nslots: int, slot_bytes: int, state: str) -> None:
+        self.name, self.buf, self.nslots, self.slot_bytes = name, buf, nslots, slot_bytes
+        self.free: deque[int] = deque(range(nslots))
+        self.state = state  # offered | ready | declined
+
+
+class _RxRing:
+    """A peer's shared memory that this rank decrypts chunks from."""
+
+    __slots__ = ("name", "buf", "nslots", "slot_bytes")
+
+    def __init__(self, name: str, buf: np.ndarray, nslots: int, slot_bytes: int) -> None:
+        self.name, self.buf, self.nslots, self.slot_bytes = name, buf, nslots, slot_bytes
+
+
 class _Backoff:
     """Spin for `spin_s`, then sleep 10 us, 20 us, ... up to `max_s` between polls."""
 
@@ -163,7 +190,7 @@ class SecureChannel:
                  chunk_bytes: int = 4 << 20, limits: wire.WireLimits = wire.WireLimits(),
                  max_message_bytes: int = 8 << 30, backoff_max_s: float = 0.005, max_rejects: int = 10000,
                  log: Callable[[str], None] | None = None, spin_s: float = 5e-4,
-                 send_timeout_s: float = 600.0) -> None:
+                 send_timeout_s: float = 600.0, shared_memory: bool = True) -> None:
         if not 4096 <= chunk_bytes <= crypto.MAX_AEAD_INPUT - HDR - TAG:
             raise ValueError(f"comm.chunk_bytes={chunk_bytes}: use 4096 .. {1 << 30} (4 MiB is a good default)")
         if max_message_bytes < 1:
@@ -184,13 +211,16 @@ class SecureChannel:
         self.backoff_max_s = backoff_max_s
         self.spin_s = spin_s
         self.send_timeout_s = send_timeout_s
+        self.shared_memory = shared_memory and hasattr(transport, "shm_create")
         self.stats = ChannelStats()
         self.peers: list[int] = []
         self._log = log or (lambda text: None)
         self._jd = crypto.job_digest(self.job_id)
         self._peer: dict[int, _Peer] = {}
         self._inbox: deque[Message] = deque()
-        self._background: list[tuple[Request, Any]] = []  # small sends whose buffers must live on
+        self._background: deque[tuple[Request, Any]] = deque()  # small sends whose buffers must live on
+        self._tx_rings: dict[int, _TxRing] = {}
+        self._rx_rings: dict[int, _RxRing] = {}
         self._max_frame = HDR + chunk_bytes + TAG
         self._rx_small = np.empty(_SMALL_FRAME + HDR + TAG, dtype=np.uint8)
         self._rx_big: np.ndarray | None = None
@@ -198,6 +228,7 @@ class SecureChannel:
         self._gather: np.ndarray | None = None
         self._plain0: np.ndarray | None = None
         self._pool: list[np.ndarray] = []  # multi-chunk message buffers, recycled when free
+        self._assembling = False  # some peer is part-way through a multi-chunk message
         self._closed = False
 
     # -- handshake --------------------------------------------------------------------------------
@@ -311,9 +342,16 @@ class SecureChannel:
         total = enc.total if enc is not None else 0
         chunk = self.chunk_bytes
         count = max(1, -(-total // chunk))
+        dest = peer.rank
+        if ftype == F_DATA and count > 1 and self.shared_memory:
+            ring = self._tx_rings.get(dest)
+            if ring is None:
+                self._offer_ring(peer)  # this message still goes through MPI; later ones may not
+            elif ring.state == "ready":
+                self._send_via_ring(peer, ring, kind, enc, total, count)  # type: ignore[arg-type]
+                return
         msg_id = peer.next_msg_id
         peer.next_msg_id += 1
-        dest = peer.rank
         inflight: deque[Request] = deque()
         nslots = 1 if count == 1 else 3  # three buffers: encrypt one while two are in flight
         for i in range(count):
@@ -339,6 +377,100 @@ class SecureChannel:
         while inflight:
             self._wait_send(inflight.popleft(), dest)
 
+    # -- shared-memory chunks (peers on the same node) -----------------------------------------------
+    def _offer_ring(self, peer: _Peer) -> None:
+        """Offer the peer a shared-memory ring for big messages; it accepts if it can map it
+        (same node). The offer and answer are sealed messages like any other."""
+        dest = peer.rank
+        slot_bytes = (self.chunk_bytes + TAG + 63) & ~63
+        got = self.transport.shm_create(f"{self.rank}to{dest}", _RING_SLOTS * slot_bytes)
+        if got is None:
+            self._tx_rings[dest] = _TxRing("", None, 0, 0, "declined")
+            return
+        name, view = got
+        self._tx_rings[dest] = _TxRing(name, np.frombuffer(view, dtype=np.uint8), _RING_SLOTS, slot_bytes, "offered")
+        body = _OFFER.pack(_RING_SLOTS, slot_bytes) + name.encode()
+        self._send_sealed_message(peer, F_SHM_OFFER, 0, wire.Encoded(body, [], len(body)))
+
+    def _on_ring_control(self, peer: _Peer, ftype: int, body: bytes) -> None:
+        src = peer.rank
+        if ftype == F_SHM_OFFER:
+            if len(body) <= _OFFER.size:
+                self._reject(src, "malformed frame", "shared-memory offer without a name")
+                return
+            nslots, slot_bytes = _OFFER.unpack_from(body)
+            name = body[_OFFER.size:].decode("utf-8", "replace")
+            view = None
+            if self.shared_memory and 1 <= nslots <= 64 and TAG < slot_bytes <= self._max_frame + 64:
+                view = self.transport.shm_attach(name, nslots * slot_bytes)
+            if view is not None:
+                self._rx_rings[src] = _RxRing(name, np.frombuffer(view, dtype=np.uint8), nslots, slot_bytes)
+                self.transport.shm_unlink(name)  # mapped on both sides now; nothing to leak on a crash
+            answer = (b"\x01" if view is not None else b"\x00") + name.encode()
+            self._send_sealed_message(peer, F_SHM_ACCEPT, 0, wire.Encoded(answer, [], len(answer)))
+            return
+        name = body[1:].decode("utf-8", "replace")
+        ring = self._tx_rings.get(src)
+        if ring is None or ring.state != "offered" or ring.name != name:
+            self._reject(src, "unexpected handshake frame", "a shared-memory answer to no offer")
+            return
+        self.transport.shm_unlink(name)  # both sides have it mapped (or never will): no file left behind
+        if body[:1] == b"\x01":
+            ring.state = "ready"
+        else:
+            ring.state, ring.buf = "declined", None
+
+    def _send_via_ring(self, peer: _Peer, ring: _TxRing, kind: int, enc: wire.Encoded, total: int,
+                       count: int) -> None:
+        """Encrypt each chunk straight into a free slot of the shared ring and send only its
+        56-byte header (+ slot number) through MPI: the receiver decrypts from the ring, so the
+        bytes are never copied by MPI."""
+        chunk = self.chunk_bytes
+        msg_id = peer.next_msg_id
+        peer.next_msg_id += 1
+        dest = peer.rank
+        buf = memoryview(ring.buf)  # type: ignore[arg-type]
+        for i in range(count):
+            start = i * chunk
+            n = min(total - start, chunk)
+            slot = self._ring_slot(ring, dest)
+            at = slot * ring.slot_bytes
+            peer.send_seq += 1
+            seq = peer.send_seq
+            hdr = FRAME.pack(VERSION, F_SHM_DATA, kind, 0, self.rank, dest, n, seq, msg_id, i, count, start, total)
+            pieces = enc.pieces(start, start + n)
+            data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
+            peer.tx.seal_into(seq, data, self._jd + hdr, buf[at:at + n + TAG])  # type: ignore[union-attr]
+            self._send_small(dest, hdr + _SLOT.pack(slot))
+            self.stats.bytes_sent += HDR + _SLOT.size + n + TAG
+
+    def _ring_slot(self, ring: _TxRing, dest: int) -> int:
+        if not ring.free:
+            backoff = _Backoff(max(self.spin_s, _ACTIVE_SPIN_S), min(self.backoff_max_s, _ACTIVE_SLEEP_S))
+            deadline = time.monotonic() + self.send_timeout_s
+            while not ring.free:
+                if self._pump():
+                    backoff.reset()
+                    continue
+                if time.monotonic() > deadline:
+                    raise ChannelError(f"rank {dest} took no chunk from shared memory for {self.send_timeout_s:g} s "
+                                       f"(is rank {dest} alive and receiving?)")
+                self._reap_background()
+                backoff.pause()
+        return ring.free.popleft()
+
+    def _on_ring_free(self, src: int, view: memoryview) -> None:
+        ring = self._tx_rings.get(src)
+        slot = _SLOT.unpack_from(view, HDR)[0] if len(view) == HDR + _SLOT.size else -1
+        if ring is None or ring.state != "ready" or not 0 <= slot < ring.nslots or slot in ring.free:
+            self._reject(src, "malformed frame", f"shared-memory credit for slot {slot}, which is not in use")
+            return
+        ring.free.append(slot)
+
+    def _send_small(self, dest: int, frame: bytes) -> None:
+        self._background.append((self.transport.isend(memoryview(frame), dest), frame))
+        self._reap_background()
+
     def _gathered(self, pieces: list[memoryview], n: int) -> memoryview:
         if self._gather is None or len(self._gather) < n:
             self._gather = np.empty(max(n, min(self.chunk_bytes, 1 << 16)), dtype=np.uint8)
@@ -352,7 +484,9 @@ class SecureChannel:
     def _wait_send(self, req: Request, dest: int) -> None:
         if req.test():
             return
-        backoff = _Backoff(self.spin_s, self.backoff_max_s)
+        # A send in progress is active work, not idling: spin longer and sleep little, or a
+        # sleeping sender stalls the chunk pipeline.
+        backoff = _Backoff(max(self.spin_s, _ACTIVE_SPIN_S), min(self.backoff_max_s, _ACTIVE_SLEEP_S))
         deadline = time.monotonic() + self.send_timeout_s
         while not req.test():
             # Keep receiving while we wait: a peer that is itself blocked sending to us must be
@@ -367,15 +501,14 @@ class SecureChannel:
             backoff.pause()
 
     def _send_plain(self, dest: int, ftype: int, body: bytes) -> None:
-        frame = bytearray(FRAME.pack(VERSION, ftype, 0, 0, self.rank, dest, len(body), 0, 0, 0, 1, 0, len(body)))
-        frame += body
-        self._background.append((self.transport.isend(memoryview(frame), dest), frame))
+        frame = FRAME.pack(VERSION, ftype, 0, 0, self.rank, dest, len(body), 0, 0, 0, 1, 0, len(body)) + body
         self.stats.bytes_sent += len(frame)
-        self._reap_background()
+        self._send_small(dest, frame)
 
     def _reap_background(self) -> None:
-        if self._background:
-            self._background = [(r, b) for r, b in self._background if not r.test()]
+        bg = self._background
+        while bg and bg[0][0].test():
+            bg.popleft()
 
     # -- receiving --------------------------------------------------------------------------------
     def recv(self, *, source: int | None = None, kinds: Collection[int] | None = None,
@@ -386,9 +519,13 @@ class SecureChannel:
         if msg is not None:
             return msg
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        backoff = _Backoff(self.spin_s if timeout != 0 else 0.0, self.backoff_max_s)
+        idle = _Backoff(self.spin_s if timeout != 0 else 0.0, self.backoff_max_s)
+        # while a multi-chunk message is arriving, its next chunk is imminent: spin, sleep little
+        busy = _Backoff(_ACTIVE_SPIN_S if timeout != 0 else 0.0, min(self.backoff_max_s, _ACTIVE_SLEEP_S))
+        backoff = idle
         while True:
             if self._pump():
+                backoff = busy if self._assembling else idle
                 backoff.reset()
                 msg = self._take(source, kinds)
                 if msg is not None:
@@ -474,13 +611,35 @@ class SecureChannel:
                 return
             self._on_handshake(src, ftype, view[HDR:])
             return
-        if ftype not in (F_DATA, F_CONFIRM) or flags:
+        if ftype == F_SHM_FREE:
+            self._on_ring_free(src, view)
+            return
+        if ftype not in _SEALED_TYPES or flags:
             self._reject(src, "malformed frame", f"unknown frame type {ftype} / flags {flags}")
             return
-        if n != HDR + length + TAG:
-            self._reject(src, "truncated frame", f"{n}-byte frame should be {HDR + length + TAG} "
-                                                 f"({length} ciphertext bytes + header + tag)")
+        if ftype != F_SHM_DATA:
+            if n != HDR + length + TAG:
+                self._reject(src, "truncated frame", f"{n}-byte frame should be {HDR + length + TAG} "
+                                                     f"({length} ciphertext bytes + header + tag)")
+                return
+            self._on_sealed(src, view, view[HDR:], ftype, kind, length, seq, msg_id, index, count, offset, total)
             return
+        ring = self._rx_rings.get(src)
+        slot = _SLOT.unpack_from(view, HDR)[0] if n == HDR + _SLOT.size else -1
+        if ring is None or not 0 <= slot < ring.nslots or length + TAG > ring.slot_bytes:
+            self._reject(src, "malformed frame", f"shared-memory chunk in slot {slot} of "
+                                                 f"{'no ring' if ring is None else f'a {ring.nslots}-slot ring'}")
+            return
+        at = slot * ring.slot_bytes
+        try:
+            self._on_sealed(src, view, memoryview(ring.buf)[at:at + length + TAG], ftype, kind, length, seq,
+                            msg_id, index, count, offset, total)
+        finally:  # the slot has been read (or refused): the sender may refill it
+            self._send_small(src, FRAME.pack(VERSION, F_SHM_FREE, 0, 0, self.rank, src, _SLOT.size, 0, 0, 0, 1, 0,
+                                             _SLOT.size) + _SLOT.pack(slot))
+
+    def _on_sealed(self, src: int, view: memoryview, ciphertext: memoryview, ftype: int, kind: int, length: int,
+                   seq: int, msg_id: int, index: int, count: int, offset: int, total: int) -> None:
         peer = self._peer.get(src)
         if peer is None or peer.rx is None:
             self._reject(src, "no session", "encrypted frame before a secure handshake")
@@ -499,7 +658,7 @@ class SecureChannel:
             out = self._scratch0(length) if count > 1 else np.empty(length, dtype=np.uint8)
         else:
             out = peer.asm.payload[offset:offset + length]  # type: ignore[union-attr]
-        if not peer.rx.open_into(seq, view[HDR:], self._jd + bytes(view[:HDR]), memoryview(out)):
+        if not peer.rx.open_into(seq, ciphertext, self._jd + bytes(view[:HDR]), memoryview(out)):
             self._reject(src, "authentication failed",
                          f"frame {seq} does not authenticate (tampered, truncated, misrouted or wrong key)")
             return
@@ -513,6 +672,9 @@ class SecureChannel:
         if peer.state != "ready":
             self._reject(src, "unexpected handshake frame", "data before the handshake was confirmed")
             return
+        if ftype in (F_SHM_OFFER, F_SHM_ACCEPT):
+            self._on_ring_control(peer, ftype, bytes(out))
+            return
         if index == 0:
             if peer.asm is not None:
                 self._reject(src, "incomplete message abandoned",
@@ -524,12 +686,14 @@ class SecureChannel:
             payload = self._payload_buffer(total)
             payload[:length] = out
             peer.asm = _Assembly(msg_id, kind, total, count, payload)
+            self._assembling = True
         asm = peer.asm
         asm.next_index = index + 1  # type: ignore[union-attr]
         asm.filled = offset + length  # type: ignore[union-attr]
         asm.last_seq = seq  # type: ignore[union-attr]
         if asm.next_index == asm.count:  # type: ignore[union-attr]
             peer.asm = None
+            self._assembling = any(p.asm is not None for p in self._peer.values())
             self._deliver(src, kind, asm.payload)  # type: ignore[union-attr]
 
     def _check_chunk(self, peer: _Peer, ftype: int, msg_id: int, index: int, count: int, offset: int,
@@ -542,6 +706,8 @@ class SecureChannel:
             return "bad", f"chunk {index}/{count} covers bytes {offset}..{offset + length} of {total}"
         if ftype == F_CONFIRM and (count != 1 or total != 0):
             return "bad", "a handshake confirmation carries no data"
+        if ftype in (F_SHM_OFFER, F_SHM_ACCEPT) and (count != 1 or total > 1024):
+            return "bad", "a shared-memory offer or answer is one small chunk"
         if index == 0:
             if offset != 0:
                 return "bad", f"first chunk at offset {offset}"
@@ -620,6 +786,11 @@ class SecureChannel:
             except Exception:  # noqa: BLE001 — the peer may be gone; nothing left to do
                 pass
         self._background.clear()
+        for ring in self._tx_rings.values():
+            if ring.state == "offered":
+                self.transport.shm_unlink(ring.name)
+        self._tx_rings.clear()
+        self._rx_rings.clear()
         self._tx_slots.clear()
         self._rx_big = self._gather = self._plain0 = None
         self._pool.clear()

@@ -10,6 +10,9 @@ ranks arrive in the order they were sent (MPI's non-overtaking rule, one tag for
 
 from __future__ import annotations
 
+import mmap
+import os
+import secrets
 import threading
 from collections import deque
 from typing import Callable, Protocol
@@ -33,6 +36,60 @@ class Transport(Protocol):
     def irecv_into(self, source: int, out: memoryview) -> Request: ...
     def discard(self, source: int) -> None: ...
     def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes: ...
+    def shm_create(self, tag: str, nbytes: int) -> tuple[str, memoryview] | None: ...
+    def shm_attach(self, name: str, nbytes: int) -> memoryview | None: ...
+    def shm_unlink(self, name: str) -> None: ...
+
+
+# -- node-local shared memory -----------------------------------------------------------------------
+_SHM_DIR = "/dev/shm"
+
+
+def _shm_create(tag: str, nbytes: int) -> tuple[str, memoryview] | None:
+    """A fresh 0600 file in /dev/shm of `nbytes`, mapped; None where there is none or no room.
+    The space is reserved up front (posix_fallocate): writing to a tmpfs mapping that has run out
+    of room would kill the process with SIGBUS."""
+    if not os.path.isdir(_SHM_DIR) or not hasattr(os, "posix_fallocate"):
+        return None
+    name = f"hpcfed-{tag}-{secrets.token_hex(8)}"
+    path = os.path.join(_SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    except OSError:
+        os.close(fd)
+        _unlink(path)
+        return None
+    os.close(fd)
+    return name, memoryview(mm)
+
+
+def _shm_attach(name: str, nbytes: int) -> memoryview | None:
+    if not name.startswith("hpcfed-") or "/" in name or len(name) > 200:
+        return None
+    try:
+        fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
+    except OSError:  # another node, or already gone
+        return None
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            return None
+        return memoryview(mmap.mmap(fd, nbytes))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 # -- MPI --------------------------------------------------------------------------------------------
@@ -109,6 +166,17 @@ class MPITransport:
         self.comm.Bcast([buf, self._MPI.BYTE], root=root)  # type: ignore[attr-defined]
         return buf.tobytes()
 
+    def shm_create(self, tag: str, nbytes: int) -> tuple[str, memoryview] | None:
+        """Shared memory the peer maps too (when it runs on this node): big chunks then skip
+        MPI's copy. None where /dev/shm is missing or full."""
+        return _shm_create(tag, nbytes)
+
+    def shm_attach(self, name: str, nbytes: int) -> memoryview | None:
+        return _shm_attach(name, nbytes)
+
+    def shm_unlink(self, name: str) -> None:
+        _unlink(os.path.join(_SHM_DIR, name))
+
 
 # -- in-process -------------------------------------------------------------------------------------
 class _Done:
@@ -135,6 +203,7 @@ class _Hub:
         self.inbox: list[deque[tuple[int, bytes]]] = [deque() for _ in range(size)]
         self.bcast: dict[int, bytes] = {}
         self.bcast_cv = threading.Condition(self.lock)
+        self.shm: dict[str, memoryview] = {}
 
 
 class InProcTransport:
@@ -206,3 +275,18 @@ class InProcTransport:
             elif not hub.bcast_cv.wait_for(lambda: root in hub.bcast, timeout=60):
                 raise TimeoutError("bcast_bytes: the root never sent")
             return hub.bcast[root]
+
+    def shm_create(self, tag: str, nbytes: int) -> tuple[str, memoryview] | None:
+        name = f"hpcfed-{tag}-{secrets.token_hex(8)}"
+        with self._hub.lock:
+            self._hub.shm[name] = memoryview(bytearray(nbytes))
+            return name, self._hub.shm[name]
+
+    def shm_attach(self, name: str, nbytes: int) -> memoryview | None:
+        with self._hub.lock:
+            mv = self._hub.shm.get(name)
+        return mv if mv is not None and len(mv) == nbytes else None
+
+    def shm_unlink(self, name: str) -> None:
+        with self._hub.lock:
+            self._hub.shm.pop(name, None)

@@ -210,7 +210,8 @@ def from_records(records: Iterable[dict[str, Any]], source: str, *, on_error: st
             if isinstance(event, float) and event.is_integer():
                 event = int(event)
         except _RowError as exc:
-            msg = f"{source}: row {row}: {exc.field}: {exc}"
+            where = rec.get("__where__") or f"{source}: row {row}"  # loaders name the file and its row
+            msg = f"{where}: {exc.field}: {exc}"
             if on_error == "raise":
                 raise DataError(msg + " (fix the row, or import with --skip-bad to skip and count such rows)") from None
             report.skipped.append(msg)
@@ -335,12 +336,13 @@ def load_crisislext26(data_root: str | Path | None = None, *, on_error: str = "s
         if period:
             tf = pd.read_csv(period[0], skipinitialspace=True, dtype=str, keep_default_na=False)
             times = dict(zip(tf.iloc[:, 1].str.strip("'\" "), tf.iloc[:, 0]))
-        for rec in frame.itertuples(index=False):
+        for row, rec in enumerate(frame.itertuples(index=False), start=2):
             tid = str(rec[0]).strip("'\" ")
             when: Any = times.get(tid)
             if when is None and tid.isdigit():
                 when = int(snowflake_time(tid).astype("int64"))
-            records.append({"id": tid, "text": rec[1], "time": when, "event": folder.name})
+            records.append({"id": tid, "text": rec[1], "time": when, "event": folder.name,
+                            "__where__": f"{labeled[0]}: row {row}"})
     return from_records(records, str(root), on_error=on_error, first_row=1)
 
 
@@ -356,13 +358,14 @@ def load_crisislext6(data_root: str | Path | None = None, *, on_error: str = "sk
         if not files:
             raise DataError(f"{folder}: no *-ontopic_offtopic.csv; is this a CrisisLexT6 event folder?")
         frame = pd.read_csv(files[0], skipinitialspace=True, dtype=str, keep_default_na=False)
-        for rec in frame.itertuples(index=False):
+        for row, rec in enumerate(frame.itertuples(index=False), start=2):
             if str(rec[2]).strip() != "on-topic":
                 off_topic += 1
                 continue
             tid = str(rec[0]).strip("'\" ")
             when = int(snowflake_time(tid).astype("int64")) if tid.isdigit() else None
-            records.append({"id": tid, "text": rec[1], "time": when, "event": folder.name})
+            records.append({"id": tid, "text": rec[1], "time": when, "event": folder.name,
+                            "__where__": f"{files[0]}: row {row}"})
     msgs, report = from_records(records, str(root), on_error=on_error, first_row=1)
     # off-topic rows are left out by design (they belong to no event), not skipped as bad; say how many
     report.source += f" (on-topic rows only; {off_topic} off-topic rows left out)"

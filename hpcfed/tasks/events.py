@@ -125,7 +125,7 @@ class EventsTask(Task):
         super().__init__(config, site)
         import torch
 
-        from hpcfed.models.gat import GAT, to_csr
+        from hpcfed.models.gat import to_csr
 
         c = config
         cid = site.client_id
@@ -291,6 +291,9 @@ class EventsTask(Task):
             self.last_lambda = 0.0 if self.local_flat is None or not c.bola else 1.0
             return theta_g.copy()
         theta_l = self.local_flat
+        if np.array_equal(theta_l, theta_g):  # a singleton SEGA cluster or Local: every λ gives the same model
+            self.last_lambda = 1.0
+            return theta_l.copy()
         val = self.val_idx
         if len(val) < 2 or len(val) < len(np.unique(self.labels[val])) or not np.isfinite(theta_g).all():
             self.last_lambda = 1.0

@@ -13,6 +13,7 @@ after every batch). ``method=`` picks the federation (see `HINTask.apply_method`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,8 @@ from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+
+log = logging.getLogger("hpcfed.client")
 
 METHODS = {
     # method: (strategy, federation mode)
@@ -58,6 +61,10 @@ class HINTask(Task):
         eq5_activation: Literal["none", "tanh"] = "none"
         lr: float = 1e-3
         weight_decay: float = 1e-3
+        # True = AdamW (decoupled decay). With Adam's L2 form the decay gradient of a parameter the
+        # site's data never touches (other sites' node columns of W_s, their p_i) is rescaled by Adam
+        # into a full lr-sized step toward 0, so every site erases the others' node parameters.
+        decoupled_weight_decay: bool = True
         batch_size: int = 256
         local_epochs: int = 1
         sync_every: Literal["epoch", "batch"] = "epoch"
@@ -124,13 +131,19 @@ class HINTask(Task):
             if hin.features is None:
                 raise ValueError(f"task.use_features: dataset {c.dataset} has no node features; set it to false")
             features = hin.features
-        self.inputs = [MetapathInput(metapath_adjacency(view, mp), features) for mp in hin.metapaths]
+        adjacency = [metapath_adjacency(view, mp) for mp in hin.metapaths]
+        # meta-path instances this site holds: connected pairs i != j (reported in the final metrics)
+        self.instances = {mp: int(a.nnz - np.count_nonzero(a.diagonal())) for mp, a in zip(hin.metapaths, adjacency)}
+        log.info("site %d: %d target nodes, %d train labels, meta-path instances %s", site.client_id,
+                 len(self.own_nodes), len(self.nodes["train"]), self.instances)
+        self.inputs = [MetapathInput(a, features) for a in adjacency]
         self.labels = torch.as_tensor(hin.labels)
         torch.manual_seed(site.seed)  # identical initial model on every site
         self.model = FedAHE(num_nodes=hin.num_targets, input_dim=self.inputs[0].input_dim,
                             num_metapaths=len(hin.metapaths), num_classes=max(hin.num_classes, 2), dim=c.dim,
                             pref_dim=c.pref_dim, eq4_activation=c.eq4_activation, eq5_activation=c.eq5_activation)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        opt_cls = torch.optim.AdamW if c.decoupled_weight_decay else torch.optim.Adam
+        self.optimizer = opt_cls(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.steps = 0  # fit calls so far (batch cursor for sync_every=batch)
 
     @staticmethod
@@ -230,7 +243,8 @@ class HINTask(Task):
         macro = float(f1_score(y, pred, average="macro", zero_division=0))
         if not final:
             return {"val_loss": loss, "val_micro_f1": micro, "val_macro_f1": macro}
-        out = {"loss": loss, "micro_f1": micro, "macro_f1": macro, "num_test": float(len(nodes))}
+        out = {"loss": loss, "micro_f1": micro, "macro_f1": macro, "num_test": float(len(nodes)),
+               **{f"instances_{mp}": float(n) for mp, n in self.instances.items()}}
         out.update(self._logreg_f1(emb, y))
         return out
 

@@ -1,0 +1,116 @@
+"""Helpers for the fault tests: start a federation in the background, find its rank processes,
+signal them, and compare runs. Processes are found by their unique output folder on the command
+line, so a test only ever touches the processes it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from conftest import REPO, mpiexec
+
+QUICKSTART = "configs/quickstart.yaml"
+
+
+def start(out: Path, overrides: list[str], *, np_: int = 3, resume: bool = False, extra_env: dict | None = None,
+          mpi_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`mpiexec -n NP python -m hpcfed run quickstart OVERRIDES --out OUT [--resume]`, in the background."""
+    cmd = [mpiexec(), *mpi_args, "-n", str(np_), sys.executable, "-m", "hpcfed", "run", QUICKSTART, *overrides,
+           "--out", str(out)]
+    if resume:
+        cmd.append("--resume")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HPCFED_PSK": "ab" * 32, **(extra_env or {})}
+    log_path = out.parent / f"{out.name}.{time.monotonic_ns()}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.ops_log = log_path  # type: ignore[attr-defined]
+    return proc
+
+
+def output(proc: subprocess.Popen) -> str:
+    """Everything the job printed so far (stdout and stderr of mpiexec and all ranks)."""
+    return Path(proc.ops_log).read_text()  # type: ignore[attr-defined]
+
+
+def job_pids(out: Path) -> dict[str, int]:
+    """PIDs of the processes whose command line names `out`: 'rank0', 'rank1', ..., and 'launcher'."""
+    found: dict[str, int] = {}
+    marker = str(out).encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes()
+            if marker not in cmdline:
+                continue
+            environ = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        rank = next((kv[len(b"PMI_RANK="):] for kv in environ.split(b"\0") if kv.startswith(b"PMI_RANK=")), None)
+        if rank is not None and b"hydra_pmi_proxy" not in cmdline:
+            found[f"rank{int(rank)}"] = int(d.name)
+        elif b"mpiexec" in cmdline.split(b"\0")[0]:
+            found["launcher"] = int(d.name)
+    return found
+
+
+def kill_all(out: Path, proc: subprocess.Popen | None = None) -> None:
+    """kill -9 every process of the job at once (the whole job dies, as on a node failure)."""
+    pids = job_pids(out)
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc is not None:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            return predicate()
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def checkpoints(out: Path) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("ckpt-"))
+    except FileNotFoundError:
+        return []
+
+
+def events(out: Path) -> list[dict]:
+    rows = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def final_state(out: Path) -> tuple[dict, dict[str, bytes]]:
+    """(per-client final metrics from summary.json, the newest checkpoint's strategy arrays as bytes)."""
+    from hpcfed.store import checkpoint as ck
+
+    summary = json.loads((out / "summary.json").read_text())
+    newest = ck.latest_valid(out / "checkpoints", warn=lambda _: None)
+    arrays = {k: np.ascontiguousarray(v).tobytes() for k, v in sorted(newest.strategy[1].items())} if newest else {}
+    return summary["clients"], arrays
