@@ -178,7 +178,7 @@ def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{_loc(where, prefix or cls.__name__)} must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{_loc(where, prefix.rstrip('.') or cls.__name__)} must be a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
-from hpcfed.config import Config, ConfigError, load
+from hpcfed.config import Config, ConfigError, build, load
 from hpcfed.errors import FederationError
 
 # Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, Slurm PMI2, PMIx).
@@ -31,16 +34,27 @@ def under_mpi() -> bool:
 
 def prepare_config(path: str, overrides: list[str]) -> Config:
     """Load the config and apply the task's ``method=`` translation (identical on every rank)."""
-    from hpcfed.registry import task_class
+    from hpcfed.registry import strategy_class, task_class
 
     cfg = load(path, overrides)
-    task_cls = task_class(cfg.task.name)
+    task_cls = _component(task_class, cfg.task.name, "task.name", cfg.source)
     if cfg.method:
         try:
             task_cls.apply_method(cfg.method, cfg)
         except ValueError as exc:
             raise ConfigError(f"{cfg.source}: method={cfg.method}: {exc}") from None
+    # Validate the components' own options here, once, before any rank is started.
+    strategy_cls = _component(strategy_class, cfg.strategy.name, "strategy.name", cfg.source)
+    build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
+    build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
     return cfg
+
+
+def _component(resolve, name: str, key: str, source: str):
+    try:
+        return resolve(name)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {key}: {exc}") from None
 
 
 def run_command(config: str, overrides: list[str], *, np: int | None, out: str | None, resume: bool,
@@ -72,7 +86,60 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     cmd += [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--out", str(out)]
     if resume:
         cmd.append("--resume")
-    return subprocess.call(cmd, env=env)
+    pid_dir = out / "logs"
+    for stale in pid_dir.glob("rank*.pid"):
+        stale.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, env=env)
+    first_dead = _watch_ranks(proc, pid_dir, np)
+    code = proc.wait()
+    if code != 0:
+        from hpcfed.store.checkpoint import list_checkpoints
+
+        ckpts = list_checkpoints(out / "checkpoints")
+        who = f"rank {first_dead} ({'the server' if first_dead == 0 else f'client {first_dead - 1}'}) ended first; " \
+            if first_dead is not None else ""
+        print(f"hpcfed: the federation failed (exit {code}): {who}last checkpoint: "
+              f"{ckpts[0] if ckpts else 'none'}; see {pid_dir}/rank*.log", file=sys.stderr)
+    return code
+
+
+def _watch_ranks(proc: subprocess.Popen, pid_dir: Path, np: int) -> int | None:
+    """Poll the job; return the rank whose process disappeared first while the others still ran."""
+    pids: dict[int, int] = {}
+    while proc.poll() is None:
+        for rank in range(np):
+            if rank not in pids:
+                try:
+                    pids[rank] = int((pid_dir / f"rank{rank}.pid").read_text())
+                except (OSError, ValueError):
+                    continue
+        for rank, pid in sorted(pids.items()):
+            if not _alive(pid) and proc.poll() is None and len(pids) == np:
+                return rank
+        time.sleep(0.2)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited even though kill(0) succeeds
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def _write_pid(out_dir: Path, rank: int) -> None:
+    try:
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (out_dir / "logs" / f"rank{rank}.pid").write_text(str(os.getpid()))
+    except OSError:
+        pass
 
 
 def _is_hydra(exe: str) -> bool:
@@ -91,6 +158,8 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     _setup_logging(rank, out_dir, size)
     log = logging.getLogger("hpcfed")
+    log.debug("rank %d pid %d on %s", rank, os.getpid(), socket.gethostname())
+    _write_pid(out_dir, rank)
     try:
         _check_world(cfg, size)
         if rank == 0:
@@ -102,11 +171,15 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
         if rank == 0:
             from hpcfed.server.server import Server
 
-            summary = Server(cfg, channel, out_dir, resume=resume).run()
+            server = Server(cfg, channel, out_dir, resume=resume)
+            # SIGUSR1 (e.g. `scancel --signal=USR1` before a requeue): checkpoint after this round and stop.
+            signal.signal(signal.SIGUSR1, lambda *_: server.request_halt())
+            summary = server.run()
             log.info("done: %s", _brief(summary))
         else:
             import torch
 
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the server decides when to stop
             torch.set_num_threads(max(1, cfg.threads_per_rank))
             from hpcfed.client.client import Client
 
@@ -165,7 +238,8 @@ def _open_channel(cfg: Config, comm: object):
     log = logging.getLogger("hpcfed.comm")
     channel = SecureChannel(transport, credentials, job_id, chunk_bytes=cfg.comm.chunk_bytes,
                             max_message_bytes=cfg.comm.max_message_bytes, backoff_max_s=cfg.comm.backoff_max_s,
-                            max_rejects=cfg.security.max_rejects, log=log.warning)
+                            max_rejects=cfg.security.max_rejects, log=log.warning,
+                            send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
     peers = list(range(1, transport.size)) if transport.rank == 0 else [0]
     channel.connect(peers, timeout=cfg.federation.setup_timeout_s)
     return channel

@@ -68,7 +68,7 @@ class LoadReport:
 
 @dataclass
 class Messages:
-    """A validated message table: parallel lists/arrays in time order is NOT implied (see `sort_by_time`)."""
+    """A validated message table as parallel columns, in file order (`sort_by_time` orders by time)."""
 
     ids: list[str]
     texts: list[str]

@@ -84,12 +84,6 @@ def order_vocab(merged: Mapping[str, int], min_count: int) -> list[tuple[str, in
     return sorted(kept, key=lambda wc: (-wc[1], wc[0]))
 
 
-def encode_counts(counts: Mapping[str, int]) -> tuple[list[str], np.ndarray]:
-    """Counter -> (words, int64 counts) for the wire (words travel in the JSON header)."""
-    words = sorted(counts)
-    return words, np.array([counts[w] for w in words], dtype=np.int64)
-
-
 def decode_counts(words: Sequence[Any], counts: np.ndarray, where: str) -> dict[str, int]:
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise ValueError(f"{where}: the vocabulary words must be a list of strings")

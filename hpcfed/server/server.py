@@ -60,6 +60,7 @@ class Server:
         self.last_checkpoint: Path | None = None
         self.metrics: MetricsLog | None = None
         self.missing_results: list[int] = []
+        self.halt_requested = False  # set by SIGUSR1 (see launcher): checkpoint after this round and stop
         self._last_status = time.monotonic()
         self._cpu0 = time.process_time()
 
@@ -71,7 +72,7 @@ class Server:
         if fed.mode == "sync":
             for rnd in range(start_round, self.cfg.rounds):
                 self._sync_round(rnd)
-                if self.cfg.halt_after_round == rnd and rnd < self.cfg.rounds - 1:
+                if (self.cfg.halt_after_round == rnd or self.halt_requested) and rnd < self.cfg.rounds - 1:
                     return self._halt(rnd)
         else:
             self._async_loop(resumed)
@@ -90,7 +91,7 @@ class Server:
             cid = msg.source - 1
             header = msg.header.get("task", {})
             if not isinstance(header, dict):
-                self._reject(msg.source, "malformed SETUP header")
+                self._reject(msg.source, "malformed header", "SETUP task header is not a mapping")
                 continue
             payloads[cid] = (header, P.split_prefixed(msg.tensors, P.SETUP_PREFIX))
             if cid == 0:
@@ -139,9 +140,8 @@ class Server:
         t0 = time.monotonic()
         want_state = self._checkpoint_due(rnd)
         for cid in sorted(self.live):
-            self.channel.send(cid + 1, P.PARAMS, {"round": rnd, "version": self.strategy.version,
-                                                  "want_state": want_state},
-                              {P.PARAMS_KEY: self.strategy.model_for(cid)})
+            self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version, "want_state": want_state},
+                          {P.PARAMS_KEY: self.strategy.model_for(cid)})
         got: dict[int, tuple[Update, tuple[dict, dict]]] = {}
         deadline = t0 + fed.round_deadline_s
         while len(got) < len(self.live):
@@ -150,7 +150,7 @@ class Server:
             if msg is None:
                 break
             if msg.header.get("round") != rnd:
-                self._reject(msg.source, f"stale update for round {msg.header.get('round')!r} during round {rnd}")
+                self._reject(msg.source, "stale update", f"for round {msg.header.get('round')!r} during round {rnd}")
                 continue
             parsed = self._as_update(msg, allow_state=want_state)
             if parsed is not None:
@@ -184,7 +184,7 @@ class Server:
 
     def _checkpoint_due(self, rnd: int) -> bool:
         every = self.cfg.checkpoint_every
-        if rnd == self.cfg.halt_after_round:
+        if rnd == self.cfg.halt_after_round or self.halt_requested:
             return True
         return every > 0 and ((rnd + 1) % every == 0 or rnd == self.cfg.rounds - 1)
 
@@ -231,9 +231,8 @@ class Server:
             self._checkpoint(self.updates_accepted, {})
 
     def _send_model(self, cid: int) -> None:
-        self.channel.send(cid + 1, P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
-                                              "want_state": False},
-                          {P.PARAMS_KEY: self.strategy.model_for(cid)})
+        self._send_to(cid, P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
+                                      "want_state": False}, {P.PARAMS_KEY: self.strategy.model_for(cid)})
 
     def _check_silent(self, last_seen: dict[int, float]) -> None:
         limit = self.cfg.federation.round_deadline_s
@@ -259,26 +258,26 @@ class Server:
             return None
         cid = msg.source - 1
         if cid not in self.live:
-            self._reject(msg.source, "update from a client that is not part of the federation")
+            self._reject(msg.source, "not a member", "update from a client that is not part of the federation")
             return None
         h, tensors = msg.header, msg.tensors
         unknown = [k for k in tensors if k != P.PARAMS_KEY and not (allow_state and k.startswith(P.STATE_PREFIX))]
         if unknown:
-            self._reject(msg.source, f"unknown tensor name(s) {unknown[:3]}")
+            self._reject(msg.source, "unknown tensor name", f"{unknown[:3]}")
             return None
         flat = tensors.get(P.PARAMS_KEY)
         if flat is None or flat.dtype != np.float32 or flat.shape != (self.layout.size,):
             got = "missing" if flat is None else f"{flat.dtype} {flat.shape}"
-            self._reject(msg.source, f"parameters are {got}, expected float32 ({self.layout.size},)")
+            self._reject(msg.source, "wrong dtype or shape", f"parameters are {got}, expected float32 ({self.layout.size},)")
             return None
         if not np.isfinite(flat).all():
-            self._reject(msg.source, "parameters contain NaN or Inf")
+            self._reject(msg.source, "non-finite parameters", "parameters contain NaN or Inf")
             return None
         num = h.get("num_examples")
         metrics = h.get("metrics", {})
         if not _is_int(num) or num < 0 or not isinstance(metrics, dict) or not all(
                 isinstance(k, str) and (_is_number(v) or v is None) for k, v in metrics.items()):
-            self._reject(msg.source, "malformed update header (num_examples/metrics)")
+            self._reject(msg.source, "malformed header", "UPDATE num_examples/metrics")
             return None
         upd = Update(client_id=cid, flat=flat, num_examples=int(num),
                      base_version=int(h.get("version", 0)) if _is_int(h.get("version", 0)) else 0,
@@ -288,12 +287,31 @@ class Server:
                  P.split_prefixed(tensors, P.STATE_PREFIX))
         return upd, state
 
-    def _reject(self, rank: int, reason: str) -> None:
-        key = reason.split(" (")[0][:60]
-        self.rejected[key] = self.rejected.get(key, 0) + 1
-        log.warning("rejected message from rank %d: %s", rank, reason)
+    def _reject(self, rank: int, category: str, detail: str) -> None:
+        """Count a rejected message under a fixed category; the detail goes to the log only."""
+        self.rejected[category] = self.rejected.get(category, 0) + 1
+        log.warning("rejected message from rank %d: %s: %s", rank, category, detail)
 
-    # -- waiting -----------------------------------------------------------------------------------
+    # -- sending and waiting -------------------------------------------------------------------------
+    def _send_to(self, cid: int, kind: int, header: dict, tensors: dict | None = None) -> None:
+        """Send to a client; one that takes nothing within the deadline has failed (hung or dead)."""
+        from hpcfed.comm.channel import ChannelError
+
+        try:
+            self.channel.send(cid + 1, kind, header, tensors)
+        except ChannelError as exc:
+            self._client_failed(cid, f"did not take a {P.NAMES.get(kind, kind)} message within the deadline ({exc})")
+
+    def _stop_all(self, reason: str) -> None:
+        """Best effort: tell every client to leave (a dead one cannot hear it; its timeout ends it)."""
+        from hpcfed.comm.channel import ChannelError
+
+        for cid in range(self.num_clients):
+            try:
+                self.channel.send(cid + 1, P.STOP, {"reason": reason})
+            except ChannelError as exc:
+                log.warning("could not tell client %d (rank %d) to stop: %s", cid, cid + 1, exc)
+
     def _recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int],
                     fatal: bool = True) -> Any:
         while True:
@@ -337,10 +355,14 @@ class Server:
                  (stats.bytes_received - getattr(self, "_last_bytes", 0)) / dt / 1e6, rejected)
         self._last_msgs, self._last_bytes = stats.messages_received, stats.bytes_received
 
+    def request_halt(self) -> None:
+        """Finish the current sync round with client states, checkpoint it, and stop (Slurm pre-emption)."""
+        self.halt_requested = True
+        log.warning("halt requested: the federation stops after this round's checkpoint; resume with --resume")
+
     def _halt(self, rnd: int) -> dict[str, Any]:
         """Stop every rank cleanly after round `rnd` (halt_after_round); resume with --resume."""
-        for cid in range(self.num_clients):
-            self.channel.send(cid + 1, P.STOP, {"reason": f"halted after round {rnd}"})
+        self._stop_all(f"halted after round {rnd}")
         log.info("halted after round %d as configured (halt_after_round); checkpoint %s", rnd, self.last_checkpoint)
         self.metrics.close()
         return {"halted_after_round": rnd, "last_checkpoint": str(self.last_checkpoint)}
@@ -348,8 +370,8 @@ class Server:
     def _finish(self) -> dict[str, Any]:
         fed = self.cfg.federation
         for cid in sorted(self.live):
-            self.channel.send(cid + 1, P.FINAL, {"round": self.round, "version": self.strategy.version},
-                              {P.PARAMS_KEY: self.strategy.final_model_for(cid)})
+            self._send_to(cid, P.FINAL, {"round": self.round, "version": self.strategy.version},
+                          {P.PARAMS_KEY: self.strategy.final_model_for(cid)})
         results: dict[int, dict[str, float]] = {}
         deadline = time.monotonic() + fed.round_deadline_s
         while len(results) < len(self.live):
@@ -365,13 +387,12 @@ class Server:
                 continue  # an async client's last upload, overtaken by the stop
             metrics = msg.header.get("metrics", {})
             if not isinstance(metrics, dict):
-                self._reject(msg.source, "malformed RESULT header")
+                self._reject(msg.source, "malformed header", "RESULT metrics is not a mapping")
                 continue
             results[msg.source - 1] = {k: float(v) for k, v in metrics.items() if _is_number(v)}
         for cid in sorted(results):
             self.metrics.log_many(self.round, cid, {f"final_{k}": v for k, v in results[cid].items()})
-        for cid in range(self.num_clients):
-            self.channel.send(cid + 1, P.STOP, {"reason": "done"})
+        self._stop_all("done")
         summary = self._summary(results)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         self.metrics.close()

@@ -34,7 +34,7 @@ def _finish(out: Path, timeout: float = 240) -> str:
 def _rounds_logged_once(out: Path) -> None:
     seen: dict[tuple[int, int], int] = {}
     for e in events(out):
-        if e["name"] == "loss" and e["client"] is not None and e["client"] >= 0:
+        if e["name"] == "val_accuracy" and e["client"] is not None and e["client"] >= 0:
             seen[(e["round"], e["client"])] = seen.get((e["round"], e["client"]), 0) + 1
     assert sorted(seen) == [(r, c) for r in range(ROUNDS) for c in (0, 1)], sorted(seen)
     assert set(seen.values()) == {1}, seen  # rounds redone after a resume are not logged twice

@@ -127,3 +127,18 @@ def test_learning_rate_decays_across_rounds() -> None:
     assert g.epoch_alpha(s, 0, 40) == pytest.approx(0.025)
     assert g.epoch_alpha(s, 39, 40) == pytest.approx(0.0001)
     assert g.epoch_alpha(s, 20, 40) == pytest.approx(0.025 - 20 * (0.025 - 0.0001) / 39)
+
+
+def test_a_site_without_documents_takes_part(tmp_path) -> None:
+    cfg = Doc2VecTask.Config(dataset="gensim", max_docs=2, vector_size=8, sample=0, min_count=1, total_epochs=1)
+    tasks = [Doc2VecTask(cfg, Site(client_id=c, num_clients=3, seed=0, out_dir=tmp_path)) for c in range(3)]
+    payloads = {c: t.setup() for c, t in enumerate(tasks)}
+    empty = [c for c, t in enumerate(tasks) if not t.docs]
+    assert len(empty) == 1 and payloads[empty[0]][1]["words"].size == 0  # an empty Counter
+    replies, init = Doc2VecTask.server_setup(cfg, payloads)
+    t = tasks[empty[0]]
+    t.on_setup(replies[empty[0]])
+    t.set_parameters(init)
+    assert t.fit(0).num_examples == 0
+    np.testing.assert_array_equal(t.get_parameters()["wv"], init["wv"])  # skipped in training
+    assert t.export_embeddings(tmp_path).is_file()

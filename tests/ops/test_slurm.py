@@ -1,0 +1,136 @@
+"""Real Slurm: a single-node cluster on localhost (../shared/tools/local-slurm.sh), `sbatch` jobs
+running 3-rank quickstart federations end to end, and a requeued job that resumes from its
+checkpoint and ends with the same final metrics as an uninterrupted run (sync mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from ops_helpers import checkpoints, final_state, kill_all, output, start, wait_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
+
+LOCAL_SLURM = (REPO / ".." / "shared" / "tools" / "local-slurm.sh").resolve()
+DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+               "PREEMPTED"}
+
+
+@pytest.fixture(scope="module")
+def slurm_env() -> dict[str, str]:
+    if not LOCAL_SLURM.is_file():
+        pytest.skip(f"{LOCAL_SLURM} is missing: cannot start a local Slurm cluster")
+    if os.geteuid() != 0:
+        pytest.skip("starting the local Slurm cluster needs root (munged, slurmctld, slurmd)")
+    try:
+        proc = subprocess.run(["bash", str(LOCAL_SLURM), "start"], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.skip("local-slurm.sh start did not finish within 600 s (apt mirror unreachable?)")
+    m = re.search(r"export SLURM_CONF=(\S+)", proc.stdout)
+    if proc.returncode != 0 or not m:
+        pytest.skip(f"Slurm could not be installed/started here: {(proc.stderr or proc.stdout)[-500:]}")
+    env = {**os.environ, "SLURM_CONF": m.group(1), "HPCFED_PYTHON": sys.executable,
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    if shutil.which("sbatch", path=env["PATH"]) is None:
+        pytest.skip("sbatch is not on PATH after starting Slurm")
+    return env
+
+
+def _sbatch(env: dict, script: str, args: list[str], log: Path) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", f"--chdir={REPO}", f"--output={log}", script, *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def _job(env: dict, job: str) -> dict[str, str]:
+    text = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
+                          timeout=30).stdout
+    return dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
+
+
+def _in_queue(env: dict, job: str) -> str:
+    """The job's state as `squeue` shows it ('' once it has left the queue)."""
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+def _wait_done(env: dict, job: str, timeout: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _in_queue(env, job)
+        if state in ("", *DONE_STATES) or state.split()[0] in DONE_STATES:
+            info = _job(env, job)
+            if info.get("JobState", "") in DONE_STATES or not info:
+                return info
+        time.sleep(1)
+    subprocess.run(["scancel", job], env=env, timeout=30)
+    raise AssertionError(f"job {job} did not finish within {timeout:g} s: {_job(env, job)}")
+
+
+def test_sbatch_runs_a_three_rank_federation_end_to_end(slurm_env, tmp_path):
+    out = tmp_path / "qs"
+    log = tmp_path / "job.out"
+    job = _sbatch(slurm_env, "slurm/hpcfed.sbatch", ["configs/quickstart.yaml", str(out), "rounds=3"], log)
+    info = _wait_done(slurm_env, job, 300)
+    text = log.read_text()
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (info, text[-3000:])
+    assert "srun --mpi=pmi2 -n 3" in text  # one MPI world of SLURM_NTASKS ranks via PMI-2
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["clients"]) == {"0", "1"} and summary["rounds"] == 3
+    assert summary["config"]["name"] == "quickstart"
+    assert sorted(p.name for p in (out / "embeddings").iterdir()) == ["site0.h5", "site1.h5"]
+    assert {(e["round"], e["client"]) for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if e["name"] == "val_accuracy"} == {(r, c) for r in range(3) for c in (0, 1)}
+
+
+def test_sbatch_refuses_a_launch_that_is_not_one_mpi_world(slurm_env, tmp_path):
+    # Plain srun without PMI starts 3 one-rank programs: the script must notice and say so.
+    log = tmp_path / "job.out"
+    env = {**slurm_env, "HPCFED_LAUNCHER": "srun", "HPCFED_SRUN_MPI": "none"}
+    job = _sbatch(env, "slurm/hpcfed.sbatch", ["configs/quickstart.yaml", str(tmp_path / "x")], log)
+    info = _wait_done(slurm_env, job, 120)
+    assert info.get("JobState") == "FAILED", info
+    assert "gave MPI world size '1', not SLURM_NTASKS=3" in log.read_text()
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_env, tmp_path):
+    common = ["rounds=6", "checkpoint_every=1", "federation.slowdown={0: 25, 1: 25}"]
+    ref_out = tmp_path / "reference"
+    ref = start(ref_out, common)  # the uninterrupted run, side by side (plain mpiexec, same config)
+    out = tmp_path / "rq"
+    log = tmp_path / "job.out"
+    job = _sbatch(slurm_env, "slurm/requeue.sbatch", ["configs/quickstart.yaml", str(out), *common], log)
+    try:
+        wait_for(lambda: len(checkpoints(out)) >= 2 or _job(slurm_env, job).get("JobState") in DONE_STATES,
+                 300, "the job's second checkpoint")
+        assert not (out / "summary.json").exists(), "the job finished before it could be requeued; slow it down"
+        newest = checkpoints(out)[-1]
+        subprocess.run(["scontrol", "requeue", job], env=slurm_env, check=True, timeout=30)
+        # A requeued job waits for a begin time; let it start again at once.
+        wait_for(lambda: _job(slurm_env, job).get("Restarts") == "1", 120, "the requeue")
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env, timeout=30)
+        info = _wait_done(slurm_env, job, 300)
+    finally:
+        if _in_queue(slurm_env, job):
+            subprocess.run(["scancel", job], env=slurm_env, timeout=30)
+    text = log.read_text()
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (info, text[-3000:])
+    assert info.get("Restarts") == "1"
+    assert "SIGTERM (requeue, preemption or scancel)" in text
+    assert "attempt 2: resuming from the newest valid checkpoint" in text
+    resumed = re.search(r"resumed from \S+ckpt-(\d+)\.h5 \(round (\d+)\)", text)
+    assert resumed and int(resumed.group(2)) >= int(newest[5:11]), text[-3000:]
+    assert ref.wait(timeout=300) == 0, output(ref)[-3000:]
+    kill_all(ref_out)
+    assert final_state(out) == final_state(ref_out)
