@@ -40,12 +40,22 @@ def node_attention(h_self: torch.Tensor, h_nbr: torch.Tensor, seg: torch.Tensor,
 
     Returns the attention c (E,) and the neighbourhood embedding e_N (B, d).
     """
-    from torch_geometric.utils import scatter, softmax
-
     s = F.cosine_similarity(h_self[seg], h_nbr, dim=-1, eps=EPS)  # eq 1
-    c = softmax(s, seg, num_nodes=num_nodes)  # eq 2
-    e_n = torch.sigmoid(scatter(c.unsqueeze(-1) * h_nbr, seg, dim=0, dim_size=num_nodes, reduce="sum"))  # eq 3
-    return c, e_n
+    c = segment_softmax(s, seg, num_nodes)  # eq 2
+    summed = torch.zeros(num_nodes, h_nbr.shape[1], dtype=h_nbr.dtype).index_add_(0, seg, c.unsqueeze(-1) * h_nbr)
+    return c, torch.sigmoid(summed)  # eq 3
+
+
+def segment_softmax(s: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Softmax of `s` within each segment (rows with the same `seg`), stabilised by the segment max.
+
+    The same as ``torch_geometric.utils.softmax``, with torch built-ins only (PyG's import costs
+    seconds per process, and every site and test process would pay it).
+    """
+    peak = torch.full((num_segments,), float("-inf"), dtype=s.dtype).scatter_reduce(0, seg, s, reduce="amax")
+    z = torch.exp(s - peak.detach()[seg])
+    total = torch.zeros(num_segments, dtype=s.dtype).index_add_(0, seg, z)
+    return z / total[seg]
 
 
 def metapath_attention(e_paths: torch.Tensor, p: torch.Tensor, w_p: nn.Module,

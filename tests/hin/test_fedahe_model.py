@@ -130,3 +130,12 @@ def test_feature_input_equals_the_concatenated_row() -> None:
     concat = np.hstack([row_normalize(adj).toarray(), row_normalize(feats).toarray()])
     expected = torch.as_tensor(concat, dtype=torch.float32) @ lin.weight.t() + lin.bias
     assert torch.allclose(inp.project(lin, np.array([0, 1, 2])), expected, atol=1e-6)
+
+
+def test_segment_softmax_matches_per_segment_softmax() -> None:
+    from hpcfed.models.fedahe import segment_softmax
+
+    s = torch.tensor([1.0, 2.0, 3.0, 50.0, 51.0])
+    seg = torch.tensor([0, 0, 0, 1, 1])
+    out = segment_softmax(s, seg, 2)
+    assert torch.allclose(out[:3], torch.softmax(s[:3], 0)) and torch.allclose(out[3:], torch.softmax(s[3:], 0))

@@ -105,7 +105,7 @@ def test_sbatch_refuses_a_launch_that_is_not_one_mpi_world(slurm_env, tmp_path):
 
 
 def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_env, tmp_path):
-    common = ["rounds=6", "checkpoint_every=1", "federation.slowdown={0: 25, 1: 25}"]
+    common = ["rounds=4", "checkpoint_every=1", "federation.slowdown={0: 15, 1: 15}"]
     ref_out = tmp_path / "reference"
     ref = start(ref_out, common)  # the uninterrupted run, side by side (plain mpiexec, same config)
     out = tmp_path / "rq"
@@ -113,14 +113,14 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
     job = _sbatch(slurm_env, "slurm/requeue.sbatch", ["configs/quickstart.yaml", str(out), *common], log)
     try:
         wait_for(lambda: len(checkpoints(out)) >= 2 or _job(slurm_env, job).get("JobState") in DONE_STATES,
-                 300, "the job's second checkpoint")
+                 420, "the job's second checkpoint")
         assert not (out / "summary.json").exists(), "the job finished before it could be requeued; slow it down"
         newest = checkpoints(out)[-1]
         subprocess.run(["scontrol", "requeue", job], env=slurm_env, check=True, timeout=30)
         # A requeued job waits for a begin time; let it start again at once.
         wait_for(lambda: _job(slurm_env, job).get("Restarts") == "1", 120, "the requeue")
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env, timeout=30)
-        info = _wait_done(slurm_env, job, 300)
+        info = _wait_done(slurm_env, job, 420)
     finally:
         if _in_queue(slurm_env, job):
             subprocess.run(["scancel", job], env=slurm_env, timeout=30)
@@ -131,6 +131,6 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
     assert "attempt 2: resuming from the newest valid checkpoint" in text
     resumed = re.search(r"resumed from \S+ckpt-(\d+)\.h5 \(round (\d+)\)", text)
     assert resumed and int(resumed.group(2)) >= int(newest[5:11]), text[-3000:]
-    assert ref.wait(timeout=300) == 0, output(ref)[-3000:]
+    assert ref.wait(timeout=420) == 0, output(ref)[-3000:]
     kill_all(ref_out)
     assert final_state(out) == final_state(ref_out)

@@ -1,0 +1,46 @@
+"""Convergence curves read from metrics.jsonl, and the two PNGs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcfed.store.embeddings import export_path, write_export
+from hpcfed.tasks.hin_plots import convergence_curves, plot_convergence, plot_tsne, time_to_reach
+
+
+def _metrics(run: Path, events: list[tuple]) -> None:
+    run.mkdir(parents=True)
+    lines = [json.dumps({"round": r, "client": c, "name": n, "value": v, "time": t}) for r, c, n, v, t in events]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_curve_is_the_mean_of_each_clients_latest_value(tmp_path: Path) -> None:
+    _metrics(tmp_path / "a", [
+        (1, 0, "train_loss", 1.0, 1.0), (1, 0, "val_micro_f1", 0.4, 1.0),
+        (2, 1, "train_loss", 0.9, 2.0), (2, 1, "val_micro_f1", 0.6, 2.0),
+        (3, None, "broadcast", 1, 2.5),
+        (4, 0, "train_loss", 0.5, 3.0), (4, 0, "val_micro_f1", 0.8, 3.0),
+    ])
+    c = convergence_curves(tmp_path / "a" / "metrics.jsonl", "val_micro_f1")
+    assert c["value"] == pytest.approx([0.4, 0.5, 0.7])
+    assert list(c["updates"]) == [1, 2, 3] and list(c["time"]) == [1.0, 2.0, 3.0]
+    assert time_to_reach(c, 0.5) == 2.0 and time_to_reach(c, 0.9) is None
+    out = plot_convergence({"a": tmp_path / "a", "b": tmp_path / "a"}, tmp_path / "conv.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tsne_png_from_exports(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    for k in range(2):
+        labels = np.repeat([0, 1], 15)
+        vectors = (rng.normal(size=(30, 8)) + 4 * labels[:, None]).astype(np.float32)
+        write_export(export_path(tmp_path, k), vectors, [f"n{i}" for i in range(30)], labels,
+                     model="fedahe", site=k)
+    out = plot_tsne(tmp_path, tmp_path / "tsne.png")
+    assert out.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no site"):
+        plot_tsne(tmp_path / "empty", tmp_path / "x.png")

@@ -1,0 +1,98 @@
+"""A client or the server dies or hangs mid-run: the job ends (or, async with
+`federation.on_client_failure: continue`, goes on) within its deadline, naming the rank — never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from hpcfed.store import checkpoint as ck
+from ops_helpers import checkpoints, job_pids, kill_all, output, start, wait_for
+
+pytestmark = pytest.mark.mpi
+
+SLOW = ["rounds=8", "checkpoint_every=1", "federation.slowdown={0: 20, 1: 20}"]
+
+
+def _ranks(out, n: int = 3) -> dict[str, int]:
+    return wait_for(lambda: (p := job_pids(out)) and all(f"rank{r}" in p for r in range(n)) and p, 60, "the rank processes")
+
+
+def _ended_within(proc, seconds: float) -> float:
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=seconds)
+    except Exception:  # noqa: BLE001 — report the hang as a failure after cleaning up
+        pass
+    return time.monotonic() - t0
+
+
+def test_killed_client_ends_job_quickly_and_leaves_a_valid_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    deadline = 30
+    proc = start(out, [*SLOW, f"federation.round_deadline_s={deadline}"])
+    try:
+        wait_for(lambda: checkpoints(out), 180, "a first checkpoint", proc)
+        os.kill(_ranks(out)["rank2"], signal.SIGKILL)
+        took = _ended_within(proc, deadline + 30)
+    finally:
+        kill_all(out, proc)
+    text = output(proc)
+    assert proc.returncode not in (None, 0), text[-3000:]
+    assert took < deadline + 30, f"the job outlived a dead client by {took:.0f} s"
+    assert "signal 9" in text or "Killed" in text or "rank 2" in text, text[-3000:]
+    # TODO(ops_requests R2): once relaunch names the rank that died first, assert "rank 2" here.
+    newest = ck.latest_valid(out / "checkpoints", warn=lambda _: None)
+    assert newest is not None and newest.round >= 0  # --resume has something to start from
+
+
+@pytest.mark.xfail(reason="server blocks up to 600 s sending to a hung client (comm send_timeout_s is not bound "
+                          "to the federation deadline): /work/notes/ops_requests.md R1", strict=False)
+def test_hung_client_ends_sync_job_within_deadline_naming_rank(tmp_path):
+    out = tmp_path / "run"
+    deadline = 6
+    proc = start(out, [*SLOW, f"federation.round_deadline_s={deadline}"])
+    pids = {}
+    try:
+        wait_for(lambda: checkpoints(out), 180, "a first checkpoint", proc)
+        pids = _ranks(out)
+        os.kill(pids["rank2"], signal.SIGSTOP)  # alive but silent: no MPI library notices this
+        took = _ended_within(proc, deadline + 40)
+    finally:
+        if "rank2" in pids:
+            try:
+                os.kill(pids["rank2"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        kill_all(out, proc)
+    text = output(proc)
+    assert took < deadline + 40, f"the job hung {took:.0f} s on a silent client"
+    assert proc.returncode != 0
+    assert "client 1 (rank 2)" in text and "last checkpoint: " in text, text[-3000:]
+    assert "ckpt-" in text.split("last checkpoint: ", 1)[1][:300]
+
+
+def test_killed_server_does_not_leave_clients_running(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, [*SLOW, "federation.client_timeout_s=20"])
+    try:
+        wait_for(lambda: checkpoints(out), 180, "a first checkpoint", proc)
+        pids = _ranks(out)
+        os.kill(pids["rank0"], signal.SIGKILL)
+        took = _ended_within(proc, 20 + 30)
+        alive = [r for r, pid in pids.items() if r.startswith("rank") and _alive(pid)]
+    finally:
+        kill_all(out, proc)
+    assert took < 50, f"clients outlived the server by {took:.0f} s"
+    assert proc.returncode != 0 and alive == [], (alive, output(proc)[-2000:])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
