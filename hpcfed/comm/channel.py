@@ -352,6 +352,19 @@ class SecureChannel:
                 return
         msg_id = peer.next_msg_id
         peer.next_msg_id += 1
+        if ftype != F_DATA:
+            # A control message (handshake confirmation, shared-memory offer/answer) may be sent
+            # from inside another send's wait: give it its own buffer, never the slots in flight.
+            n = total
+            frame = np.empty(HDR + n + TAG, dtype=np.uint8)
+            peer.send_seq += 1
+            hdr = FRAME.pack(VERSION, ftype, kind, 0, self.rank, dest, n, peer.send_seq, msg_id, 0, 1, 0, total)
+            frame[:HDR] = np.frombuffer(hdr, dtype=np.uint8)
+            data = b"".join(bytes(p) for p in enc.pieces(0, n)) if enc is not None else b""
+            peer.tx.seal_into(peer.send_seq, data, self._jd + hdr, memoryview(frame)[HDR:])  # type: ignore[union-attr]
+            self.stats.bytes_sent += len(frame)
+            self._send_small(dest, frame)  # type: ignore[arg-type]
+            return
         inflight: deque[Request] = deque()
         nslots = 1 if count == 1 else 3  # three buffers: encrypt one while two are in flight
         for i in range(count):
@@ -467,7 +480,7 @@ class SecureChannel:
             return
         ring.free.append(slot)
 
-    def _send_small(self, dest: int, frame: bytes) -> None:
+    def _send_small(self, dest: int, frame: bytes | np.ndarray) -> None:
         self._background.append((self.transport.isend(memoryview(frame), dest), frame))
         self._reap_background()
 
@@ -518,11 +531,17 @@ class SecureChannel:
         msg = self._take(source, kinds)
         if msg is not None:
             return msg
+        while self._pump():  # fast path: the message is already here
+            msg = self._take(source, kinds)
+            if msg is not None:
+                return msg
+        if timeout == 0:
+            return None
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        idle = _Backoff(self.spin_s if timeout != 0 else 0.0, self.backoff_max_s)
+        idle = _Backoff(self.spin_s, self.backoff_max_s)
         # while a multi-chunk message is arriving, its next chunk is imminent: spin, sleep little
-        busy = _Backoff(_ACTIVE_SPIN_S if timeout != 0 else 0.0, min(self.backoff_max_s, _ACTIVE_SLEEP_S))
-        backoff = idle
+        busy = _Backoff(_ACTIVE_SPIN_S, min(self.backoff_max_s, _ACTIVE_SLEEP_S))
+        backoff = busy if self._assembling else idle
         while True:
             if self._pump():
                 backoff = busy if self._assembling else idle
@@ -545,6 +564,8 @@ class SecureChannel:
         return self.recv(timeout=0)
 
     def _take(self, source: int | None, kinds: Collection[int] | None) -> Message | None:
+        if not self._inbox:
+            return None
         for i, m in enumerate(self._inbox):
             if (source is None or m.source == source) and (kinds is None or m.kind in kinds):
                 del self._inbox[i]
@@ -715,7 +736,9 @@ class SecureChannel:
         asm = peer.asm
         if asm is None or asm.msg_id != msg_id or asm.count != count or asm.total != total:
             return "seq", f"chunk {index} of message {msg_id} without its earlier chunks"
-        if index != asm.next_index or offset != asm.filled or seq != asm.last_seq + 1:
+        # (sequence numbers need not be consecutive: a control frame, e.g. a shared-memory answer,
+        # may be sent between two chunks of a message while the sender waits)
+        if index != asm.next_index or offset != asm.filled:
             return "seq", f"chunk {index} of message {msg_id} where chunk {asm.next_index} was expected"
         return None
 

@@ -19,11 +19,12 @@ from conftest import REPO, mpiexec
 QUICKSTART = "configs/quickstart.yaml"
 
 
-def start(out: Path, overrides: list[str], *, np_: int = 3, resume: bool = False, extra_env: dict | None = None,
-          mpi_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`mpiexec -n NP python -m hpcfed run quickstart OVERRIDES --out OUT [--resume]`, in the background."""
-    cmd = [mpiexec(), *mpi_args, "-n", str(np_), sys.executable, "-m", "hpcfed", "run", QUICKSTART, *overrides,
-           "--out", str(out)]
+def start(out: Path, overrides: list[str], *, np_: int = 3, resume: bool = False,
+          extra_env: dict | None = None) -> subprocess.Popen:
+    """`hpcfed run quickstart OVERRIDES --np NP --out OUT [--resume]` (the user's path: it relaunches
+    itself under mpiexec and watches the ranks), in the background."""
+    mpiexec()  # skips without MPI
+    cmd = [sys.executable, "-m", "hpcfed", "run", QUICKSTART, *overrides, "--np", str(np_), "--out", str(out)]
     if resume:
         cmd.append("--resume")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HPCFED_PSK": "ab" * 32, **(extra_env or {})}

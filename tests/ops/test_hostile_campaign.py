@@ -38,8 +38,9 @@ def test_thousand_crafted_messages_are_all_rejected_and_change_nothing(tmp_path)
     for reason in ("authentication failed", "replayed or reordered frame", "misrouted frame", "truncated frame",
                    "oversize frame", "malformed bundle"):
         assert channel.get(reason, 0) > 0, (reason, channel)
-    assert any(k.startswith("parameters contain NaN") for k in runtime), runtime
-    assert any(k.startswith("unknown tensor name") for k in runtime), runtime
+    for category in ("non-finite parameters", "wrong dtype or shape", "unknown tensor name", "malformed header",
+                     "stale update"):
+        assert runtime.get(category, 0) > 0, (category, runtime)
     assert result["baseline_rejected"] == 0
     # The server logged the hostile rank by number.
     server_log = (tmp_path / "attacked" / "logs" / "rank0.log").read_text()

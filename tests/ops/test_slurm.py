@@ -104,33 +104,50 @@ def test_sbatch_refuses_a_launch_that_is_not_one_mpi_world(slurm_env, tmp_path):
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
+def _restart_when_pending(env: dict, job: str, restarts: int) -> None:
+    """Wait until the requeued job is back in the queue, then let it start at once (Slurm would
+    otherwise hold it for its requeue delay). Starting it while the previous attempt is still
+    completing gets it killed ("job credential revoked"), hence the wait for PENDING."""
+    wait_for(lambda: (j := _job(env, job)).get("Restarts") == str(restarts) and j.get("JobState") == "PENDING",
+             180, f"requeue number {restarts}")
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, timeout=30)
+
+
 def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_env, tmp_path):
-    common = ["rounds=4", "checkpoint_every=1", "federation.slowdown={0: 15, 1: 15}"]
+    common = ["rounds=6", "checkpoint_every=1", "federation.slowdown={0: 15, 1: 15}"]
     ref_out = tmp_path / "reference"
     ref = start(ref_out, common)  # the uninterrupted run, side by side (plain mpiexec, same config)
     out = tmp_path / "rq"
     log = tmp_path / "job.out"
     job = _sbatch(slurm_env, "slurm/requeue.sbatch", ["configs/quickstart.yaml", str(out), *common], log)
     try:
+        # 1. A hard requeue (SIGTERM to every rank) once the job has two checkpoints.
         wait_for(lambda: len(checkpoints(out)) >= 2 or _job(slurm_env, job).get("JobState") in DONE_STATES,
                  420, "the job's second checkpoint")
         assert not (out / "summary.json").exists(), "the job finished before it could be requeued; slow it down"
-        newest = checkpoints(out)[-1]
+        first = checkpoints(out)[-1]
         subprocess.run(["scontrol", "requeue", job], env=slurm_env, check=True, timeout=30)
-        # A requeued job waits for a begin time; let it start again at once.
-        wait_for(lambda: _job(slurm_env, job).get("Restarts") == "1", 120, "the requeue")
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env, timeout=30)
+        _restart_when_pending(slurm_env, job, 1)
+        # 2. A graceful one in the second attempt: SIGUSR1 (what Slurm sends before the time limit)
+        #    makes the server checkpoint after the current round and stop, then the script requeues.
+        wait_for(lambda: checkpoints(out)[-1] > first or _job(slurm_env, job).get("JobState") in DONE_STATES,
+                 420, "a checkpoint of the second attempt")
+        assert not (out / "summary.json").exists(), "the second attempt finished before SIGUSR1; slow it down"
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True, timeout=30)
+        _restart_when_pending(slurm_env, job, 2)
         info = _wait_done(slurm_env, job, 420)
     finally:
         if _in_queue(slurm_env, job):
             subprocess.run(["scancel", job], env=slurm_env, timeout=30)
     text = log.read_text()
     assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (info, text[-3000:])
-    assert info.get("Restarts") == "1"
+    assert info.get("Restarts") == "2"
     assert "SIGTERM (requeue, preemption or scancel)" in text
     assert "attempt 2: resuming from the newest valid checkpoint" in text
-    resumed = re.search(r"resumed from \S+ckpt-(\d+)\.h5 \(round (\d+)\)", text)
-    assert resumed and int(resumed.group(2)) >= int(newest[5:11]), text[-3000:]
+    assert "SIGUSR1 (time limit near)" in text and "halted after round" in text
+    assert "attempt 3: resuming from the newest valid checkpoint" in text
+    resumed = [int(r) for r in re.findall(r"resumed from \S+ckpt-\d+\.h5 \(round (\d+)\)", text)]
+    assert len(resumed) == 2 and resumed[0] >= int(first[5:11]) and resumed[1] > resumed[0], (resumed, text[-3000:])
     assert ref.wait(timeout=420) == 0, output(ref)[-3000:]
     kill_all(ref_out)
     assert final_state(out) == final_state(ref_out)
