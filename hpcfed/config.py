@@ -61,6 +61,7 @@ class CommConfig:
     max_message_bytes: int = 8 << 30
     max_tensors: int = 100_000
     backoff_max_s: float = 0.005
+    shared_memory: bool = True  # same-node ranks pass encrypted chunks through a /dev/shm ring
 
 
 @dataclass(kw_only=True)

@@ -236,7 +236,11 @@ def _open_channel(cfg: Config, comm: object):
     job_id = os.environ.get("SLURM_JOB_ID", "").encode() + b":" + nonce
     credentials = load_credentials(cfg.security, transport.rank)
     log = logging.getLogger("hpcfed.comm")
-    channel = SecureChannel(transport, credentials, job_id, chunk_bytes=cfg.comm.chunk_bytes,
+    from hpcfed.comm.wire import WireLimits
+
+    limits = WireLimits(max_tensors=cfg.comm.max_tensors, max_total_bytes=cfg.comm.max_message_bytes)
+    channel = SecureChannel(transport, credentials, job_id, chunk_bytes=cfg.comm.chunk_bytes, limits=limits,
+                            shared_memory=cfg.comm.shared_memory,
                             max_message_bytes=cfg.comm.max_message_bytes, backoff_max_s=cfg.comm.backoff_max_s,
                             max_rejects=cfg.security.max_rejects, log=log.warning,
                             send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))

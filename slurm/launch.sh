@@ -94,6 +94,13 @@ HPCFED_CHILD=
 hpcfed_run() {
   local config=$1 out=$2
   shift 2
+  if [ "${HPCFED_LAUNCH[0]}" = srun ] && [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+    # A requeued job numbers its steps from 0 again, and MPICH names its shared-memory segment after
+    # the PMI job id "<job>.<step>": a step killed in the previous attempt left that segment in
+    # /dev/shm, and a new step with the same id attaches to it and spins forever in MPI_Init. Burn one
+    # (empty) step id per restart so that this attempt's federation step has an id never used before.
+    for _ in $(seq 1 "$SLURM_RESTART_COUNT"); do srun -n 1 --mpi=none true >/dev/null 2>&1 || true; done
+  fi
   hpcfed_log "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${HPCFED_LAUNCH[*]} \
 $HPCFED_PYTHON -m hpcfed run $config $* --out $out"
   # Overrides go before --out: argparse does not take positionals after an option's value.

@@ -20,11 +20,11 @@ QUICKSTART = "configs/quickstart.yaml"
 
 
 def start(out: Path, overrides: list[str], *, np_: int = 3, resume: bool = False,
-          extra_env: dict | None = None) -> subprocess.Popen:
+          extra_env: dict | None = None, config: str = QUICKSTART) -> subprocess.Popen:
     """`hpcfed run quickstart OVERRIDES --np NP --out OUT [--resume]` (the user's path: it relaunches
     itself under mpiexec and watches the ranks), in the background."""
     mpiexec()  # skips without MPI
-    cmd = [sys.executable, "-m", "hpcfed", "run", QUICKSTART, *overrides, "--np", str(np_), "--out", str(out)]
+    cmd = [sys.executable, "-m", "hpcfed", "run", str(config), *overrides, "--np", str(np_), "--out", str(out)]
     if resume:
         cmd.append("--resume")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HPCFED_PSK": "ab" * 32, **(extra_env or {})}

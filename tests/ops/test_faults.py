@@ -97,3 +97,42 @@ def _alive(pid: int) -> bool:
             return fh.read().split(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def test_async_federation_continues_without_a_hung_client_when_configured(tmp_path):
+    import json
+
+    import yaml
+
+    from conftest import REPO
+
+    cfg = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    cfg.update(rounds=10, checkpoint_every=2)
+    cfg["strategy"] = {"name": "feddwa"}
+    cfg["federation"].update(mode="async", on_client_failure="continue", round_deadline_s=10,
+                             slowdown={0: 10, 1: 10})
+    path = tmp_path / "async.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "run"
+    proc = start(out, [], config=str(path))
+    pids = {}
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count('"fit_time_s"') >= 2,
+                 180, "the first updates", proc)
+        pids = _ranks(out)
+        os.kill(pids["rank2"], signal.SIGSTOP)
+        wait_for(lambda: (out / "summary.json").exists(), 120, "the federation to finish without client 1", proc)
+        os.kill(pids["rank2"], signal.SIGCONT)  # back to life: it finds STOP waiting and leaves
+        rc = proc.wait(timeout=60)
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        kill_all(out, proc)
+    text = output(proc)
+    assert rc == 0, text[-3000:]
+    assert "client 1 (rank 2)" in text and "continuing without it" in text, text[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["clients"]) == {"0"} and summary["updates_accepted"] == 20

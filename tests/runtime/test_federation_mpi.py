@@ -81,17 +81,17 @@ def test_idle_server_uses_under_a_fifth_of_a_core(tmp_path):
 
 def test_straggler_past_deadline_is_reported_not_waited_for(tmp_path):
     out = tmp_path / "straggler"
-    # Client 1 is ~1000x slower than its real work: past the 8 s deadline in every round.
-    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=2", "checkpoint_every=0",
-                    "federation.quorum=0.5", "federation.round_deadline_s=8", "federation.slowdown={1: 1000}"],
+    # Client 1 is ~5000x slower than its real work: far past the 15 s deadline.
+    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=1", "checkpoint_every=0",
+                    "federation.quorum=0.5", "federation.round_deadline_s=15", "federation.slowdown={1: 5000}"],
                    np=3, timeout=240)
     events = _events(out)
     stragglers = {(e["round"], e["client"]) for e in events if e["name"] == "straggler"}
     assert (0, 1) in stragglers
-    assert "straggler(s) past the 8 s deadline" in proc.stderr and "client 1 (rank 2)" in proc.stderr
+    assert "straggler(s) past the 15 s deadline" in proc.stderr and "client 1 (rank 2)" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert "0" in summary["clients"]
-    assert summary["wall_time_s"] < 60
+    assert "0" in summary["clients"] and summary["missing_clients"] == [1]
+    assert summary["wall_time_s"] < 90
 
 
 def test_identity_keys_mode_admits_authorized_sites_only(tmp_path):

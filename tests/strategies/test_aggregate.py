@@ -43,3 +43,13 @@ def test_fedavg_strategy_weights_by_examples():
     t.initialize({"w": np.zeros((1, 2), np.float32)})
     t.load_state_dict((header, arrays))
     np.testing.assert_array_equal(t.global_flat, s.global_flat)
+
+
+def test_synthetic_macro_f1_matches_sklearn():
+    from sklearn.metrics import f1_score
+
+    from hpcfed.tasks.synthetic import macro_f1
+
+    rng = np.random.default_rng(3)
+    y, p = rng.integers(0, 5, 200), rng.integers(0, 4, 200)
+    assert macro_f1(y, p, 5) == pytest.approx(f1_score(y, p, average="macro", zero_division=0))
