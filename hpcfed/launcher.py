@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import socket
 import shutil
 import signal
@@ -104,15 +105,47 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
 
 
 def _watch_ranks(proc: subprocess.Popen, pid_dir: Path, np: int) -> int | None:
-    """Poll the job; return the rank whose process disappeared first while the others still ran."""
+    """Follow the job; return the rank whose process ended first while the others still ran.
+
+    mpiexec kills the other ranks within milliseconds of one dying, so polling would usually
+    see them all gone at once: pidfds report each exit the moment it happens."""
+    if not hasattr(os, "pidfd_open"):
+        return _poll_ranks(proc, pid_dir, np)
+    poller, rank_of, dead_before_watch = select.poll(), {}, []
+    try:
+        while proc.poll() is None:
+            for rank, pid in _new_pids(pid_dir, np, set(rank_of.values()) | set(dead_before_watch)):
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    dead_before_watch.append(rank)
+                    continue
+                rank_of[fd] = rank
+                poller.register(fd, select.POLLIN)
+            ready = sorted(rank_of[fd] for fd, _ in poller.poll(200))
+            ended = dead_before_watch + ready
+            if ended and len(rank_of) + len(dead_before_watch) == np:
+                return ended[0]
+        return None
+    finally:
+        for fd in rank_of:
+            os.close(fd)
+
+
+def _new_pids(pid_dir: Path, np: int, known: set[int]) -> list[tuple[int, int]]:
+    found = []
+    for rank in sorted(set(range(np)) - known):
+        try:
+            found.append((rank, int((pid_dir / f"rank{rank}.pid").read_text())))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _poll_ranks(proc: subprocess.Popen, pid_dir: Path, np: int) -> int | None:
     pids: dict[int, int] = {}
     while proc.poll() is None:
-        for rank in range(np):
-            if rank not in pids:
-                try:
-                    pids[rank] = int((pid_dir / f"rank{rank}.pid").read_text())
-                except (OSError, ValueError):
-                    continue
+        pids.update(_new_pids(pid_dir, np, set(pids)))
         for rank, pid in sorted(pids.items()):
             if not _alive(pid) and proc.poll() is None and len(pids) == np:
                 return rank

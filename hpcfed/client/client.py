@@ -42,6 +42,11 @@ class Client:
         self.layout: ParamLayout | None = None
         self.slowdown = float(cfg.federation.slowdown.get(self.client_id, 1.0))
         self.client_version = 1
+        # Async: one upload in flight per client. A broadcast that arrives while our upload is
+        # unanswered only replaces the model (newest wins); training waits for the answer, else
+        # every broadcast would start a second training chain from a model lacking our last step.
+        self._awaiting_answer = False
+        self._held: Any = None
 
     def run(self) -> None:
         self._setup()
@@ -55,7 +60,11 @@ class Client:
                 if msg.kind == P.FINAL:
                     self._final(msg)
                     continue
+                msg = self._answered_model(msg)
+                if msg is None:
+                    continue
                 self._train_and_upload(msg)
+                self._awaiting_answer = self.cfg.federation.mode == "async"
         except _Stopped:
             return
 
@@ -126,11 +135,23 @@ class Client:
             queued = self.channel.recv(source=0, kinds={kind}, timeout=0)
             if queued is not None:
                 return queued
-        newest = msg
+        newest, answered = msg, _is_answer(msg)
         while (extra := self.channel.recv(source=0, kinds={P.PARAMS}, timeout=0)) is not None:
+            answered = answered or _is_answer(extra)
             if extra.header.get("version", 0) >= newest.header.get("version", 0):
                 newest = extra
+        newest.header["answer"] = answered
         return newest
+
+    def _answered_model(self, msg: Any) -> Any | None:
+        """The newest model to train on, or None while our async upload is still unanswered."""
+        if self._held is not None and self._held.header.get("version", 0) > msg.header.get("version", 0):
+            msg.header, msg.tensors = {**self._held.header, "answer": _is_answer(msg)}, self._held.tensors
+        if self._awaiting_answer and not _is_answer(msg):
+            self._held = msg
+            return None
+        self._held = None
+        return msg
 
     def _straggle(self, seconds: float) -> None:
         """Sleep for the straggler knob, but leave at once if the server says STOP meanwhile."""
@@ -145,6 +166,11 @@ class Client:
                 f"client {self.client_id} (rank {self.client_id + 1}): the server (rank 0) sent nothing for "
                 f"{timeout:g} s (federation.client_timeout_s); it has probably died — leaving")
         return msg
+
+
+def _is_answer(msg: Any) -> bool:
+    # Sync models and the server's reply to our own upload carry answer=True (or no flag at all).
+    return bool(msg.header.get("answer", True))
 
 
 class _Stopped(Exception):

@@ -106,10 +106,18 @@ class _MPIRequest:
         return self._done
 
     def cancel(self) -> None:
+        """Give the request up without blocking. Waiting for a cancelled send would hang when the
+        receiver is stopped mid-handshake (MPICH cannot cancel a matched rendezvous), so a send that
+        does not complete at once is kept alive (with its buffer) until the process ends."""
         if not self._done:
             self._req.Cancel()  # type: ignore[attr-defined]
-            self._req.Wait()  # type: ignore[attr-defined]  # a cancelled request completes at once
+            if not self._req.Test():  # type: ignore[attr-defined]
+                _ABANDONED.append(self._req)
             self._done = True
+
+
+# Requests given up on by `cancel`; MPI may still read their buffers, so they must outlive it.
+_ABANDONED: list[object] = []
 
 
 class MPITransport:

@@ -221,7 +221,7 @@ class Server:
             for name, value in self.strategy.metrics().items():
                 self.metrics.log(self.updates_accepted, None, name, value)
             for cid in sorted(targets & self.live):
-                self._send_model(cid)
+                self._send_model(cid, answer=cid == upd.client_id)
             if self.updates_accepted >= next_ckpt:
                 self._checkpoint(self.updates_accepted, {})
                 next_ckpt += every
@@ -230,9 +230,12 @@ class Server:
         if self.cfg.checkpoint_every > 0:
             self._checkpoint(self.updates_accepted, {})
 
-    def _send_model(self, cid: int) -> None:
+    def _send_model(self, cid: int, answer: bool = True) -> None:
+        # answer=False marks a broadcast the client did not ask for: it replaces the client's model
+        # but does not start a training step while the client's own upload is unanswered.
         self._send_to(cid, P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
-                                      "want_state": False}, {P.PARAMS_KEY: self.strategy.model_for(cid)})
+                                      "want_state": False, "answer": answer},
+                      {P.PARAMS_KEY: self.strategy.model_for(cid)})
 
     def _check_silent(self, last_seen: dict[int, float]) -> None:
         limit = self.cfg.federation.round_deadline_s

@@ -106,11 +106,20 @@ def test_sbatch_refuses_a_launch_that_is_not_one_mpi_world(slurm_env, tmp_path):
 
 def _restart_when_pending(env: dict, job: str, restarts: int) -> None:
     """Wait until the requeued job is back in the queue, then let it start at once (Slurm would
-    otherwise hold it for its requeue delay). Starting it while the previous attempt is still
-    completing gets it killed ("job credential revoked"), hence the wait for PENDING."""
+    otherwise hold it for its requeue delay). Starting it too soon after the previous attempt
+    ended gets it killed ("job credential revoked"), hence the wait for PENDING and the pause."""
     wait_for(lambda: (j := _job(env, job)).get("Restarts") == str(restarts) and j.get("JobState") == "PENDING",
              180, f"requeue number {restarts}")
+    # slurmd refuses a launch credential created in the same second as the revocation of the previous
+    # attempt's one (whole-second timestamps), so start the new attempt a little later.
+    time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, timeout=30)
+
+
+def _signal_batch(env: dict, job: str, sig: str) -> bool:
+    """True once Slurm delivered the signal (it refuses while the batch step is still starting)."""
+    return subprocess.run(["scancel", f"--signal={sig}", "--batch", job], env=env, capture_output=True,
+                          timeout=30).returncode == 0
 
 
 def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_env, tmp_path):
@@ -130,10 +139,13 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
         _restart_when_pending(slurm_env, job, 1)
         # 2. A graceful one in the second attempt: SIGUSR1 (what Slurm sends before the time limit)
         #    makes the server checkpoint after the current round and stop, then the script requeues.
-        wait_for(lambda: checkpoints(out)[-1] > first or _job(slurm_env, job).get("JobState") in DONE_STATES,
-                 420, "a checkpoint of the second attempt")
+        #    The first attempt may have written one more checkpoint while it was being stopped, so
+        #    "newer" is measured from what is on disk once the job is back in the queue.
+        restart_point = checkpoints(out)[-1]
+        wait_for(lambda: (checkpoints(out)[-1] > restart_point and _job(slurm_env, job).get("JobState") == "RUNNING")
+                 or _job(slurm_env, job).get("JobState") in DONE_STATES, 420, "a checkpoint of the second attempt")
         assert not (out / "summary.json").exists(), "the second attempt finished before SIGUSR1; slow it down"
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True, timeout=30)
+        wait_for(lambda: _signal_batch(slurm_env, job, "USR1"), 30, "scancel --signal=USR1 to reach the batch script")
         _restart_when_pending(slurm_env, job, 2)
         info = _wait_done(slurm_env, job, 420)
     finally:
