@@ -509,6 +509,9 @@ class SecureChannel:
                 continue
             if time.monotonic() > deadline:
                 req.cancel()
+                # The abandoned send may still read its buffer whenever the peer wakes up: later
+                # messages must be sealed into fresh buffers, not over it.
+                self._tx_slots.clear()
                 raise ChannelError(f"sending to rank {dest} did not complete within {self.send_timeout_s:g} s "
                                    f"(is rank {dest} alive and receiving?)")
             backoff.pause()

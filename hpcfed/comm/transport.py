@@ -94,11 +94,12 @@ def _unlink(path: str) -> None:
 
 # -- MPI --------------------------------------------------------------------------------------------
 class _MPIRequest:
-    __slots__ = ("_req", "_done")
+    __slots__ = ("_req", "_done", "_is_send")
 
-    def __init__(self, req: object) -> None:
+    def __init__(self, req: object, is_send: bool) -> None:
         self._req = req
         self._done = False
+        self._is_send = is_send
 
     def test(self) -> bool:
         if not self._done:
@@ -106,17 +107,21 @@ class _MPIRequest:
         return self._done
 
     def cancel(self) -> None:
-        """Give the request up without blocking. Waiting for a cancelled send would hang when the
-        receiver is stopped mid-handshake (MPICH cannot cancel a matched rendezvous), so a send that
-        does not complete at once is kept alive (with its buffer) until the process ends."""
-        if not self._done:
+        """Give the request up without blocking. A send is not cancelled but left to complete on
+        its own: cancelling one that the receiver has matched hangs in MPICH when the receiver is
+        stopped, and a half-cancelled send can leave the receiver a probe that no longer matches.
+        Its buffer is kept alive until the process ends."""
+        if self._done:
+            return
+        if self._is_send:
+            _ABANDONED.append(self._req)
+        else:
             self._req.Cancel()  # type: ignore[attr-defined]
-            if not self._req.Test():  # type: ignore[attr-defined]
-                _ABANDONED.append(self._req)
-            self._done = True
+            self._req.Wait()  # type: ignore[attr-defined]  # a cancelled receive completes at once
+        self._done = True
 
 
-# Requests given up on by `cancel`; MPI may still read their buffers, so they must outlive it.
+# Sends given up on by `cancel`; MPI may still read their buffers, so they must outlive it.
 _ABANDONED: list[object] = []
 
 
@@ -136,7 +141,8 @@ class MPITransport:
         self._status = MPI.Status()
 
     def isend(self, frame: memoryview, dest: int) -> _MPIRequest:
-        return _MPIRequest(self.comm.Isend([frame, self._MPI.BYTE], dest=dest, tag=self.tag))  # type: ignore[attr-defined]
+        req = self.comm.Isend([frame, self._MPI.BYTE], dest=dest, tag=self.tag)  # type: ignore[attr-defined]
+        return _MPIRequest(req, is_send=True)
 
     def iprobe(self) -> tuple[int, int] | None:
         st = self._status
@@ -148,7 +154,8 @@ class MPITransport:
         return st.Get_source(), count
 
     def irecv_into(self, source: int, out: memoryview) -> _MPIRequest:
-        return _MPIRequest(self.comm.Irecv([out, self._MPI.BYTE], source=source, tag=self.tag))  # type: ignore[attr-defined]
+        req = self.comm.Irecv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]
+        return _MPIRequest(req, is_send=False)
 
     def recv_into(self, source: int, out: memoryview) -> None:
         """Receive a frame that `iprobe` has already seen (it has arrived, so this does not wait)."""
