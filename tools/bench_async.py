@@ -8,7 +8,8 @@ up to ``--async-updates`` (default 2) x rounds x clients uploads; all use
 ``federation.slowdown={SLOW: FACTOR}`` (the slow site sleeps (factor - 1) x its real work after
 each fit). The target is the F1 that sync FedAvg **ends** with (mean over sites of each site's
 latest ``val_micro_f1``); the speedup is FedAvg's wall time to first reach it divided by
-FedDWA's. ``--json`` prints ``{"speedup": ..., "target_f1": ..., "runs": {...}}``.
+FedDWA's, where a run's curve counts only once every site has reported (an async run whose
+straggler has not uploaded yet is not credited with the fast sites' mean). ``--json`` prints ``{"speedup": ..., "target_f1": ..., "runs": {...}}``.
 """
 
 from __future__ import annotations

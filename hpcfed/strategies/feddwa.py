@@ -59,6 +59,7 @@ class FedDWA(Strategy):
         self.num_rejected = 0
         self.last_broadcast = False
         self.last_max_gap = 0
+        self.last_base_version = 1
 
     @property
     def threshold(self) -> int:
@@ -66,6 +67,7 @@ class FedDWA(Strategy):
 
     def on_update(self, update: Update) -> list[int]:
         cid = update.client_id
+        self.last_base_version = int(update.base_version)
         w = np.asarray(update.flat, dtype=np.float32)
         if not np.isfinite(w).all():
             self.num_rejected += 1  # NaN guard: records unchanged, the uploader gets the current model
@@ -101,4 +103,7 @@ class FedDWA(Strategy):
         self.num_rejected = int(header.get("num_rejected", 0))
 
     def metrics(self) -> dict[str, float]:
-        return {"max_version_gap": float(self.last_max_gap), "dwa_broadcast": float(self.last_broadcast)}
+        # base_version (the server version of the model the upload was trained from) lets a reader
+        # check from metrics.jsonl that a client never trains on a model older than its last answer.
+        return {"max_version_gap": float(self.last_max_gap), "dwa_broadcast": float(self.last_broadcast),
+                "base_version": float(self.last_base_version)}

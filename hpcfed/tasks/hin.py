@@ -145,6 +145,12 @@ class HINTask(Task):
         opt_cls = torch.optim.AdamW if c.decoupled_weight_decay else torch.optim.Adam
         self.optimizer = opt_cls(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.steps = 0  # fit calls so far (batch cursor for sync_every=batch)
+        if c.fit_eval_every:
+            # fit() evaluates, and importing sklearn takes seconds on a loaded node: do it here so the
+            # first fit's time is training time. The straggler knob multiplies fit time, so a slowed
+            # first import stalled the slow site for its first exchange only (and async runs could end
+            # before it ever uploaded).
+            import sklearn.metrics  # noqa: F401
 
     @staticmethod
     def _split_names(hin: Any, split: str) -> tuple[str, str, str]:

@@ -19,7 +19,12 @@ import numpy as np
 
 
 def convergence_curves(metrics_path: str | Path, metric: str) -> dict[str, np.ndarray]:
-    """time, updates (uploads accepted so far) and the mean over clients of their latest `metric`."""
+    """time, updates (uploads accepted so far) and the mean over clients of their latest `metric`.
+
+    ``reporting`` is how many clients have reported `metric` so far and ``num_clients`` the
+    federation's size (from the run's ``num_clients`` event; 0 if absent): a mean over only the
+    sites heard from is not the federation's F1 (see `time_to_reach`).
+    """
     events = []
     with open(metrics_path) as fh:
         for line in fh:
@@ -29,9 +34,11 @@ def convergence_curves(metrics_path: str | Path, metric: str) -> dict[str, np.nd
                 continue
     events.sort(key=lambda e: e.get("time", 0.0))
     latest: dict[int, float] = {}
-    uploads = 0
-    times, updates, values = [], [], []
+    uploads = num_clients = 0
+    times, updates, values, reporting = [], [], [], []
     for e in events:
+        if e.get("name") == "num_clients" and e.get("client") is None:
+            num_clients = int(e["value"])
         if e.get("client") is None or e.get("name", "").startswith("final_"):
             continue
         if e["name"] == "train_loss":
@@ -41,12 +48,19 @@ def convergence_curves(metrics_path: str | Path, metric: str) -> dict[str, np.nd
             times.append(float(e["time"]))
             updates.append(uploads)
             values.append(float(np.mean(list(latest.values()))))
-    return {"time": np.array(times), "updates": np.array(updates), "value": np.array(values)}
+            reporting.append(len(latest))
+    return {"time": np.array(times), "updates": np.array(updates), "value": np.array(values),
+            "reporting": np.array(reporting, dtype=np.int64), "num_clients": num_clients}
 
 
 def time_to_reach(curve: dict[str, np.ndarray], target: float) -> float | None:
-    """First wall time at which the curve reaches `target`, or None."""
-    hit = np.flatnonzero(curve["value"] >= target)
+    """First wall time at which the curve reaches `target` with every client heard from, or None.
+
+    An async run whose straggler has not reported yet averages only the fast sites; counting that
+    would credit a federation for leaving a site out.
+    """
+    complete = curve["reporting"] >= curve.get("num_clients", 0) if "reporting" in curve else True
+    hit = np.flatnonzero((curve["value"] >= target) & complete)
     return float(curve["time"][hit[0]]) if hit.size else None
 
 

@@ -32,9 +32,32 @@ def test_feddwa_federation_with_a_straggler(tmp_path: Path) -> None:
     assert len(uploads) == 18 and uploads.count(2) < 6  # the slow site uploads less often
     assert any(e["name"] == "val_micro_f1" for e in events)  # fit reports F1 in async mode
     assert {e["name"] for e in events} >= {"max_version_gap", "dwa_broadcast"}
+    _assert_one_upload_in_flight(events)
     for k in range(3):
         with h5py.File(out / "embeddings" / f"site{k}.h5") as f:
             assert f["node/vectors"].shape[1] == 16 and f["node/vectors"].shape[0] == f["node/labels"].shape[0]
+
+
+def _assert_one_upload_in_flight(events: list[dict]) -> None:
+    """Each client trains from its answer (or a newer broadcast), never from an older broadcast.
+
+    Upload r (the r-th accepted one) makes the server version r + 1 and is answered with it, so a
+    client's next upload must be based on version >= r + 1. A client that trained on every model
+    message (the double-chain bug) uploads from a broadcast that left the server before its own
+    upload was accepted, i.e. from a version <= r.
+    """
+    uploader = {e["round"]: e["client"] for e in events if e["name"] == "train_loss"}
+    base = {e["round"]: int(e["value"]) for e in events if e["name"] == "base_version"}
+    assert sorted(uploader) == sorted(base) == list(range(1, len(uploader) + 1))
+    # without broadcasts the check is empty: the straggler must make the gap reach the threshold
+    assert any(e["value"] == 1.0 for e in events if e["name"] == "dwa_broadcast")
+    last: dict[int, int] = {}
+    for r in sorted(uploader):
+        cid = uploader[r]
+        if cid in last:
+            assert base[r] >= last[cid] + 1, f"client {cid}: upload {r} trained from version {base[r]}, " \
+                f"older than the answer (version {last[cid] + 1}) to its upload {last[cid]}"
+        last[cid] = r
 
 
 def test_centralized_runs_all_data_on_one_client(tmp_path: Path) -> None:

@@ -33,6 +33,19 @@ def test_curve_is_the_mean_of_each_clients_latest_value(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_target_counts_only_once_every_client_has_reported(tmp_path: Path) -> None:
+    # a 3-client run whose straggler (client 2) reports late: the mean of the two fast sites alone
+    # reaches 0.8 at t=2, but the federation's mean only at t=5
+    _metrics(tmp_path / "a", [
+        (None, None, "num_clients", 3, 0.0),
+        (1, 0, "val_micro_f1", 0.8, 1.0), (2, 1, "val_micro_f1", 0.8, 2.0),
+        (3, 2, "val_micro_f1", 0.5, 4.0), (4, 2, "val_micro_f1", 0.8, 5.0),
+    ])
+    c = convergence_curves(tmp_path / "a" / "metrics.jsonl", "val_micro_f1")
+    assert list(c["reporting"]) == [1, 2, 3, 3] and c["num_clients"] == 3
+    assert time_to_reach(c, 0.8) == 5.0 and time_to_reach(c, 0.7) == 4.0
+
+
 def test_tsne_png_from_exports(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     for k in range(2):
