@@ -7,8 +7,8 @@ Every run is a real federation (`hpcfed run CONFIG --np K method=M seed=S`); a r
 ``summary.json`` already exists is reused, so the script can be stopped and restarted. Table 2: per
 site NMI/AMI/ARI (mean ± std over seeds) for each method, the average over sites and the gain over
 Local. Table 3: DAMe and FedAvg with a fourth, malicious client (``attack=model|data``), NMI on the
-honest sites next to the clean runs. Ablation: DAMe without BOLA, SEGA or GLECC. Writes
-``OUT/tables.md`` and prints it.
+honest sites next to the clean runs. Ablation: DAMe without BOLA, SEGA or GLECC. Then the wall time of
+each run (``wall_time_s`` in ``summary.json``). Writes ``OUT/tables.md`` and prints it.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     sites = list(range(k))
     clean: dict[str, list[dict]] = {}
     attacked: dict[tuple[str, str], list[dict]] = {}
+    walls: dict[str, list[float]] = {}  # run name -> wall_time_s of each seed (summary.json)
     for seed in args.seeds:
         for method in dict.fromkeys(args.methods + (args.attack_methods if args.attacks else [])):
             d = out / method / f"seed{seed}"
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.tables_only else run_one(args.config, d, k + 1, [f"method={method}", f"seed={seed}", *args.set], args.timeout)
             if s:
                 clean.setdefault(method, []).append(site_values(s, sites))
+                walls.setdefault(method, []).append(float(s.get("wall_time_s", float("nan"))))
         for attack in args.attacks:
             for method in args.attack_methods:
                 d = out / f"{method}-attack-{attack}" / f"seed{seed}"
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      args.timeout)
                 if s:
                     attacked.setdefault((method, attack), []).append(site_values(s, sites))
+                    walls.setdefault(f"{method} attack={attack}", []).append(float(s.get("wall_time_s", float("nan"))))
 
     parts = [f"Settings: `{args.config}` {' '.join(args.set)}; seeds {args.seeds}; metrics on each site's test split "
              "(k-means, k = number of events), mean ± std over seeds.", ""]
@@ -142,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     cells.append("–")
             parts.append(f"| {method} | " + " | ".join(cells) + " |")
+    if walls:
+        parts += ["", "### Wall time per run (s, mean ± std over seeds; the machine was shared)", "",
+                  "| run | wall time |", "|---|---|"]
+        parts += [f"| {name} | {np.mean(vals):.0f} ± {np.std(vals):.0f} |" for name, vals in walls.items()]
     text = "\n".join(parts) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "tables.md").write_text(text)

@@ -7,6 +7,7 @@ the two-layer GAT (`hpcfed.models.gat`) with the triplet loss. Per round (spec 1
     θ^g = model from the server (SEGA's personalised model for DAMe)
     θ^l = BOLA(θ^l, θ^g)  = λ*θ^l + (1−λ*)θ^g           if bola and round ≥ 1, else θ^g      (eq. 2–3)
     train 1 epoch:  L = L_t^l + α·L_GLECC                 GLECC from round 1 on              (eq. 14–18)
+                    (glecc_own_model=false: no GLECC in a round where θ^g is the client's own upload)
     upload θ^l
 
 Evaluation (spec 1.7): embed a split, k-means with k = number of distinct events in it
@@ -92,6 +93,10 @@ class EventsTask(Task):
         bola_init: int = 5
         reference_compat: bool = False  # reproduce the reference BOLA's acquisition bugs (spec 1.5)
         glecc: bool = True
+        # GLECC when the server sent back the client's own upload (a singleton SEGA cluster): the reference
+        # does it, and then GLECC only anchors the event centroids to last round's own model (no global
+        # knowledge). False skips GLECC in that case, so a singleton client trains as Local does.
+        glecc_own_model: bool = True
         detach_alpha: bool = False
         # baselines
         prox_mu: float = 0.0  # FedProx
@@ -344,6 +349,8 @@ class EventsTask(Task):
         self._load_flat(self.global_model, theta_g)
         self.global_model.eval()
         use_glecc = c.glecc and round >= 1
+        if use_glecc and not c.glecc_own_model and self.local_flat is not None and np.array_equal(self.local_flat, theta_g):
+            use_glecc = False  # θ^g is this client's own last upload: nothing global to align with
         gen = torch.Generator().manual_seed(int(_rng(self.site.seed, 31, self.site.client_id, round).integers(2**62)))
         rng = _rng(self.site.seed, 37, self.site.client_id, round)
         global_params = [p.detach().clone() for p in self.global_model.parameters()]

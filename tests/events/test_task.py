@@ -52,6 +52,20 @@ def test_round_trip_with_bola_glecc_and_final_evaluation(tmp_path):
     assert read_export(path).vectors.shape == (len(task.ids), 8)
 
 
+def test_glecc_own_model_switch_skips_glecc_only_when_the_server_sends_the_own_model(tmp_path):
+    for own, expect_glecc in ((True, True), (False, False)):
+        task = make_task(tmp_path, glecc_own_model=own)
+        task.set_parameters(task.get_parameters())
+        task.fit(0)
+        task.set_parameters(task.get_parameters())  # a singleton SEGA cluster: θ^g = the client's own upload
+        r1 = task.fit(1)
+        assert r1.metrics["bola_lambda"] == 1.0  # every λ gives the same model
+        assert (r1.metrics["train_alpha"] > 0) is expect_glecc
+        assert (r1.metrics["train_glecc"] > 0) is expect_glecc
+        task.set_parameters({k: v + np.float32(0.01) for k, v in task.get_parameters().items()})  # other clients' mix
+        assert task.fit(2).metrics["train_alpha"] > 0  # GLECC stays on when θ^g carries other clients' knowledge
+
+
 def test_attacks_change_uploads_or_labels(tmp_path):
     honest = make_task(tmp_path, cid=3, attack=None, sites=SMALL["sites"] + ["synthetic:0"])
     poisoned = make_task(tmp_path, cid=3, attack="model", sites=SMALL["sites"] + ["synthetic:0"])
