@@ -10,7 +10,10 @@
 centralized one (paper §V.A.3: sim_k = |top_k^central ∩ top_k^fed| / k, mean over documents).
 ``node2vec`` runs Cora: centralized, joint without and with retention of cross-site edges.
 Every score is written into that run's ``summary.json`` (``sim_10``, ``label_precision_at_10``)
-and all of them into ``<out>/results.json``.
+and all of them into ``<out>/results.json``. Besides the merged search, ``score`` reports the
+cross-site view: ``cross_site_sim_k`` compares only the other sites' answers with the central
+top-k among those sites' documents (what joint learning or a mapper adds; the home site needs
+neither), and ``remote_share_of_results`` is the fraction of merged results from other sites.
 
 ``--launcher mpi`` runs each federation with ``hpcfed run --np K`` (the real runtime);
 ``inprocess`` drives the same Task and FedAvg classes in one process, round by round, as the sync
@@ -33,8 +36,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcfed.search.global_search import GlobalSearch  # noqa: E402
-from hpcfed.search.index import SiteIndex  # noqa: E402
+from hpcfed.search.global_search import GlobalSearch, map_query  # noqa: E402
+from hpcfed.search.index import SiteIndex, merge_results  # noqa: E402
 from hpcfed.search.metrics import label_precision_at_k, mean_sim_k  # noqa: E402
 
 
@@ -114,6 +117,11 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
     cidx: SiteIndex = next(iter(central_search.indexes.values()))
     fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir)
     central_lists, fed_lists, labels, fed_labels, central_labels = [], [], [], [], []
+    # Cross-site view: only the other sites' answers, against the central top-k among those sites'
+    # documents. The merged sim_k mixes in the home site's own answers (the same space, no mapping
+    # needed); this isolates what joint learning / a mapper contributes.
+    x_central, x_fed, x_fed_labels, x_labels = [], [], [], []
+    remote_share = []
     rng = np.random.default_rng(seed)
     for home, index in fed_search.indexes.items():
         ids = [i for i in index.ids if i in cidx.position]
@@ -130,10 +138,29 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
         labels += [int(index.labels[index.position[i]]) for i in ids]
         fed_labels += [[h.label for h in r] for r in fed_hits]
         central_labels += [[h.label for h in r] for r in c_hits]
+        remote_share += [sum(h.site != home for h in r) / max(len(r), 1) for r in fed_hits]
+        others = [s for s in fed_search.indexes if s != home]
+        if others:
+            other_ids = [i for s in others for i in fed_search.indexes[s].ids if i in cidx.position]
+            c_other = SiteIndex("central", other_ids, np.stack([cidx.vector_of(i) for i in other_ids]),
+                                np.array([cidx.labels[cidx.position[i]] for i in other_ids]))
+            qc = np.stack([cidx.vector_of(i) for i in ids])
+            qf = np.stack([index.vector_of(i) for i in ids])
+            per_site = [fed_search.indexes[s].hits(map_query(fed_search.mode, home, s, qf, fed_search.mappers), k)
+                        for s in others]
+            remote = [merge_results([lists[n] for lists in per_site], k) for n in range(len(ids))]
+            x_fed += [[h.id for h in r] for r in remote]
+            x_fed_labels += [[h.label for h in r] for r in remote]
+            x_central += [[h.id for h in r] for r in c_other.hits(qc, k)]
+            x_labels += [int(index.labels[index.position[i]]) for i in ids]
     result = {f"sim_{k}": mean_sim_k(central_lists, fed_lists, k),
               f"label_precision_at_{k}": label_precision_at_k(labels, fed_labels, k),
               f"central_label_precision_at_{k}": label_precision_at_k(labels, central_labels, k),
-              "num_queries": len(labels), "mode": mode, "k": k}
+              "num_queries": len(labels), "mode": mode, "k": k,
+              "remote_share_of_results": float(np.mean(remote_share)) if remote_share else float("nan")}
+    if x_central:
+        result[f"cross_site_sim_{k}"] = mean_sim_k(x_central, x_fed, k)
+        result[f"cross_site_label_precision_at_{k}"] = label_precision_at_k(x_labels, x_fed_labels, k)
     if write_summary:
         path = fed / "summary.json"
         summary = json.loads(path.read_text()) if path.is_file() else {}

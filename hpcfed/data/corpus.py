@@ -85,7 +85,8 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
                 continue
             if group not in NEWSGROUP_FAMILIES:
                 raise DataError(f"{path}: unknown newsgroup folder {group!r} in {member.name}")
-            raw = tar.extractfile(member).read().decode("latin-1")  # type: ignore[union-attr]
+            with tar.extractfile(member) as fh:  # type: ignore[union-attr]
+                raw = fh.read().decode("latin-1")
             text = _strip_headers(raw) if strip_headers else raw
             docs.append(Document(f"{split}/{group}/{name}", text, NEWSGROUPS.index(group), group))
     if not docs:

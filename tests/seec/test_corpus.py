@@ -55,6 +55,9 @@ def test_family_split_keeps_families_whole() -> None:
 
 @pytest.mark.realdata
 def test_20newsgroups_from_the_tarball(shared_data) -> None:
+    # A data folder without the text corpus (some CI mirrors carry only the graphs) skips, not fails.
+    if not (shared_data / "text" / "20news-bydate.tar.gz").is_file():
+        pytest.skip(f"{shared_data}/text/20news-bydate.tar.gz is absent")
     docs = load_20newsgroups(shared_data, subset="test", max_docs=200)
     assert len(docs) == 200 and all(d.id.startswith("test/") for d in docs)
     assert all(0 <= d.label < 20 and d.group in NEWSGROUP_FAMILIES for d in docs)

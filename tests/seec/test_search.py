@@ -91,7 +91,10 @@ def test_eval_tool_scores_a_federation_against_the_central_run(tmp_path: Path) -
     same = tool.score(tmp_path / "central", tmp_path / "fed", mode="joint", k=10)
     assert same["sim_10"] == 1.0 and same["num_queries"] == 40
     assert same["label_precision_at_10"] == same["central_label_precision_at_10"]
+    # the other site's answers alone agree with the central top-10 among that site's documents
+    assert same["cross_site_sim_10"] == 1.0 and 0.0 < same["remote_share_of_results"] < 1.0
     summary = json.loads((tmp_path / "fed" / "summary.json").read_text())
     assert summary["sim_10"] == 1.0 and summary["sim_k"]["joint"]["k"] == 10
     write_export(export_path(tmp_path / "fed", 1), -vectors[25:], ids[25:], labels[25:], entity="doc", model="t", site=1)
-    assert tool.score(tmp_path / "central", tmp_path / "fed", mode="joint", k=10)["sim_10"] < 1.0
+    flipped = tool.score(tmp_path / "central", tmp_path / "fed", mode="joint", k=10)
+    assert flipped["sim_10"] < 1.0 and flipped["cross_site_sim_10"] < 1.0
