@@ -9,10 +9,10 @@ job never hangs on a dead peer.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
-import select
 import socket
 import shutil
 import signal
@@ -22,8 +22,11 @@ import time
 import traceback
 from pathlib import Path
 
+from hpcfed import jobwatch
 from hpcfed.config import Config, ConfigError, build, load
 from hpcfed.errors import FederationError
+
+_ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
 
 # Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, Slurm PMI2, PMIx).
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALRANKID")
@@ -87,92 +90,44 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     cmd += [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--out", str(out)]
     if resume:
         cmd.append("--resume")
-    pid_dir = out / "logs"
-    for stale in pid_dir.glob("rank*.pid"):
-        stale.unlink(missing_ok=True)
+    log_dir = out / "logs"
+    jobwatch.clear(log_dir)
+    launched = time.time()
     proc = subprocess.Popen(cmd, env=env)
-    first_dead = _watch_ranks(proc, pid_dir, np)
-    code = proc.wait()
-    if code != 0:
-        from hpcfed.store.checkpoint import list_checkpoints
+    watch = jobwatch.RankWatch(log_dir, np)
+    code = jobwatch.follow(proc, watch, on_server_done=lambda: _dropped_clients(out, launched))
+    if code == 0:
+        return 0
+    failed = [r for r in range(np) if jobwatch.exit_status(log_dir, r) != 0]
+    dropped = _dropped_clients(out, launched)
+    if jobwatch.exit_status(log_dir, 0) == 0 and failed and set(failed) <= set(dropped):
+        # The federation finished without these clients (federation.on_client_failure=continue).
+        print(f"hpcfed: the federation finished without {_rank_names(failed)}, dropped during the run; "
+              f"results in {out}/summary.json", file=sys.stderr)
+        return 0
+    from hpcfed.store.checkpoint import list_checkpoints
 
-        ckpts = list_checkpoints(out / "checkpoints")
-        who = f"rank {first_dead} ({'the server' if first_dead == 0 else f'client {first_dead - 1}'}) ended first; " \
-            if first_dead is not None else ""
-        print(f"hpcfed: the federation failed (exit {code}): {who}last checkpoint: "
-              f"{ckpts[0] if ckpts else 'none'}; see {pid_dir}/rank*.log", file=sys.stderr)
+    ckpts = list_checkpoints(out / "checkpoints")
+    first = watch.first_dead()
+    who = f"{_rank_names([first])} ended first; " if first is not None else ""
+    print(f"hpcfed: the federation failed (exit {code}): {who}last checkpoint: "
+          f"{ckpts[0] if ckpts else 'none'}; see {log_dir}/rank*.log", file=sys.stderr)
     return code
 
 
-def _watch_ranks(proc: subprocess.Popen, pid_dir: Path, np: int) -> int | None:
-    """Follow the job; return the rank whose process ended first while the others still ran.
+def _rank_names(ranks: list[int]) -> str:
+    return ", ".join(f"rank {r} ({'the server' if r == 0 else f'client {r - 1}'})" for r in ranks)
 
-    mpiexec kills the other ranks within milliseconds of one dying, so polling would usually
-    see them all gone at once: pidfds report each exit the moment it happens."""
-    if not hasattr(os, "pidfd_open"):
-        return _poll_ranks(proc, pid_dir, np)
-    poller, rank_of, dead_before_watch = select.poll(), {}, []
+
+def _dropped_clients(out: Path, since: float) -> list[int]:
+    """Ranks of the clients that this launch's finished federation went on without."""
+    path = out / "summary.json"
     try:
-        while proc.poll() is None:
-            for rank, pid in _new_pids(pid_dir, np, set(rank_of.values()) | set(dead_before_watch)):
-                try:
-                    fd = os.pidfd_open(pid)
-                except ProcessLookupError:
-                    dead_before_watch.append(rank)
-                    continue
-                rank_of[fd] = rank
-                poller.register(fd, select.POLLIN)
-            ready = sorted(rank_of[fd] for fd, _ in poller.poll(200))
-            ended = dead_before_watch + ready
-            if ended and len(rank_of) + len(dead_before_watch) == np:
-                return ended[0]
-        return None
-    finally:
-        for fd in rank_of:
-            os.close(fd)
-
-
-def _new_pids(pid_dir: Path, np: int, known: set[int]) -> list[tuple[int, int]]:
-    found = []
-    for rank in sorted(set(range(np)) - known):
-        try:
-            found.append((rank, int((pid_dir / f"rank{rank}.pid").read_text())))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _poll_ranks(proc: subprocess.Popen, pid_dir: Path, np: int) -> int | None:
-    pids: dict[int, int] = {}
-    while proc.poll() is None:
-        pids.update(_new_pids(pid_dir, np, set(pids)))
-        for rank, pid in sorted(pids.items()):
-            if not _alive(pid) and proc.poll() is None and len(pids) == np:
-                return rank
-        time.sleep(0.2)
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited even though kill(0) succeeds
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return True
-
-
-def _write_pid(out_dir: Path, rank: int) -> None:
-    try:
-        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (out_dir / "logs" / f"rank{rank}.pid").write_text(str(os.getpid()))
-    except OSError:
-        pass
+        if path.stat().st_mtime < since:
+            return []
+        return [int(c) + 1 for c in json.loads(path.read_text()).get("dropped_clients", [])]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def _is_hydra(exe: str) -> bool:
@@ -192,7 +147,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
     _setup_logging(rank, out_dir, size)
     log = logging.getLogger("hpcfed")
     log.debug("rank %d pid %d on %s", rank, os.getpid(), socket.gethostname())
-    _write_pid(out_dir, rank)
+    jobwatch.write_pid(out_dir / "logs", rank)
     try:
         _check_world(cfg, size)
         if rank == 0:
@@ -218,16 +173,17 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
 
             Client(cfg, channel, out_dir, device=device).run()
         channel.close()
+        jobwatch.write_exit(out_dir / "logs", rank, 0)
         return 0
     except Exception as exc:  # noqa: BLE001 — any failure must end the whole job, not hang it
         if _expected(exc):
             log.error("rank %d failed: %s", rank, exc)
         else:
             log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
-        _abort(comm, rank, 2 if isinstance(exc, ConfigError) else 1)
+        _abort(comm, out_dir, rank, 2 if isinstance(exc, ConfigError) else 1)
     except BaseException as exc:  # noqa: BLE001 — KeyboardInterrupt, SystemExit: still end the job
         log.error("rank %d stopped: %s", rank, type(exc).__name__)
-        _abort(comm, rank, 1)
+        _abort(comm, out_dir, rank, 1)
     return 1
 
 
@@ -238,9 +194,14 @@ def _expected(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, FileNotFoundError, FederationError, ChannelError))
 
 
-def _abort(comm: object, rank: int, code: int) -> None:
+def _abort(comm: object, out_dir: Path, rank: int, code: int) -> None:
+    jobwatch.write_exit(out_dir / "logs", rank, code)
     logging.shutdown()
     sys.stderr.flush()
+    # MPI_Abort can hang when the peer that should carry it out is gone (a killed server, a dead
+    # proxy): SIGALRM's default action ends this process regardless.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(_ABORT_GRACE_S)
     comm.Abort(code)  # type: ignore[attr-defined]
 
 

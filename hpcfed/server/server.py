@@ -412,6 +412,7 @@ class Server:
             "mean": mean,
             "clients": {str(c): results[c] for c in sorted(results)},
             "missing_clients": self.missing_results,
+            "dropped_clients": sorted(set(range(self.num_clients)) - self.live),
             "rounds": self.cfg.rounds,
             "updates_accepted": self.updates_accepted,
             "server_version": self.strategy.version,

@@ -1,0 +1,75 @@
+"""The launcher's rank watch on real processes: who ended first, and nothing outlives the job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from hpcfed import jobwatch
+
+
+def _fake_rank(log_dir, rank: int) -> subprocess.Popen:
+    """A process that registers as rank `rank` the way `run_rank` does, then sleeps."""
+    code = f"from pathlib import Path; from hpcfed import jobwatch; import time; " \
+           f"jobwatch.write_pid(Path({str(log_dir)!r}), {rank}); time.sleep(120)"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _registered(log_dir, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while not all((log_dir / f"rank{r}.pid").exists() for r in range(n)):
+        assert time.monotonic() < deadline, "the fake ranks never registered"
+        time.sleep(0.05)
+
+
+def test_first_dead_rank_is_named_and_leftovers_are_killed(tmp_path):
+    ranks = [_fake_rank(tmp_path, r) for r in range(3)]
+    try:
+        _registered(tmp_path, 3)
+        launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])  # stands in for mpiexec
+        watch = jobwatch.RankWatch(tmp_path, 3)
+        watch.update(0)
+        ranks[1].kill()
+        code = jobwatch.follow(launcher, watch, on_server_done=lambda: [])
+        assert code == 0
+        assert watch.first_dead() == 1
+        # mpiexec has gone; ranks 0 and 2 would be orphans: the watch has killed them.
+        for proc in ranks:
+            assert proc.wait(timeout=10) != 0
+    finally:
+        for proc in ranks:
+            proc.kill()
+
+
+def test_server_done_kills_dropped_clients_at_once(tmp_path):
+    ranks = [_fake_rank(tmp_path, r) for r in range(3)]
+    try:
+        _registered(tmp_path, 3)
+        launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        watch = jobwatch.RankWatch(tmp_path, 3)
+        jobwatch.write_exit(tmp_path, 0, 0)  # the server reports a finished federation
+        t0 = time.monotonic()
+        dropped = []
+
+        def on_done():
+            dropped.append(time.monotonic() - t0)
+            return [2]
+
+        ranks[0].kill()  # the server's process ends after reporting
+
+        def end_launcher():  # follow() returns when the launcher ends: end it once rank 2 is gone
+            ranks[2].wait(timeout=30)
+            ranks[1].kill()
+            launcher.kill()
+
+        threading.Thread(target=end_launcher, daemon=True).start()
+        jobwatch.follow(launcher, watch, on_server_done=on_done)
+        assert dropped and dropped[0] < 5
+        assert ranks[2].wait(timeout=5) != 0
+        assert jobwatch.exit_status(tmp_path, 0) == 0 and jobwatch.exit_status(tmp_path, 2) is None
+    finally:
+        for proc in ranks:
+            proc.kill()
+        launcher.kill()
