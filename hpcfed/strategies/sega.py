@@ -190,6 +190,9 @@ class Sega(Strategy):
 
     def metrics(self) -> dict[str, float]:
         out = {"sega_clusters": float(len(self.partition))}
+        for index, part in enumerate(sorted(self.partition)):  # who shares a cluster with whom
+            for cid in part:
+                out[f"sega_cluster_{cid}"] = float(index)
         for key, value in getattr(self, "similarity", {}).items():
             out[f"sega_sim_{key}"] = value
         return out

@@ -58,6 +58,15 @@ def _rng(*keys: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([abs(int(k)) for k in keys]))
 
 
+def _site_key(name: str, attacker_id: int | None = None) -> int:
+    """Seed key of a site's subsample and split: its dataset name, so a site draws the same messages and
+    test split in every config and at every client position (an attacker with the same data draws its own)."""
+    import zlib
+
+    key = zlib.crc32(name.encode("utf-8"))
+    return key if attacker_id is None else key + 1 + attacker_id
+
+
 class EventsTask(Task):
     name = "events"
 
@@ -143,8 +152,9 @@ class EventsTask(Task):
                              f"({', '.join(c.sites)}); run with --np {len(c.sites) + 1} or add sites")
         self.dataset = name
         msgs = self._load(name)
+        key = _site_key(name, cid if site.attack else None)
         if c.max_messages_per_site is not None and len(msgs) > c.max_messages_per_site:
-            pick = np.sort(_rng(c.data_seed, 11, cid).choice(len(msgs), c.max_messages_per_site, replace=False))
+            pick = np.sort(_rng(c.data_seed, 11, key).choice(len(msgs), c.max_messages_per_site, replace=False))
             msgs = msgs.take(pick.tolist())
         msgs = msgs.sort_by_time()  # spec 1.1 step 1
         self.messages = msgs
@@ -157,7 +167,7 @@ class EventsTask(Task):
         adjacency = message_adjacency(message_attributes(msgs))
         self.rowptr, self.col = to_csr(edge_index(adjacency), len(msgs))
         n = len(msgs)
-        perm = _rng(c.data_seed, 13, cid).permutation(n)
+        perm = _rng(c.data_seed, 13, key).permutation(n)
         n_val, n_test = int(c.val_fraction * n), int(c.test_fraction * n)
         self.val_idx, self.test_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:n_val + n_test])
         self.train_idx = np.sort(perm[n_val + n_test:])

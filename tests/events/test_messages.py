@@ -9,7 +9,8 @@ import pytest
 
 from hpcfed.data.message_graph import (edge_index, extract_entities, extract_hashtags, extract_mentions,
                                        message_adjacency, message_attributes)
-from hpcfed.data.messages import Messages, load_arabic, load_crisislext6, load_crisislext26, read_messages
+from hpcfed.data.messages import (Messages, event_part, load_arabic, load_crisislext6, load_crisislext26, load_site,
+                                  read_messages)
 from hpcfed.data.root import DataError
 from hpcfed.data.synthetic_messages import make_messages
 
@@ -148,3 +149,32 @@ def test_real_loaders(shared_data):
     assert len(ar) == 3022 and len(set(ar.events)) == 7 and ra.num_skipped == 0
     assert ar.has["user"] and any(ar.hashtags)
     assert (m26.times > np.datetime64("2012-01-01")).all() and (m6.times > np.datetime64("2012-01-01")).all()
+    quarters = [set(event_part(m26, i, 4).events) for i in (1, 2, 3, 4)]  # configs/dame_crisis6.yaml's sites
+    assert [len(e) for e in quarters] == [7, 7, 6, 6] and len(set().union(*quarters)) == 26
+    assert all(e.startswith("2012_") for e in quarters[0])  # the first quarter is the 2012 events
+
+
+def _timed(events: list[str], days: list[int]) -> Messages:
+    n = len(events)
+    times = np.datetime64("2013-01-01", "s") + np.asarray(days) * np.timedelta64(86400, "s")
+    return Messages([str(i) for i in range(n)], [""] * n, times, events, [""] * n, [[]] * n, [[]] * n, [[]] * n, {})
+
+
+def test_event_parts_split_events_in_time_order():
+    # first messages: c day 0, a day 1, d day 2 (tie with b, broken by name: b first), b day 2, e day 5
+    msgs = _timed(["a", "b", "c", "a", "d", "e", "c"], [1, 2, 0, 9, 2, 5, 8])
+    parts = [sorted(set(event_part(msgs, i, 3).events)) for i in (1, 2, 3)]
+    assert parts == [["a", "c"], ["b", "d"], ["e"]]  # array_split of [c, a, b, d, e]: 2, 2, 1
+    assert sum(len(event_part(msgs, i, 3)) for i in (1, 2, 3)) == len(msgs)  # every message in one part
+    with pytest.raises(DataError, match="between 1 and 3"):
+        event_part(msgs, 4, 3)
+    with pytest.raises(DataError, match="only 5 events"):
+        event_part(msgs, 1, 6)
+
+
+def test_site_parts_of_a_message_file(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_text(GOOD_CSV)
+    msgs, report = load_site(f"{path}:2/2")  # events flood (June) then quake (October)
+    assert msgs.events == ["quake"] and "events part 2/2: 1 events, 1 messages" in report.source
+

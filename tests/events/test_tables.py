@@ -40,4 +40,8 @@ def test_tables_gain_over_local_attacks_and_wall_times(tmp_path, capsys):
     assert "| dame | average | 0.703 ± 0.003 | 0.703 ± 0.003 | – |" in text  # the malicious 4th site is left out
     assert "| dame | +0.000 | – |" in text
     assert "| local | 11 ± 1 |" in text
+    # the paper's layout: "NMI / AMI / ARI" per site (means), average, gain over Local
+    assert "| dame | .610 / .510 / .410 | .700 / .600 / .500 | .800 / .700 / .600 | .703 / .603 / .503 | " \
+           "+0.100 / +0.100 / +0.100 |" in text
+    assert "| local | +0.100 | +0.100 | +0.100 | +0.100 | 3 of 3 |" in text  # DAMe − Local per site
     assert "| dame attack=model | 60 ± 0 |" in text

@@ -130,3 +130,15 @@ def test_sega_groups_similar_clients_and_checkpoints(tmp_path):
     assert np.array_equal(other.model_for(1), sega.model_for(1), equal_nan=True)
     assert other.partition == sega.partition
     assert sega.metrics()["sega_clusters"] == 3.0
+    assert [sega.metrics()[f"sega_cluster_{k}"] for k in range(4)] == [0.0, 0.0, 1.0, 2.0]  # {0,1}, {2}, {3}
+
+
+def test_a_site_draws_the_same_split_at_any_client_position(tmp_path):
+    first = make_task(tmp_path, cid=0)  # synthetic:0 at client 0
+    moved = make_task(tmp_path, cid=1, sites=["synthetic:2", "synthetic:0", "synthetic:4"])  # ... at client 1
+    assert len(first.ids) == len(moved.ids)
+    assert np.array_equal(first.test_idx, moved.test_idx)  # the split is keyed by the site's name
+    from hpcfed.tasks.events import _site_key
+
+    assert _site_key("synthetic:0") != _site_key("synthetic:2")
+    assert _site_key("crisislext26", 3) != _site_key("crisislext26")  # an attacker with the same data draws its own
