@@ -10,13 +10,20 @@ would otherwise run on as an orphan.
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+
+# How Open MPI's mpiexec reports the first rank that ended badly.
+_OMPI_REPORT = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal")
 
 
 def write_pid(log_dir: Path, rank: int) -> None:
@@ -49,26 +56,45 @@ def exit_status(log_dir: Path, rank: int) -> int | None:
         return None
 
 
-@dataclass
 class RankWatch:
-    """Which of the job's `np` ranks (on this host) are alive, and which ended first."""
+    """Which of the job's `np` ranks (on this host) are alive, and in which order they ended.
 
-    log_dir: Path
-    np: int
-    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid, ranks on this host
-    ended: list[int] = field(default_factory=list)  # in the order their ends were seen
-    _fds: dict[int, int] = field(default_factory=dict)  # pidfd -> rank
-    _poller: object = None
+    Each rank gets a thread blocked on its pidfd that timestamps the end the moment it is woken.
+    One poll over all ranks would lose the order whenever this process is scheduled only after
+    mpiexec has already killed the others (a loaded node), and so would name the wrong rank."""
 
-    def __post_init__(self) -> None:
-        self._poller = select.poll() if hasattr(os, "pidfd_open") else None
+    def __init__(self, log_dir: Path, np: int) -> None:
+        self.log_dir, self.np = log_dir, np
+        self.pids: dict[int, int] = {}  # rank -> pid; -1 for a rank on another host
+        self.reported: list[int] = []  # ranks mpiexec itself said ended badly, in order
+        self._ends: dict[int, float] = {}  # rank -> when its end was seen
+        self._fds: dict[int, int] = {}  # rank -> pidfd, while it runs
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        self._pidfds = hasattr(os, "pidfd_open")
+
+    @property
+    def ended(self) -> list[int]:
+        with self._lock:
+            return sorted(self._ends, key=self._ends.__getitem__)
 
     def first_dead(self) -> int | None:
-        """The rank seen ending first, once every rank had started (None before that)."""
-        return self.ended[0] if self.ended and len(self.pids) == self.np else None
+        """The rank that ended first, once every rank had started (None before that)."""
+        if self.reported:
+            return self.reported[0]
+        ended = self.ended
+        return ended[0] if ended and len(self.pids) == self.np else None
+
+    def scan(self, line: str) -> None:
+        """Read one line of mpiexec's output for its report of a rank that ended badly. (Open MPI
+        names the rank; MPICH's Hydra prints a PID, but that of the first local process, not the
+        one that failed, so it is not used.)"""
+        found = _OMPI_REPORT.search(line)
+        if found:
+            self.reported.append(int(found.group(1)))
 
     def update(self, wait_s: float = 0.2) -> None:
-        """Pick up newly started ranks and record ends, waiting up to `wait_s` for one."""
+        """Pick up newly started ranks, then wait up to `wait_s` for a rank to end."""
         host = socket.gethostname()
         for rank in range(self.np):
             if rank in self.pids:
@@ -82,72 +108,84 @@ class RankWatch:
                 continue
             self.pids[rank] = int(pid_text)
             self._watch(rank, int(pid_text))
-        if self._poller is not None and self._fds:
-            for fd, _ in sorted(self._poller.poll(wait_s * 1000), key=lambda e: self._fds[e[0]]):  # type: ignore[attr-defined]
-                self._record(self._fds.pop(fd))
-                self._poller.unregister(fd)  # type: ignore[attr-defined]
-                os.close(fd)
-        else:
-            time.sleep(wait_s)
-            for rank, pid in sorted(self.pids.items()):
-                if pid > 0 and rank not in self.ended and not alive(pid):
-                    self._record(rank)
+        if self._pidfds:
+            self._changed.wait(wait_s)
+            self._changed.clear()
+            return
+        time.sleep(wait_s)
+        for rank, pid in sorted(self.pids.items()):
+            if pid > 0 and rank not in self._ends and not alive(pid):
+                self._record(rank)
 
     def _watch(self, rank: int, pid: int) -> None:
-        if self._poller is None:
+        if not self._pidfds:
             return
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
             self._record(rank)
             return
-        self._fds[fd] = rank
-        self._poller.register(fd, select.POLLIN)  # type: ignore[attr-defined]
+        self._fds[rank] = fd
+
+        def wait_for_end() -> None:
+            select.select([fd], [], [])  # readable once the process has ended
+            self._record(rank)
+
+        threading.Thread(target=wait_for_end, name=f"rank{rank}-watch", daemon=True).start()
 
     def _record(self, rank: int) -> None:
-        if rank not in self.ended:
-            self.ended.append(rank)
+        with self._lock:
+            self._ends.setdefault(rank, time.monotonic())
+        self._changed.set()
 
     def running(self) -> list[int]:
-        if self._poller is not None:
-            return sorted(self._fds.values())
-        return [r for r, pid in sorted(self.pids.items()) if pid > 0 and r not in self.ended and alive(pid)]
+        if self._pidfds:
+            return sorted(r for r in self._fds if r not in self._ends)
+        return [r for r, pid in sorted(self.pids.items()) if pid > 0 and r not in self._ends and alive(pid)]
 
     def kill(self, ranks: list[int]) -> None:
         """SIGKILL these ranks; through their pidfds where possible, so a recycled pid is never hit."""
-        fd_of = {rank: fd for fd, rank in self._fds.items()}
         for rank in ranks:
             try:
-                if rank in fd_of:
-                    signal.pidfd_send_signal(fd_of[rank], signal.SIGKILL)
-                elif self._poller is None and self.pids.get(rank, -1) > 0:
+                if rank in self._fds:
+                    if rank not in self._ends:
+                        signal.pidfd_send_signal(self._fds[rank], signal.SIGKILL)
+                elif not self._pidfds and self.pids.get(rank, -1) > 0:
                     os.kill(self.pids[rank], signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
+        """Close the pidfds of ranks that have ended (a running one's thread still waits on its fd)."""
+        for rank in [r for r in self._fds if r in self._ends]:
+            os.close(self._fds.pop(rank))
 
 
-def follow(proc: subprocess.Popen, watch: RankWatch, *, on_server_done, grace_s: float = 60.0) -> int:
-    """Wait for `proc` (mpiexec) while following its ranks, and return its status.
+def follow(proc: subprocess.Popen, watch: RankWatch, *, finished: Callable[[], list[int] | None],
+           grace_s: float = 60.0) -> int:
+    """Wait for `proc` (mpiexec, started with stdout and stderr piped) while following its ranks,
+    passing its output through, and return its status.
 
-    When rank 0 reports status 0 the federation has finished: `on_server_done()` returns the ranks
-    to kill at once (clients the server dropped: nothing they do can change the result, and a hung
-    one would hold the job), and whatever still runs `grace_s` later is killed. When mpiexec ends,
-    every rank still running on this host is killed too."""
+    `finished()` returns None while the federation runs, and once its results are written the
+    ranks to kill at once (clients the server dropped: nothing they do can change the result, and
+    a hung one would hold the job); whatever still runs `grace_s` later is killed too. When mpiexec
+    ends, every rank still running on this host is killed."""
+    relays = [_relay(stream, sink, watch) for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+              if stream is not None]
     done_at = None
     try:
         while proc.poll() is None:
             watch.update()
-            if done_at is None and exit_status(watch.log_dir, 0) == 0:
-                done_at = time.monotonic()
-                watch.kill(on_server_done())
-            elif done_at is not None and time.monotonic() - done_at > grace_s:
+            if done_at is None:
+                to_kill = finished()
+                if to_kill is not None:
+                    done_at = time.monotonic()
+                    watch.kill(to_kill)
+            elif time.monotonic() - done_at > grace_s:
                 watch.kill(watch.running())
         code = proc.wait()
+        for relay in relays:
+            relay.join(timeout=5)
         deadline = time.monotonic() + 5.0  # ranks killed by mpiexec may take a moment to go
         while watch.running() and time.monotonic() < deadline:
             watch.update(0.05)
@@ -155,6 +193,21 @@ def follow(proc: subprocess.Popen, watch: RankWatch, *, on_server_done, grace_s:
         return code
     finally:
         watch.close()
+
+
+def _relay(stream, sink, watch: RankWatch) -> threading.Thread:
+    """Copy `stream` to `sink` line by line, showing each line to `watch.scan`."""
+
+    def run() -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            watch.scan(line)
+            sink.write(line)
+            sink.flush()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def alive(pid: int) -> bool:

@@ -93,17 +93,18 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     log_dir = out / "logs"
     jobwatch.clear(log_dir)
     launched = time.time()
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     watch = jobwatch.RankWatch(log_dir, np)
-    code = jobwatch.follow(proc, watch, on_server_done=lambda: _dropped_clients(out, launched))
+    code = jobwatch.follow(proc, watch, finished=lambda: _dropped_clients(out, launched))
     if code == 0:
         return 0
-    failed = [r for r in range(np) if jobwatch.exit_status(log_dir, r) != 0]
     dropped = _dropped_clients(out, launched)
-    if jobwatch.exit_status(log_dir, 0) == 0 and failed and set(failed) <= set(dropped):
-        # The federation finished without these clients (federation.on_client_failure=continue).
-        print(f"hpcfed: the federation finished without {_rank_names(failed)}, dropped during the run; "
-              f"results in {out}/summary.json", file=sys.stderr)
+    failed = [r for r in range(1, np) if jobwatch.exit_status(log_dir, r) != 0]
+    if dropped is not None and set(failed) <= set(dropped):
+        # The results are written; only clients the federation went on without ended badly
+        # (federation.on_client_failure=continue), or the server after its summary.
+        gone = f" without {_rank_names(failed)}, dropped during the run" if failed else ""
+        print(f"hpcfed: the federation finished{gone}; results in {out}/summary.json", file=sys.stderr)
         return 0
     from hpcfed.store.checkpoint import list_checkpoints
 
@@ -119,15 +120,16 @@ def _rank_names(ranks: list[int]) -> str:
     return ", ".join(f"rank {r} ({'the server' if r == 0 else f'client {r - 1}'})" for r in ranks)
 
 
-def _dropped_clients(out: Path, since: float) -> list[int]:
-    """Ranks of the clients that this launch's finished federation went on without."""
+def _dropped_clients(out: Path, since: float) -> list[int] | None:
+    """None until this launch's federation has written its summary; then the ranks of the
+    clients it went on without."""
     path = out / "summary.json"
     try:
         if path.stat().st_mtime < since:
-            return []
+            return None
         return [int(c) + 1 for c in json.loads(path.read_text()).get("dropped_clients", [])]
     except (OSError, ValueError, TypeError):
-        return []
+        return None  # not there yet, or half-written: look again
 
 
 def _is_hydra(exe: str) -> bool:

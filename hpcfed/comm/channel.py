@@ -84,6 +84,24 @@ class ChannelError(RuntimeError):
     """The channel cannot go on with a peer (handshake failed, timeout, cut off); names the rank."""
 
 
+class Outgoing:
+    """A message `SecureChannel.post`ed: `done()` once the peer has taken all of it."""
+
+    __slots__ = ("dest", "requests", "ring_slots", "posted_at")
+
+    def __init__(self, dest: int) -> None:
+        self.dest = dest
+        self.requests: list[Request] = []
+        self.ring_slots: list[tuple[_TxRing, int]] = []  # shared-memory slots it still holds
+        self.posted_at = time.monotonic()
+
+    def done(self) -> bool:
+        """Whether the peer has taken the message (for shared memory: has freed its slots)."""
+        if not all(req.test() for req in self.requests):
+            return False
+        return all(ring.owner[slot] is not self for ring, slot in self.ring_slots)
+
+
 @dataclass
 class Message:
     source: int
@@ -141,11 +159,12 @@ class _Peer:
 class _TxRing:
     """Shared memory this rank encrypts chunks into for one peer on the same node."""
 
-    __slots__ = ("name", "buf", "nslots", "slot_bytes", "free", "state")
+    __slots__ = ("name", "buf", "nslots", "slot_bytes", "free", "owner", "state")
 
     def __init__(self, name: str, buf: np.ndarray | None, nslots: int, slot_bytes: int, state: str) -> None:
         self.name, self.buf, self.nslots, self.slot_bytes = name, buf, nslots, slot_bytes
         self.free: deque[int] = deque(range(nslots))
+        self.owner: list[Outgoing | None] = [None] * nslots  # the posted message a slot holds
         self.state = state  # offered | ready | declined
 
 
@@ -318,6 +337,25 @@ class SecureChannel:
     # -- sending ----------------------------------------------------------------------------------
     def send(self, dest: int, kind: int, header: dict, tensors: Mapping[str, Any] | None = None) -> None:
         """Encrypt and send one message; returns when `tensors` may be modified again."""
+        peer, enc = self._prepare(dest, kind, header, tensors)
+        self._send_sealed_message(peer, F_DATA, kind, enc)
+        self.stats.messages_sent += 1
+
+    def post(self, dest: int, kind: int, header: dict, tensors: Mapping[str, Any] | None = None) -> "Outgoing":
+        """Encrypt one message into buffers of its own and start sending it; return at once.
+
+        `send` waits until the peer has taken a large message, and a peer busy computing takes
+        nothing: a server that answers a fast client must not wait for a slow one. The returned
+        `Outgoing` says when the peer has taken the message; the channel keeps its buffers alive
+        until then (or until `close`)."""
+        peer, enc = self._prepare(dest, kind, header, tensors)
+        out = Outgoing(dest)
+        self._send_sealed_message(peer, F_DATA, kind, enc, posted=out)
+        self.stats.messages_sent += 1
+        return out
+
+    def _prepare(self, dest: int, kind: int, header: dict,
+                 tensors: Mapping[str, Any] | None) -> tuple[_Peer, wire.Encoded]:
         if not isinstance(kind, int) or not 0 <= kind <= 255:
             raise ValueError(f"message kind {kind!r} must be an int in 0..255")
         peer = self._peer.get(dest)
@@ -328,8 +366,7 @@ class SecureChannel:
         if enc.total > self.max_message_bytes:
             raise ValueError(f"message to rank {dest} is {enc.total} bytes; comm.max_message_bytes is "
                              f"{self.max_message_bytes}")
-        self._send_sealed_message(peer, F_DATA, kind, enc)
-        self.stats.messages_sent += 1
+        return peer, enc
 
     def _slot(self, i: int, need: int) -> memoryview:
         while len(self._tx_slots) <= i:
@@ -338,7 +375,8 @@ class SecureChannel:
             self._tx_slots[i] = np.empty(max(need, min(self._max_frame, 1 << 16)), dtype=np.uint8)
         return memoryview(self._tx_slots[i])
 
-    def _send_sealed_message(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None) -> None:
+    def _send_sealed_message(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None,
+                             posted: "Outgoing | None" = None) -> None:
         total = enc.total if enc is not None else 0
         chunk = self.chunk_bytes
         count = max(1, -(-total // chunk))
@@ -347,8 +385,8 @@ class SecureChannel:
             ring = self._tx_rings.get(dest)
             if ring is None:
                 self._offer_ring(peer)  # this message still goes through MPI; later ones may not
-            elif ring.state == "ready":
-                self._send_via_ring(peer, ring, kind, enc, total, count)  # type: ignore[arg-type]
+            elif ring.state == "ready" and (posted is None or len(ring.free) >= count):
+                self._send_via_ring(peer, ring, kind, enc, total, count, posted)  # type: ignore[arg-type]
                 return
         msg_id = peer.next_msg_id
         peer.next_msg_id += 1
@@ -364,6 +402,9 @@ class SecureChannel:
             peer.tx.seal_into(peer.send_seq, data, self._jd + hdr, memoryview(frame)[HDR:])  # type: ignore[union-attr]
             self.stats.bytes_sent += len(frame)
             self._send_small(dest, frame)  # type: ignore[arg-type]
+            return
+        if posted is not None:
+            self._post_chunks(peer, kind, enc, total, count, msg_id, posted)
             return
         inflight: deque[Request] = deque()
         nslots = 1 if count == 1 else 3  # three buffers: encrypt one while two are in flight
@@ -389,6 +430,25 @@ class SecureChannel:
                 req.test()
         while inflight:
             self._wait_send(inflight.popleft(), dest)
+
+    def _post_chunks(self, peer: _Peer, kind: int, enc: wire.Encoded | None, total: int, count: int,
+                     msg_id: int, posted: "Outgoing") -> None:
+        """Seal every chunk into a buffer of its own and start all their sends (see `post`)."""
+        dest, chunk = peer.rank, self.chunk_bytes
+        for i in range(count):
+            start = i * chunk
+            n = min(total - start, chunk)
+            frame = np.empty(HDR + n + TAG, dtype=np.uint8)
+            peer.send_seq += 1
+            hdr = FRAME.pack(VERSION, F_DATA, kind, 0, self.rank, dest, n, peer.send_seq, msg_id, i, count, start, total)
+            frame[:HDR] = np.frombuffer(hdr, dtype=np.uint8)
+            pieces = enc.pieces(start, start + n)  # type: ignore[union-attr]
+            data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
+            peer.tx.seal_into(peer.send_seq, data, self._jd + hdr, memoryview(frame)[HDR:])  # type: ignore[union-attr]
+            req = self.transport.isend(memoryview(frame), dest)
+            self._background.append((req, frame))  # close() waits for it, then abandons it
+            posted.requests.append(req)
+            self.stats.bytes_sent += len(frame)
 
     # -- shared-memory chunks (peers on the same node) -----------------------------------------------
     def _offer_ring(self, peer: _Peer) -> None:
@@ -434,7 +494,7 @@ class SecureChannel:
             ring.state, ring.buf = "declined", None
 
     def _send_via_ring(self, peer: _Peer, ring: _TxRing, kind: int, enc: wire.Encoded, total: int,
-                       count: int) -> None:
+                       count: int, posted: "Outgoing | None" = None) -> None:
         """Encrypt each chunk straight into a free slot of the shared ring and send only its
         56-byte header (+ slot number) through MPI: the receiver decrypts from the ring, so the
         bytes are never copied by MPI."""
@@ -447,6 +507,9 @@ class SecureChannel:
             start = i * chunk
             n = min(total - start, chunk)
             slot = self._ring_slot(ring, dest)
+            ring.owner[slot] = posted
+            if posted is not None:
+                posted.ring_slots.append((ring, slot))
             at = slot * ring.slot_bytes
             peer.send_seq += 1
             seq = peer.send_seq
@@ -478,6 +541,7 @@ class SecureChannel:
         if ring is None or ring.state != "ready" or not 0 <= slot < ring.nslots or slot in ring.free:
             self._reject(src, "malformed frame", f"shared-memory credit for slot {slot}, which is not in use")
             return
+        ring.owner[slot] = None
         ring.free.append(slot)
 
     def _send_small(self, dest: int, frame: bytes | np.ndarray) -> None:
@@ -525,6 +589,8 @@ class SecureChannel:
         bg = self._background
         while bg and bg[0][0].test():
             bg.popleft()
+        if len(bg) > 64:  # a send to a busy peer at the head must not pin everything behind it
+            self._background = deque(entry for entry in bg if not entry[0].test())
 
     # -- receiving --------------------------------------------------------------------------------
     def recv(self, *, source: int | None = None, kinds: Collection[int] | None = None,

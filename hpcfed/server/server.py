@@ -26,10 +26,14 @@ from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.registry import strategy_class, task_class
 from hpcfed.server.metrics import MetricsLog
+from hpcfed.server.outbox import ModelOutbox
+from hpcfed.store import atomic
 from hpcfed.store import checkpoint as ckpt_store
 from hpcfed.strategies.base import Strategy, StrategyContext, Update
 
 log = logging.getLogger("hpcfed.server")
+
+_OWED_POLL_S = 0.01  # how soon an async server looks again when a busy client is owed a model
 
 
 class Server:
@@ -63,6 +67,7 @@ class Server:
         self.halt_requested = False  # set by SIGUSR1 (see launcher): checkpoint after this round and stop
         self._last_status = time.monotonic()
         self._cpu0 = time.process_time()
+        self._outbox: ModelOutbox | None = None  # async mode
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -193,14 +198,18 @@ class Server:
         fed = self.cfg.federation
         max_updates = fed.max_updates or self.cfg.rounds * self.num_clients
         every = max(1, self.cfg.checkpoint_every) * self.num_clients
+        self._outbox = ModelOutbox(self.channel, self._model_message)
         for cid in sorted(self.live):
-            self._send_model(cid)
+            self._outbox.owe(cid, answer=True)
         last_seen = {cid: time.monotonic() for cid in self.live}
         next_ckpt = (self.updates_accepted // every + 1) * every
         while self.updates_accepted < max_updates:
             if not self.live:
                 raise FederationError(f"every client has failed; last checkpoint: {self.last_checkpoint or 'none'}")
-            msg = self.channel.recv(kinds={P.UPDATE, P.FAILED}, timeout=min(1.0, fed.status_every_s))
+            # While a model is owed to a busy client, look back soon to post it once it is free.
+            wait = _OWED_POLL_S if self._outbox.waiting() else min(1.0, fed.status_every_s)
+            msg = self.channel.recv(kinds={P.UPDATE, P.FAILED}, timeout=wait)
+            self._outbox.flush()
             if msg is None:
                 self._check_silent(last_seen)
                 self._maybe_status()
@@ -221,7 +230,7 @@ class Server:
             for name, value in self.strategy.metrics().items():
                 self.metrics.log(self.updates_accepted, None, name, value)
             for cid in sorted(targets & self.live):
-                self._send_model(cid, answer=cid == upd.client_id)
+                self._outbox.owe(cid, answer=cid == upd.client_id)
             if self.updates_accepted >= next_ckpt:
                 self._checkpoint(self.updates_accepted, {})
                 next_ckpt += every
@@ -230,12 +239,11 @@ class Server:
         if self.cfg.checkpoint_every > 0:
             self._checkpoint(self.updates_accepted, {})
 
-    def _send_model(self, cid: int, answer: bool = True) -> None:
+    def _model_message(self, cid: int, answer: bool) -> tuple[int, dict, dict]:
         # answer=False marks a broadcast the client did not ask for: it replaces the client's model
         # but does not start a training step while the client's own upload is unanswered.
-        self._send_to(cid, P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
-                                      "want_state": False, "answer": answer},
-                      {P.PARAMS_KEY: self.strategy.model_for(cid)})
+        return P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
+                          "want_state": False, "answer": answer}, {P.PARAMS_KEY: self.strategy.model_for(cid)}
 
     def _check_silent(self, last_seen: dict[int, float]) -> None:
         limit = self.cfg.federation.round_deadline_s
@@ -249,6 +257,8 @@ class Server:
         if self.cfg.federation.on_client_failure == "continue" and self.cfg.federation.mode == "async":
             log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
             self.live.discard(cid)
+            if self._outbox is not None:
+                self._outbox.forget(cid)
             self.metrics.log(self.round, cid, "client_failed", 1)
             return
         raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
@@ -372,6 +382,8 @@ class Server:
 
     def _finish(self) -> dict[str, Any]:
         fed = self.cfg.federation
+        if self._outbox is not None:
+            self._outbox.forget()  # FINAL supersedes every model still owed
         for cid in sorted(self.live):
             self._send_to(cid, P.FINAL, {"round": self.round, "version": self.strategy.version},
                           {P.PARAMS_KEY: self.strategy.final_model_for(cid)})
@@ -397,7 +409,7 @@ class Server:
             self.metrics.log_many(self.round, cid, {f"final_{k}": v for k, v in results[cid].items()})
         self._stop_all("done")
         summary = self._summary(results)
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        atomic.write_text(self.out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
         self.metrics.close()
         return summary
 

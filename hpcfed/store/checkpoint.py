@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hpcfed.store import atomic
+
 FORMAT = "hpcfed-checkpoint"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})\.h5$")
@@ -59,9 +61,8 @@ def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, ckpt.round)
-    tmp = directory / f".{final.name}.tmp{os.getpid()}"
     digest = hashlib.sha256()
-    with h5py.File(tmp, "w") as f:
+    with atomic.atomic_path(final) as tmp, h5py.File(tmp, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["round"] = ckpt.round
@@ -75,9 +76,6 @@ def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3) -> Path:
         _write_group(f.create_group("meta"), ckpt.meta, {})
         _digest_file(f, digest)
         f.attrs["checksum"] = digest.hexdigest()
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
     _fsync_dir(directory)
     _prune(directory, keep)
     ckpt.path = final

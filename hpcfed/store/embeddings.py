@@ -14,13 +14,15 @@ Readable with plain h5py (``f["node/vectors"][:]``). Files are written to a temp
 
 from __future__ import annotations
 
-import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from hpcfed.store import atomic
 
 FORMAT = "hpcfed-embeddings"
 FORMAT_VERSION = 1
@@ -56,10 +58,6 @@ def write_export(
     append: bool = False,
 ) -> Path:
     """Write (or, with `append`, add an entity to) an embedding export atomically."""
-    import h5py
-
-    from hpcfed import __version__
-
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     if vectors.ndim != 2:
         raise ExportError(f"vectors must be 2-D (n, d), got shape {vectors.shape}")
@@ -69,13 +67,23 @@ def write_export(
         raise ExportError(f"{len(labels)} labels for {vectors.shape[0]} vectors")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    if append and path.exists():
-        import shutil
+    appending = append and path.exists()
+    with atomic.atomic_path(path) as tmp:
+        if appending:
+            shutil.copyfile(path, tmp)
+        _write_entity(tmp, "a" if appending else "w", entity, vectors, ids, labels, model=model, metric=metric,
+                      normalized=normalized, site=site, config_hash=config_hash, version=version, extra=extra)
+    return path
 
-        shutil.copyfile(path, tmp)
-    mode = "a" if append and path.exists() else "w"
-    with h5py.File(tmp, mode) as f:
+
+def _write_entity(path: Path, mode: str, entity: str, vectors: np.ndarray, ids: Sequence[Any],
+                  labels: np.ndarray | None, *, model: str, metric: str, normalized: bool, site: int | str,
+                  config_hash: str, version: int, extra: dict[str, Any] | None) -> None:
+    import h5py
+
+    from hpcfed import __version__
+
+    with h5py.File(path, mode) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["hpcfed_version"] = __version__
@@ -95,8 +103,6 @@ def write_export(
         attrs.update(extra or {})
         for key, value in attrs.items():
             g.attrs[key] = value
-    os.replace(tmp, path)
-    return path
 
 
 def read_export(path: str | Path, entity: str | None = None) -> EmbeddingSet:

@@ -44,3 +44,17 @@ def test_hostile_rank_is_rejected_while_the_honest_one_is_served(tmp_path):
     # an idle rank does not burn a core
     assert not got["idle_got_message"] and got["idle_wall_s"] >= 1.9
     assert got["idle_cpu_s"] < 0.2 * got["idle_wall_s"], got["idle_cpu_s"]
+
+
+def test_post_returns_at_once_while_the_peer_is_busy_and_delivers_in_order(tmp_path):
+    out = tmp_path / "post.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(HERE / "post_live.py"), str(out)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    # Posting 4 MiB to a rank that makes no MPI call for 2 s does not wait for it ...
+    assert sum(got["post_s"]) < 0.5 * got["busy_s"], got
+    # ... and the channel reports each message taken only once the peer is back.
+    assert all(t is not None and t >= 0.5 * got["busy_s"] for t in got["done_at_s"]), got
+    assert got["ack"] == {"got": [[0, True], [1, True], [2, True], [3, True]]}

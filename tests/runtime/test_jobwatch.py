@@ -32,7 +32,7 @@ def test_first_dead_rank_is_named_and_leftovers_are_killed(tmp_path):
         watch = jobwatch.RankWatch(tmp_path, 3)
         watch.update(0)
         ranks[1].kill()
-        code = jobwatch.follow(launcher, watch, on_server_done=lambda: [])
+        code = jobwatch.follow(launcher, watch, finished=lambda: None)
         assert code == 0
         assert watch.first_dead() == 1
         # mpiexec has gone; ranks 0 and 2 would be orphans: the watch has killed them.
@@ -49,7 +49,7 @@ def test_server_done_kills_dropped_clients_at_once(tmp_path):
         _registered(tmp_path, 3)
         launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         watch = jobwatch.RankWatch(tmp_path, 3)
-        jobwatch.write_exit(tmp_path, 0, 0)  # the server reports a finished federation
+        jobwatch.write_exit(tmp_path, 0, 0)  # the server leaves with status 0
         t0 = time.monotonic()
         dropped = []
 
@@ -65,7 +65,7 @@ def test_server_done_kills_dropped_clients_at_once(tmp_path):
             launcher.kill()
 
         threading.Thread(target=end_launcher, daemon=True).start()
-        jobwatch.follow(launcher, watch, on_server_done=on_done)
+        jobwatch.follow(launcher, watch, finished=on_done)
         assert dropped and dropped[0] < 5
         assert ranks[2].wait(timeout=5) != 0
         assert jobwatch.exit_status(tmp_path, 0) == 0 and jobwatch.exit_status(tmp_path, 2) is None
@@ -73,3 +73,10 @@ def test_server_done_kills_dropped_clients_at_once(tmp_path):
         for proc in ranks:
             proc.kill()
         launcher.kill()
+
+
+def test_open_mpi_report_names_the_first_rank(tmp_path):
+    watch = jobwatch.RankWatch(tmp_path, 3)
+    watch.pids = {0: 100, 1: 101, 2: 102}
+    watch.scan("mpiexec noticed that process rank 1 with PID 101 on node n1 exited on signal 9 (Killed).\n")
+    assert watch.first_dead() == 1

@@ -1,0 +1,33 @@
+"""Files that appear whole or not at all.
+
+A reader (a resumed job, the launcher watching for results, a user's script) must never see half
+a file, and a crash mid-write must leave the previous version intact: write to a temporary file in
+the same folder, flush it to disk, then `os.replace` it over the target (atomic on POSIX).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def atomic_path(path: str | Path, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; once the block succeeds it replaces `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
