@@ -1,19 +1,27 @@
 """Splitting one HIN into federated sites.
 
 The realistic setting (spec section 2, [RECON]): every site knows the shared node index (ids are
-public), but holds only **its own relation instances** — e.g. the papers of its institution, and so
-the paper-author / paper-subject edges of those papers and the meta-path instances they form. A site
-owns a set of target nodes; it keeps every relation edge with an owned target endpoint, and every
-edge of a relation that does not touch the target type (such relations are treated as public).
+public), but holds only **its own relation instances**. A site *holds* a set of target nodes and
+keeps every relation edge with a held target endpoint (a paper's author list, its subject, its
+references), plus every edge of a relation that does not touch the target type (treated as
+public). Its meta-path instances are the ones between two held nodes.
 
-Owner assignment schemes (`assign_owners`):
+Schemes (`make_partition`):
 - ``random``: each target node goes to a uniformly random site (balanced by a permutation).
 - ``attribute``: nodes are grouped by the value of a target attribute (``attr/NAME`` in the HIN
   file, e.g. institution) or, when the name is a node type letter, by their first neighbour of that
   type (``S``: the paper's subject); whole groups go to the least-loaded site, largest first.
 - ``dirichlet``: label skew; for each class a Dirichlet(alpha) draw says what share of that class
   each site receives (smaller alpha = more skewed). Unlabelled nodes are spread uniformly.
+- ``by_type``: the sites own the nodes of another type (``partition_type: A``: each institution
+  has its authors, assigned uniformly and balanced) and hold every target node linked to one of
+  them, i.e. all the papers of their authors, with those papers' full relation rows. A paper with
+  authors at several institutions is held by each of them; every meta-path instance p1-a-p2 is
+  held at the site of author a. Each held node also has one *home* site (the site of its first
+  listed neighbour of that type), so a quantity can be counted once per node.
 - ``none``: one site holds everything (centralized training).
+
+In the first three schemes every target node is held by exactly one site, its home.
 """
 
 from __future__ import annotations
@@ -24,7 +32,63 @@ import numpy as np
 
 from hpcfed.data.hin import HIN, metapath_adjacency
 
-SCHEMES = ("random", "attribute", "dirichlet", "none")
+SCHEMES = ("random", "attribute", "dirichlet", "by_type", "none")
+
+
+@dataclass
+class Partition:
+    """Which site holds which target nodes: ``holds`` (S, N) bool, ``home`` (N,) site ids."""
+
+    holds: np.ndarray
+    home: np.ndarray
+
+    @property
+    def num_sites(self) -> int:
+        return self.holds.shape[0]
+
+    @classmethod
+    def from_owners(cls, owners: np.ndarray, num_sites: int) -> "Partition":
+        """One owner per target node (random / attribute / dirichlet / none): holds = home."""
+        owners = np.asarray(owners, dtype=np.int64)
+        return cls(holds=owners[None, :] == np.arange(num_sites)[:, None], home=owners)
+
+
+def make_partition(hin: HIN, num_sites: int, scheme: str, seed: int, *, attribute: str | None = None,
+                   alpha: float = 0.5, owner_type: str | None = None) -> Partition:
+    """The partition of `hin` into `num_sites` sites under `scheme` (module docstring)."""
+    if scheme == "by_type" and num_sites > 1:
+        return _by_type(hin, num_sites, seed, owner_type)
+    return Partition.from_owners(assign_owners(hin, num_sites, scheme, seed, attribute=attribute, alpha=alpha),
+                                 max(num_sites, 1))
+
+
+def _by_type(hin: HIN, num_sites: int, seed: int, owner_type: str | None) -> Partition:
+    if owner_type is None or owner_type == hin.target or owner_type not in hin.counts:
+        raise ValueError(f"partition=by_type needs partition_type: a node type other than the target "
+                         f"{hin.target!r}, one of {', '.join(t for t in sorted(hin.counts) if t != hin.target)}")
+    edges, tcol = _target_edges(hin, owner_type)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 7727, 2]))
+    n_owned = hin.counts[owner_type]
+    site_of = (np.arange(n_owned, dtype=np.int64) % num_sites)[rng.permutation(n_owned)]
+    targets, owned = edges[:, tcol], edges[:, 1 - tcol]
+    holds = np.zeros((num_sites, hin.num_targets), dtype=bool)
+    holds[site_of[owned], targets] = True
+    # home = the site of the first listed neighbour (file order); nodes with none get a random site
+    home = (np.arange(hin.num_targets, dtype=np.int64) % num_sites)[rng.permutation(hin.num_targets)]
+    lonely = ~holds.any(axis=0)
+    holds[home[lonely], np.flatnonzero(lonely)] = True
+    listed, first = np.unique(targets, return_index=True)  # first occurrence = first listed
+    home[listed] = site_of[owned[first]]
+    return Partition(holds=holds, home=home)
+
+
+def _target_edges(hin: HIN, other: str) -> tuple[np.ndarray, int]:
+    """Edges between the target type and `other` and the column holding the target index."""
+    if hin.target + other in hin.relations:
+        return hin.relations[hin.target + other], 0
+    if other + hin.target in hin.relations:
+        return hin.relations[other + hin.target], 1
+    raise ValueError(f"no relation between {hin.target} and {other}; relations: {', '.join(sorted(hin.relations))}")
 
 
 def assign_owners(hin: HIN, num_sites: int, scheme: str, seed: int, *, attribute: str | None = None,
@@ -52,6 +116,8 @@ def assign_owners(hin: HIN, num_sites: int, scheme: str, seed: int, *, attribute
             group_site[g] = s
             load[s] += sizes[g]
         return group_site[inverse]
+    if scheme == "by_type":
+        raise ValueError("partition=by_type lets several sites hold a node; build it with make_partition")
     if scheme == "dirichlet":
         if alpha <= 0:
             raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
@@ -72,15 +138,11 @@ def _attribute_groups(hin: HIN, attribute: str | None) -> np.ndarray:
     if attribute in hin.attributes:
         return np.asarray(hin.attributes[attribute]).astype(str)
     if attribute in hin.counts and attribute != hin.target:
-        key = hin.target + attribute
-        if key in hin.relations:
-            edges = hin.relations[key]
-            tcol, ocol = 0, 1
-        elif attribute + hin.target in hin.relations:
-            edges = hin.relations[attribute + hin.target]
-            tcol, ocol = 1, 0
-        else:
-            raise ValueError(f"partition attribute {attribute!r}: no relation between {hin.target} and {attribute}")
+        try:
+            edges, tcol = _target_edges(hin, attribute)
+        except ValueError:
+            raise ValueError(f"partition attribute {attribute!r}: no relation between {hin.target} and {attribute}") from None
+        ocol = 1 - tcol
         first = np.full(hin.num_targets, -1, dtype=np.int64)
         order = np.lexsort((edges[:, ocol], edges[:, tcol]))
         t, o = edges[order, tcol], edges[order, ocol]
@@ -91,26 +153,36 @@ def _attribute_groups(hin: HIN, attribute: str | None) -> np.ndarray:
                      f"({', '.join(sorted(hin.attributes)) or 'none'}) nor a node type ({', '.join(sorted(hin.counts))})")
 
 
-def site_view(hin: HIN, owners: np.ndarray, site: int) -> HIN:
-    """The HIN as site `site` sees it: the shared node index, only its own relation instances."""
+def site_view(hin: HIN, partition: Partition | np.ndarray, site: int) -> HIN:
+    """The HIN as site `site` sees it: the shared node index, only the relation edges of its held nodes.
+
+    `partition` may also be a plain owner array (one site per target node).
+    """
+    holds = _holds(partition, site)
     relations = {}
     for key, edges in hin.relations.items():
         if hin.target not in key:
             relations[key] = edges
             continue
-        col = key.index(hin.target)
-        relations[key] = edges[owners[edges[:, col]] == site]
+        relations[key] = edges[holds[edges[:, key.index(hin.target)]]]
     return hin.with_relations(relations)
+
+
+def _holds(partition: Partition | np.ndarray, site: int) -> np.ndarray:
+    if isinstance(partition, Partition):
+        return partition.holds[site]
+    return np.asarray(partition) == site
 
 
 @dataclass
 class PartitionReport:
-    """Per site: owned target nodes, labelled train nodes, meta-path instances kept."""
+    """Per site: held target nodes, labelled train nodes, meta-path instances kept (and their union)."""
 
     nodes: list[int]
     train: list[int]
     instances: dict[str, list[int]]
     total_instances: dict[str, int]
+    covered: dict[str, int]  # instances held by at least one site
 
     def lines(self) -> list[str]:
         out = []
@@ -120,16 +192,28 @@ class PartitionReport:
                              for mp in self.instances)
             out.append(f"site {s}: {self.nodes[s]} target nodes, {self.train[s]} train labels; "
                        f"meta-path instances kept: {kept}")
+        out.append("held by some site: " + ", ".join(
+            f"{mp} {self.covered[mp]}/{self.total_instances[mp]} "
+            f"({100.0 * self.covered[mp] / max(1, self.total_instances[mp]):.1f}%)" for mp in self.covered))
         return out
 
 
-def report(hin: HIN, owners: np.ndarray, num_sites: int, train: np.ndarray | None = None) -> PartitionReport:
+def report(hin: HIN, partition: Partition | np.ndarray, num_sites: int, train: np.ndarray | None = None) -> PartitionReport:
     """Count what each site keeps; instances = node pairs i != j joined by the meta-path."""
-    def pairs(h: HIN, mp: str) -> int:
+    def pairs(h: HIN, mp: str):
         adj = metapath_adjacency(h, mp, self_loops=False)
-        return int(adj.nnz - np.count_nonzero(adj.diagonal()))
+        adj.setdiag(0)
+        adj.eliminate_zeros()
+        return adj
 
-    instances = {mp: [pairs(site_view(hin, owners, s), mp) for s in range(num_sites)] for mp in hin.metapaths}
-    train_count = [int(np.sum(owners[train] == s)) if train is not None else 0 for s in range(num_sites)]
-    return PartitionReport(nodes=[int(np.sum(owners == s)) for s in range(num_sites)], train=train_count,
-                           instances=instances, total_instances={mp: pairs(hin, mp) for mp in hin.metapaths})
+    instances: dict[str, list[int]] = {}
+    covered: dict[str, int] = {}
+    for mp in hin.metapaths:
+        per_site = [pairs(site_view(hin, partition, s), mp) for s in range(num_sites)]
+        instances[mp] = [int(a.nnz) for a in per_site]
+        union = sum(per_site[1:], per_site[0])
+        covered[mp] = int(union.nnz)
+    held = [_holds(partition, s) for s in range(num_sites)]
+    train_count = [int(np.sum(h[train])) if train is not None else 0 for h in held]
+    return PartitionReport(nodes=[int(h.sum()) for h in held], train=train_count, instances=instances,
+                           total_instances={mp: int(pairs(hin, mp).nnz) for mp in hin.metapaths}, covered=covered)

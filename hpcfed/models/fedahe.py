@@ -2,7 +2,9 @@
 
 Spec section 2 (paper eqs 1-8; **(R)** = reconstructed, with a knob). For a meta-path π, node i's
 input is its L2-normalised adjacency row ``A_i^π`` (length N, self-loop included), optionally
-concatenated with its normalised features ``x_i`` (``use_features``)::
+concatenated with side blocks ``x_i``, each L2-normalised on its own: its features
+(``use_features``) and its own relation rows as the site holds them (``input_relations``: its
+authors, its subject or references)::
 
     (1)  s_ij^π = cos(W_s^π A_i^π, W_s^π A_j^π)                      W_s^π: Linear(N[+F], d)
     (2)  c_ij^π = exp(s_ij^π) / Σ_{k∈N_i^π} exp(s_ik^π)              over ≤ num_sample neighbours + i
@@ -11,7 +13,7 @@ concatenated with its normalised features ``x_i`` (``use_features``)::
     (5R) e_i^π' = W_p e_i^π (+ b);  δ'_i^π = cos(p_i, e_i^π')        eq5_activation ∈ {none, tanh}
     (6R) δ_i^π = softmax_π(δ'_i^π)
     (7)  e_i = Σ_π δ_i^π e_i^π
-    (8)  L = CE(W_o e_i + b_o, y_i)  over labelled nodes
+    (8)  L = CE(W_o dropout(e_i) + b_o, y_i)  over labelled nodes  (dropout only while training)
 
 Shapes: every parameter depends only on (N[+F], d, k, M, C) — never on a site's edges — so sites
 with different relation instances have identical state dicts (spec test 3).
@@ -72,18 +74,18 @@ def metapath_attention(e_paths: torch.Tensor, p: torch.Tensor, w_p: nn.Module,
 class MetapathInput:
     """One meta-path's input matrix (rows ``[A_i^π ‖ x_i]``) and its neighbour lists, on one site."""
 
-    def __init__(self, adjacency: sp.csr_matrix, features: sp.csr_matrix | None = None) -> None:
+    def __init__(self, adjacency: sp.csr_matrix, side: Sequence[sp.spmatrix] = ()) -> None:
         from hpcfed.data.hin import row_normalize
 
         adjacency = sp.csr_matrix(adjacency, dtype=np.float32)
         self.indptr = adjacency.indptr.astype(np.int64)
         self.indices = adjacency.indices.astype(np.int64)
         rows = sp.csr_matrix(row_normalize(adjacency), dtype=np.float32)
-        # Features are kept apart from the adjacency so that identical adjacency rows stay shareable;
-        # W_s^π [A_i ‖ x_i] = W_s^π[:, :N] A_i + W_s^π[:, N:] x_i.
-        self.features = None if features is None else sp.csr_matrix(
-            row_normalize(sp.csr_matrix(features, dtype=np.float32)), dtype=np.float32)
-        self._features_torch: torch.Tensor | None = None
+        # Side blocks are kept apart from the adjacency so that identical adjacency rows stay
+        # shareable; W_s^π [A_i ‖ x_i] = W_s^π[:, :N] A_i + W_s^π[:, N:] x_i. Each block is
+        # normalised on its own so that a long author list does not drown the word features.
+        blocks = [sp.csr_matrix(row_normalize(sp.csr_matrix(b, dtype=np.float32)), dtype=np.float32) for b in side]
+        self.features = sp.hstack(blocks, format="csr", dtype=np.float32) if blocks else None
         rows.sort_indices()
         # Identical input rows share one projection: in a meta-path built through a low-degree type
         # (ACM's PSP: one subject per paper) whole blocks of rows are equal, so the N x N product
@@ -151,8 +153,12 @@ class FedAHE(nn.Module):
     """The whole local model (eqs 1-8). Parameters: ws.m, wc.m (per meta-path), wp, p, classifier."""
 
     def __init__(self, *, num_nodes: int, input_dim: int, num_metapaths: int, num_classes: int, dim: int = 128,
-                 pref_dim: int = 32, eq4_activation: str = "none", eq5_activation: str = "none") -> None:
+                 pref_dim: int = 32, eq4_activation: str = "none", eq5_activation: str = "none",
+                 dropout: float = 0.0) -> None:
         super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dropout = dropout
         if eq4_activation not in ("none", "sigmoid") or eq5_activation not in ("none", "tanh"):
             raise ValueError("eq4_activation must be none|sigmoid and eq5_activation none|tanh")
         self.eq4_activation, self.eq5_activation = eq4_activation, eq5_activation
@@ -186,5 +192,6 @@ class FedAHE(nn.Module):
 
     def forward(self, inputs: Sequence[MetapathInput], nodes: np.ndarray, num_sample: int | None,
                 rng: np.random.Generator) -> torch.Tensor:
-        """Class logits (B, C) = W_o e_i + b_o (eq 8's argument)."""
-        return self.classifier(self.embed(inputs, nodes, num_sample, rng))
+        """Class logits (B, C) = W_o dropout(e_i) + b_o (eq 8's argument)."""
+        e = self.embed(inputs, nodes, num_sample, rng)
+        return self.classifier(F.dropout(e, self.dropout, self.training))

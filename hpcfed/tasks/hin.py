@@ -1,10 +1,16 @@
 """The FedAHE task: HIN node embedding + classification on one site (spec section 2, Algorithm 1).
 
-Each site loads the same HIN (``dataset``), assigns target nodes to sites with the same seed
-(`hpcfed.data.partition`), and keeps only its own relation instances; from them it builds its
-meta-path adjacencies over the shared node index, so every site's model has the same shapes. It
-trains on its own labelled train nodes and is evaluated on its own val/test nodes (HeCo splits,
-``split: "20"`` -> train_20/val_20/test_20).
+Each site loads the same HIN (``dataset``), works out with the same seed which target nodes each
+site holds (`hpcfed.data.partition`), and keeps only the relation instances of its held nodes;
+from them it builds its meta-path adjacencies over the shared node index, so every site's model
+has the same shapes. It trains on its held labelled train nodes and is evaluated on its held
+val/test nodes (HeCo splits, ``split: "20"`` -> train_20/val_20/test_20). Under
+``partition: by_type`` a node can be held by several sites; it then counts in each of their
+scores, and the ``home_*`` metrics count every test node once, at its home site.
+
+``model_selection: best_val`` keeps, on each site, the model it received from the server (the
+federation's model) that scored the best val Micro-F1 on the site's own val nodes, and evaluates
+and exports that one at the end (early stopping on validation; the test split is never looked at).
 
 One `fit` call is the local work between two exchanges: ``sync_every: epoch`` runs `local_epochs`
 passes over the site's train nodes, ``sync_every: batch`` one batch (paper Algorithm 1 exchanges
@@ -50,10 +56,16 @@ class HINTask(Task):
         metapaths: list[str] | None = None  # default: the dataset's (ACM: PAP, PSP)
         split: str = "20"  # HeCo train_20/val_20/test_20; files without it use train/val/test;
         # "frac:0.3" draws a stratified 30% train / 10% val / 60% test split (HAHE's --train 0.3)
-        partition: Literal["random", "attribute", "dirichlet", "none"] = "random"
+        partition: Literal["random", "attribute", "dirichlet", "by_type", "none"] = "random"
         partition_attribute: str | None = None  # attr/NAME of the HIN or a node type letter (S)
+        partition_type: str | None = None  # by_type: the node type the sites own (A = authors)
         dirichlet_alpha: float = 0.5
         use_features: bool = False  # concatenate the target features to A_i^π (ACM p_feat)
+        # node types whose relation rows (as the site holds them) join the input, e.g. [A, S]: a
+        # W_s column for author a then learns from every site holding a paper of a
+        input_relations: list[str] = field(default_factory=list)
+        dropout: float = 0.0  # on e_i before the classifier (eq 8), while training
+        model_selection: Literal["last", "best_val"] = "last"
         dim: int = 128  # d
         pref_dim: int = 32  # k
         num_sample: int = 100
@@ -78,6 +90,10 @@ class HINTask(Task):
                     raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
             if self.lr <= 0 or self.weight_decay < 0:
                 raise ValueError("lr must be > 0 and weight_decay >= 0")
+            if not 0.0 <= self.dropout < 1.0:
+                raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            if self.partition == "by_type" and not self.partition_type:
+                raise ValueError("partition: by_type needs partition_type, the node type the sites own (e.g. A)")
             if self.fit_eval_every < 0:
                 raise ValueError(f"fit_eval_every must be >= 0, got {self.fit_eval_every}")
             unknown = set(self.personal_params) - {"p"}
@@ -107,7 +123,7 @@ class HINTask(Task):
         import torch
 
         from hpcfed.data.hin import load_dataset, metapath_adjacency
-        from hpcfed.data.partition import assign_owners, site_view
+        from hpcfed.data.partition import make_partition, site_view
         from hpcfed.models.fedahe import FedAHE, MetapathInput
 
         c = config
@@ -120,31 +136,32 @@ class HINTask(Task):
         hin.validate(c.dataset)
         self.hin = hin
         names = self._split_names(hin, c.split)
-        self.owners = assign_owners(hin, site.num_clients, c.partition, site.seed,
-                                    attribute=c.partition_attribute, alpha=c.dirichlet_alpha)
-        view = site_view(hin, self.owners, site.client_id)
-        own = self.owners == site.client_id
-        self.nodes = {k: np.sort(hin.splits[n][own[hin.splits[n]]]) for k, n in zip(("train", "val", "test"), names)}
-        self.own_nodes = np.flatnonzero(own)
-        features = None
-        if c.use_features:
-            if hin.features is None:
-                raise ValueError(f"task.use_features: dataset {c.dataset} has no node features; set it to false")
-            features = hin.features
+        self.partition = make_partition(hin, site.num_clients, c.partition, site.seed, attribute=c.partition_attribute,
+                                        alpha=c.dirichlet_alpha, owner_type=c.partition_type)
+        view = site_view(hin, self.partition, site.client_id)
+        held = self.partition.holds[site.client_id]
+        self.nodes = {k: np.sort(hin.splits[n][held[hin.splits[n]]]) for k, n in zip(("train", "val", "test"), names)}
+        home = self.partition.home == site.client_id
+        self.nodes["home_test"] = self.nodes["test"][home[self.nodes["test"]]]
+        self.own_nodes = np.flatnonzero(held)
         adjacency = [metapath_adjacency(view, mp) for mp in hin.metapaths]
         # meta-path instances this site holds: connected pairs i != j (reported in the final metrics)
         self.instances = {mp: int(a.nnz - np.count_nonzero(a.diagonal())) for mp, a in zip(hin.metapaths, adjacency)}
         log.info("site %d: %d target nodes, %d train labels, meta-path instances %s", site.client_id,
                  len(self.own_nodes), len(self.nodes["train"]), self.instances)
-        self.inputs = [MetapathInput(a, features) for a in adjacency]
+        side = self._side_blocks(hin, view)
+        self.inputs = [MetapathInput(a, side) for a in adjacency]
         self.labels = torch.as_tensor(hin.labels)
         torch.manual_seed(site.seed)  # identical initial model on every site
         self.model = FedAHE(num_nodes=hin.num_targets, input_dim=self.inputs[0].input_dim,
                             num_metapaths=len(hin.metapaths), num_classes=max(hin.num_classes, 2), dim=c.dim,
-                            pref_dim=c.pref_dim, eq4_activation=c.eq4_activation, eq5_activation=c.eq5_activation)
+                            pref_dim=c.pref_dim, eq4_activation=c.eq4_activation, eq5_activation=c.eq5_activation,
+                            dropout=c.dropout)
         opt_cls = torch.optim.AdamW if c.decoupled_weight_decay else torch.optim.Adam
         self.optimizer = opt_cls(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.steps = 0  # fit calls so far (batch cursor for sync_every=batch)
+        self.best_val = -1.0  # model_selection=best_val: best val Micro-F1 of a received model so far
+        self.best_params: Params | None = None
         if c.fit_eval_every:
             # fit() evaluates, and importing sklearn takes seconds on a loaded node: do it here so the
             # first fit's time is training time. The straggler knob multiplies fit time, so a slowed
@@ -169,6 +186,25 @@ class HINTask(Task):
         raise ValueError(f"dataset {hin.name}: no splits train_{split}/val_{split}/test_{split} or train/val/test; "
                          f"it has: {', '.join(sorted(hin.splits)) or 'none'}")
 
+    def _side_blocks(self, hin: Any, view: Any) -> list[Any]:
+        """Input blocks after A_i^π: the target features, then each `input_relations` row as held here."""
+        from hpcfed.data.hin import relation_matrix
+
+        c = self.config
+        blocks = []
+        if c.use_features:
+            if hin.features is None:
+                raise ValueError(f"task.use_features: dataset {c.dataset} has no node features; set it to false")
+            blocks.append(hin.features)
+        for t in c.input_relations:
+            key = hin.target + t if hin.target + t in view.relations else t + hin.target
+            if t == hin.target or key not in view.relations:
+                raise ValueError(f"task.input_relations: {t!r} is not a node type related to {hin.target} in "
+                                 f"{c.dataset}; relations: {', '.join(sorted(hin.relations))}")
+            m = relation_matrix(view, key)
+            blocks.append(m if key[0] == hin.target else m.T.tocsr())
+        return blocks
+
     # -- parameters ---------------------------------------------------------------------------
     def get_parameters(self) -> Params:
         return torch_state.module_parameters(self.model)
@@ -191,6 +227,9 @@ class HINTask(Task):
         import torch
 
         c = self.config
+        metrics: dict[str, float] = {}
+        if c.model_selection == "best_val":
+            metrics.update(self._track_best())
         self.model.train()
         rng = _rng(self.site.seed, self.site.client_id, round, self.steps)
         if c.sync_every == "epoch":
@@ -211,7 +250,7 @@ class HINTask(Task):
             total += float(loss.detach()) * len(nodes)
             count += len(nodes)
         self.steps += 1
-        metrics = {"train_loss": total / max(count, 1)}
+        metrics["train_loss"] = total / max(count, 1)
         if c.fit_eval_every and self.steps % c.fit_eval_every == 0:
             metrics.update(self.evaluate(round))
         return FitResult(num_examples=int(count), metrics=metrics)
@@ -231,27 +270,51 @@ class HINTask(Task):
                 out.append(self.model.embed(self.inputs, nodes[i:i + chunk], self.config.num_sample, rng).numpy())
         return np.concatenate(out) if out else np.zeros((0, self.config.dim), np.float32)
 
-    def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+    def _track_best(self) -> dict[str, float]:
+        """Score the model just received on the val nodes; keep a copy if it is the best so far."""
+        val = self._f1(self.nodes["val"])
+        if val and val["micro_f1"] > self.best_val:
+            self.best_val = val["micro_f1"]
+            self.best_params = {k: v.copy() for k, v in self.get_parameters().items()}
+        return {"received_val_micro_f1": val["micro_f1"]} if val else {}
+
+    def _f1(self, nodes: np.ndarray, emb: np.ndarray | None = None) -> dict[str, float]:
+        """Loss and Micro/Macro-F1 of the classifier head on `nodes` (empty dict for no nodes)."""
         import torch
         from sklearn.metrics import f1_score
 
-        split = "test" if final else "val"
-        nodes = self.nodes[split]
         if len(nodes) == 0:
             return {}
-        emb = self.embed(nodes)
+        emb = self.embed(nodes) if emb is None else emb
         with torch.no_grad():
             logits = self.model.classifier(torch.as_tensor(emb))
             y = self.labels[torch.as_tensor(nodes)]
             loss = float(torch.nn.functional.cross_entropy(logits, y))
         pred, y = logits.argmax(1).numpy(), y.numpy()
-        micro = float(f1_score(y, pred, average="micro"))
-        macro = float(f1_score(y, pred, average="macro", zero_division=0))
+        return {"loss": loss, "micro_f1": float(f1_score(y, pred, average="micro")),
+                "macro_f1": float(f1_score(y, pred, average="macro", zero_division=0))}
+
+    def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
         if not final:
-            return {"val_loss": loss, "val_micro_f1": micro, "val_macro_f1": macro}
-        out = {"loss": loss, "micro_f1": micro, "macro_f1": macro, "num_test": float(len(nodes)),
-               **{f"instances_{mp}": float(n) for mp, n in self.instances.items()}}
-        out.update(self._logreg_f1(emb, y))
+            return {f"val_{k}": v for k, v in self._f1(self.nodes["val"]).items()}
+        out: dict[str, float] = {}
+        if self.config.model_selection == "best_val" and self.best_params is not None:
+            last = self._f1(self.nodes["val"]).get("micro_f1", -1.0)
+            if self.best_val > last:  # an earlier received model did better on val: evaluate that one
+                torch_state.load_module_parameters(self.model, self.best_params)
+            out["selected_val_micro_f1"] = max(self.best_val, last)
+        nodes = self.nodes["test"]
+        if len(nodes) == 0:
+            return out
+        emb = self.embed(nodes)
+        out.update(self._f1(nodes, emb))
+        out.update({"num_test": float(len(nodes)), **{f"instances_{mp}": float(n) for mp, n in self.instances.items()}})
+        home = self.nodes["home_test"]
+        if len(home):  # every test node counted once over the federation, at its home site
+            at = np.searchsorted(nodes, home)
+            out.update({f"home_{k}": v for k, v in self._f1(home, emb[at]).items() if k != "loss"})
+            out["home_num_test"] = float(len(home))
+        out.update(self._logreg_f1(emb, self.labels.numpy()[nodes]))
         return out
 
     def _logreg_f1(self, test_emb: np.ndarray, test_y: np.ndarray) -> dict[str, float]:
@@ -269,7 +332,7 @@ class HINTask(Task):
                 "lr_macro_f1": float(f1_score(test_y, pred, average="macro", zero_division=0))}
 
     def export_embeddings(self, out_dir: Path) -> Path:
-        """This site's target nodes (those whose relations it holds): e_i, original ids, labels."""
+        """This site's held target nodes (those whose relations it holds): e_i, original ids, labels."""
         nodes = self.own_nodes
         ids_all = self.hin.ids.get(self.hin.target)
         ids = [str(ids_all[i]) for i in nodes] if ids_all is not None else [str(i) for i in nodes]
@@ -282,7 +345,8 @@ class HINTask(Task):
     def state_dict(self) -> Bundle:
         header, arrays = torch_state.optimizer_state(self.optimizer)
         _, rng = torch_state.rng_state()
-        return {"optimizer": header, "steps": self.steps}, {**arrays, **rng}
+        best = {f"best/{k}": v for k, v in (self.best_params or {}).items()}
+        return {"optimizer": header, "steps": self.steps, "best_val": self.best_val}, {**arrays, **rng, **best}
 
     def load_state_dict(self, state: Bundle) -> None:
         header, arrays = state
@@ -290,4 +354,7 @@ class HINTask(Task):
             torch_state.load_optimizer_state(self.optimizer, header["optimizer"],
                                              {k: v for k, v in arrays.items() if k.startswith("opt/")})
         self.steps = int(header.get("steps", 0))
+        self.best_val = float(header.get("best_val", -1.0))
+        best = {k[5:]: np.array(v) for k, v in arrays.items() if k.startswith("best/")}
+        self.best_params = best or None
         torch_state.load_rng_state(arrays)

@@ -2,6 +2,9 @@
 
     python -m hpcfed.tasks.hin_plots tsne RUN_DIR --out tsne.png
     python -m hpcfed.tasks.hin_plots convergence feddwa=RUN_A fedavg=RUN_B afed=RUN_C --out conv.png
+    python -m hpcfed.tasks.hin_plots table RUN_DIR ...       # Markdown: mean ± sd over seeds
+
+The table reads each run's ``summary.json`` and groups runs that differ only in ``seed``.
 
 The t-SNE reads every ``RUN_DIR/embeddings/site*.h5`` (`hpcfed.store.embeddings`) and colours
 points by label. The convergence figure reads each run's ``metrics.jsonl`` and draws the mean over
@@ -64,18 +67,20 @@ def time_to_reach(curve: dict[str, np.ndarray], target: float) -> float | None:
     return float(curve["time"][hit[0]]) if hit.size else None
 
 
-def plot_convergence(runs: dict[str, str | Path], out: str | Path) -> Path:
+def plot_convergence(runs: dict[str, str | Path], out: str | Path, metric: str = "val_micro_f1") -> Path:
+    """Loss (top) and `metric` (bottom), mean over sites, against wall time (left) and uploads (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for row, (metric, label) in enumerate((("train_loss", "train loss"), ("val_micro_f1", "val Micro-F1"))):
+    f1_label = "val Micro-F1" + (" of the received model" if metric.startswith("received") else "")
+    for row, (curve_name, label) in enumerate((("train_loss", "train loss"), (metric, f1_label))):
         for col, xkey in enumerate(("time", "updates")):
             ax = axes[row, col]
             for name, run in runs.items():
-                c = convergence_curves(Path(run) / "metrics.jsonl", metric)
+                c = convergence_curves(Path(run) / "metrics.jsonl", curve_name)
                 if c["value"].size:
                     ax.plot(c[xkey], c["value"], label=name, drawstyle="steps-post")
             ax.set_xlabel("wall time (s)" if xkey == "time" else "uploads accepted")
@@ -127,6 +132,42 @@ def plot_tsne(run_dir: str | Path, out: str | Path, max_points: int = 4000, seed
     return out
 
 
+TABLE_METRICS = (("micro_f1", "Micro-F1"), ("macro_f1", "Macro-F1"), ("home_micro_f1", "Micro-F1, each test node once"),
+                 ("lr_micro_f1", "LogReg Micro-F1"), ("lr_macro_f1", "LogReg Macro-F1"))
+
+
+def run_group(summary: dict) -> tuple[str, str, str, str]:
+    """(dataset, split, partition, method) of a run, read from the config in its summary.json."""
+    cfg = summary.get("config", {})
+    task = cfg.get("task", {}).get("options", {})
+    part = task.get("partition", "random")
+    if part == "by_type":
+        part = f"by_type {task.get('partition_type')}"
+    return (str(task.get("dataset", "?")), str(task.get("split", "20")), part, str(cfg.get("method") or "?"))
+
+
+def results_table(run_dirs: list[str | Path]) -> str:
+    """Markdown rows, one per (dataset, split, partition, method): mean ± sd (ddof 1) over the runs' seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for d in run_dirs:
+        path = Path(d) / "summary.json"
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist; pass run folders written by `hpcfed run --out`")
+        summary = json.loads(path.read_text())
+        groups.setdefault(run_group(summary), []).append(summary)
+    head = "| dataset | split | partition | method | seeds | " + " | ".join(n for _, n in TABLE_METRICS) + " |"
+    lines = [head, "|" + "---|" * (5 + len(TABLE_METRICS))]
+    for key, runs in groups.items():
+        seeds = ",".join(str(r.get("config", {}).get("seed", "?")) for r in runs)
+        cells = []
+        for metric, _ in TABLE_METRICS:
+            vals = np.array([r[metric] for r in runs if r.get(metric) is not None], dtype=float)
+            cells.append("" if not vals.size else f"{vals.mean():.3f}" if vals.size == 1
+                         else f"{vals.mean():.3f} ± {vals.std(ddof=1):.3f}")
+        lines.append(f"| {' | '.join(key)} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcfed.tasks.hin_plots")
     sub = p.add_subparsers(dest="what", required=True)
@@ -136,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convergence")
     c.add_argument("runs", nargs="+", help="NAME=RUN_DIR")
     c.add_argument("--out", required=True)
+    c.add_argument("--metric", default="val_micro_f1", help="F1 curve: val_micro_f1 or received_val_micro_f1")
+    tb = sub.add_parser("table")
+    tb.add_argument("run_dirs", nargs="+")
     args = p.parse_args(argv)
     if args.what == "tsne":
         print(plot_tsne(args.run_dir, args.out))
+    elif args.what == "table":
+        print(results_table(args.run_dirs))
     else:
         runs = {}
         for item in args.runs:
@@ -146,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{item!r}: write NAME=RUN_DIR")
             name, path = item.split("=", 1)
             runs[name] = path
-        print(plot_convergence(runs, args.out))
+        print(plot_convergence(runs, args.out, metric=args.metric))
     return 0
 
 

@@ -124,7 +124,7 @@ def test_sparse_projection_paths_agree() -> None:
 def test_feature_input_equals_the_concatenated_row() -> None:
     adj = sp.csr_matrix(np.array([[1, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=np.float32))
     feats = sp.csr_matrix(np.array([[3.0, 4.0], [0.0, 1.0], [1.0, 0.0]], dtype=np.float32))
-    inp = MetapathInput(adj, feats)
+    inp = MetapathInput(adj, [feats])
     assert inp.input_dim == 5 and inp.unique_rows.shape[0] == 2  # rows 0 and 1 share an adjacency row
     lin = torch.nn.Linear(5, 3)
     concat = np.hstack([row_normalize(adj).toarray(), row_normalize(feats).toarray()])

@@ -12,7 +12,7 @@ from hpcfed.cli import main as cli_main
 from hpcfed.data.hin import (load_hin_file, metapath_adjacency, metapath_instances, row_normalize, save_hin,
                              synthetic_hin)
 from hpcfed.data.hin_import import read_hin_folder
-from hpcfed.data.partition import assign_owners, report, site_view
+from hpcfed.data.partition import Partition, assign_owners, make_partition, report, site_view
 from hpcfed.data.root import DataError
 
 GRAPH = {
@@ -134,6 +134,40 @@ def test_attribute_and_dirichlet_partitions() -> None:
     with pytest.raises(ValueError, match="neither a node attribute"):
         assign_owners(hin, 3, "attribute", seed=0, attribute="nonexistent")
     assert (assign_owners(hin, 3, "none", seed=0) == 0).all()
+
+
+def test_by_type_partition_holds_the_papers_of_each_sites_authors(tmp_path: Path) -> None:
+    # GRAPH: alice wrote p0, p1; bob p1, p2; carol p3, p4. Three authors over three balanced sites
+    # -> one author per site, so the holdings are known whichever site each author lands on.
+    hin = read_hin_folder(_write(tmp_path / "g", GRAPH))
+    part = make_partition(hin, 3, "by_type", seed=0, owner_type="A")
+    held = sorted(tuple(np.flatnonzero(part.holds[s]).tolist()) for s in range(3))
+    assert held == [(0, 1), (1, 2), (3, 4)]  # p1 (alice and bob) is held by two sites
+    site_of = {p: int(np.flatnonzero(part.holds[:, p])[0]) for p in (0, 2, 3)}  # alice's, bob's, carol's site
+    assert part.home.tolist() == [site_of[0], site_of[0], site_of[2], site_of[3], site_of[3]]  # p1: first listed = alice
+    alice = site_of[0]
+    view = site_view(hin, part, alice)
+    assert sorted(map(tuple, view.relations["PA"].tolist())) == [(0, 0), (1, 0), (1, 1)]  # p1's full author list
+    rep = report(hin, part, 3)
+    # PAP pairs i != j: alice's site (0,1),(1,0); bob's (1,2),(2,1); carol's (3,4),(4,3) -> all 6 held
+    assert rep.instances["PAP"][alice] == 2 and sum(rep.instances["PAP"]) == 6 and rep.covered["PAP"] == 6
+    # PSP: db = {p0, p1} (2 pairs, alice's site), ml = {p2, p3, p4} (6 pairs; carol's site holds p3-p4)
+    assert sorted(rep.instances["PSP"]) == [0, 2, 2] and rep.covered["PSP"] == 4 and rep.total_instances["PSP"] == 8
+    assert "held by some site: PAP 6/6 (100.0%)" in rep.lines()[-1]
+    with pytest.raises(ValueError, match="partition_type: a node type other than the target 'P'"):
+        make_partition(hin, 3, "by_type", seed=0, owner_type="P")
+    with pytest.raises(ValueError, match="build it with make_partition"):
+        assign_owners(hin, 3, "by_type", seed=0)
+
+
+def test_owner_partitions_hold_each_node_once() -> None:
+    hin = synthetic_hin(papers_per_class=30, seed=3)
+    owners = assign_owners(hin, 3, "random", seed=0)
+    part = make_partition(hin, 3, "random", seed=0)
+    assert isinstance(part, Partition) and (part.home == owners).all() and (part.holds.sum(axis=0) == 1).all()
+    by_type = make_partition(hin, 3, "by_type", seed=0, owner_type="A")
+    assert (by_type.holds.sum(axis=0) >= 1).all() and by_type.holds.sum() > hin.num_targets
+    assert by_type.holds[by_type.home, np.arange(hin.num_targets)].all()  # a node's home site holds it
 
 
 def test_heco_loader_matches_the_released_metapath_matrices(shared_data: Path) -> None:

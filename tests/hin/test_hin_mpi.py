@@ -20,17 +20,22 @@ def _events(out: Path) -> list[dict]:
 def test_feddwa_federation_with_a_straggler(tmp_path: Path) -> None:
     out = tmp_path / "dwa"
     run_cli(["run", "configs/fedahe_synthetic.yaml", "--out", str(out), "rounds=6", "method=feddwa",
-             "federation.slowdown={2: 3.0}", *SMALL], np=4, timeout=240)
+             "federation.slowdown={2: 3.0}", "task.partition=by_type", "task.partition_type=A",
+             "task.input_relations=[A]", "task.model_selection=best_val", *SMALL], np=4, timeout=240)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates_accepted"] == 18 and summary["server_version"] == 19  # t = 1 + uploads
     assert sorted(summary["clients"]) == ["0", "1", "2"]
-    for key in ("micro_f1", "macro_f1", "lr_micro_f1"):
+    for key in ("micro_f1", "macro_f1", "lr_micro_f1", "home_micro_f1", "selected_val_micro_f1"):
         assert 0.0 <= summary[key] <= 1.0
+    clients = summary["clients"].values()
+    assert sum(c["home_num_test"] for c in clients) == 54  # institutions: every test paper once at home
+    assert sum(c["num_test"] for c in clients) > 54  # ... and co-authored papers at each of their sites
     assert summary["config"]["strategy"]["name"] == "feddwa" and summary["config"]["federation"]["mode"] == "async"
     events = _events(out)
     uploads = [e["client"] for e in events if e["name"] == "train_loss"]
     assert len(uploads) == 18 and uploads.count(2) < 6  # the slow site uploads less often
     assert any(e["name"] == "val_micro_f1" for e in events)  # fit reports F1 in async mode
+    assert any(e["name"] == "received_val_micro_f1" for e in events)  # best_val scores each received model
     assert {e["name"] for e in events} >= {"max_version_gap", "dwa_broadcast"}
     _assert_one_upload_in_flight(events)
     for k in range(3):

@@ -81,6 +81,50 @@ def test_personal_preference_vectors_stay_local(tmp_path: Path) -> None:
         build(HINTask.Config, {"personal_params": ["classifier"]}, prefix="task.")
 
 
+def test_best_val_selection_evaluates_the_best_received_model(tmp_path: Path) -> None:
+    task = _task(tmp_path, num_clients=1, partition="none", lr=0.03, num_sample=10, model_selection="best_val")
+    for r in range(8):
+        task.fit(r)  # scores the model it starts from (the one received) on val first
+    best = {k: v.copy() for k, v in task.best_params.items()}
+    expected = _task(tmp_path, num_clients=1, partition="none", num_sample=10)
+    expected.set_parameters(best)
+    want = expected.evaluate(0, final=True)
+    broken = {k: (np.zeros_like(v) if k.startswith("classifier") else v) for k, v in best.items()}
+    broken["classifier.bias"][1] = 1.0  # the final model predicts class 1 for every node
+    task.set_parameters(broken)
+    got = task.evaluate(20, final=True)
+    assert got["selected_val_micro_f1"] == pytest.approx(task.best_val) and task.best_val > 0.6
+    assert got["micro_f1"] == pytest.approx(want["micro_f1"]) and got["micro_f1"] > 0.5
+    last = _task(tmp_path, num_clients=1, partition="none", num_sample=10)  # model_selection: last
+    last.set_parameters(broken)
+    assert last.evaluate(0, final=True)["micro_f1"] == pytest.approx(1 / 3)  # 18 of the 54 test papers per class
+
+
+def test_relation_rows_join_the_input_and_by_type_counts_each_test_node_once(tmp_path: Path) -> None:
+    tasks = [_task(tmp_path, k, partition="by_type", partition_type="A", input_relations=["A", "S"])
+             for k in range(3)]
+    hin = tasks[0].hin
+    n_p, n_a, n_s = hin.counts["P"], hin.counts["A"], hin.counts["S"]
+    assert tasks[0].model.ws[0].weight.shape == (16, n_p + n_a + n_s)
+    t = tasks[1]
+    paper = int(t.own_nodes[0])
+    authors = hin.relations["PA"][hin.relations["PA"][:, 0] == paper, 1]
+    row = t.inputs[0].features[paper].toarray().ravel()
+    expected = np.zeros(n_a + n_s)
+    expected[authors] = 1 / np.sqrt(len(authors))  # the full author list, L2-normalised on its own
+    expected[n_a + hin.relations["PS"][hin.relations["PS"][:, 0] == paper, 1]] = 1.0
+    np.testing.assert_allclose(row, expected, rtol=1e-6)
+    test = hin.splits["test"]
+    assert sum(len(x.nodes["home_test"]) for x in tasks) == len(test)  # every test paper once
+    assert sum(len(x.nodes["test"]) for x in tasks) > len(test)  # co-authored papers held twice
+    final = t.evaluate(0, final=True)
+    assert final["home_num_test"] == len(t.nodes["home_test"]) and 0 <= final["home_micro_f1"] <= 1
+    with pytest.raises(ConfigError, match="partition_type"):
+        build(HINTask.Config, {"partition": "by_type"}, prefix="task.")
+    with pytest.raises(ValueError, match="input_relations: 'X' is not a node type related to P"):
+        _task(tmp_path, input_relations=["X"])
+
+
 def test_state_dict_round_trip_repeats_the_next_fit(tmp_path: Path) -> None:
     a = _task(tmp_path, num_clients=1, partition="none")
     a.fit(0)
