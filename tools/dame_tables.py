@@ -4,9 +4,10 @@
         [--seeds 0 1 2] [--methods dame local fedavg ...] [--attacks model data] [--set task.lr=0.001 ...]
 
 Every run is a real federation (`hpcfed run CONFIG --np K method=M seed=S`); a run whose
-``summary.json`` already exists is reused, so the script can be stopped and restarted. Table 2: per
-site NMI/AMI/ARI (mean ± std over seeds) for each method, the average over sites and the gain over
-Local. Table 3: DAMe and FedAvg with a fourth, malicious client (``attack=model|data``), NMI on the
+``summary.json`` already exists is reused, so the script can be stopped and restarted. Table 2, twice:
+in the paper's layout (one "NMI / AMI / ARI" cell per site, means over seeds, the average and the gain
+over Local) and with mean ± std for every number; between them DAMe minus Local and minus FedAvg on
+each site (the issue's "beats both on every site"). Table 3: DAMe and FedAvg with a fourth, malicious client (``attack=model|data``), NMI on the
 honest sites next to the clean runs. Ablation: DAMe without BOLA, SEGA or GLECC. Then the wall time of
 each run (``wall_time_s`` in ``summary.json``). Writes ``OUT/tables.md`` and prints it.
 """
