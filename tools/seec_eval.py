@@ -109,13 +109,17 @@ def run_mpi(config: str, overrides: list[str], num_clients: int, out: Path) -> d
 # -- scoring ------------------------------------------------------------------------------------------------
 def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | None = None,
           max_queries: int | None = None, seed: int = 0, mappers_dir: Path | None = None,
-          write_summary: bool = True) -> dict:
-    """sim_k and label precision@k of `fed`'s global search against `central` (one site with every id)."""
+          write_summary: bool = True, merge: str = "score") -> dict:
+    """sim_k and label precision@k of `fed`'s global search against `central` (one site with every id).
+
+    `merge` = score (spec §4.4) or interleave (rank by rank, home first); the result is stored in
+    ``summary.json`` under ``sim_k[mode]`` (score) or ``sim_k[mode + "_interleave"]``.
+    """
     central_search = GlobalSearch.from_folder(central, entity=entity)
     if len(central_search.indexes) != 1:
         raise ValueError(f"{central}: the centralized run must have exactly one site, found {len(central_search.indexes)}")
     cidx: SiteIndex = next(iter(central_search.indexes.values()))
-    fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir)
+    fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge)
     central_lists, fed_lists, labels, fed_labels, central_labels = [], [], [], [], []
     # Cross-site view: only the other sites' answers, against the central top-k among those sites'
     # documents. The merged sim_k mixes in the home site's own answers (the same space, no mapping
@@ -148,7 +152,7 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
             qf = np.stack([index.vector_of(i) for i in ids])
             per_site = [fed_search.indexes[s].hits(map_query(fed_search.mode, home, s, qf, fed_search.mappers), k)
                         for s in others]
-            remote = [merge_results([lists[n] for lists in per_site], k) for n in range(len(ids))]
+            remote = [merge_results([lists[n] for lists in per_site], k, merge, home) for n in range(len(ids))]
             x_fed += [[h.id for h in r] for r in remote]
             x_fed_labels += [[h.label for h in r] for r in remote]
             x_central += [[h.id for h in r] for r in c_other.hits(qc, k)]
@@ -156,7 +160,7 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
     result = {f"sim_{k}": mean_sim_k(central_lists, fed_lists, k),
               f"label_precision_at_{k}": label_precision_at_k(labels, fed_labels, k),
               f"central_label_precision_at_{k}": label_precision_at_k(labels, central_labels, k),
-              "num_queries": len(labels), "mode": mode, "k": k,
+              "num_queries": len(labels), "mode": mode, "merge": merge, "k": k,
               "remote_share_of_results": float(np.mean(remote_share)) if remote_share else float("nan")}
     if x_central:
         result[f"cross_site_sim_{k}"] = mean_sim_k(x_central, x_fed, k)
@@ -164,10 +168,11 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
     if write_summary:
         path = fed / "summary.json"
         summary = json.loads(path.read_text()) if path.is_file() else {}
-        key = "" if mode in ("joint",) else f"_{mode}"
+        name = mode if merge == "score" else f"{mode}_{merge}"
+        key = "" if name == "joint" else f"_{name}"
         summary[f"sim_{k}{key}"] = result[f"sim_{k}"]
         summary[f"label_precision_at_{k}{key}"] = result[f"label_precision_at_{k}"]
-        summary.setdefault("sim_k", {})[mode] = result
+        summary.setdefault("sim_k", {})[name] = result
         path.write_text(json.dumps(summary, indent=2, default=str))
     return result
 
@@ -209,10 +214,12 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
         mcfg = MapperConfig(lr=args.mapper_lr, epochs=args.mapper_epochs)
         res["mapper"] = train_mappers(out / "mapping", config=mcfg)
         timings["mapping"] = time.monotonic() - t
-        res["mapping"] = score(out / "central", out / "mapping", mode="mapping", k=args.k, max_queries=args.max_queries)
-        res["nomapping"] = score(out / "central", out / "mapping", mode="nomapping", k=args.k,
-                                 max_queries=args.max_queries)
-        print("mapping:", res["mapping"], "\nnomapping:", res["nomapping"], flush=True)
+        for mode in ("mapping", "nomapping"):
+            for merge in ("score", "interleave"):
+                name = mode if merge == "score" else f"{mode}_{merge}"
+                res[name] = score(out / "central", out / "mapping", mode=mode, k=args.k, max_queries=args.max_queries,
+                                  merge=merge)
+                print(f"{name}:", res[name], flush=True)
     res["timings_s"] = timings
     return res
 
@@ -250,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--central", required=True)
     s.add_argument("--fed", required=True)
     s.add_argument("--mode", choices=["joint", "mapping", "nomapping"], default="joint")
+    s.add_argument("--merge", choices=["score", "interleave"], default="score",
+                   help="score: by cosine (spec 4.4); interleave: rank by rank, home site first")
     s.add_argument("--k", type=int, default=10)
     s.add_argument("--entity", default=None)
     s.add_argument("--mappers", default=None)
@@ -258,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HPCFED_DATA", str((REPO / ".." / "shared" / "data").resolve()))
     if args.cmd == "score":
         result = score(Path(args.central), Path(args.fed), mode=args.mode, k=args.k, entity=args.entity,
-                       max_queries=args.max_queries, mappers_dir=Path(args.mappers) if args.mappers else None)
+                       max_queries=args.max_queries, mappers_dir=Path(args.mappers) if args.mappers else None,
+                       merge=args.merge)
         print(json.dumps(result, indent=2))
         return 0
     result = experiment_doc2vec(args) if args.cmd == "doc2vec" else experiment_node2vec(args)

@@ -12,14 +12,18 @@ Users' documents come in one of two formats, chosen by the file suffix:
   Empty lines are kept as empty documents so that ids stay line numbers.
 
 20 Newsgroups is read straight from ``text/20news-bydate.tar.gz`` under the data root (no
-extraction): ``20news-bydate-{train,test}/<group>/<id>``, latin-1 Usenet posts. By default the
-headers (up to the first blank line) are dropped, as scikit-learn's ``remove=("headers",)`` does,
-because the ``Newsgroups:`` and ``Path:`` lines give the label away.
+extraction): ``20news-bydate-{train,test}/<group>/<id>``, latin-1 Usenet posts. `clean_post`
+applies scikit-learn's ``fetch_20newsgroups(remove=...)`` rules: ``headers`` (everything up to the
+first blank line; the default, because the ``Newsgroups:`` and ``Path:`` lines give the label
+away), ``quotes`` (lines quoting other posts: ``>``, ``|``, "... writes:"), ``footers`` (the last
+block after a blank or ``--`` line, usually a signature). ``keep_subject`` puts the post's
+``Subject:`` line back in front of the body (the subject is written by the author, like the body).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +46,9 @@ NEWSGROUP_FAMILIES: dict[str, str] = {
     "talk.religion.misc": "religion", "alt.atheism": "religion", "soc.religion.christian": "religion",
 }
 NEWSGROUPS = sorted(NEWSGROUP_FAMILIES)
+REMOVABLE = ("headers", "quotes", "footers")
+# scikit-learn's _QUOTE_RE (sklearn/datasets/_twenty_newsgroups.py): a line that quotes another post.
+_QUOTE_RE = re.compile(r"(writes in|writes:|wrote:|says:|said:|^In article|^Quoted from|^\||^>)")
 
 
 @dataclass(frozen=True)
@@ -60,14 +67,17 @@ def tokenize(text: str) -> list[str]:
 
 
 # -- 20 Newsgroups -----------------------------------------------------------------------------------
-def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all", strip_headers: bool = True,
+def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all",
+                      remove: Sequence[str] = ("headers",), keep_subject: bool = False,
                       max_docs: int | None = None, seed: int = 0) -> list[Document]:
     """The 20 Newsgroups posts of `subset` (``train``, ``test`` or ``all``), label = index in `NEWSGROUPS`.
 
-    Ids are ``"<split>/<group>/<file>"``. `max_docs` keeps a random (seeded) sample, for quick runs.
+    Ids are ``"<split>/<group>/<file>"``; the text is `clean_post(raw, remove, keep_subject)`.
+    `max_docs` keeps a random (seeded) sample, for quick runs.
     """
     if subset not in ("train", "test", "all"):
         raise ValueError(f"20 Newsgroups subset={subset!r}; choose train, test or all")
+    check_remove(remove)
     path = dataset_dir("text", data_root) / NEWSGROUPS_ARCHIVE
     if not path.is_file():
         raise DataError(f"{path} not found; set HPCFED_DATA to the folder holding text/{NEWSGROUPS_ARCHIVE}")
@@ -87,7 +97,7 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
                 raise DataError(f"{path}: unknown newsgroup folder {group!r} in {member.name}")
             with tar.extractfile(member) as fh:  # type: ignore[union-attr]
                 raw = fh.read().decode("latin-1")
-            text = _strip_headers(raw) if strip_headers else raw
+            text = clean_post(raw, remove, keep_subject)
             docs.append(Document(f"{split}/{group}/{name}", text, NEWSGROUPS.index(group), group))
     if not docs:
         raise DataError(f"{path}: no posts found under 20news-bydate-{'/'.join(wanted)}")
@@ -98,9 +108,36 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
     return docs
 
 
-def _strip_headers(raw: str) -> str:
+def check_remove(remove: Sequence[str], where: str = "remove") -> None:
+    bad = [r for r in remove if r not in REMOVABLE]
+    if bad:
+        raise ValueError(f"{where}={list(remove)}: unknown part(s) {bad}; choose from {list(REMOVABLE)}")
+
+
+def clean_post(raw: str, remove: Sequence[str] = ("headers",), keep_subject: bool = False) -> str:
+    """One Usenet post with the `remove` parts dropped (scikit-learn's rules), optionally its subject in front."""
     head, sep, body = raw.partition("\n\n")
-    return body if sep else raw
+    if not sep:  # no header block
+        head, body = "", raw
+    subject = next((line[len("subject:"):].strip() for line in head.split("\n")
+                    if line.lower().startswith("subject:")), "")
+    text = body if "headers" in remove else raw
+    if "quotes" in remove:
+        text = "\n".join(line for line in text.split("\n") if not _QUOTE_RE.search(line))
+    if "footers" in remove:
+        text = _strip_footer(text)
+    if keep_subject and "headers" in remove and subject:
+        text = subject + "\n" + text
+    return text
+
+
+def _strip_footer(text: str) -> str:
+    # sklearn's strip_newsgroup_footer: cut at the last line that is blank or only dashes.
+    lines = text.strip().split("\n")
+    for num in range(len(lines) - 1, -1, -1):
+        if lines[num].strip().strip("-") == "":
+            break
+    return "\n".join(lines[:num]) if num > 0 else text
 
 
 # -- splitting across sites ----------------------------------------------------------------------------

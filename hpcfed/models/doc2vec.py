@@ -176,6 +176,23 @@ def average_arrays(site_arrays: Sequence[Mapping[str, np.ndarray]],
             .astype(np.float32) for name in site_arrays[0]}
 
 
+def scale_update(start: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray],
+                 scale: float) -> dict[str, np.ndarray]:
+    """θ_0 + s·(θ_i − θ_0): what a site uploads so that the server's unweighted mean of K uploads
+    with s = K is θ_0 + Σ_i (θ_i − θ_0).
+
+    Plain FedAvg halves (for K sites: divides by K) every site's step on the shared word arrays,
+    while a model trained on the union takes all of them; the sum keeps the union's step size
+    (FedAvg with a server learning rate of K, Reddi et al., "Adaptive Federated Optimization", 2021).
+    """
+    out = {}
+    for name, value in trained.items():
+        if name not in start or np.shape(start[name]) != np.shape(value):
+            raise ValueError(f"array {name!r}: no matching start of round to scale the update from")
+        out[name] = (start[name] + np.float32(scale) * (value - start[name])).astype(np.float32)
+    return out
+
+
 # -- training (§4.2 learning-rate schedule) ---------------------------------------------------------------
 def epoch_alpha(settings: GensimSettings, global_epoch: int, total_epochs: int) -> float:
     """alpha for one epoch: linear decay from alpha to min_alpha over all epochs of all rounds.
@@ -238,9 +255,12 @@ def infer(model: Any, tokens: Sequence[str], settings: GensimSettings, seed: int
 
 def infer_many(model: Any, token_lists: Sequence[Sequence[str]], settings: GensimSettings,
                seed: int = 0) -> np.ndarray:
+    """`infer` for each document with the same `seed`: a document's vector depends on its text and
+    the model only, not on its position in the list (so a site, the centralized run and a text
+    query of the same words agree)."""
     out = np.zeros((len(token_lists), settings.vector_size), dtype=np.float32)
     for i, tokens in enumerate(token_lists):
-        out[i] = infer(model, tokens, settings, seed + i)
+        out[i] = infer(model, tokens, settings, seed)
     return out
 
 

@@ -6,7 +6,8 @@
 
 RUN is a run directory (``RUN/embeddings/site<k>.h5``, ``RUN/models``, ``RUN/mappers``) or a folder
 of ``site<k>.h5`` exports. Output is JSON: ``{"queries": [{"query", "home", "mode", "results":
-[{"site", "id", "score", "label"}, ...]}]}``, results merged by score over all sites.
+[{"site", "id", "score", "label"}, ...]}]}``, results merged by score over all sites (``--merge
+score``, spec §4.4) or rank by rank, home site first (``--merge interleave``, the paper's Table III).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--home", default="0", help="site that vectorises --text queries (default 0)")
         q.add_argument("--mode", choices=["joint", "mapping", "nomapping"], default="joint")
         q.add_argument("--k", type=int, default=10)
+        q.add_argument("--merge", choices=["score", "interleave"], default="score",
+                       help="score: by cosine over all sites (spec 4.4); interleave: rank by rank, home site first")
         q.add_argument("--entity", default=None, help="export entity (default: the first, e.g. doc or node)")
         q.add_argument("--models", default=None, help="folder of site<k>.h5 models (default RUN/models)")
         q.add_argument("--mappers", default=None, help="folder of mappers (default RUN/mappers)")
@@ -75,13 +78,14 @@ def _offline(args: argparse.Namespace) -> int:
 
     run = Path(args.exports)
     base = run if (run / "embeddings").is_dir() else run.parent
-    search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode,
+    search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode, merge=args.merge,
                                       mappers_dir=Path(args.mappers) if args.mappers else base / "mappers")
     out = []
     for doc_id in args.id:
         home = search.home_of(doc_id)
         hits = search.search_id(doc_id, args.k)
-        out.append({"query": {"id": doc_id}, "home": home, "mode": args.mode, "results": [h.as_dict() for h in hits]})
+        out.append({"query": {"id": doc_id}, "home": home, "mode": args.mode, "merge": args.merge,
+                    "results": [h.as_dict() for h in hits]})
     for text in args.text:
         from hpcfed.data.corpus import tokenize
         from hpcfed.models.doc2vec import infer, load_model
@@ -93,7 +97,7 @@ def _offline(args: argparse.Namespace) -> int:
         model, settings = load_model(models / f"site{home}.h5")
         v = infer(model, tokenize(text), settings)
         hits = search.search(home, v[None], args.k)[0]
-        out.append({"query": {"text": text, "home": home}, "home": home, "mode": args.mode,
+        out.append({"query": {"text": text, "home": home}, "home": home, "mode": args.mode, "merge": args.merge,
                     "results": [h.as_dict() for h in hits]})
     print(json.dumps({"queries": out, "sites": len(search.indexes)}, indent=None if args.compact else 2))
     return 0

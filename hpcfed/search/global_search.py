@@ -5,6 +5,7 @@
                           | mapper_{q→j}(v_q)      (mapping: independently trained sites)
                           | v_q unmapped           (nomapping: the baseline)
     site j returns top-k over its own documents; the initiator merges by score and keeps k
+    (or, ``merge="interleave"``, rank by rank over the sites: see `hpcfed.search.index`)
 
 `GlobalSearch` is the offline form (every site's export in one folder); the live form over MPI in
 `hpcfed.search.live` runs the same steps with each rank holding only its own export.
@@ -19,7 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
-from hpcfed.search.index import Hit, SiteIndex, merge_results
+from hpcfed.search.index import MERGES, Hit, SiteIndex, merge_results
 
 MODES = ("joint", "mapping", "nomapping")
 
@@ -54,16 +55,19 @@ def map_query(mode: str, home: str, site: str, vectors: np.ndarray,
 
 class GlobalSearch:
     def __init__(self, indexes: Mapping[str, SiteIndex], mode: str = "joint",
-                 mappers: Mapping[tuple[str, str], Mapper] | None = None) -> None:
+                 mappers: Mapping[tuple[str, str], Mapper] | None = None, merge: str = "score") -> None:
         if mode not in MODES:
             raise ValueError(f"search mode {mode!r}; choose one of: {', '.join(MODES)}")
+        if merge not in MERGES:
+            raise ValueError(f"merge={merge!r}; choose one of: {', '.join(MERGES)}")
         self.indexes = dict(indexes)
         self.mode = mode
         self.mappers = dict(mappers or {})
+        self.merge = merge
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, entity: str | None = None, mode: str = "joint",
-                    mappers_dir: str | Path | None = None) -> "GlobalSearch":
+                    mappers_dir: str | Path | None = None, merge: str = "score") -> "GlobalSearch":
         exports = site_exports(folder)
         indexes = {site: SiteIndex.from_export(path, entity, site=site) for site, path in exports.items()}
         mappers = {}
@@ -73,7 +77,7 @@ class GlobalSearch:
                 for j in indexes:
                     if i != j:
                         mappers[(i, j)] = load_mapper(mapper_path(mdir, i, j))
-        return cls(indexes, mode, mappers)
+        return cls(indexes, mode, mappers, merge)
 
     def home_of(self, doc_id: str) -> str:
         for site, index in self.indexes.items():
@@ -87,7 +91,7 @@ class GlobalSearch:
         vectors = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
         per_site = [index.hits(map_query(self.mode, home, site, vectors, self.mappers), k, exclude)
                     for site, index in self.indexes.items()]
-        return [merge_results([lists[i] for lists in per_site], k) for i in range(len(vectors))]
+        return [merge_results([lists[i] for lists in per_site], k, self.merge, home) for i in range(len(vectors))]
 
     def search_id(self, doc_id: str, k: int) -> list[Hit]:
         home = self.home_of(doc_id)

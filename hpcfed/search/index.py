@@ -5,6 +5,13 @@ SEEC global search (paper Alg. 2 GlobalSearch, Fig. 6/8; spec §4.4)::
     site j returns top-k (doc_id, cos(v_j, dv_j[doc])) over its own documents
     the initiator merges all lists, sorts by score (desc; ties -> doc id) and keeps the top k
 
+That is ``merge="score"`` (the default; Fig. 8: "closest 3 to X among all responses"). Scores from
+different vector spaces need not be comparable: a mapper's outputs score systematically higher
+than the home site's own cosines, so with independently trained sites the score merge fills the
+list with one site's answers. ``merge="interleave"`` takes the sites' answers rank by rank (home
+site first, then the others by site id) — the paper's Table III, which shows the top-5 of each site
+side by side; with N sites each contributes about k/N results.
+
 A query that is itself in the corpus is excluded from the results (as gensim ``most_similar(tag)``).
 """
 
@@ -102,8 +109,28 @@ class SiteIndex:
                  if np.isfinite(sc)] for ri, rs in zip(idx, scores)]
 
 
-def merge_results(per_site: Sequence[Sequence[Hit]], k: int) -> list[Hit]:
-    """Merge the sites' lists: score descending, ties by id (then site), keep k (spec §4.4)."""
-    merged = [h for hits in per_site for h in hits]
-    merged.sort(key=lambda h: (-h.score, h.id, h.site))
-    return merged[:k]
+MERGES = ("score", "interleave")
+
+
+def merge_results(per_site: Sequence[Sequence[Hit]], k: int, how: str = "score", home: str | None = None) -> list[Hit]:
+    """Merge the sites' lists and keep k.
+
+    ``score`` (spec §4.4): score descending, ties by id (then site). ``interleave``: rank by rank
+    over the sites, the `home` site's list first, then the others by site id; every list must be
+    best-first already (as `SiteIndex.hits` returns them).
+    """
+    if how == "score":
+        merged = [h for hits in per_site for h in hits]
+        merged.sort(key=lambda h: (-h.score, h.id, h.site))
+        return merged[:k]
+    if how != "interleave":
+        raise ValueError(f"merge={how!r}; choose one of: {', '.join(MERGES)}")
+    lists = sorted((hits for hits in per_site if hits), key=lambda hits: (hits[0].site != home, _site_key(hits[0].site)))
+    out: list[Hit] = []
+    for rank in range(max((len(hits) for hits in lists), default=0)):
+        out += [hits[rank] for hits in lists if rank < len(hits)]
+    return out[:k]
+
+
+def _site_key(site: str) -> tuple[int, str]:
+    return (int(site), "") if site.isdigit() else (1 << 30, site)

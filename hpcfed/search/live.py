@@ -11,7 +11,8 @@ from ``$HPCFED_PSK`` by default, or the ``security:`` section of ``--config``). 
      site j, the vector j will search with (v_q, or mapper_{q→j}(v_q) in mapping mode) and answers
      with them; the other sites answer "not mine"
   2. rank 0 -> every site j SEARCH {vector for j, k, exclude id} ; site j answers its top-k
-  3. rank 0 merges by score (spec §4.4) and prints JSON; then STOP to every site.
+  3. rank 0 merges by score (spec §4.4; or rank by rank with ``--merge interleave``) and prints
+     JSON; then STOP to every site.
 
 Raw documents and the other sites' vectors never leave a site; only query vectors and hits move.
 """
@@ -132,7 +133,8 @@ class SiteServer:
                 channel.send(0, VECTORS if msg.kind == VECTORIZE else HITS, {"error": f"site {self.site}: {exc}"})
 
 
-def front_end(channel: Any, queries: list[dict], *, k: int, mode: str, timeout: float) -> list[dict]:
+def front_end(channel: Any, queries: list[dict], *, k: int, mode: str, timeout: float,
+              merge: str = "score") -> list[dict]:
     """Rank 0: run each query through the sites and merge their answers."""
     sites = [str(r - 1) for r in range(1, channel.size)]
     out = []
@@ -159,8 +161,8 @@ def front_end(channel: Any, queries: list[dict], *, k: int, mode: str, timeout: 
                 raise ValueError(msg.header["error"])
             site = str(msg.source - 1)
             per_site.append([Hit(site, str(i), float(s), int(lab)) for i, s, lab in msg.header.get("hits", [])])
-        merged = merge_results(per_site, k)
-        out.append({"query": query, "home": home, "mode": mode, "results": [h.as_dict() for h in merged]})
+        merged = merge_results(per_site, k, merge, home)
+        out.append({"query": query, "home": home, "mode": mode, "merge": merge, "results": [h.as_dict() for h in merged]})
     return out
 
 
@@ -190,7 +192,7 @@ def run_live(args: Any) -> int:
         channel = open_channel(security, args.timeout)
         if rank == 0:
             queries = [{"id": i} for i in args.id] + [{"text": t, "home": str(args.home)} for t in args.text]
-            results = front_end(channel, queries, k=args.k, mode=args.mode, timeout=args.timeout)
+            results = front_end(channel, queries, k=args.k, mode=args.mode, timeout=args.timeout, merge=args.merge)
             for r in range(1, size):
                 channel.send(r, STOP, {})
             print(json.dumps({"queries": results, "sites": size - 1}, indent=None if args.compact else 2), flush=True)

@@ -91,6 +91,7 @@ class GensimJointTask(Task):
         self.corpus: list[Any] = []  # TaggedDocument (doc2vec) or list[str] walks (node2vec)
         self.model: Any = None
         self.independent = self._mode() in ("mapping", "nomapping")
+        self._round_start: dict[str, np.ndarray] = {}  # the arrays this round started from (update="sum")
 
     # -- subclass hooks -------------------------------------------------------------------------
     def _settings(self) -> g.GensimSettings:
@@ -147,12 +148,17 @@ class GensimJointTask(Task):
             return {INDEPENDENT_PLACEHOLDER: np.zeros(1, dtype=np.float32)}
         if self.model is None:  # before the vocabulary exists the server builds the initial model
             return {}
-        return g.get_arrays(self.model, self.config.federated_arrays)
+        arrays = g.get_arrays(self.model, self.config.federated_arrays)
+        if getattr(self.config, "update", "mean") == "sum" and self._round_start:
+            return g.scale_update(self._round_start, arrays, float(self.site.num_clients))
+        return arrays
 
     def set_parameters(self, params: Params) -> None:
         if self.independent:
             return
         g.set_arrays(self.model, params)
+        if getattr(self.config, "update", "mean") == "sum":
+            self._round_start = {k: np.array(v, dtype=np.float32, copy=True) for k, v in params.items()}
 
     # -- learning -------------------------------------------------------------------------------------
     def fit(self, round: int) -> FitResult:
@@ -200,6 +206,9 @@ class Doc2VecTask(GensimJointTask):
         path: str | None = None  # dataset=file: JSONL/plain text; dataset=gensim: corpus name
         max_docs: int | None = None  # random sample of the corpus (quick runs)
         split: Literal["random", "family"] = "random"
+        # 20NG cleaning (scikit-learn's remove=): headers give the label away; see hpcfed.data.corpus
+        remove: list[str] = field(default_factory=lambda: ["headers"])
+        keep_subject: bool = False  # put the Subject: line back in front of the body
         public_corpus: str = "20newsgroups:test"  # mapping: "20newsgroups:test" | "file:PATH" | "gensim:NAME"
         public_max_docs: int | None = None
         vector_size: int = 50
@@ -211,9 +220,15 @@ class Doc2VecTask(GensimJointTask):
         alpha: float = 0.025
         min_alpha: float = 0.0001
         infer_epochs: int = 40
+        # trained: gensim's document vectors (dv) as training left them; inferred: every document
+        # re-vectorised with the final model (infer_vector, seed 0), as the paper's "vectorize"
+        doc_vectors: Literal["trained", "inferred"] = "trained"
         local_epochs: int = 1
         total_epochs: int = 40  # the decay spans all rounds: set rounds = total_epochs / local_epochs
         federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
+        # mean: FedAvg of the arrays (spec §4.2); sum: the server's mean becomes the sum of the sites'
+        # updates (FedAvg with server learning rate K; needs strategy.weighting=uniform), see scale_update
+        update: Literal["mean", "sum"] = "mean"
         vocab_merge: Literal["sum", "reference_compat"] = "sum"
         model_seed: int = 0
         eval_k: int = 10
@@ -227,6 +242,9 @@ class Doc2VecTask(GensimJointTask):
                 raise ValueError(f"federated_arrays={self.federated_arrays}; choose from {list(g.FEDERATED_ARRAYS)}")
             if self.dataset != "20newsgroups" and self.dataset != "gensim" and not self.path:
                 raise ValueError(f"dataset={self.dataset} needs path (a .jsonl or .txt corpus)")
+            from hpcfed.data.corpus import check_remove
+
+            check_remove(self.remove, "task.remove")
 
     def __init__(self, config: Config, site: Site) -> None:
         super().__init__(config, site)
@@ -244,6 +262,7 @@ class Doc2VecTask(GensimJointTask):
             mine = split_documents(docs, site.num_clients, mode=config.split, seed=site.seed)[site.client_id]
         self.docs = mine
         self.corpus = [TaggedDocument(tokenize(d.text), [d.id]) for d in mine]
+        self._inferred: np.ndarray | None = None  # inferred document vectors of the current model
         self.public: list[Any] = []
         if self.independent and config.public_corpus not in ("", "none"):
             self.public = self._load_public(config.public_corpus, config.public_max_docs)
@@ -252,7 +271,9 @@ class Doc2VecTask(GensimJointTask):
         from hpcfed.data import corpus
 
         if dataset == "20newsgroups":
-            return corpus.load_20newsgroups(self.site.data_root, subset=subset, max_docs=max_docs, seed=self.site.seed)
+            return corpus.load_20newsgroups(self.site.data_root, subset=subset, remove=self.config.remove,
+                                            keep_subject=self.config.keep_subject, max_docs=max_docs,
+                                            seed=self.site.seed)
         docs = corpus.gensim_test_corpus(path or "lee_background.cor") if dataset == "gensim" \
             else corpus.load_corpus_file(path)  # type: ignore[arg-type]
         if max_docs is not None:
@@ -288,11 +309,29 @@ class Doc2VecTask(GensimJointTask):
             raise ValueError(f"unknown method {method!r} for task doc2vec; choose one of: {', '.join(METHODS)}")
         apply_gensim_method(method, run_config)
 
+    # the inferred vectors belong to one model: any change of the model drops them
+    def set_parameters(self, params: Params) -> None:
+        self._inferred = None
+        super().set_parameters(params)
+
+    def fit(self, round: int) -> FitResult:
+        self._inferred = None
+        return super().fit(round)
+
+    def load_state_dict(self, state: Bundle) -> None:
+        self._inferred = None
+        super().load_state_dict(state)
+
     # -- evaluation and export -----------------------------------------------------------------------
     def doc_vectors(self) -> np.ndarray:
+        """This site's document vectors (n_docs, vector_size), trained or inferred (``doc_vectors``)."""
         if not self.docs:
             return np.zeros((0, self.settings.vector_size), dtype=np.float32)
-        return np.stack([self.model.dv[d.id] for d in self.docs]).astype(np.float32)
+        if self.config.doc_vectors == "trained":
+            return np.stack([self.model.dv[d.id] for d in self.docs]).astype(np.float32)
+        if self._inferred is None:  # the final evaluation and the export both need them: infer once
+            self._inferred = g.infer_many(self.model, [d.words for d in self.corpus], self.settings, seed=0)
+        return self._inferred
 
     def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
         from hpcfed.search.index import SiteIndex
@@ -317,7 +356,7 @@ class Doc2VecTask(GensimJointTask):
                      entity="doc", model=f"doc2vec-pvdm{self.config.vector_size}", site=cid,
                      config_hash=self.site.config_hash, extra=extra)
         if self.public:
-            vectors = g.infer_many(self.model, [tokenize(d.text) for d in self.public], self.settings, seed=self.site.seed)
+            vectors = g.infer_many(self.model, [tokenize(d.text) for d in self.public], self.settings, seed=0)
             write_export(path, vectors, [d.id for d in self.public], np.array([d.label for d in self.public]),
                          entity="public", model=f"doc2vec-pvdm{self.config.vector_size}", site=cid,
                          config_hash=self.site.config_hash, extra=extra, append=True)

@@ -53,6 +53,7 @@ class Node2VecTask(GensimJointTask):
         local_epochs: int = 1
         total_epochs: int = 40
         federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
+        update: Literal["mean", "sum"] = "mean"  # as doc2vec's: sum = FedAvg with server learning rate K
         vocab_merge: Literal["sum", "reference_compat"] = "sum"
         model_seed: int = 0
         eval_k: int = 10

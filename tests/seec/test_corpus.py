@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcfed.data.corpus import (NEWSGROUP_FAMILIES, Document, gensim_test_corpus, load_20newsgroups,
+from hpcfed.data.corpus import (NEWSGROUP_FAMILIES, Document, clean_post, gensim_test_corpus, load_20newsgroups,
                                 load_corpus_file, split_documents)
 from hpcfed.data.root import DataError
 
@@ -51,6 +51,29 @@ def test_family_split_keeps_families_whole() -> None:
     assert fams[0].isdisjoint(fams[1]) and fams[0] | fams[1] == set(NEWSGROUP_FAMILIES.values())
     with pytest.raises(ValueError, match="families for 9 sites"):
         split_documents(docs, 9, mode="family")
+
+
+POST = ("From: bob@x.org\nSubject: Re: Orbit question\nLines: 6\n\n"
+        "In article <1@x> ann writes:\n> old text\n| more quoted\nnew text here\n\n-- \nBob, Houston\n")
+
+
+@pytest.mark.parametrize("remove, keep_subject, want", [
+    ((), False, POST),
+    (("headers",), False, "In article <1@x> ann writes:\n> old text\n| more quoted\nnew text here\n\n-- \nBob, Houston\n"),
+    (("headers",), True, "Re: Orbit question\nIn article <1@x> ann writes:\n> old text\n| more quoted\n"
+                         "new text here\n\n-- \nBob, Houston\n"),
+    (("headers", "quotes"), False, "new text here\n\n-- \nBob, Houston\n"),
+    (("headers", "quotes", "footers"), True, "Re: Orbit question\nnew text here\n"),
+])
+def test_clean_post_follows_sklearn_rules(remove, keep_subject, want) -> None:
+    assert clean_post(POST, remove, keep_subject) == want
+
+
+def test_clean_post_rejects_unknown_parts() -> None:
+    from hpcfed.tasks.doc2vec import Doc2VecTask
+
+    with pytest.raises(ValueError, match=r"task.remove=\['headers', 'signature'\]: unknown part"):
+        Doc2VecTask.Config(remove=["headers", "signature"]).validate()
 
 
 @pytest.mark.realdata

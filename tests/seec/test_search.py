@@ -24,6 +24,18 @@ def test_merge_order_hand_case() -> None:
     assert [h.id for h in tie] == ["a", "b"]  # ties -> doc id
 
 
+def test_interleave_merge_takes_sites_rank_by_rank_home_first() -> None:
+    home = [Hit("1", "h1", 0.4), Hit("1", "h2", 0.3), Hit("1", "h3", 0.2)]
+    other = [Hit("0", "o1", 0.9), Hit("0", "o2", 0.8)]
+    third = [Hit("2", "t1", 0.95)]
+    got = merge_results([other, home, third], 5, "interleave", home="1")
+    assert [h.id for h in got] == ["h1", "o1", "t1", "h2", "o2"]
+    assert [h.id for h in merge_results([other, home, third], 3)] == ["t1", "o1", "o2"]  # by score, for contrast
+    assert [h.id for h in merge_results([[], home], 2, "interleave", home="0")] == ["h1", "h2"]
+    with pytest.raises(ValueError, match="merge='best'"):
+        merge_results([home], 2, "best")
+
+
 def test_site_index_topk_excludes_the_query() -> None:
     idx = SiteIndex("0", ["a", "b", "c"], np.array([[1, 0], [0.9, 0.1], [0, 1]], np.float32), np.array([0, 0, 1]))
     hits = idx.hits(idx.raw[:1], 2, exclude=["a"])[0]
@@ -95,6 +107,11 @@ def test_eval_tool_scores_a_federation_against_the_central_run(tmp_path: Path) -
     assert same["cross_site_sim_10"] == 1.0 and 0.0 < same["remote_share_of_results"] < 1.0
     summary = json.loads((tmp_path / "fed" / "summary.json").read_text())
     assert summary["sim_10"] == 1.0 and summary["sim_k"]["joint"]["k"] == 10
+    inter = tool.score(tmp_path / "central", tmp_path / "fed", mode="joint", k=10, merge="interleave")
+    assert inter["remote_share_of_results"] == 0.5  # 5 answers from each site, whatever their scores
+    assert 0.0 < inter["sim_10"] < 1.0 and inter["cross_site_sim_10"] == 1.0
+    summary = json.loads((tmp_path / "fed" / "summary.json").read_text())
+    assert summary["sim_10"] == 1.0 and summary["sim_10_joint_interleave"] == inter["sim_10"]
     write_export(export_path(tmp_path / "fed", 1), -vectors[25:], ids[25:], labels[25:], entity="doc", model="t", site=1)
     flipped = tool.score(tmp_path / "central", tmp_path / "fed", mode="joint", k=10)
     assert flipped["sim_10"] < 1.0 and flipped["cross_site_sim_10"] < 1.0

@@ -142,3 +142,41 @@ def test_a_site_without_documents_takes_part(tmp_path) -> None:
     assert t.fit(0).num_examples == 0
     np.testing.assert_array_equal(t.get_parameters()["wv"], init["wv"])  # skipped in training
     assert t.export_embeddings(tmp_path).is_file()
+
+
+def test_scale_update_hand_values() -> None:
+    start = {"wv": np.array([[1.0, 1.0]], np.float32)}
+    trained = {"wv": np.array([[2.0, 0.0]], np.float32)}
+    np.testing.assert_allclose(g.scale_update(start, trained, 2.0)["wv"], [[3.0, -1.0]])
+    with pytest.raises(ValueError, match="no matching start"):
+        g.scale_update({}, trained, 2.0)
+
+
+def test_sum_update_makes_the_mean_the_sum_of_the_sites_steps() -> None:
+    tasks, init = _joint_sites(update="sum")
+    plain, _ = _joint_sites()
+    for t in tasks + plain:
+        t.fit(0)
+    mean_of_uploads = g.average_arrays([t.get_parameters() for t in tasks])
+    steps = [p.get_parameters() for p in plain]  # same seeds: the same local epochs, uploaded unscaled
+    for name in ("wv", "syn1neg"):
+        want = init[name] + sum(s[name] - init[name] for s in steps)
+        np.testing.assert_allclose(mean_of_uploads[name], want, atol=1e-6)
+
+
+def test_inferred_doc_vectors_are_what_a_text_query_of_the_same_words_gives(tmp_path) -> None:
+    from hpcfed.data.corpus import tokenize
+    from hpcfed.store.embeddings import read_export
+
+    tasks, _ = _joint_sites(num_docs=6, doc_vectors="inferred", infer_epochs=3)
+    t = tasks[1]
+    t.site.out_dir = tmp_path
+    t.fit(0)
+    trained = np.stack([t.model.dv[d.id] for d in t.docs])
+    path = t.export_embeddings(tmp_path)
+    exported = read_export(path, "doc").vectors
+    assert not np.allclose(exported, trained)  # re-vectorised, not gensim's training-time vectors
+    model, settings = g.load_model(tmp_path / "models" / "site1.h5")
+    np.testing.assert_allclose(exported[0], g.infer(model, tokenize(t.docs[0].text), settings), atol=1e-6)
+    t.fit(1)  # a new model: the cached vectors are dropped
+    assert not np.allclose(t.doc_vectors(), exported)
