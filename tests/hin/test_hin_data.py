@@ -180,3 +180,13 @@ def test_heco_loader_matches_the_released_metapath_matrices(shared_data: Path) -
         ours = metapath_adjacency(hin, mp)
         ref = sp.load_npz(shared_data / "hin" / "aminer" / fname).astype(np.float32)
         assert (ours != ref).nnz == 0
+
+
+def test_partition_report_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcfed.data.partition import main
+
+    assert main(["synthetic", "--scheme", "by_type", "--type", "A", "--train-split", "train"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("site 0: ") and "train labels; meta-path instances kept: PAP" in out[0]
+    assert out[3].startswith("held by some site: PAP ") and "(100.0%)" in out[3]  # each instance at its author's site
+    assert out[4].startswith("sites holding a target node, mean: ")
