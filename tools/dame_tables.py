@@ -10,6 +10,12 @@ over Local) and with mean ± std for every number; between them DAMe minus Local
 each site (the issue's "beats both on every site"). Table 3: DAMe and FedAvg with a fourth, malicious client (``attack=model|data``), NMI on the
 honest sites next to the clean runs. Ablation: DAMe without BOLA, SEGA or GLECC. Then the wall time of
 each run (``wall_time_s`` in ``summary.json``). Writes ``OUT/tables.md`` and prints it.
+
+``--sweep KEY=V1,V2,...`` instead runs every method at each value of one config key, e.g. the data-size
+sweep ``--sweep task.max_messages_per_site=200,500,1000 --methods local fedavg dame``: runs go to
+``OUT/<last part of KEY>=V/METHOD/seedS`` with the override ``KEY=V`` added, no attacks are run, and the
+tables are level × method × site NMI/AMI (mean ± sample sd over seeds), each site's test size and event
+count, and each other method (DAMe first) minus Local and minus FedAvg, paired by seed.
 """
 
 from __future__ import annotations
@@ -118,6 +124,116 @@ def table_per_site_gain(results: dict[str, list[dict]], site_names: list[str], m
     return "\n".join(lines)
 
 
+def _sd(values: list[float]) -> float:
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def _msd(values: list[float]) -> str:
+    return f"{np.mean(values):.3f} ± {_sd(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """Every method at each value of one config key (``--sweep KEY=V1,V2``); tables per level."""
+    key, _, values = args.sweep.partition("=")
+    levels = [v.strip() for v in values.split(",") if v.strip()]
+    if not key or not levels:
+        raise SystemExit("--sweep wants KEY=V1,V2,... (e.g. task.max_messages_per_site=200,500,1000)")
+    short = key.split(".")[-1]
+    out = Path(args.out)
+    k = len(args.sites)
+    sites = list(range(k))
+    # runs[level][method][seed] = summary
+    runs: dict[str, dict[str, dict[int, dict]]] = {}
+    for level in levels:
+        for seed in args.seeds:
+            for method in args.methods:
+                d = out / f"{short}={level}" / method / f"seed{seed}"
+                if args.tables_only:
+                    s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
+                else:
+                    s = run_one(args.config, d, k + 1, [f"method={method}", f"seed={seed}", *args.set, f"{key}={level}"],
+                                args.timeout)
+                if s:
+                    runs.setdefault(level, {}).setdefault(method, {})[seed] = s
+
+    def val(s: dict, site: int | None, m: str) -> float:
+        c = s["clients"]
+        return float(c[str(site)][m]) if site is not None else float(np.mean([float(c[str(i)][m]) for i in sites]))
+
+    names = list(args.sites) + ["avg"]
+    idx: list[int | None] = list(sites) + [None]
+    parts = [f"Sweep of `{key}` over {levels}: `{args.config}` {' '.join(args.set)}; methods {args.methods}; "
+             f"seeds {args.seeds}. Metrics on each site's test split (k-means, k = number of events); "
+             "mean ± sample sd (ddof = 1) over seeds.", ""]
+
+    # test split per site and level (from summary.json: the same for every method and seed, else flagged)
+    parts += [f"### Test split per site: messages / events", "",
+              f"| {short} | " + " | ".join(args.sites) + " |", "|" + "---|" * (k + 1)]
+    for level in levels:
+        cells = []
+        for s in sites:
+            seen = {(int(r["clients"][str(s)].get("num_test", -1)), int(r["clients"][str(s)].get("num_events", -1)))
+                    for by_seed in runs.get(level, {}).values() for r in by_seed.values()}
+            cells.append(" or ".join(f"{n} / {e}" for n, e in sorted(seen)) + (" (differs!)" if len(seen) > 1 else "")
+                         if seen else "–")
+        parts.append(f"| {level} | " + " | ".join(cells) + " |")
+
+    # level × method × site
+    for metric in ("nmi", "ami"):
+        M = metric.upper()
+        parts += ["", f"### {M} per level, method and site (mean ± sd over seeds)", "",
+                  f"| {short} | method | " + " | ".join(names) + f" | {M} gain over Local |", "|" + "---|" * (k + 4)]
+        for level in levels:
+            local = runs.get(level, {}).get("local")
+            for method in args.methods:
+                by_seed = runs.get(level, {}).get(method)
+                if not by_seed:
+                    continue
+                cells = [_msd([val(r, s, metric) for r in by_seed.values()]) for s in idx]
+                gain = "–"
+                if local and method != "local":
+                    gain = f"{np.mean([val(r, None, metric) for r in by_seed.values()]) - np.mean([val(r, None, metric) for r in local.values()]):+.3f}"
+                parts.append(f"| {level} | {method} (n={len(by_seed)}) | " + " | ".join(cells) + f" | {gain} |")
+
+    # each method (DAMe first) minus each baseline, paired by seed
+    targets = sorted((m for m in args.methods if m not in ("local", "fedavg")), key=lambda m: m != "dame")
+    for target, metric in ((t, m) for t in targets for m in ("nmi", "ami")):
+        M = metric.upper()
+        parts += ["", f"### {target} minus each baseline, {M}, paired by seed: mean ± sd (seeds with a positive difference)",
+                  "", f"| {short} | baseline | " + " | ".join(names) + " | per-seed avg | sites won |", "|" + "---|" * (k + 5)]
+        for level in levels:
+            mine = runs.get(level, {}).get(target)
+            for base in ("local", "fedavg"):
+                other = runs.get(level, {}).get(base)
+                if not mine or not other:
+                    continue
+                common = sorted(set(mine) & set(other))
+                if not common:
+                    continue
+                cells, won = [], 0
+                for s in idx:
+                    d = [val(mine[x], s, metric) - val(other[x], s, metric) for x in common]
+                    cells.append(f"{np.mean(d):+.3f} ± {_sd(d):.3f} ({sum(v > 0 for v in d)}/{len(d)})")
+                    if s is not None and np.mean(d) > 0:
+                        won += 1
+                per_seed = ", ".join(f"{val(mine[x], None, metric) - val(other[x], None, metric):+.3f}" for x in common)
+                parts.append(f"| {level} | {base} | " + " | ".join(cells) + f" | {per_seed} | {won} of {k} |")
+
+    parts += ["", "### Wall time per run (s, mean ± sd over seeds; the machine was shared)", "",
+              f"| {short} | " + " | ".join(args.methods) + " |", "|" + "---|" * (len(args.methods) + 1)]
+    for level in levels:
+        cells = []
+        for method in args.methods:
+            w = [float(r.get("wall_time_s", float("nan"))) for r in runs.get(level, {}).get(method, {}).values()]
+            cells.append(f"{np.mean(w):.0f} ± {_sd(w):.0f}" if w else "–")
+        parts.append(f"| {level} | " + " | ".join(cells) + " |")
+    text = "\n".join(parts) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tables.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/dame_crisis.yaml")
@@ -131,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--tables-only", action="store_true", help="only read finished runs and write the tables")
+    p.add_argument("--sweep", metavar="KEY=V1,V2,...", help="run --methods at each value of one config key "
+                   "(e.g. task.max_messages_per_site=200,500,1000) and write the sweep tables; no attacks")
     args = p.parse_args(argv)
+    if args.sweep:
+        return sweep(args)
 
     out = Path(args.out)
     k = len(args.sites)

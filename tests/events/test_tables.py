@@ -45,3 +45,32 @@ def test_tables_gain_over_local_attacks_and_wall_times(tmp_path, capsys):
            "+0.100 / +0.100 / +0.100 |" in text
     assert "| local | +0.100 | +0.100 | +0.100 | +0.100 | 3 of 3 |" in text  # DAMe − Local per site
     assert "| dame attack=model | 60 ± 0 |" in text
+
+
+def _sized(out: Path, nmis: list[float], num_test: int, wall: float = 5.0) -> None:
+    out.mkdir(parents=True)
+    clients = {str(c): {"nmi": v, "ami": v - 0.1, "ari": v - 0.2, "num_test": float(num_test), "num_events": 7.0}
+               for c, v in enumerate(nmis)}
+    (out / "summary.json").write_text(json.dumps({"clients": clients, "wall_time_s": wall}))
+
+
+def test_sweep_tables_levels_test_sizes_and_paired_gains(tmp_path, capsys):
+    root = tmp_path / "sweep"
+    for level, n_test in (("200", 40), ("1000", 200)):
+        for seed, shift in ((0, 0.0), (1, 0.02)):
+            d = root / f"max_messages_per_site={level}"
+            _sized(d / "local" / f"seed{seed}", [0.5 + shift, 0.6], n_test)
+            _sized(d / "fedavg" / f"seed{seed}", [0.4, 0.5], n_test)
+            _sized(d / "dame" / f"seed{seed}", [0.6 + 2 * shift, 0.55], n_test)
+    code = _tool().main(["--out", str(root), "--seeds", "0", "1", "--methods", "local", "fedavg", "dame",
+                         "--sites", "A", "B", "--sweep", "task.max_messages_per_site=200,1000", "--tables-only"])
+    assert code == 0
+    text = (root / "tables.md").read_text()
+    assert text.strip() == capsys.readouterr().out.strip()
+    assert "| 200 | 40 / 7 | 40 / 7 |" in text and "| 1000 | 200 / 7 | 200 / 7 |" in text
+    # NMI table: site A of DAMe over seeds 0.60, 0.64 -> mean .620, sample sd .028; avg gain over Local
+    assert "| 200 | dame (n=2) | 0.620 ± 0.028 | 0.550 ± 0.000 | 0.585 ± 0.014 | +0.030 |" in text
+    # paired DAMe − Local: site A +0.10, +0.12; site B −0.05 twice; avg +0.025, +0.035
+    assert "| 1000 | local | +0.110 ± 0.014 (2/2) | -0.050 ± 0.000 (0/2) | +0.030 ± 0.007 (2/2) | +0.025, +0.035 | 1 of 2 |" in text
+    assert "| 200 | fedavg | " in text and "2 of 2 |" in text
+    assert "-attack-" not in "".join(p.name for p in root.rglob("*"))  # a sweep runs no attacks
