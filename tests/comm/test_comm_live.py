@@ -17,13 +17,18 @@ pytestmark = pytest.mark.mpi
 HERE = Path(__file__).resolve().parent
 
 
-def test_hostile_rank_is_rejected_while_the_honest_one_is_served(tmp_path):
-    out = tmp_path / "live.json"
+def _run_script(script: str, ranks: int, out: Path) -> dict:
+    """Run tests/comm/SCRIPT under `mpiexec -n RANKS`; it writes its findings as JSON to OUT."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, str(HERE / "comm_live.py"), str(out)],
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(HERE / script), str(out)],
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_hostile_rank_is_rejected_while_the_honest_one_is_served(tmp_path):
+    out = tmp_path / "live.json"
+    got = _run_script("comm_live.py", 3, out)
     plan = json.loads(Path(str(out) + ".plan").read_text())
 
     # the honest site: every message arrived intact and was answered
@@ -47,12 +52,7 @@ def test_hostile_rank_is_rejected_while_the_honest_one_is_served(tmp_path):
 
 
 def test_post_returns_at_once_while_the_peer_is_busy_and_delivers_in_order(tmp_path):
-    out = tmp_path / "post.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(HERE / "post_live.py"), str(out)],
-                          capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = _run_script("post_live.py", 2, tmp_path / "post.json")
     # Posting 4 MiB to a rank that makes no MPI call for 2 s does not wait for it ...
     assert sum(got["post_s"]) < 0.5 * got["busy_s"], got
     # ... and the channel reports each message taken only once the peer is back.
