@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         e.add_argument("--mapper-lr", type=float, default=1e-5, help="paper: 1e-5")
         e.add_argument("--mapper-epochs", type=int, default=20, help="paper: 20")
         e.add_argument("--reuse", action="store_true", help="keep runs whose summary.json exists")
-        e.add_argument("--only", nargs="+", default=["joint", "mapping"], help="doc2vec: joint and/or mapping")
+        # choices: without them "--only joint task.x=1" would swallow the override as a phase name
+        e.add_argument("--only", nargs="+", default=["joint", "mapping"], choices=["joint", "mapping"],
+                       help="doc2vec: joint and/or mapping (put key=value overrides before --only)")
         e.add_argument("overrides", nargs="*", help="key=value overrides for every run, e.g. task.max_docs=3000")
     s = sub.add_parser("score")
     s.add_argument("--central", required=True)
