@@ -40,6 +40,7 @@ A `SecureChannel` is not thread-safe; use one per rank and call it from one thre
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import time
@@ -68,6 +69,13 @@ _SMALL_FRAME = 64 << 10  # frames this small have arrived whole when probed (MPI
 _LOG_FIRST = 10  # log the first rejections of each rank in full, then every 1000th
 _ACTIVE_SPIN_S = 2e-3  # spin while a transfer is under way (a 4 MiB chunk takes ~1 ms) ...
 _ACTIVE_SLEEP_S = 2e-4  # ... and then sleep at most this long between polls
+# A rank that received a frame less than _CONVERSATION_S ago is in a conversation: its peer's next
+# message is likely within a millisecond, so it sleeps at most _CONVERSATION_SLEEP_S between polls.
+# Without this, one late reply (a preempted peer) could tip a ping-pong into a stable slow state
+# where each side is deep in its back-off sleep whenever the other's message lands (~200 round
+# trips/s instead of thousands).
+_CONVERSATION_S = 0.05
+_CONVERSATION_SLEEP_S = 5e-5
 
 
 def _free_refs() -> int:
@@ -177,6 +185,9 @@ class _RxRing:
         self.name, self.buf, self.nslots, self.slot_bytes = name, buf, nslots, slot_bytes
 
 
+_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
 class _Backoff:
     """Spin for `spin_s`, then sleep 10 us, 20 us, ... up to `max_s` between polls."""
 
@@ -193,6 +204,10 @@ class _Backoff:
     def pause(self, deadline: float | None = None) -> None:
         now = time.perf_counter()
         if now - self.t0 < self.spin_s:
+            # Give the core away while spinning: when the peer rank shares this core (more ranks
+            # than cores, or no core binding) a pure spin keeps it from running until the spin
+            # ends, which costs every message the whole spin plus a sleep.
+            _yield_cpu()
             return
         s = self.sleep
         if deadline is not None:
@@ -248,6 +263,7 @@ class SecureChannel:
         self._plain0: np.ndarray | None = None
         self._pool: list[np.ndarray] = []  # multi-chunk message buffers, recycled when free
         self._assembling = False  # some peer is part-way through a multi-chunk message
+        self._last_frame_at = -float("inf")  # perf_counter() when the last frame arrived
         self._closed = False
 
     # -- handshake --------------------------------------------------------------------------------
@@ -608,12 +624,13 @@ class SecureChannel:
             return None
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         idle = _Backoff(self.spin_s, self.backoff_max_s)
+        talking = _Backoff(self.spin_s, min(self.backoff_max_s, _CONVERSATION_SLEEP_S))
         # while a multi-chunk message is arriving, its next chunk is imminent: spin, sleep little
         busy = _Backoff(_ACTIVE_SPIN_S, min(self.backoff_max_s, _ACTIVE_SLEEP_S))
-        backoff = busy if self._assembling else idle
+        backoff = self._pick_backoff(busy, talking, idle)
         while True:
             if self._pump():
-                backoff = busy if self._assembling else idle
+                backoff = self._pick_backoff(busy, talking, idle)
                 backoff.reset()
                 msg = self._take(source, kinds)
                 if msg is not None:
@@ -627,6 +644,11 @@ class SecureChannel:
                 return None
             self._reap_background()
             backoff.pause(deadline)
+
+    def _pick_backoff(self, busy: _Backoff, talking: _Backoff, idle: _Backoff) -> _Backoff:
+        if self._assembling:
+            return busy
+        return talking if time.perf_counter() - self._last_frame_at < _CONVERSATION_S else idle
 
     def poll(self) -> Message | None:
         """A waiting message, if any; never waits."""
@@ -647,6 +669,7 @@ class SecureChannel:
         if probe is None:
             return False
         src, n = probe
+        self._last_frame_at = time.perf_counter()
         self.stats.bytes_received += n if n < (1 << 62) else 0
         peer = self._peer.get(src)
         if peer is not None and peer.cut_off:

@@ -346,3 +346,22 @@ def test_tampering_inside_shared_memory_is_rejected():
     np.testing.assert_array_equal(got[1][1]["p"], big)
     rejected = chans[0].stats.rejected
     assert rejected["authentication failed"] == 1 and set(chans[0].stats.rejected_by_rank) == {1}
+
+
+def test_a_rank_in_conversation_sleeps_briefly_and_an_idle_one_backs_off_fully(monkeypatch) -> None:
+    """Right after a frame arrives the next one is likely close behind: the wait must not sink into
+    the long idle sleeps (two ranks that did so could stay ~100x slow); later it backs off fully."""
+    from hpcfed.comm import channel as channel_mod
+
+    server, client = _job([_psk(), _psk()], backoff_max_s=0.005)
+    assert not _connect([server, client])
+    client.send(0, 7, {"n": 1})
+    assert server.recv(source=1, timeout=5.0).header == {"n": 1}
+    sleeps: list[float] = []
+    monkeypatch.setattr(channel_mod.time, "sleep", sleeps.append)  # a wait that never sleeps
+    assert server.recv(source=1, timeout=0.02) is None  # just after a frame: a conversation
+    assert sleeps and max(sleeps) <= channel_mod._CONVERSATION_SLEEP_S
+    sleeps.clear()
+    server._last_frame_at -= channel_mod._CONVERSATION_S  # that frame is long past
+    assert server.recv(source=1, timeout=0.02) is None
+    assert max(sleeps) == 0.005  # the idle schedule doubles up to backoff_max_s
