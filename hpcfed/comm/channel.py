@@ -189,7 +189,7 @@ _yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 class _Backoff:
-    """Spin for `spin_s`, then sleep 10 us, 20 us, ... up to `max_s` between polls."""
+    """Spin for `spin_s` (yielding the core each time), then sleep 10 us, 20 us, ... up to `max_s` between polls."""
 
     __slots__ = ("spin_s", "max_s", "t0", "sleep")
 
