@@ -409,13 +409,7 @@ class SecureChannel:
         if ftype != F_DATA:
             # A control message (handshake confirmation, shared-memory offer/answer) may be sent
             # from inside another send's wait: give it its own buffer, never the slots in flight.
-            n = total
-            frame = np.empty(HDR + n + TAG, dtype=np.uint8)
-            peer.send_seq += 1
-            hdr = FRAME.pack(VERSION, ftype, kind, 0, self.rank, dest, n, peer.send_seq, msg_id, 0, 1, 0, total)
-            frame[:HDR] = np.frombuffer(hdr, dtype=np.uint8)
-            data = b"".join(bytes(p) for p in enc.pieces(0, n)) if enc is not None else b""
-            peer.tx.seal_into(peer.send_seq, data, self._jd + hdr, memoryview(frame)[HDR:])  # type: ignore[union-attr]
+            frame = self._own_frame(peer, ftype, kind, enc, msg_id, 0, 1, 0, total, total)
             self.stats.bytes_sent += len(frame)
             self._send_small(dest, frame)  # type: ignore[arg-type]
             return
@@ -430,16 +424,8 @@ class SecureChannel:
             if len(inflight) == nslots:
                 self._wait_send(inflight.popleft(), dest)
             buf = self._slot(i % nslots, HDR + n + TAG)
-            peer.send_seq += 1
-            seq = peer.send_seq
-            hdr = FRAME.pack(VERSION, ftype, kind, 0, self.rank, dest, n, seq, msg_id, i, count, start, total)
-            buf[:HDR] = hdr
-            if enc is None:
-                data: memoryview | bytes = b""
-            else:
-                pieces = enc.pieces(start, start + n)
-                data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
-            peer.tx.seal_into(seq, data, self._jd + hdr, buf[HDR:HDR + n + TAG])  # type: ignore[union-attr]
+            buf[:HDR] = self._seal_chunk(peer, ftype, kind, enc, msg_id, i, count, start, n, total,
+                                         buf[HDR:HDR + n + TAG])
             inflight.append(self.transport.isend(buf[:HDR + n + TAG], dest))
             self.stats.bytes_sent += HDR + n + TAG
             for req in inflight:  # nudge MPI's progress on the chunks already out
@@ -447,20 +433,36 @@ class SecureChannel:
         while inflight:
             self._wait_send(inflight.popleft(), dest)
 
+    def _seal_chunk(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None, msg_id: int, index: int,
+                    count: int, start: int, n: int, total: int, out: memoryview) -> bytes:
+        """Encrypt bytes [start, start + n) of `enc` as chunk `index` of message `msg_id` into `out`
+        (n + TAG bytes); return the frame header the ciphertext is bound to (it is the AAD)."""
+        peer.send_seq += 1
+        hdr = FRAME.pack(VERSION, ftype, kind, 0, self.rank, peer.rank, n, peer.send_seq, msg_id, index, count,
+                         start, total)
+        if enc is None or n == 0:
+            data: memoryview | bytes = b""
+        else:
+            pieces = enc.pieces(start, start + n)
+            data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
+        peer.tx.seal_into(peer.send_seq, data, self._jd + hdr, out)  # type: ignore[union-attr]
+        return hdr
+
+    def _own_frame(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None, msg_id: int, index: int,
+                   count: int, start: int, n: int, total: int) -> np.ndarray:
+        """One sealed frame (header + ciphertext) in a buffer of its own, not one of the reused slots."""
+        frame = np.empty(HDR + n + TAG, dtype=np.uint8)
+        view = memoryview(frame)
+        view[:HDR] = self._seal_chunk(peer, ftype, kind, enc, msg_id, index, count, start, n, total, view[HDR:])
+        return frame
+
     def _post_chunks(self, peer: _Peer, kind: int, enc: wire.Encoded | None, total: int, count: int,
                      msg_id: int, posted: "Outgoing") -> None:
         """Seal every chunk into a buffer of its own and start all their sends (see `post`)."""
         dest, chunk = peer.rank, self.chunk_bytes
         for i in range(count):
             start = i * chunk
-            n = min(total - start, chunk)
-            frame = np.empty(HDR + n + TAG, dtype=np.uint8)
-            peer.send_seq += 1
-            hdr = FRAME.pack(VERSION, F_DATA, kind, 0, self.rank, dest, n, peer.send_seq, msg_id, i, count, start, total)
-            frame[:HDR] = np.frombuffer(hdr, dtype=np.uint8)
-            pieces = enc.pieces(start, start + n)  # type: ignore[union-attr]
-            data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
-            peer.tx.seal_into(peer.send_seq, data, self._jd + hdr, memoryview(frame)[HDR:])  # type: ignore[union-attr]
+            frame = self._own_frame(peer, F_DATA, kind, enc, msg_id, i, count, start, min(total - start, chunk), total)
             req = self.transport.isend(memoryview(frame), dest)
             self._background.append((req, frame))  # close() waits for it, then abandons it
             posted.requests.append(req)
@@ -527,12 +529,7 @@ class SecureChannel:
             if posted is not None:
                 posted.ring_slots.append((ring, slot))
             at = slot * ring.slot_bytes
-            peer.send_seq += 1
-            seq = peer.send_seq
-            hdr = FRAME.pack(VERSION, F_SHM_DATA, kind, 0, self.rank, dest, n, seq, msg_id, i, count, start, total)
-            pieces = enc.pieces(start, start + n)
-            data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
-            peer.tx.seal_into(seq, data, self._jd + hdr, buf[at:at + n + TAG])  # type: ignore[union-attr]
+            hdr = self._seal_chunk(peer, F_SHM_DATA, kind, enc, msg_id, i, count, start, n, total, buf[at:at + n + TAG])
             self._send_small(dest, hdr + _SLOT.pack(slot))
             self.stats.bytes_sent += HDR + _SLOT.size + n + TAG
 
