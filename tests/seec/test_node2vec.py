@@ -77,3 +77,29 @@ def test_cora_loads(shared_data) -> None:
     g = load_cora(shared_data)
     assert g.num_nodes == 2708 and g.labels.min() == 0 and g.labels.max() == 6
     assert 5000 < len(g.edges) <= 5429 and (g.edges[:, 0] < g.edges[:, 1]).all()
+
+
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned",))
+
+
+def test_a_tampered_cora_file_is_refused_not_run(tmp_path) -> None:
+    import pickle
+    from collections import defaultdict
+
+    from hpcfed.data.root import DataError
+
+    folder = tmp_path / "graphs" / "cora"
+    folder.mkdir(parents=True)
+    (folder / "ind.cora.graph").write_bytes(pickle.dumps(defaultdict(list, {0: [1], 1: [0]}), protocol=4))
+    (folder / "ind.cora.ally").write_bytes(pickle.dumps(np.eye(2), protocol=4))
+    (folder / "ind.cora.ty").write_bytes(pickle.dumps(_RunsCode(), protocol=4))
+    (folder / "ind.cora.test.index").write_text("1\n")
+    with pytest.raises(DataError, match=r"ind\.cora\.ty: not a Planetoid Cora file \(refusing posix\.system"):
+        load_cora(tmp_path)
+    (folder / "ind.cora.ty").write_bytes(pickle.dumps(np.eye(2)[1:], protocol=4))
+    g = load_cora(tmp_path)  # the same folder with honest files loads
+    assert g.num_nodes == 2 and g.labels.tolist() == [0, 1] and g.edges.tolist() == [[0, 1]]
