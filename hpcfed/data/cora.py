@@ -10,12 +10,12 @@ Splitting (paper §V.A.1): nodes are assigned to sites at random; a cross-site e
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from hpcfed.data.local_pickle import NUMPY_ARRAYS, load_pickle
 from hpcfed.data.root import DataError, dataset_dir
 
 
@@ -36,21 +36,9 @@ def _clean_edges(pairs: np.ndarray) -> np.ndarray:
     return np.unique(pairs, axis=0)
 
 
-# The ind.cora.* files are Python-2 pickles (the only form Planetoid ships). They are read with an
-# unpickler that can build nothing but what they hold: a defaultdict of lists (the graph) and numpy
-# arrays (the labels). Any other global in a file is refused, so a tampered file cannot run code.
-_PLANETOID_GLOBALS = {
-    ("collections", "defaultdict"), ("__builtin__", "list"), ("builtins", "list"),
-    ("numpy", "ndarray"), ("numpy", "dtype"),
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-}
-
-
-class _PlanetoidUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):  # type: ignore[no-untyped-def]
-        if (module, name) not in _PLANETOID_GLOBALS:
-            raise pickle.UnpicklingError(f"refusing {module}.{name}: a Planetoid file holds only lists and arrays")
-        return super().find_class(module, name)
+# The ind.cora.* files are Python-2 pickles (the only form Planetoid ships): a defaultdict of lists
+# (the graph) and numpy arrays (the labels); nothing else may be built from them.
+_PLANETOID_GLOBALS = NUMPY_ARRAYS | {("collections", "defaultdict"), ("__builtin__", "list"), ("builtins", "list")}
 
 
 def load_cora(data_root: str | Path | None = None) -> Graph:
@@ -61,11 +49,7 @@ def load_cora(data_root: str | Path | None = None) -> Graph:
         path = folder / f"ind.cora.{name}"
         if not path.is_file():
             raise DataError(f"{path} is missing; the Planetoid Cora folder needs ind.cora.{{graph,ally,ty,test.index}}")
-        with path.open("rb") as f:
-            try:
-                return _PlanetoidUnpickler(f, encoding="latin1").load()
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
-                raise DataError(f"{path}: not a Planetoid Cora file ({exc})") from None
+        return load_pickle(path, _PLANETOID_GLOBALS, "a Planetoid Cora file")
 
     graph, ally, ty = load("graph"), load("ally"), load("ty")
     test_index_path = folder / "ind.cora.test.index"

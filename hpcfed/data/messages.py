@@ -37,6 +37,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from hpcfed.data.local_pickle import load_object_npy
 from hpcfed.data.root import DataError, dataset_dir
 
 COLUMNS = ("id", "text", "time", "user", "mentions", "hashtags", "entities", "event")
@@ -372,16 +373,17 @@ def load_crisislext6(data_root: str | Path | None = None, *, on_error: str = "sk
     return msgs, report
 
 
+_ARABIC_GLOBALS = frozenset({("pandas._libs.tslibs.timestamps", "_unpickle_timestamp")})
+
+
 def load_arabic(data_root: str | Path | None = None, *, on_error: str = "skip") -> tuple[Messages, LoadReport]:
     """Arabic crisis tweets (Kawarith subset), `Arabic_100.npy`: users, mentions, hashtags, entities given."""
     root = dataset_dir("events/arabic", data_root)
     path = root / "Arabic_100.npy"
     if not path.is_file():
         raise DataError(f"{path} not found; the events/arabic folder should hold Arabic_100.npy")
-    # allow_pickle only for this local research file, shipped as a numpy object array (it holds pandas
-    # Timestamps and Python lists). It is read from the site's own disk and never crosses a process
-    # boundary; nothing received over the network is ever unpickled.
-    table = np.load(path, allow_pickle=True)
+    # shipped as a numpy object array of strings, lists and pandas Timestamps: read with an allow-list
+    table = load_object_npy(path, _ARABIC_GLOBALS, "the Arabic event set")
     if table.ndim != 2 or table.shape[1] != 13:
         raise DataError(f"{path}: expected a (n, 13) object array, got shape {table.shape}")
     records = [{"id": row[0], "user": row[1], "text": row[2], "time": row[9], "event": row[4],

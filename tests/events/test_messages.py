@@ -178,3 +178,29 @@ def test_site_parts_of_a_message_file(tmp_path):
     msgs, report = load_site(f"{path}:2/2")  # events flood (June) then quake (October)
     assert msgs.events == ["quake"] and "events part 2/2: 1 events, 1 messages" in report.source
 
+
+
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned",))
+
+
+def test_arabic_object_array_is_read_with_an_allow_list(tmp_path):
+    import pandas as pd
+
+    folder = tmp_path / "events" / "arabic"
+    folder.mkdir(parents=True)
+    row = [7, "u1", "نص", None, "flood", ["@a"], ["#b"], None, None, pd.Timestamp("2018-01-02 03:04"), None,
+           ["x"], None]
+    table = np.empty((1, 13), dtype=object)
+    table[0] = row
+    np.save(folder / "Arabic_100.npy", table, allow_pickle=True)
+    msgs, report = load_arabic(tmp_path)  # the shipped layout: strings, lists, pandas Timestamps
+    assert report.num_kept == 1 and list(msgs.mentions[0]) == ["a"] and list(msgs.hashtags[0]) == ["b"]
+    table[0, 2] = _RunsCode()
+    np.save(folder / "Arabic_100.npy", table, allow_pickle=True)
+    refused = r"Arabic_100\.npy: cannot be read as the Arabic event set \(refusing posix\.system"
+    with pytest.raises(DataError, match=refused):
+        load_arabic(tmp_path)
