@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcfed.search.global_search import GlobalSearch, map_query  # noqa: E402
-from hpcfed.search.index import SiteIndex, merge_results  # noqa: E402
+from hpcfed.search.index import MERGE_HELP, MERGES, STANDARDIZED_MERGES, SiteIndex, merge_results  # noqa: E402
 from hpcfed.search.metrics import label_precision_at_k, mean_sim_k  # noqa: E402
 
 
@@ -112,8 +112,9 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
           write_summary: bool = True, merge: str = "score") -> dict:
     """sim_k and label precision@k of `fed`'s global search against `central` (one site with every id).
 
-    `merge` = score (spec §4.4) or interleave (rank by rank, home first); the result is stored in
-    ``summary.json`` under ``sim_k[mode]`` (score) or ``sim_k[mode + "_interleave"]``.
+    `merge` = score (spec §4.4), interleave (rank by rank, home first) or zscore (by standardized
+    scores); the result is stored in ``summary.json`` under ``sim_k[mode]`` (score) or
+    ``sim_k[mode + "_" + merge]``.
     """
     central_search = GlobalSearch.from_folder(central, entity=entity)
     if len(central_search.indexes) != 1:
@@ -150,7 +151,8 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
                                 np.array([cidx.labels[cidx.position[i]] for i in other_ids]))
             qc = np.stack([cidx.vector_of(i) for i in ids])
             qf = np.stack([index.vector_of(i) for i in ids])
-            per_site = [fed_search.indexes[s].hits(map_query(fed_search.mode, home, s, qf, fed_search.mappers), k)
+            per_site = [fed_search.indexes[s].hits(map_query(fed_search.mode, home, s, qf, fed_search.mappers), k,
+                                                   standardize=merge in STANDARDIZED_MERGES)
                         for s in others]
             remote = [merge_results([lists[n] for lists in per_site], k, merge, home) for n in range(len(ids))]
             x_fed += [[h.id for h in r] for r in remote]
@@ -215,7 +217,7 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
         res["mapper"] = train_mappers(out / "mapping", config=mcfg)
         timings["mapping"] = time.monotonic() - t
         for mode in ("mapping", "nomapping"):
-            for merge in ("score", "interleave"):
+            for merge in MERGES:
                 name = mode if merge == "score" else f"{mode}_{merge}"
                 res[name] = score(out / "central", out / "mapping", mode=mode, k=args.k, max_queries=args.max_queries,
                                   merge=merge)
@@ -259,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--central", required=True)
     s.add_argument("--fed", required=True)
     s.add_argument("--mode", choices=["joint", "mapping", "nomapping"], default="joint")
-    s.add_argument("--merge", choices=["score", "interleave"], default="score",
-                   help="score: by cosine (spec 4.4); interleave: rank by rank, home site first")
+    s.add_argument("--merge", choices=list(MERGES), default="score", help=MERGE_HELP)
     s.add_argument("--k", type=int, default=10)
     s.add_argument("--entity", default=None)
     s.add_argument("--mappers", default=None)

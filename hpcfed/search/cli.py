@@ -7,7 +7,8 @@
 RUN is a run directory (``RUN/embeddings/site<k>.h5``, ``RUN/models``, ``RUN/mappers``) or a folder
 of ``site<k>.h5`` exports. Output is JSON: ``{"queries": [{"query", "home", "mode", "results":
 [{"site", "id", "score", "label"}, ...]}]}``, results merged by score over all sites (``--merge
-score``, spec §4.4) or rank by rank, home site first (``--merge interleave``, the paper's Table III).
+score``, spec §4.4), rank by rank, home site first (``--merge interleave``, the paper's Table III),
+or by each site's standardized score (``--merge zscore``; the reported scores are then z-scores).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from hpcfed.search.index import MERGE_HELP, MERGES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,8 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--home", default="0", help="site that vectorises --text queries (default 0)")
         q.add_argument("--mode", choices=["joint", "mapping", "nomapping"], default="joint")
         q.add_argument("--k", type=int, default=10)
-        q.add_argument("--merge", choices=["score", "interleave"], default="score",
-                       help="score: by cosine over all sites (spec 4.4); interleave: rank by rank, home site first")
+        q.add_argument("--merge", choices=list(MERGES), default="score", help=MERGE_HELP)
         q.add_argument("--entity", default=None, help="export entity (default: the first, e.g. doc or node)")
         q.add_argument("--models", default=None, help="folder of site<k>.h5 models (default RUN/models)")
         q.add_argument("--mappers", default=None, help="folder of mappers (default RUN/mappers)")

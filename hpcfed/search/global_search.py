@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
-from hpcfed.search.index import MERGES, Hit, SiteIndex, merge_results
+from hpcfed.search.index import MERGES, STANDARDIZED_MERGES, Hit, SiteIndex, merge_results
 
 MODES = ("joint", "mapping", "nomapping")
 
@@ -89,7 +89,8 @@ class GlobalSearch:
                exclude: Sequence[str | None] | None = None) -> list[list[Hit]]:
         """Top-k merged over all sites for each query vector of site `home` (batched)."""
         vectors = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
-        per_site = [index.hits(map_query(self.mode, home, site, vectors, self.mappers), k, exclude)
+        standardize = self.merge in STANDARDIZED_MERGES
+        per_site = [index.hits(map_query(self.mode, home, site, vectors, self.mappers), k, exclude, standardize)
                     for site, index in self.indexes.items()]
         return [merge_results([lists[i] for lists in per_site], k, self.merge, home) for i in range(len(vectors))]
 

@@ -10,7 +10,11 @@ different vector spaces need not be comparable: a mapper's outputs score systema
 than the home site's own cosines, so with independently trained sites the score merge fills the
 list with one site's answers. ``merge="interleave"`` takes the sites' answers rank by rank (home
 site first, then the others by site id) — the paper's Table III, which shows the top-5 of each site
-side by side; with N sites each contributes about k/N results.
+side by side; with N sites each contributes about k/N results. ``merge="zscore"`` calibrates
+instead of interleaving: each site reports how far a hit's cosine lies above the mean of the
+query's cosines over all that site's documents, in standard deviations (the CombZ normalisation
+of metasearch), and the lists merge by that; a site with better answers still fills more of the
+list, and a space whose scores run high gains nothing from it.
 
 A query that is itself in the corpus is excluded from the results (as gensim ``most_similar(tag)``).
 """
@@ -74,8 +78,12 @@ class SiteIndex:
         return self.raw[self.position[doc_id]]
 
     def topk(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
-             block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-        """Indices and cosine scores (m, k') of the nearest rows to each query, best first, k' = min(k, n)."""
+             block: int = 1024, standardize: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Indices and cosine scores (m, k') of the nearest rows to each query, best first, k' = min(k, n).
+
+        ``standardize``: scores become z-scores against the query's cosines over this site's other
+        documents (the excluded one left out), so that sites in different vector spaces compare.
+        """
         q = normalize_rows(np.atleast_2d(queries))
         if q.shape[1] != self.dim:
             raise ValueError(f"site {self.site}: query vectors have {q.shape[1]} dims, the index has {self.dim}; "
@@ -91,6 +99,8 @@ class SiteIndex:
                     pos = self.position.get(doc_id) if doc_id is not None else None
                     if pos is not None:
                         scores[row, pos] = -np.inf
+            if standardize:
+                scores = _zscores(scores)
             if kk < n:
                 part = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]
             else:
@@ -103,23 +113,38 @@ class SiteIndex:
                 score_out[s + row] = part_scores[row, order]
         return idx_out, score_out
 
-    def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None) -> list[list[Hit]]:
-        idx, scores = self.topk(queries, k, exclude)
+    def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
+             standardize: bool = False) -> list[list[Hit]]:
+        idx, scores = self.topk(queries, k, exclude, standardize=standardize)
         return [[Hit(self.site, self.ids[i], float(sc), int(self.labels[i])) for i, sc in zip(ri, rs)
                  if np.isfinite(sc)] for ri, rs in zip(idx, scores)]
 
 
-MERGES = ("score", "interleave")
+def _zscores(scores: np.ndarray) -> np.ndarray:
+    """(s − mean) / std per row over the finite entries; −inf (excluded) stays −inf."""
+    finite = np.isfinite(scores)
+    count = np.maximum(finite.sum(axis=1, keepdims=True), 1)
+    values = np.where(finite, scores, 0.0)
+    mean = values.sum(axis=1, keepdims=True) / count
+    var = (np.where(finite, scores - mean, 0.0) ** 2).sum(axis=1, keepdims=True) / count
+    z = (scores - mean) / np.maximum(np.sqrt(var), 1e-12)  # one document (std 0): its z-score is 0
+    return np.where(finite, z, -np.inf).astype(np.float32)
+
+
+MERGES = ("score", "interleave", "zscore")
+STANDARDIZED_MERGES = ("zscore",)  # the sites report z-scores (SiteIndex.hits(standardize=True))
+MERGE_HELP = ("score: by cosine over all sites (spec 4.4); interleave: rank by rank, home site first; "
+              "zscore: by each site's standardized cosine (sites in different vector spaces)")
 
 
 def merge_results(per_site: Sequence[Sequence[Hit]], k: int, how: str = "score", home: str | None = None) -> list[Hit]:
     """Merge the sites' lists and keep k.
 
-    ``score`` (spec §4.4): score descending, ties by id (then site). ``interleave``: rank by rank
-    over the sites, the `home` site's list first, then the others by site id; every list must be
-    best-first already (as `SiteIndex.hits` returns them).
+    ``score`` (spec §4.4): score descending, ties by id (then site); ``zscore`` is the same over
+    standardized scores. ``interleave``: rank by rank over the sites, the `home` site's list first,
+    then the others by site id; every list must be best-first already (as `SiteIndex.hits` returns them).
     """
-    if how == "score":
+    if how in ("score", "zscore"):
         merged = [h for hits in per_site for h in hits]
         merged.sort(key=lambda h: (-h.score, h.id, h.site))
         return merged[:k]

@@ -11,7 +11,8 @@ from ``$HPCFED_PSK`` by default, or the ``security:`` section of ``--config``). 
      site j, the vector j will search with (v_q, or mapper_{q→j}(v_q) in mapping mode) and answers
      with them; the other sites answer "not mine"
   2. rank 0 -> every site j SEARCH {vector for j, k, exclude id} ; site j answers its top-k
-  3. rank 0 merges by score (spec §4.4; or rank by rank with ``--merge interleave``) and prints
+  3. rank 0 merges by score (spec §4.4; ``--merge interleave`` rank by rank, ``--merge zscore`` by
+     the z-scores the sites computed over their own documents) and prints
      JSON; then STOP to every site.
 
 Raw documents and the other sites' vectors never leave a site; only query vectors and hits move.
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcfed.search.index import Hit, SiteIndex, merge_results
+from hpcfed.search.index import STANDARDIZED_MERGES, Hit, SiteIndex, merge_results
 
 VECTORIZE, VECTORS, SEARCH, HITS, STOP = 40, 41, 42, 43, 44
 log = logging.getLogger("hpcfed.search")
@@ -93,7 +94,8 @@ class SiteServer:
             return {"error": f"site {self.site}: SEARCH without a 1-D 'query' vector"}
         k = int(header.get("k", 10))
         exclude = header.get("exclude")
-        hits = self.index.hits(q[None].astype(np.float32), k, [exclude] if exclude else None)[0]
+        hits = self.index.hits(q[None].astype(np.float32), k, [exclude] if exclude else None,
+                               standardize=bool(header.get("standardize", False)))[0]
         return {"hits": [[h.id, h.score, h.label] for h in hits]}
 
     def _infer(self, text: str) -> np.ndarray:
@@ -153,7 +155,8 @@ def front_end(channel: Any, queries: list[dict], *, k: int, mode: str, timeout: 
             raise ValueError(f"no site holds {what}; sites are {', '.join(sites)}")
         exclude = str(query["id"]) if query.get("id") is not None else None
         for r, j in zip(range(1, channel.size), sites):
-            channel.send(r, SEARCH, {"k": k, "exclude": exclude}, {"query": np.asarray(vectors[f"site{j}"], np.float32)})
+            channel.send(r, SEARCH, {"k": k, "exclude": exclude, "standardize": merge in STANDARDIZED_MERGES},
+                         {"query": np.asarray(vectors[f"site{j}"], np.float32)})
         per_site = []
         for _ in sites:
             msg = _recv(channel, HITS, timeout)

@@ -72,8 +72,11 @@ def test_mapping_run_and_mappers(tmp_path: Path) -> None:
     trained = json.loads(run_cli(["search", "train-mappers", str(out), "--epochs", "3", "--lr", "1e-3",
                                   "--hidden", "32"]).stdout)
     assert set(trained["mappers"]) == {"0->1", "1->0"}
-    live = _live([str(out), "--id", "5", "--mode", "mapping", "--k", "3", "--compact"])
+    # sites in two vector spaces: each site standardizes its own scores before the merge
+    query = ["--id", "5", "--mode", "mapping", "--k", "3", "--merge", "zscore"]
+    live = _live([str(out), *query, "--compact"])
     assert live.returncode == 0, live.stderr[-3000:]
     res = json.loads(live.stdout)["queries"][0]["results"]
-    offline = json.loads(run_cli(["search", "query", str(out), "--id", "5", "--mode", "mapping", "--k", "3"]).stdout)
+    offline = json.loads(run_cli(["search", "query", str(out), *query]).stdout)
     assert res == offline["queries"][0]["results"]
+    assert res[0]["score"] > 0  # a z-score: the best of 40 documents lies above their mean

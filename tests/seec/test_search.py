@@ -36,6 +36,27 @@ def test_interleave_merge_takes_sites_rank_by_rank_home_first() -> None:
         merge_results([home], 2, "best")
 
 
+def _site_with_cosines(site: str, cosines: list[float]) -> SiteIndex:
+    """Unit vectors whose cosines with the query (1, 0) are the given values."""
+    vectors = np.array([[c, np.sqrt(1 - c * c)] for c in cosines], np.float32)
+    return SiteIndex(site, [f"{site}-{i}" for i in range(len(cosines))], vectors)
+
+
+def test_zscore_merge_compares_sites_by_standardized_scores() -> None:
+    query = np.array([[1.0, 0.0]], np.float32)
+    home = _site_with_cosines("0", [0.5, 0.3, 0.1])  # mean .3, std .1633
+    mapped = _site_with_cosines("1", [0.95, 0.94, 0.81])  # scores run high: mean .9, std .06377
+    z_home, z_mapped = home.hits(query, 3, standardize=True)[0], mapped.hits(query, 3, standardize=True)[0]
+    assert [h.score for h in z_home] == pytest.approx([1.224745, 0.0, -1.224745], abs=1e-4)
+    assert [h.score for h in z_mapped] == pytest.approx([0.784063, 0.627250, -1.411313], abs=1e-4)
+    assert [h.id for h in merge_results([z_home, z_mapped], 3, "zscore")] == ["0-0", "1-0", "1-1"]
+    raw = [home.hits(query, 3)[0], mapped.hits(query, 3)[0]]
+    assert [h.id for h in merge_results(raw, 3, "score")] == ["1-0", "1-1", "1-2"]  # raw cosines: one site only
+    # the excluded document (the query itself) is left out of the mean and std: (.3 - .2) / .1 = 1
+    assert home.hits(query, 1, exclude=["0-0"], standardize=True)[0][0].score == pytest.approx(1.0, abs=1e-4)
+    assert _site_with_cosines("2", [0.4]).hits(query, 1, standardize=True)[0][0].score == 0.0  # one document
+
+
 def test_site_index_topk_excludes_the_query() -> None:
     idx = SiteIndex("0", ["a", "b", "c"], np.array([[1, 0], [0.9, 0.1], [0, 1]], np.float32), np.array([0, 0, 1]))
     hits = idx.hits(idx.raw[:1], 2, exclude=["a"])[0]
