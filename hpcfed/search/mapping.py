@@ -19,9 +19,16 @@ from hpcfed.store.embeddings import read_export
 
 
 def train_mappers(folder: str | Path, out_dir: str | Path | None = None, config: MapperConfig | None = None,
-                  log: Callable[[str], None] | None = None) -> dict[str, dict[str, float]]:
-    """Fit and store m_{i→j} for all i ≠ j; returns per pair the first/last loss and the mean cosine."""
+                  log: Callable[[str], None] | None = None, holdout: float = 0.0) -> dict[str, dict[str, float]]:
+    """Fit and store m_{i→j} for all i ≠ j; returns per pair the first/last loss and the mean cosine.
+
+    ``holdout`` > 0 keeps that share of the public documents (drawn with ``config.seed``) out of
+    training and adds ``heldout_mean_cosine``: the way to choose the learning rate and epochs
+    without the private data or a central model.
+    """
     config = config or MapperConfig()
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout must be in [0, 1), got {holdout}")
     exports = site_exports(folder)
     if len(exports) < 2:
         raise ValueError(f"{folder}: mapping needs at least two sites' exports, found {len(exports)}")
@@ -43,14 +50,28 @@ def train_mappers(folder: str | Path, out_dir: str | Path | None = None, config:
                 raise ValueError(f"sites {i} and {j} vectorised no public document in common")
             x = np.stack([public[i][d] for d in common])
             y = np.stack([public[j][d] for d in common])
-            mapper = train_mapper(x, y, config, src=i, dst=j, log=log)
+            held = _holdout_mask(len(common), holdout, config.seed)
+            mapper = train_mapper(x[~held], y[~held], config, src=i, dst=j, log=log)
             save_mapper(mapper_path(out, i, j), mapper)
             report[f"{i}->{j}"] = {"loss_first_epoch": mapper.history[0] if mapper.history else float("nan"),
                                    "loss_last_epoch": mapper.history[-1] if mapper.history else float("nan"),
-                                   "mean_cosine": mean_cosine(mapper(x), y), "num_public": float(len(common))}
+                                   "mean_cosine": mean_cosine(mapper(x[~held]), y[~held]),
+                                   "num_public": float((~held).sum())}
+            if held.any():
+                report[f"{i}->{j}"].update(heldout_mean_cosine=mean_cosine(mapper(x[held]), y[held]),
+                                           num_heldout=float(held.sum()))
             if log:
                 log(f"mapper site{i}->site{j}: {report[f'{i}->{j}']}")
     return report
+
+
+def _holdout_mask(n: int, share: float, seed: int) -> np.ndarray:
+    held = np.zeros(n, dtype=bool)
+    count = int(round(n * share))
+    if count and n - count < 1:
+        raise ValueError(f"holdout {share} leaves no public document to train on ({n} in common)")
+    held[np.random.default_rng(seed).permutation(n)[:count]] = True
+    return held
 
 
 def _has_entity(path: Path, entity: str) -> bool:

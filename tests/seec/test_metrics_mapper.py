@@ -64,3 +64,23 @@ def test_mapper_rejects_nan_input() -> None:
     x[0, 0] = np.nan
     with pytest.raises(ValueError, match="loss became nan"):
         train_mapper(x, np.ones((4, 3)), MapperConfig(hidden=4, epochs=1))
+
+
+def test_train_mappers_reports_held_out_cosine(tmp_path) -> None:
+    from hpcfed.search.mapping import train_mappers
+    from hpcfed.store.embeddings import export_path, write_export
+
+    rng = np.random.default_rng(2)
+    r, _ = np.linalg.qr(rng.normal(size=(8, 8)))
+    public = rng.normal(size=(200, 8)).astype(np.float32)
+    ids = [f"p{i}" for i in range(200)]
+    for site, vectors in ((0, public), (1, public @ r.T)):
+        write_export(export_path(tmp_path, site), vectors.astype(np.float32), ids, entity="public", model="t", site=site)
+    cfg = MapperConfig(hidden=64, lr=1e-3, epochs=40)
+    report = train_mappers(tmp_path, tmp_path / "mappers", cfg, holdout=0.2)
+    for pair in ("0->1", "1->0"):
+        assert report[pair]["num_public"] == 160 and report[pair]["num_heldout"] == 40
+        assert report[pair]["heldout_mean_cosine"] > 0.8  # a rotation generalises to unseen documents
+    assert "heldout_mean_cosine" not in train_mappers(tmp_path, tmp_path / "all", cfg)["0->1"]
+    with pytest.raises(ValueError, match="holdout must be in"):
+        train_mappers(tmp_path, tmp_path / "bad", cfg, holdout=1.0)
