@@ -3,8 +3,9 @@
 Setup exchange (joint mode): each site sends its word counts U_i (``setup()``); the server merges
 them into one ordered vocabulary and seeded initial arrays (``server_setup``); every site builds the
 same gensim skeleton with its own document tags (``on_setup``). Each round is one local epoch
-(``local_epochs``) with the reference's continuous learning-rate decay; the runtime's FedAvg
-averages ``wv`` and ``syn1neg`` (``federated_arrays``). Document vectors never leave the site.
+(``local_epochs``), or every ``rounds_per_epoch``-th document of one, with the reference's continuous
+learning-rate decay; the runtime's FedAvg averages ``wv`` and ``syn1neg`` (``federated_arrays``), or
+with ``update: sum`` adds up the sites' steps. Document vectors never leave the site.
 
 Methods (``method=``):
   joint        the above (default)
@@ -163,11 +164,18 @@ class GensimJointTask(Task):
     # -- learning -------------------------------------------------------------------------------------
     def fit(self, round: int) -> FitResult:
         c = self.config
-        g.train_epochs(self.model, self.corpus, self.settings, first_epoch=round * c.local_epochs,
-                       num_epochs=c.local_epochs, total_epochs=c.total_epochs,
+        parts = getattr(c, "rounds_per_epoch", 1)
+        if parts > 1:  # one round = one slice of an epoch, so the sites' models drift apart less
+            corpus = self.corpus[round % parts::parts]
+            first_epoch, last_epoch = round // parts, round // parts
+        else:
+            corpus = self.corpus
+            first_epoch, last_epoch = round * c.local_epochs, (round + 1) * c.local_epochs - 1
+        g.train_epochs(self.model, corpus, self.settings, first_epoch=first_epoch,
+                       num_epochs=last_epoch - first_epoch + 1, total_epochs=c.total_epochs,
                        seed=_rng_seed(self.site.seed, self.site.client_id, round))
-        return FitResult(num_examples=len(self.corpus),
-                         metrics={"alpha": g.epoch_alpha(self.settings, (round + 1) * c.local_epochs - 1, c.total_epochs)})
+        return FitResult(num_examples=len(corpus),
+                         metrics={"alpha": g.epoch_alpha(self.settings, last_epoch, c.total_epochs)})
 
     # -- resumable state: the private arrays ------------------------------------------------------------
     def state_dict(self) -> Bundle:
@@ -225,6 +233,7 @@ class Doc2VecTask(GensimJointTask):
         doc_vectors: Literal["trained", "inferred"] = "trained"
         local_epochs: int = 1
         total_epochs: int = 40  # the decay spans all rounds: set rounds = total_epochs / local_epochs
+        rounds_per_epoch: int = 1  # > 1: a round trains 1/n of the corpus (local_epochs must be 1)
         federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
         # mean: FedAvg of the arrays (spec §4.2); sum: the server's mean becomes the sum of the sites'
         # updates (FedAvg with server learning rate K; needs strategy.weighting=uniform), see scale_update
@@ -234,9 +243,13 @@ class Doc2VecTask(GensimJointTask):
         eval_k: int = 10
 
         def validate(self) -> None:
-            for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "infer_epochs"):
+            for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "infer_epochs",
+                        "rounds_per_epoch"):
                 if getattr(self, key) < 1:
                     raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+            if self.rounds_per_epoch > 1 and self.local_epochs != 1:
+                raise ValueError(f"rounds_per_epoch={self.rounds_per_epoch} splits one epoch over rounds: "
+                                 f"set local_epochs=1 (got {self.local_epochs}) and rounds = total_epochs x rounds_per_epoch")
             bad = [a for a in self.federated_arrays if a not in g.FEDERATED_ARRAYS]
             if bad or not self.federated_arrays:
                 raise ValueError(f"federated_arrays={self.federated_arrays}; choose from {list(g.FEDERATED_ARRAYS)}")

@@ -164,6 +164,17 @@ def test_sum_update_makes_the_mean_the_sum_of_the_sites_steps() -> None:
         np.testing.assert_allclose(mean_of_uploads[name], want, atol=1e-6)
 
 
+def test_rounds_per_epoch_trains_one_slice_of_the_epoch_per_round() -> None:
+    tasks, _ = _joint_sites(num_docs=12, rounds_per_epoch=3)
+    site = tasks[0]  # 6 documents: rounds 0, 1, 2 train documents 0 and 3, 1 and 4, 2 and 5
+    first = [site.fit(r) for r in range(3)]
+    assert [f.num_examples for f in first] == [2, 2, 2]
+    assert [f.metrics["alpha"] for f in first] == pytest.approx([0.025] * 3)  # all of epoch 0
+    assert site.fit(3).metrics["alpha"] == pytest.approx(0.0001)  # round 3 starts epoch 1 (of 2)
+    with pytest.raises(ValueError, match="set local_epochs=1"):
+        Doc2VecTask.Config(dataset="gensim", rounds_per_epoch=2, local_epochs=2).validate()
+
+
 def test_inferred_doc_vectors_are_what_a_text_query_of_the_same_words_gives(tmp_path) -> None:
     from hpcfed.data.corpus import tokenize
     from hpcfed.store.embeddings import read_export
