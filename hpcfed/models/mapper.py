@@ -7,8 +7,9 @@ vectorise the same public corpus D_p; an MLP learns to carry site i's vectors in
     L = mean_b (1 − cos(m(V_i[b]), V_j[b]))                 (CosineEmbeddingLoss, target +1)
 
 trained with Adam, 20 epochs, batch 64, lr 1e-4 (the paper's 1e-5 leaves the mapper under-fitted
-after 20 epochs on 20NG: cosine on held-out public documents .716 against .767). d_i ≠ d_j is allowed. The activation is
-not stated in the paper (ReLU here, [RECON]). Mappers are stored in HDF5 (weights + attributes).
+after 20 epochs on 20NG: cosine on held-out public documents .716 against .767). d_i ≠ d_j is
+allowed. The activation is not stated in the paper (ReLU here, [RECON]). Mappers are stored in
+HDF5 (weights + attributes).
 """
 
 from __future__ import annotations
