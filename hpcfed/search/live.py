@@ -1,6 +1,6 @@
 """Live cross-site search over MPI: every site rank serves only its own export.
 
-    mpiexec -n K+1 python -m hpcfed search live --exports RUN [--id ID | --text TEXT --home S] ...
+    mpiexec -n K+1 python -m hpcfed search live RUN [--id ID | --text TEXT --home S] ...
 
 Rank 0 is the front end; rank r (1..K) serves site r−1 (``site<r−1>.h5``, its model and its own
 mappers m_{r−1→j}). Every message travels over `hpcfed.comm.channel.SecureChannel` (pre-shared key
