@@ -76,6 +76,19 @@ def bundle_counts(tensors: dict[str, np.ndarray], where: str) -> dict[str, int]:
     return g.decode_counts(words, tensors["counts"], where)
 
 
+def validate_shared(config: Any, *, positive: tuple[str, ...] = ()) -> None:
+    """The checks of the options every gensim joint task has (plus its own `positive` ints)."""
+    for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "rounds_per_epoch", *positive):
+        if getattr(config, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(config, key)}")
+    if config.rounds_per_epoch > 1 and config.local_epochs != 1:
+        raise ValueError(f"rounds_per_epoch={config.rounds_per_epoch} splits one epoch over rounds: set "
+                         f"local_epochs=1 (got {config.local_epochs}) and rounds = total_epochs x rounds_per_epoch")
+    bad = [a for a in config.federated_arrays if a not in g.FEDERATED_ARRAYS]
+    if bad or not config.federated_arrays:
+        raise ValueError(f"federated_arrays={config.federated_arrays}; choose from {list(g.FEDERATED_ARRAYS)}")
+
+
 def _rng_seed(*keys: int) -> int:
     return int(np.random.SeedSequence([abs(int(k)) for k in keys]).generate_state(1)[0])
 
@@ -150,7 +163,7 @@ class GensimJointTask(Task):
         if self.model is None:  # before the vocabulary exists the server builds the initial model
             return {}
         arrays = g.get_arrays(self.model, self.config.federated_arrays)
-        if getattr(self.config, "update", "mean") == "sum" and self._round_start:
+        if self.config.update == "sum" and self._round_start:
             return g.scale_update(self._round_start, arrays, float(self.site.num_clients))
         return arrays
 
@@ -158,13 +171,13 @@ class GensimJointTask(Task):
         if self.independent:
             return
         g.set_arrays(self.model, params)
-        if getattr(self.config, "update", "mean") == "sum":
+        if self.config.update == "sum":
             self._round_start = {k: np.array(v, dtype=np.float32, copy=True) for k, v in params.items()}
 
     # -- learning -------------------------------------------------------------------------------------
     def fit(self, round: int) -> FitResult:
         c = self.config
-        parts = getattr(c, "rounds_per_epoch", 1)
+        parts = c.rounds_per_epoch
         if parts > 1:  # one round = one slice of an epoch, so the sites' models drift apart less
             corpus = self.corpus[round % parts::parts]
             first_epoch, last_epoch = round // parts, round // parts
@@ -243,16 +256,7 @@ class Doc2VecTask(GensimJointTask):
         eval_k: int = 10
 
         def validate(self) -> None:
-            for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "infer_epochs",
-                        "rounds_per_epoch"):
-                if getattr(self, key) < 1:
-                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-            if self.rounds_per_epoch > 1 and self.local_epochs != 1:
-                raise ValueError(f"rounds_per_epoch={self.rounds_per_epoch} splits one epoch over rounds: "
-                                 f"set local_epochs=1 (got {self.local_epochs}) and rounds = total_epochs x rounds_per_epoch")
-            bad = [a for a in self.federated_arrays if a not in g.FEDERATED_ARRAYS]
-            if bad or not self.federated_arrays:
-                raise ValueError(f"federated_arrays={self.federated_arrays}; choose from {list(g.FEDERATED_ARRAYS)}")
+            validate_shared(self, positive=("infer_epochs",))
             if self.dataset != "20newsgroups" and self.dataset != "gensim" and not self.path:
                 raise ValueError(f"dataset={self.dataset} needs path (a .jsonl or .txt corpus)")
             from hpcfed.data.corpus import check_remove

@@ -23,7 +23,7 @@ from hpcfed.models import doc2vec as g
 from hpcfed.models.node2vec import walk_corpus
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks.base import Site
-from hpcfed.tasks.doc2vec import GensimJointTask, _rng_seed, apply_gensim_method, model_path
+from hpcfed.tasks.doc2vec import GensimJointTask, _rng_seed, apply_gensim_method, model_path, validate_shared
 
 METHODS = ("joint", "centralized")
 
@@ -52,6 +52,7 @@ class Node2VecTask(GensimJointTask):
         min_alpha: float = 0.0001
         local_epochs: int = 1
         total_epochs: int = 40
+        rounds_per_epoch: int = 1  # as doc2vec's: > 1, a round trains 1/n of the walks
         federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
         update: Literal["mean", "sum"] = "mean"  # as doc2vec's: sum = FedAvg with server learning rate K
         vocab_merge: Literal["sum", "reference_compat"] = "sum"
@@ -59,15 +60,9 @@ class Node2VecTask(GensimJointTask):
         eval_k: int = 10
 
         def validate(self) -> None:
-            for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "walk_length",
-                        "num_walks"):
-                if getattr(self, key) < 1:
-                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+            validate_shared(self, positive=("walk_length", "num_walks"))
             if self.p <= 0 or self.q <= 0:
                 raise ValueError(f"p and q must be > 0, got p={self.p}, q={self.q}")
-            bad = [a for a in self.federated_arrays if a not in g.FEDERATED_ARRAYS]
-            if bad or not self.federated_arrays:
-                raise ValueError(f"federated_arrays={self.federated_arrays}; choose from {list(g.FEDERATED_ARRAYS)}")
 
     def __init__(self, config: Config, site: Site) -> None:
         super().__init__(config, site)
