@@ -167,7 +167,7 @@ def sweep(args: argparse.Namespace) -> int:
              "mean ± sample sd (ddof = 1) over seeds.", ""]
 
     # test split per site and level (from summary.json: the same for every method and seed, else flagged)
-    parts += [f"### Test split per site: messages / events", "",
+    parts += ["### Test split per site: messages / events", "",
               f"| {short} | " + " | ".join(args.sites) + " |", "|" + "---|" * (k + 1)]
     for level in levels:
         cells = []

@@ -144,7 +144,7 @@ def merge_results(per_site: Sequence[Sequence[Hit]], k: int, how: str = "score",
     standardized scores. ``interleave``: rank by rank over the sites, the `home` site's list first,
     then the others by site id; every list must be best-first already (as `SiteIndex.hits` returns them).
     """
-    if how in ("score", "zscore"):
+    if how == "score" or how in STANDARDIZED_MERGES:
         merged = [h for hits in per_site for h in hits]
         merged.sort(key=lambda h: (-h.score, h.id, h.site))
         return merged[:k]
