@@ -56,7 +56,7 @@ def prepare_config(path: str, overrides: list[str]) -> Config:
 
 def _component(resolve, name: str, key: str, source: str):
     try:
-        return resolve(name)
+        return resolve(name, source)
     except ValueError as exc:
         raise ConfigError(f"{source}: {key}: {exc}") from None
 

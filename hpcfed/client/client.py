@@ -30,7 +30,7 @@ class Client:
         self.channel = channel
         self.client_id = channel.rank - 1
         self.num_clients = channel.size - 1
-        task_cls = task_class(cfg.task.name)
+        task_cls = task_class(cfg.task.name, cfg.source)
         task_config = build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
         from hpcfed.data.root import data_root
 

@@ -44,9 +44,9 @@ class Server:
         self.resume = resume
         self.num_clients = channel.size - 1
         self.live: set[int] = set(range(self.num_clients))
-        self.task_cls = task_class(cfg.task.name)
+        self.task_cls = task_class(cfg.task.name, cfg.source)
         self.task_config = build(self.task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
-        strategy_cls = strategy_class(cfg.strategy.name)
+        strategy_cls = strategy_class(cfg.strategy.name, cfg.source)
         self.strategy: Strategy = strategy_cls(
             build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
             StrategyContext(num_clients=self.num_clients, seed=cfg.seed, task_cls=self.task_cls,
