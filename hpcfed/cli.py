@@ -6,6 +6,7 @@
     hpcfed bench comm [--json]
     hpcfed data import-hin|import-messages ...
     hpcfed search ... / hpcfed report DIR
+    hpcfed new DIR [--template torch|lora]
 
 Subcommands that belong to one part of the system are listed in `DATA_COMMANDS` and
 `EXTRA_COMMANDS` as ``"module:function"``; each function takes its argv and returns an exit code.
@@ -31,6 +32,7 @@ DATA_COMMANDS: dict[str, str] = {
 EXTRA_COMMANDS: dict[str, str] = {
     "report": "hpcfed.report:main",
     "search": "hpcfed.search.cli:main",
+    "new": "hpcfed.scaffold:main",
 }
 
 USER_ERROR_EXIT = 2

@@ -29,6 +29,7 @@ TASKS: dict[str, str] = {
     "hin": "hpcfed.tasks.hin:HINTask",
     "doc2vec": "hpcfed.tasks.doc2vec:Doc2VecTask",
     "node2vec": "hpcfed.tasks.node2vec:Node2VecTask",
+    "lora_20ng": "hpcfed.tasks.news20_lora:News20LoraTask",
 }
 
 STRATEGIES: dict[str, str] = {

@@ -247,3 +247,27 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def label_skew_shares(num_classes: int, num_sites: int, alpha: float, seed: int) -> np.ndarray:
+    """(num_classes, num_sites) shares: row c is a Dirichlet(alpha) draw of how class c splits over sites.
+
+    The same shares applied to a train and a test split give every site the same label mix in both.
+    """
+    if alpha <= 0:
+        raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 7741]))
+    return rng.dirichlet(np.full(num_sites, alpha), size=num_classes)
+
+
+def split_by_shares(labels: np.ndarray, shares: np.ndarray, seed: int) -> np.ndarray:
+    """Site id of every item: class c's items (in a seeded random order) are cut by ``shares[c]``."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 7753]))
+    owners = np.zeros(len(labels), dtype=np.int64)
+    for c in range(shares.shape[0]):
+        members = rng.permutation(np.flatnonzero(labels == c))
+        cuts = (np.cumsum(shares[c])[:-1] * len(members)).astype(np.int64)
+        for s, part in enumerate(np.split(members, cuts)):
+            owners[part] = s
+    return owners

@@ -431,6 +431,7 @@ class Server:
             "wall_time_s": self.metrics.elapsed(),
             "server_cpu_s": time.process_time() - self._cpu0,
             "rejected": {"runtime": self.rejected, "channel": dict(self.channel.stats.rejected)},
+            "channel": self.channel.stats.as_dict(),  # the server's traffic: bytes per run, per round
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "config": self.cfg.to_dict(),
             "config_hash": self.cfg.hash(),

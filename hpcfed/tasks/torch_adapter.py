@@ -248,12 +248,17 @@ class TorchTask(Task):
                          metrics={"train_loss": total / max(seen, 1)})
 
     def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+        result = self.evaluate_on(self.eval_data("test" if final else "val"))
+        return result if final else {f"val_{k}": v for k, v in result.items()}
+
+    def evaluate_on(self, batches: Iterable) -> dict[str, float]:
+        """Loss and `metrics` of the current model over `batches` (empty dict for no batches)."""
         import torch
 
         outputs, targets, total, seen = [], [], 0.0, 0
         self.model.eval()
         with torch.no_grad():
-            for batch in self.eval_data("test" if final else "val"):
+            for batch in batches:
                 inputs, target = to_device(self.split_batch(batch), self.device)
                 out = self.forward(inputs)
                 n = _batch_len(target)
@@ -263,8 +268,7 @@ class TorchTask(Task):
                 targets.append(target.detach().cpu())
         if not outputs:
             return {}
-        result = {"loss": total / max(seen, 1), **self.metrics(torch.cat(outputs), torch.cat(targets))}
-        return result if final else {f"val_{k}": v for k, v in result.items()}
+        return {"loss": total / max(seen, 1), **self.metrics(torch.cat(outputs), torch.cat(targets))}
 
     def export_embeddings(self, out_dir: Path) -> Path | None:
         import torch

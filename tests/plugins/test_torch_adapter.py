@@ -97,3 +97,18 @@ def test_fit_is_seeded_by_seed_client_and_round(plugin_path, tmp_path):
     a.fit(4)
     b.fit(4)
     assert all(np.array_equal(v, b.get_parameters()[k]) for k, v in a.get_parameters().items())
+
+
+def test_label_skew_shares_cut_train_and_test_alike():
+    from hpcfed.data.partition import label_skew_shares, split_by_shares
+
+    shares = label_skew_shares(4, 3, 0.5, seed=1)
+    assert shares.shape == (4, 3) and np.allclose(shares.sum(1), 1.0)
+    labels = np.repeat(np.arange(4), 300)
+    owners = split_by_shares(labels, shares, seed=2)
+    for c in range(4):
+        got = np.bincount(owners[labels == c], minlength=3) / 300
+        assert np.abs(got - shares[c]).max() < 0.01
+    assert np.array_equal(owners, split_by_shares(labels, shares, seed=2))
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        label_skew_shares(4, 3, 0.0, seed=1)
