@@ -1,8 +1,8 @@
-"""Model parameters as named float arrays, and their flat float32 view for aggregation.
+"""Model parameters as named arrays, their flat float32 view for aggregation, and their wire form.
 
-Tasks speak `Params` (an ordered ``dict[str, np.ndarray]``); strategies aggregate flat float32
-vectors laid out by a `ParamLayout`, so aggregation is a handful of vector operations with no
-Python loop over layers.
+Tasks speak `Params` (an ordered ``dict[str, np.ndarray]``, each in its own dtype); strategies
+aggregate flat float32 vectors laid out by a `ParamLayout`, so aggregation is a handful of vector
+operations with no Python loop over layers; the channel carries one flat buffer per dtype group.
 """
 
 from __future__ import annotations
@@ -10,31 +10,144 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import ml_dtypes
 import numpy as np
 
 Params = dict[str, np.ndarray]
 
 
+# Dtypes a parameter keeps on the wire and back in the task; any other (float64, ...) travels
+# and is aggregated as float32, as every parameter did before dtypes were kept.
+WIRE_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
+    np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_))
+FLOAT32 = np.dtype(np.float32)
+
+
+def wire_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a parameter of `dtype` crosses the channel in."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype in WIRE_DTYPES else FLOAT32
+
+
+def is_float(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+
+
 @dataclass(frozen=True)
 class ParamLayout:
-    """Names, shapes and offsets of parameters inside one flat float32 vector."""
+    """Names, shapes, dtypes and offsets of parameters inside one flat float32 vector.
+
+    The flat float32 vector is what strategies aggregate. On the wire a model travels as one flat
+    buffer per dtype group (`pack`/`unpack`), each parameter in its own dtype: a bf16 model moves
+    half the bytes of the same model in fp32. Integer and bool parameters (e.g. BatchNorm's
+    ``num_batches_tracked``) are aggregated like the rest in float32 and rounded to the nearest
+    integer (bool: >= 0.5) when packed back into their dtype.
+    """
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]
     size: int
+    dtypes: tuple[np.dtype, ...] = ()  # per parameter; empty = all float32
+
+    def __post_init__(self) -> None:
+        if not self.dtypes:
+            object.__setattr__(self, "dtypes", (FLOAT32,) * len(self.names))
+        groups: dict[np.dtype, int] = {}
+        slots = []
+        for shape, dt in zip(self.shapes, self.dtypes):
+            at = groups.get(dt, 0)
+            slots.append(at)
+            groups[dt] = at + int(np.prod(shape, dtype=np.int64))
+        object.__setattr__(self, "_groups", groups)
+        object.__setattr__(self, "_slots", tuple(slots))
 
     @classmethod
     def of(cls, params: Mapping[str, np.ndarray]) -> "ParamLayout":
-        names, shapes, offsets, pos = [], [], [], 0
+        names, shapes, offsets, dtypes, pos = [], [], [], [], 0
         for name, value in params.items():
             arr = np.asarray(value)
             names.append(name)
             shapes.append(tuple(int(s) for s in arr.shape))
             offsets.append(pos)
+            dtypes.append(wire_dtype(arr.dtype))
             pos += int(arr.size)
-        return cls(tuple(names), tuple(shapes), tuple(offsets), pos)
+        return cls(tuple(names), tuple(shapes), tuple(offsets), pos, tuple(dtypes))
 
+    # -- dtype groups (the wire form) -----------------------------------------------------------
+    @property
+    def groups(self) -> dict[str, int]:
+        """dtype name -> number of values of that dtype, in the order of first appearance."""
+        return {dt.name: n for dt, n in self._groups.items()}  # type: ignore[attr-defined]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one model in its own dtypes (what crosses the channel)."""
+        return sum(dt.itemsize * n for dt, n in self._groups.items())  # type: ignore[attr-defined]
+
+    def describe(self) -> list[list]:
+        """[[name, shape, dtype name], ...]: what server and client compare at setup."""
+        return [[n, list(s), dt.name] for n, s, dt in zip(self.names, self.shapes, self.dtypes)]
+
+    def pack(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One flat buffer per dtype group (dtype name -> array), each parameter in its dtype."""
+        self.check(params)
+        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:  # type: ignore[attr-defined]
+            return {"float32": self.flatten(params)}
+        out = {dt.name: np.empty(n, dtype=dt) for dt, n in self._groups.items()}  # type: ignore[attr-defined]
+        for name, shape, dt, slot in zip(self.names, self.shapes, self.dtypes, self._slots):  # type: ignore[attr-defined]
+            n = int(np.prod(shape, dtype=np.int64))
+            out[dt.name][slot: slot + n] = np.asarray(params[name]).reshape(-1).astype(dt, copy=False)
+        return out
+
+    def pack_flat(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """The float32 aggregation vector as per-dtype wire buffers (no copy for an all-fp32 model).
+        Integers are rounded to nearest and clipped to their dtype's range; bools are >= 0.5."""
+        if flat.shape != (self.size,):
+            raise ValueError(f"flat parameter vector has shape {flat.shape}, expected ({self.size},)")
+        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:  # type: ignore[attr-defined]
+            return {"float32": flat}
+        out = {dt.name: np.empty(n, dtype=dt) for dt, n in self._groups.items()}  # type: ignore[attr-defined]
+        for shape, offset, dt, slot in zip(self.shapes, self.offsets, self.dtypes, self._slots):  # type: ignore[attr-defined]
+            n = int(np.prod(shape, dtype=np.int64))
+            out[dt.name][slot: slot + n] = _cast(flat[offset: offset + n], dt)
+        return out
+
+    def check_packed(self, groups: Mapping[str, np.ndarray]) -> str | None:
+        """Why `groups` (dtype name -> array) is not this layout's wire form, or None if it is."""
+        want = self._groups  # type: ignore[attr-defined]
+        if set(groups) != {dt.name for dt in want}:
+            return f"dtype groups {sorted(groups)}, expected {sorted(dt.name for dt in want)}"
+        for dt, n in want.items():
+            got = groups[dt.name]
+            if not isinstance(got, np.ndarray) or got.dtype != dt or got.shape != (n,):
+                what = f"{got.dtype} {got.shape}" if isinstance(got, np.ndarray) else type(got).__name__
+                return f"{dt.name} group is {what}, expected {dt.name} ({n},)"
+        return None
+
+    def packed_finite(self, groups: Mapping[str, np.ndarray]) -> bool:
+        """True when no float group holds NaN or Inf (integer groups always are)."""
+        return all(bool(np.isfinite(v).all()) for v in groups.values() if is_float(v.dtype))
+
+    def unpack(self, groups: Mapping[str, np.ndarray]) -> Params:
+        """Views of the wire buffers shaped as the parameters, each in its dtype (call `check_packed` first)."""
+        out: Params = {}
+        for name, shape, dt, slot in zip(self.names, self.shapes, self.dtypes, self._slots):  # type: ignore[attr-defined]
+            n = int(np.prod(shape, dtype=np.int64))
+            out[name] = groups[dt.name][slot: slot + n].reshape(shape)
+        return out
+
+    def unpack_flat(self, groups: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The float32 aggregation vector of a packed model (the buffer itself for an all-fp32 one)."""
+        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:  # type: ignore[attr-defined]
+            return groups["float32"]
+        flat = np.empty(self.size, dtype=np.float32)
+        for shape, offset, dt, slot in zip(self.shapes, self.offsets, self.dtypes, self._slots):  # type: ignore[attr-defined]
+            n = int(np.prod(shape, dtype=np.int64))
+            flat[offset: offset + n] = groups[dt.name][slot: slot + n]
+        return flat
+
+    # -- the float32 aggregation vector ---------------------------------------------------------
     def flatten(self, params: Mapping[str, np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
         """Copy `params` into one float32 vector; raises ValueError naming any mismatch."""
         self.check(params)
@@ -66,6 +179,15 @@ class ParamLayout:
             got = tuple(np.shape(params[name]))
             if got != shape:
                 raise ValueError(f"parameter {name!r} has shape {got}, expected {shape}")
+
+
+def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if dtype == np.bool_:
+        return values >= 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.clip(np.rint(values), info.min, info.max).astype(dtype)
+    return values.astype(dtype)
 
 
 def all_finite(params: Mapping[str, np.ndarray]) -> bool:

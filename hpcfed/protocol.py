@@ -9,8 +9,8 @@ from __future__ import annotations
 
 SETUP = 1  # client -> server: task setup payload ("setup/*"), client 0's initial model ("init/*")
 SETUP_REPLY = 2  # server -> client: task reply ("setup/*"), resumed state ("state/*"), layout, start round
-PARAMS = 3  # server -> client: "params" flat float32 model for a round (sync) or version (async)
-UPDATE = 4  # client -> server: "params" flat float32, + "state/*" when a checkpoint asked for it
+PARAMS = 3  # server -> client: the model for a round (sync) or version (async), see `params_tensors`
+UPDATE = 4  # client -> server: the model (`params_tensors`), + "state/*" when a checkpoint asked for it
 FINAL = 5  # server -> client: final model to evaluate and export
 RESULT = 6  # client -> server: final metrics
 STOP = 7  # server -> client: leave now (header: reason)
@@ -23,6 +23,26 @@ SETUP_PREFIX = "setup/"
 INIT_PREFIX = "init/"
 STATE_PREFIX = "state/"
 PARAMS_KEY = "params"
+
+
+def params_key(dtype_name: str) -> str:
+    """Tensor name of a model's flat buffer of one dtype: "params" for float32 (the only one an
+    all-fp32 model has), "params:bfloat16", "params:float16", "params:int8" ... for the others."""
+    return PARAMS_KEY if dtype_name == "float32" else f"{PARAMS_KEY}:{dtype_name}"
+
+
+def params_tensors(groups: dict) -> dict:
+    """A packed model (dtype name -> flat buffer, `ParamLayout.pack`) as bundle tensors."""
+    return {params_key(name): buf for name, buf in groups.items()}
+
+
+def params_groups(tensors: dict, dtype_names) -> dict:
+    """The packed model inside `tensors` for the layout's dtype groups (missing groups are absent)."""
+    return {name: tensors[params_key(name)] for name in dtype_names if params_key(name) in tensors}
+
+
+def is_params_key(name: str) -> bool:
+    return name == PARAMS_KEY or name.startswith(PARAMS_KEY + ":")
 
 
 def split_prefixed(tensors: dict, prefix: str) -> dict:

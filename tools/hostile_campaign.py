@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 FRAME_ATTACKS = (
@@ -72,6 +73,7 @@ BUNDLE_ATTACKS = (
 )
 RUNTIME_ATTACKS = (
     "nan_params", "inf_params", "wrong_dtype_float64", "wrong_dtype_int32", "wrong_dtype_float16",
+    "wrong_dtype_bfloat16", "wrong_dtype_group",
     "wrong_shape_short", "wrong_shape_long", "wrong_shape_2d", "wrong_shape_scalar", "missing_params",
     "unknown_name_extra", "unknown_name_only", "bad_num_examples", "bad_metrics", "stale_round",
 )
@@ -321,6 +323,10 @@ class Forger:
             tensors = {P.PARAMS_KEY: good.astype(np.int32)}
         elif name == "wrong_dtype_float16":
             tensors = {P.PARAMS_KEY: good.astype(np.float16)}
+        elif name == "wrong_dtype_bfloat16":  # bf16 where the layout says float32: half the bytes, refused
+            tensors = {P.PARAMS_KEY: good.astype(ml_dtypes.bfloat16)}
+        elif name == "wrong_dtype_group":  # a dtype group the layout does not have
+            tensors = {P.params_key("bfloat16"): good.astype(ml_dtypes.bfloat16)}
         elif name == "wrong_shape_short":
             tensors = {P.PARAMS_KEY: good[:-1]}
         elif name == "wrong_shape_long":

@@ -16,6 +16,7 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.config import Config, build
+from hpcfed.cost import rank_cost
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.registry import task_class
@@ -80,11 +81,10 @@ class Client:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
         self.layout = ParamLayout.of(self.task.get_parameters())
-        expected = [[n, list(s)] for n, s in zip(self.layout.names, self.layout.shapes)]
-        if reply.header.get("layout") != expected:
+        if reply.header.get("layout") != self.layout.describe():
             raise FederationError(
-                f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes "
-                f"differ); every site must use the same task config")
+                f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes/"
+                f"dtypes differ); every site must use the same task config")
         if reply.header.get("resumed"):
             state = P.split_prefixed(reply.tensors, P.STATE_PREFIX)
             if state or reply.header.get("state"):
@@ -103,7 +103,7 @@ class Client:
         if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.federation.mode == "sync":
             metrics.update(self.task.evaluate(rnd))
         self.client_version += 1
-        tensors = {P.PARAMS_KEY: self.layout.flatten(self.task.get_parameters())}
+        tensors = P.params_tensors(self.layout.pack(self.task.get_parameters()))
         header: dict[str, Any] = {"round": rnd, "version": msg.header.get("version", 0),
                                   "client_version": self.client_version, "num_examples": int(result.num_examples),
                                   "metrics": {k: _json_number(v) for k, v in metrics.items()}}
@@ -120,13 +120,15 @@ class Client:
         if path is not None:
             log.info("client %d: embeddings written to %s", self.client_id, path)
         self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
+                                        "cost": rank_cost(self.channel.stats),
                                         "export": str(path) if path else None})
 
     def _load(self, msg: Any) -> None:
-        flat = msg.tensors.get(P.PARAMS_KEY)
-        if flat is None or flat.dtype != np.float32 or flat.shape != (self.layout.size,):
-            raise FederationError(f"client {self.client_id}: the server sent a model of the wrong shape")
-        self.task.set_parameters({k: np.array(v) for k, v in self.layout.unflatten(flat).items()})
+        groups = P.params_groups(msg.tensors, self.layout.groups)
+        wrong = self.layout.check_packed(groups)
+        if wrong:
+            raise FederationError(f"client {self.client_id}: the server sent a model of the wrong form ({wrong})")
+        self.task.set_parameters({k: np.array(v) for k, v in self.layout.unpack(groups).items()})
 
     def _skip_stale(self, msg: Any) -> Any:
         """Work only on the newest instruction: a straggler (or an async client behind broadcasts)

@@ -127,10 +127,13 @@ class ChannelStats:
     bytes_received: int = 0  # frame bytes taken off the wire, rejected ones included
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> frames
     rejected_by_rank: dict[int, int] = field(default_factory=dict)  # rank -> frames
+    seal_s: float = 0.0  # seconds spent encrypting frames (this thread's wall time in AES-GCM)
+    open_s: float = 0.0  # seconds spent authenticating and decrypting frames
 
     def as_dict(self) -> dict[str, Any]:
         return {"messages_sent": self.messages_sent, "messages_received": self.messages_received,
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "seal_s": self.seal_s, "open_s": self.open_s,
                 "rejected": dict(self.rejected),
                 "rejected_by_rank": {str(k): v for k, v in sorted(self.rejected_by_rank.items())}}
 
@@ -445,7 +448,9 @@ class SecureChannel:
         else:
             pieces = enc.pieces(start, start + n)
             data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
+        t0 = time.perf_counter()
         peer.tx.seal_into(peer.send_seq, data, self._jd + hdr, out)  # type: ignore[union-attr]
+        self.stats.seal_s += time.perf_counter() - t0
         return hdr
 
     def _own_frame(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None, msg_id: int, index: int,
@@ -768,7 +773,10 @@ class SecureChannel:
             out = self._scratch0(length) if count > 1 else np.empty(length, dtype=np.uint8)
         else:
             out = peer.asm.payload[offset:offset + length]  # type: ignore[union-attr]
-        if not peer.rx.open_into(seq, ciphertext, self._jd + bytes(view[:HDR]), memoryview(out)):
+        t0 = time.perf_counter()
+        opened = peer.rx.open_into(seq, ciphertext, self._jd + bytes(view[:HDR]), memoryview(out))
+        self.stats.open_s += time.perf_counter() - t0
+        if not opened:
             self._reject(src, "authentication failed",
                          f"frame {seq} does not authenticate (tampered, truncated, misrouted or wrong key)")
             return

@@ -26,9 +26,10 @@ equal, so one bundle has exactly one encoding. Every length, offset, dtype, shap
 checked against `WireLimits` and the buffer *before* any tensor byte is touched; any malformed
 input raises `WireError` (a `ValueError`) that says what and where.
 
-Dtypes (`DTYPES`): bool, int8/16/32/64, uint8/16/32/64, float16, float32, float64, little-endian
-only. Big-endian input arrays are converted to little-endian on encode; bfloat16 is not a numpy
-dtype: send it as float32, or as its uint16 bit pattern with a note in the header.
+Dtypes (`DTYPES`): bool, int8/16/32/64, uint8/16/32/64, float16, bfloat16, float32, float64,
+little-endian only. Big-endian input arrays are converted to little-endian on encode. bfloat16 is
+`ml_dtypes.bfloat16` (the numpy dtype JAX and torch interop use; code 11), so a bf16 tensor travels
+in 2 bytes per value and decodes to a bf16 array.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import ml_dtypes
 import numpy as np
 
 MAGIC = b"HPCW"
@@ -53,9 +55,10 @@ DTYPES: dict[int, np.dtype] = {
     1: np.dtype("?"),
     2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"), 5: np.dtype("<i8"),
     6: np.dtype("<u1"), 7: np.dtype("<u2"), 8: np.dtype("<u4"), 9: np.dtype("<u8"),
-    10: np.dtype("<f2"), 12: np.dtype("<f4"), 13: np.dtype("<f8"),
+    10: np.dtype("<f2"), 11: np.dtype(ml_dtypes.bfloat16), 12: np.dtype("<f4"), 13: np.dtype("<f8"),
 }
-_CODE = {dt.str: code for code, dt in DTYPES.items()}
+# Keyed by the dtype itself, not its `.str`: bfloat16's is "<V2", which any 2-byte void shares.
+_CODE = {dt: code for code, dt in DTYPES.items()}
 _ZEROS = memoryview(bytes(ALIGN))
 _FAST = frozenset(DTYPES.values()) if sys.byteorder == "little" else frozenset()
 
@@ -165,7 +168,7 @@ def _as_wire_array(name: Any, value: Any) -> np.ndarray:
     if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
         arr = arr.astype(dt.newbyteorder("<"))  # the wire is little-endian only
         dt = arr.dtype
-    if dt.str not in _CODE:
+    if dt not in _CODE:
         allowed = ", ".join(str(d) for d in DTYPES.values())
         raise WireError(f"tensor {name!r} has dtype {dt}, which the wire does not carry; allowed: {allowed}")
     # (np.ascontiguousarray would turn a 0-d array into shape (1,))
@@ -260,7 +263,7 @@ def prepare(header: dict, tensors: Mapping[str, Any] | None, limits: WireLimits 
         off = (pos + ALIGN - 1) & ~(ALIGN - 1)
         ndim = arr.ndim
         nbytes = arr.nbytes
-        parts.append(_ENT.pack(len(raw), _CODE[arr.dtype.str], ndim, 0, off, nbytes))
+        parts.append(_ENT.pack(len(raw), _CODE[arr.dtype], ndim, 0, off, nbytes))
         if ndim:
             parts.append(struct.pack(f"<{ndim}Q", *arr.shape))
         parts.append(raw)

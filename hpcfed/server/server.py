@@ -22,6 +22,8 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.config import Config, build
+from hpcfed.cost import brief as cost_brief
+from hpcfed.cost import parse_cost, rank_cost
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.registry import strategy_class, task_class
@@ -68,6 +70,7 @@ class Server:
         self._last_status = time.monotonic()
         self._cpu0 = time.process_time()
         self._outbox: ModelOutbox | None = None  # async mode
+        self.client_costs: dict[int, dict[str, Any] | None] = {}
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -100,7 +103,7 @@ class Server:
                 continue
             payloads[cid] = (header, P.split_prefixed(msg.tensors, P.SETUP_PREFIX))
             if cid == 0:
-                initial = {k: np.array(v, dtype=np.float32) for k, v in P.split_prefixed(msg.tensors, P.INIT_PREFIX).items()}
+                initial = {k: np.array(v) for k, v in P.split_prefixed(msg.tensors, P.INIT_PREFIX).items()}
         replies, server_init = self.task_cls.server_setup(self.task_config, payloads)
         init = server_init if server_init is not None else initial
         if not init:
@@ -111,7 +114,7 @@ class Server:
         start_round = resumed.round + 1 if resumed else 0
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", resume_round=resumed.round if resumed else None,
                                   time_offset=float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0)
-        layout_header = [[n, list(s)] for n, s in zip(self.layout.names, self.layout.shapes)]
+        layout_header = self.layout.describe()
         for cid in range(self.num_clients):
             reply_header, reply_tensors = replies.get(cid, ({}, {}))
             tensors = P.prefixed(reply_tensors, P.SETUP_PREFIX)
@@ -144,9 +147,10 @@ class Server:
         self.round = rnd
         t0 = time.monotonic()
         want_state = self._checkpoint_due(rnd)
+        self.strategy.begin_round(rnd)
         for cid in sorted(self.live):
             self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version, "want_state": want_state},
-                          {P.PARAMS_KEY: self.strategy.model_for(cid)})
+                          self._model_tensors(self.strategy.model_for(cid)))
         got: dict[int, tuple[Update, tuple[dict, dict]]] = {}
         deadline = t0 + fed.round_deadline_s
         while len(got) < len(self.live):
@@ -157,9 +161,16 @@ class Server:
             if msg.header.get("round") != rnd:
                 self._reject(msg.source, "stale update", f"for round {msg.header.get('round')!r} during round {rnd}")
                 continue
+            if msg.source - 1 in got:
+                self._reject(msg.source, "duplicate update", f"a second update for round {rnd}")
+                continue
             parsed = self._as_update(msg, allow_state=want_state)
             if parsed is not None:
+                # Fold on arrival: a streaming strategy (FedAvg's mean) adds it to its running sum and
+                # drops it, so rank 0 never holds the K updates of a round at once.
+                self.strategy.fold(parsed[0])
                 got[parsed[0].client_id] = parsed
+            del msg, parsed
         missing = sorted(self.live - set(got))
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(self.live)))
@@ -174,7 +185,7 @@ class Server:
             for c in missing:
                 self.metrics.log(rnd, c, "straggler", 1)
         updates = [got[c][0] for c in sorted(got)]
-        self.strategy.aggregate(rnd, updates)
+        self.strategy.end_round(rnd)
         self.strategy.version += 1
         self.updates_accepted += len(updates)
         for upd in updates:
@@ -243,7 +254,7 @@ class Server:
         # answer=False marks a broadcast the client did not ask for: it replaces the client's model
         # but does not start a training step while the client's own upload is unanswered.
         return P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
-                          "want_state": False, "answer": answer}, {P.PARAMS_KEY: self.strategy.model_for(cid)}
+                          "want_state": False, "answer": answer}, self._model_tensors(self.strategy.model_for(cid))
 
     def _check_silent(self, last_seen: dict[int, float]) -> None:
         limit = self.cfg.federation.round_deadline_s
@@ -274,18 +285,20 @@ class Server:
             self._reject(msg.source, "not a member", "update from a client that is not part of the federation")
             return None
         h, tensors = msg.header, msg.tensors
-        unknown = [k for k in tensors if k != P.PARAMS_KEY and not (allow_state and k.startswith(P.STATE_PREFIX))]
+        keys = {P.params_key(name) for name in self.layout.groups}
+        unknown = [k for k in tensors if k not in keys and not (allow_state and k.startswith(P.STATE_PREFIX))]
         if unknown:
             self._reject(msg.source, "unknown tensor name", f"{unknown[:3]}")
             return None
-        flat = tensors.get(P.PARAMS_KEY)
-        if flat is None or flat.dtype != np.float32 or flat.shape != (self.layout.size,):
-            got = "missing" if flat is None else f"{flat.dtype} {flat.shape}"
-            self._reject(msg.source, "wrong dtype or shape", f"parameters are {got}, expected float32 ({self.layout.size},)")
+        groups = P.params_groups(tensors, self.layout.groups)
+        wrong = self.layout.check_packed(groups)
+        if wrong:  # e.g. bf16 where the layout says float32, or a truncated buffer
+            self._reject(msg.source, "wrong dtype or shape", f"parameters: {wrong}")
             return None
-        if not np.isfinite(flat).all():
+        if not self.layout.packed_finite(groups):
             self._reject(msg.source, "non-finite parameters", "parameters contain NaN or Inf")
             return None
+        flat = self.layout.unpack_flat(groups)
         num = h.get("num_examples")
         metrics = h.get("metrics", {})
         if not _is_int(num) or num < 0 or not isinstance(metrics, dict) or not all(
@@ -299,6 +312,10 @@ class Server:
         state = (h.get("state", {}) if isinstance(h.get("state", {}), dict) else {},
                  P.split_prefixed(tensors, P.STATE_PREFIX))
         return upd, state
+
+    def _model_tensors(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """The float32 model as the wire carries it: one buffer per dtype group, in each parameter's dtype."""
+        return P.params_tensors(self.layout.pack_flat(flat))
 
     def _reject(self, rank: int, category: str, detail: str) -> None:
         """Count a rejected message under a fixed category; the detail goes to the log only."""
@@ -362,10 +379,11 @@ class Server:
         dt = now - self._last_status
         self._last_status = now
         rejected = sum(self.rejected.values()) + sum(stats.rejected.values())
-        log.info("status: round %s, version %d, %d updates, %.1f msg/s, %.2f MB/s in, rejected %d",
+        log.info("status: round %s, version %d, %d updates, %.1f msg/s, %.2f MB/s in, rejected %d; %s",
                  self.round, self.strategy.version, self.updates_accepted,
                  (stats.messages_received - getattr(self, "_last_msgs", 0)) / dt,
-                 (stats.bytes_received - getattr(self, "_last_bytes", 0)) / dt / 1e6, rejected)
+                 (stats.bytes_received - getattr(self, "_last_bytes", 0)) / dt / 1e6, rejected,
+                 cost_brief(rank_cost(stats)))
         self._last_msgs, self._last_bytes = stats.messages_received, stats.bytes_received
 
     def request_halt(self) -> None:
@@ -386,7 +404,7 @@ class Server:
             self._outbox.forget()  # FINAL supersedes every model still owed
         for cid in sorted(self.live):
             self._send_to(cid, P.FINAL, {"round": self.round, "version": self.strategy.version},
-                          {P.PARAMS_KEY: self.strategy.final_model_for(cid)})
+                          self._model_tensors(self.strategy.final_model_for(cid)))
         results: dict[int, dict[str, float]] = {}
         deadline = time.monotonic() + fed.round_deadline_s
         while len(results) < len(self.live):
@@ -404,7 +422,12 @@ class Server:
             if not isinstance(metrics, dict):
                 self._reject(msg.source, "malformed header", "RESULT metrics is not a mapping")
                 continue
+            cost = parse_cost(msg.header["cost"]) if "cost" in msg.header else None
+            if "cost" in msg.header and cost is None:
+                self._reject(msg.source, "malformed header", "RESULT cost is not bounded counters and seconds")
+                continue
             results[msg.source - 1] = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+            self.client_costs[msg.source - 1] = cost
         for cid in sorted(results):
             self.metrics.log_many(self.round, cid, {f"final_{k}": v for k, v in results[cid].items()})
         self._stop_all("done")
@@ -430,6 +453,10 @@ class Server:
             "server_version": self.strategy.version,
             "wall_time_s": self.metrics.elapsed(),
             "server_cpu_s": time.process_time() - self._cpu0,
+            # per rank ("0" is the server): peak RSS, channel bytes, seconds in AES-GCM; null for a
+            # client whose RESULT carried none
+            "cost": {"0": rank_cost(self.channel.stats),
+                     **{str(c + 1): self.client_costs.get(c) for c in range(self.num_clients)}},
             "rejected": {"runtime": self.rejected, "channel": dict(self.channel.stats.rejected)},
             "channel": self.channel.stats.as_dict(),  # the server's traffic: bytes per run, per round
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,

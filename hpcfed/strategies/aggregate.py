@@ -7,6 +7,7 @@ Gram matrix. These are the functions the strategies call and the unit tests chec
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -35,6 +36,56 @@ def weighted_mean(vectors: Sequence[np.ndarray] | np.ndarray, weights: Sequence[
         if wi:
             acc += np.float32(wi) * np.asarray(x, dtype=np.float32)
     return acc
+
+
+class RunningMean:
+    """Σ w_i x_i / Σ w_i over vectors that arrive one at a time (streaming FedAvg).
+
+    The sum is kept in float64 (2 x the float32 model's bytes) and updated in blocks of `BLOCK`
+    values, so no temporary larger than a block exists. Each w_i x_i is exact in float64 (w an
+    integer below 2^29, x float32), so the mean of two updates does not depend on which arrived
+    first; with more, arrival order can change the float64 sum in its last bits and so, rarely, a
+    float32 result bit. If every weight is 0 the mean is uniform (as `weighted_mean` with no weights).
+    """
+
+    BLOCK = 1 << 20
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.acc: np.ndarray | None = None
+        self.weighted = False  # a positive weight has arrived: zero-weight vectors no longer count
+        self.denominator = 0.0
+        self.count = 0
+
+    def add(self, x: np.ndarray, weight: float = 1.0) -> None:
+        w = float(weight)
+        if not math.isfinite(w) or w < 0:
+            raise ValueError(f"aggregation weight must be a finite non-negative number, got {weight}")
+        if x.shape != (self.size,):
+            raise ValueError(f"update has shape {x.shape}, expected ({self.size},)")
+        if self.acc is None:
+            self.acc = np.zeros(self.size, dtype=np.float64)
+        self.count += 1
+        if w > 0 and not self.weighted:  # the uniform sum of zero-weight vectors so far is dropped
+            self.weighted, self.denominator = True, 0.0
+            self.acc.fill(0.0)
+        if self.weighted and w == 0:
+            return
+        scale = w if self.weighted else 1.0
+        self.denominator += scale
+        block = self.BLOCK
+        for start in range(0, self.size, block):
+            part = x[start: start + block]
+            self.acc[start: start + block] += part if scale == 1.0 else np.multiply(part, scale, dtype=np.float64)
+
+    def result(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The mean as float32, written into `out` when given."""
+        if self.acc is None or self.denominator <= 0:
+            raise ValueError("cannot aggregate zero updates")
+        out = np.empty(self.size, dtype=np.float32) if out is None else out
+        for start in range(0, self.size, self.BLOCK):
+            out[start: start + self.BLOCK] = self.acc[start: start + self.BLOCK] / self.denominator
+        return out
 
 
 def coordinate_median(vectors: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ class Update:
     """One client upload, already decrypted and shape-checked against the layout."""
 
     client_id: int
-    flat: np.ndarray  # float32 (layout.size,)
+    flat: np.ndarray | None  # float32 (layout.size,); None once a streaming strategy has folded it
     num_examples: int
     base_version: int = 0  # server version of the model the client trained from
     client_version: int = 0  # the client's own counter (FedDWA's v)
@@ -75,6 +75,24 @@ class Strategy(ABC):
         return self.model_for(client_id)
 
     # -- synchronous --------------------------------------------------------------------------
+    # The server calls begin_round, then fold(update) for each update as it arrives, then end_round.
+    # By default fold keeps the update and end_round hands them all to `aggregate` (strategies that
+    # need every update at once: median, trimmed mean, Krum, SEGA: rank 0 holds K models). A
+    # streaming strategy (FedAvg's mean) overrides the three, folds each update into an accumulator
+    # and sets ``update.flat = None``, so rank 0 holds one update at a time whatever K is.
+    def begin_round(self, round: int) -> None:
+        """A synchronous round starts; no update has arrived yet."""
+        self._held: list[Update] = []
+
+    def fold(self, update: Update) -> None:
+        """Take one validated update as it arrives (default: keep it for `end_round`)."""
+        self._held.append(update)
+
+    def end_round(self, round: int) -> None:
+        """Every update of the round that will come has come: aggregate them."""
+        held, self._held = sorted(self._held, key=lambda u: u.client_id), []
+        self.aggregate(round, held)
+
     def aggregate(self, round: int, updates: list[Update]) -> None:
         """Fold one round's updates (sorted by client id) into the state."""
         raise NotImplementedError(f"strategy {self.name!r} is asynchronous; use federation.mode=async")

@@ -1,13 +1,19 @@
 """FedAvg (McMahan et al. 2017), synchronous: the global model is the example-weighted mean of the
 round's updates, θ = Σ_k n_k θ_k / Σ_k n_k. With ``rule`` it becomes a robust aggregate
 (coordinate median, trimmed mean, Krum) from `hpcfed.strategies.aggregate`.
+
+Memory on rank 0: the mean streams: each update is folded into a float64 running sum
+(`RunningMean`) as it arrives and freed, so rank 0 holds the float32 global model, the float64 sum
+and the update being received: about 4 x the model's float32 bytes, whatever the number of clients K.
+The robust rules need every update at once: K + 1 models (median and trimmed mean also stack them,
+2K + 1; Krum's Gram matrix is K^2 floats more).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcfed.strategies.aggregate import ROBUST_RULES, robust_aggregate, weighted_mean
+from hpcfed.strategies.aggregate import ROBUST_RULES, RunningMean, robust_aggregate
 from hpcfed.strategies.base import Strategy, Update
 
 
@@ -28,6 +34,27 @@ class FedAvg(Strategy):
             if self.rule not in ROBUST_RULES:
                 raise ValueError(f"rule={self.rule!r}; choose one of: {', '.join(ROBUST_RULES)}")
 
+    # -- streaming mean: fold each update on arrival ---------------------------------------------
+    def begin_round(self, round: int) -> None:
+        super().begin_round(round)
+        self._mean = RunningMean(self.layout.size) if self.config.rule == "mean" else None
+
+    def fold(self, update: Update) -> None:
+        if self._mean is None:
+            return super().fold(update)
+        self._mean.add(update.flat, self._weight(update))
+        update.flat = None  # the runtime holds no reference: the received message can be freed
+
+    def end_round(self, round: int) -> None:
+        if self._mean is None:
+            return super().end_round(round)
+        if self._mean.count:
+            self._mean.result(out=self.global_flat)
+        self._mean = None
+
+    def _weight(self, update: Update) -> float:
+        return float(update.num_examples) if self.config.weighting == "num_examples" else 1.0
+
     def aggregate(self, round: int, updates: list[Update]) -> None:
         if not updates:
             return
@@ -36,7 +63,10 @@ class FedAvg(Strategy):
         if self.config.weighting == "num_examples" and sum(u.num_examples for u in updates) > 0:
             weights = [u.num_examples for u in updates]
         if self.config.rule == "mean":
-            weighted_mean(vectors, weights, out=self.global_flat)
+            mean = RunningMean(self.layout.size)
+            for u in updates:
+                mean.add(u.flat, self._weight(u))
+            mean.result(out=self.global_flat)
         else:
             self.global_flat[:] = robust_aggregate(vectors, weights, self.config.rule,
                                                    self.config.trim_ratio, self.config.num_byzantine)

@@ -75,6 +75,10 @@ class SyntheticTask(Task):
         lr: float = 0.005
         local_epochs: int = 1
         batch_size: int = 32
+        dtype: str = "float32"  # float32 | float16 | bfloat16: the model's dtype, kept on the wire
+        # A parameter tensor of this many values that the model carries but never uses: sizes the
+        # model for the comm/scale benchmarks (tools/bench_scale.py) without adding compute.
+        ballast: int = 0
 
         def validate(self) -> None:
             for key in ("num_classes", "dim", "samples_per_site", "hidden", "embed_dim", "batch_size"):
@@ -82,6 +86,10 @@ class SyntheticTask(Task):
                     raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
             if self.num_classes < 2:
                 raise ValueError("num_classes must be >= 2")
+            if self.dtype not in ("float32", "float16", "bfloat16"):
+                raise ValueError(f"dtype={self.dtype!r}; choose float32, float16 or bfloat16")
+            if self.local_epochs < 0 or self.ballast < 0:
+                raise ValueError("local_epochs and ballast must be >= 0")
 
     def __init__(self, config: Config, site: Site) -> None:
         super().__init__(config, site)
@@ -96,6 +104,13 @@ class SyntheticTask(Task):
         self.encoder = nn.Sequential(nn.Linear(c.dim, c.hidden), nn.ReLU(), nn.Linear(c.hidden, c.embed_dim))
         self.head = nn.Linear(c.embed_dim, c.num_classes)
         self.model = nn.Sequential(self.encoder, nn.ReLU(), self.head)
+        if c.ballast:
+            self.model.ballast = nn.Parameter(torch.zeros(c.ballast), requires_grad=False)
+        dtype = getattr(torch, c.dtype)
+        if dtype != torch.float32:
+            self.model.to(dtype)
+            for key in ("x_train", "x_val", "x_test"):
+                self.data[key] = self.data[key].to(dtype)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr)
         self.loss_fn = nn.CrossEntropyLoss()
 
@@ -147,7 +162,7 @@ class SyntheticTask(Task):
 
         self.model.eval()
         with torch.no_grad():
-            vectors = self.encoder(self.data["x_test"]).numpy()
+            vectors = self.encoder(self.data["x_test"]).float().numpy()
         ids = [f"site{self.site.client_id}-test{i}" for i in range(len(vectors))]
         return write_export(export_path(out_dir, self.site.client_id), vectors, ids, self.data["y_test"].numpy(),
                             entity="node", model="synthetic-mlp", site=self.site.client_id,

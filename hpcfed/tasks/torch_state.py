@@ -8,14 +8,37 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from hpcfed.params import Params
+from hpcfed.params import Params, wire_dtype
 
 
 def module_parameters(module: Any) -> Params:
-    """A module's state (parameters and buffers) as float32 numpy arrays, in state_dict order."""
-    return {k: v.detach().cpu().numpy().astype(np.float32, copy=True) for k, v in module.state_dict().items()}
+    """A module's state (parameters and buffers) as numpy arrays, in state_dict order. Each keeps its
+    dtype when the wire carries it (float32/16, bfloat16, integers, bool); others become float32."""
+    return {k: to_numpy(v) for k, v in module.state_dict().items()}
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A copy of a torch tensor as numpy, in the dtype the wire carries (`hpcfed.params.wire_dtype`)."""
+    import torch
+
+    t = tensor.detach().cpu()
+    if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits as ml_dtypes.bfloat16
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    arr = t.numpy()
+    return arr.astype(wire_dtype(arr.dtype), copy=True)
+
+
+def to_torch(arr: np.ndarray) -> Any:
+    """A numpy array (bfloat16 included) as a torch tensor of the same dtype."""
+    import torch
+
+    arr = np.asarray(arr)
+    if arr.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16).copy()).view(torch.bfloat16)
+    return torch.as_tensor(arr)
 
 
 def load_module_parameters(module: Any, params: Params) -> None:
@@ -27,18 +50,22 @@ def load_module_parameters(module: Any, params: Params) -> None:
         raise ValueError(f"parameters missing for {sorted(missing)[:5]}")
     with torch.no_grad():
         for name, tensor in state.items():
-            tensor.copy_(torch.as_tensor(np.asarray(params[name])).to(tensor.dtype).reshape(tensor.shape))
+            tensor.copy_(to_torch(params[name]).to(tensor.dtype).reshape(tensor.shape))
 
 
 def optimizer_state(optimizer: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Header (param_groups and per-parameter scalars) + arrays of a torch optimizer's state."""
+    import torch
+
     sd = optimizer.state_dict()
     arrays: dict[str, np.ndarray] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for idx, entry in sd["state"].items():
         for key, value in entry.items():
             if hasattr(value, "numpy"):
-                arr = value.detach().cpu().numpy()
+                # bf16 moments are kept as float32 (exact); load_state_dict casts them back to the
+                # parameter's dtype. HDF5 has no bfloat16.
+                arr = value.detach().cpu().float().numpy() if value.dtype == torch.bfloat16 else value.detach().cpu().numpy()
                 if arr.ndim == 0:
                     scalars.setdefault(str(idx), {})[key] = arr.item()
                 else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,7 @@ from hpcfed.comm import wire
 from hpcfed.comm.wire import WireError, WireLimits
 
 ALL_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-              np.float16, np.float32, np.float64]
+              np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 
 
 def _sample(dtype, shape, seed=0):
@@ -30,6 +31,16 @@ def test_round_trip_every_dtype_and_odd_shape(dtype, shape):
     out = tensors["t"]
     assert out.dtype == np.dtype(dtype).newbyteorder("<") and out.shape == a.shape
     np.testing.assert_array_equal(out, a)
+
+
+def test_bfloat16_travels_as_two_bytes_per_value_and_keeps_its_dtype():
+    a = np.linspace(-3, 3, 1000, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    f32 = wire.encoded_size({}, {"t": a.astype(np.float32)})
+    bf16 = wire.encoded_size({}, {"t": a})
+    assert f32 - bf16 == 2 * a.size
+    _, tensors = wire.decode(wire.encode({}, {"t": a}))
+    assert tensors["t"].dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(tensors["t"].view(np.uint16), a.view(np.uint16))
 
 
 def test_nan_and_inf_travel_in_tensors():
@@ -91,6 +102,7 @@ def test_encode_into_and_encoded_size_agree_with_encode():
     (np.array(["a", "b"]), "dtype"),
     (np.array([1 + 2j]), "dtype"),
     (np.array([object()], dtype=object), "dtype"),
+    (np.zeros(3, dtype="V2"), "dtype"),  # 2-byte void: bfloat16's `.str` ("<V2") must not let it through
 ])
 def test_unsupported_dtypes_are_refused_by_name(value, fragment):
     with pytest.raises(WireError, match=fragment) as err:
@@ -160,7 +172,7 @@ def test_table_fields_are_checked_before_data_is_touched():
     buf = _valid()
     e = _table_entry_offset(buf)  # entry 0: name_len u16, code u8, ndim u8, res u32, off u64, nbytes u64
     with pytest.raises(WireError, match="unknown dtype code"):
-        wire.decode(_patch(buf, e + 2, "<B", 11))
+        wire.decode(_patch(buf, e + 2, "<B", 14))  # 11 is bfloat16 since dtypes stay on the wire
     with pytest.raises(WireError, match="shape"):
         wire.decode(_patch(buf, e + 16, "<Q", 25))
     with pytest.raises(WireError, match="data offset"):
