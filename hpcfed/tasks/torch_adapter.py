@@ -70,13 +70,8 @@ def to_device(value: Any, device: Any) -> Any:
 
 
 def _wire_array(tensor: Any) -> np.ndarray:
-    """A tensor as a numpy array the wire carries (bfloat16 and friends as float32)."""
-    import torch
-
-    t = tensor.detach()
-    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
-        t = t.float()
-    return t.cpu().numpy().copy()
+    """A tensor as a numpy array in the dtype the wire carries it in (bfloat16 stays bfloat16)."""
+    return torch_state.to_numpy(tensor)
 
 
 class TorchTask(Task):
@@ -217,7 +212,7 @@ class TorchTask(Task):
         with torch.no_grad():
             for name, value in params.items():
                 tensor = state[name]
-                tensor.copy_(torch.as_tensor(np.asarray(value)).to(tensor.dtype).reshape(tensor.shape))
+                tensor.copy_(torch_state.to_torch(value).to(tensor.dtype).reshape(tensor.shape))
 
     def fit(self, round: int) -> FitResult:
         c = self.config
