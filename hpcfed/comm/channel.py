@@ -75,6 +75,7 @@ _ACTIVE_SLEEP_S = 2e-4  # ... and then sleep at most this long between polls
 # where each side is deep in its back-off sleep whenever the other's message lands (~200 round
 # trips/s instead of thousands).
 _CONVERSATION_S = 0.05
+_STALL_S = 1.0  # a part-received message whose sender has been silent this long no longer holds others back
 _CONVERSATION_SLEEP_S = 5e-5
 
 
@@ -139,11 +140,12 @@ class ChannelStats:
 
 
 class _Assembly:
-    __slots__ = ("msg_id", "kind", "total", "count", "next_index", "filled", "payload", "last_seq")
+    __slots__ = ("msg_id", "kind", "total", "count", "next_index", "filled", "payload", "last_seq", "last_at")
 
     def __init__(self, msg_id: int, kind: int, total: int, count: int, payload: np.ndarray) -> None:
         self.msg_id, self.kind, self.total, self.count = msg_id, kind, total, count
         self.next_index, self.filled, self.payload, self.last_seq = 0, 0, payload, 0
+        self.last_at = time.monotonic()  # when its last chunk came: a stalled sender is not waited on
 
 
 class _Peer:
@@ -227,7 +229,8 @@ class SecureChannel:
                  chunk_bytes: int = 4 << 20, limits: wire.WireLimits = wire.WireLimits(),
                  max_message_bytes: int = 8 << 30, backoff_max_s: float = 0.005, max_rejects: int = 10000,
                  log: Callable[[str], None] | None = None, spin_s: float = 5e-4,
-                 send_timeout_s: float = 600.0, shared_memory: bool = True) -> None:
+                 send_timeout_s: float = 600.0, shared_memory: bool = True,
+                 max_assembling_bytes: int = 64 << 20, shm_budget_bytes: int = 64 << 20) -> None:
         if not 4096 <= chunk_bytes <= crypto.MAX_AEAD_INPUT - HDR - TAG:
             raise ValueError(f"comm.chunk_bytes={chunk_bytes}: use 4096 .. {1 << 30} (4 MiB is a good default)")
         if max_message_bytes < 1:
@@ -248,6 +251,12 @@ class SecureChannel:
         self.backoff_max_s = backoff_max_s
         self.spin_s = spin_s
         self.send_timeout_s = send_timeout_s
+        # Part-received messages beyond this many bytes: finish them before taking another sender's
+        # first chunk, so a server's memory does not grow with the number of clients uploading at once.
+        self.max_assembling_bytes = max_assembling_bytes
+        # Shared-memory rings this rank maps (sending and receiving) stay under this many bytes: a
+        # server with K clients on its node would otherwise map 2 K rings; the rest go through MPI.
+        self.shm_budget_bytes = shm_budget_bytes
         self.shared_memory = shared_memory and hasattr(transport, "shm_create")
         self.stats = ChannelStats()
         self.peers: list[int] = []
@@ -479,7 +488,8 @@ class SecureChannel:
         (same node). The offer and answer are sealed messages like any other."""
         dest = peer.rank
         slot_bytes = (self.chunk_bytes + TAG + 63) & ~63
-        got = self.transport.shm_create(f"{self.rank}to{dest}", _RING_SLOTS * slot_bytes)
+        over = self._ring_bytes() + _RING_SLOTS * slot_bytes > self.shm_budget_bytes
+        got = None if over else self.transport.shm_create(f"{self.rank}to{dest}", _RING_SLOTS * slot_bytes)
         if got is None:
             self._tx_rings[dest] = _TxRing("", None, 0, 0, "declined")
             return
@@ -487,6 +497,11 @@ class SecureChannel:
         self._tx_rings[dest] = _TxRing(name, np.frombuffer(view, dtype=np.uint8), _RING_SLOTS, slot_bytes, "offered")
         body = _OFFER.pack(_RING_SLOTS, slot_bytes) + name.encode()
         self._send_sealed_message(peer, F_SHM_OFFER, 0, wire.Encoded(body, [], len(body)))
+
+    def _ring_bytes(self) -> int:
+        """Bytes of shared-memory rings this rank has mapped or offered."""
+        return (sum(r.nslots * r.slot_bytes for r in self._tx_rings.values() if r.buf is not None)
+                + sum(r.nslots * r.slot_bytes for r in self._rx_rings.values()))
 
     def _on_ring_control(self, peer: _Peer, ftype: int, body: bytes) -> None:
         src = peer.rank
@@ -497,7 +512,8 @@ class SecureChannel:
             nslots, slot_bytes = _OFFER.unpack_from(body)
             name = body[_OFFER.size:].decode("utf-8", "replace")
             view = None
-            if self.shared_memory and 1 <= nslots <= 64 and TAG < slot_bytes <= self._max_frame + 64:
+            if (self.shared_memory and 1 <= nslots <= 64 and TAG < slot_bytes <= self._max_frame + 64
+                    and self._ring_bytes() + nslots * slot_bytes <= self.shm_budget_bytes):
                 view = self.transport.shm_attach(name, nslots * slot_bytes)
             if view is not None:
                 self._rx_rings[src] = _RxRing(name, np.frombuffer(view, dtype=np.uint8), nslots, slot_bytes)
@@ -665,9 +681,26 @@ class SecureChannel:
                 return m
         return None
 
+    def _probe(self) -> tuple[int, int] | None:
+        """The next frame to take. While part-received messages hold `max_assembling_bytes` or more,
+        only their senders' frames are taken (K clients uploading at once are received one after
+        another, not K buffers at a time); a sender silent for `_STALL_S` is not waited on."""
+        if self._assembling:
+            now = time.monotonic()
+            busy = [p for p in self._peer.values() if p.asm is not None]
+            if sum(p.asm.total for p in busy) >= self.max_assembling_bytes:  # type: ignore[union-attr]
+                live = [p for p in busy if now - p.asm.last_at < _STALL_S]  # type: ignore[union-attr]
+                for p in live:
+                    probe = self.transport.iprobe(p.rank)
+                    if probe is not None:
+                        return probe
+                if live:
+                    return None
+        return self.transport.iprobe()
+
     def _pump(self) -> bool:
         """Receive and process one frame if one has arrived; True if it did."""
-        probe = self.transport.iprobe()
+        probe = self._probe()
         if probe is None:
             return False
         src, n = probe
@@ -746,6 +779,7 @@ class SecureChannel:
                                                  f"{'no ring' if ring is None else f'a {ring.nslots}-slot ring'}")
             return
         at = slot * ring.slot_bytes
+        self.stats.bytes_received += length + TAG  # the ciphertext read from the ring (the sender counts it too)
         try:
             self._on_sealed(src, view, memoryview(ring.buf)[at:at + length + TAG], ftype, kind, length, seq,
                             msg_id, index, count, offset, total)
@@ -809,6 +843,7 @@ class SecureChannel:
         asm.next_index = index + 1  # type: ignore[union-attr]
         asm.filled = offset + length  # type: ignore[union-attr]
         asm.last_seq = seq  # type: ignore[union-attr]
+        asm.last_at = time.monotonic()  # type: ignore[union-attr]
         if asm.next_index == asm.count:  # type: ignore[union-attr]
             peer.asm = None
             self._assembling = any(p.asm is not None for p in self._peer.values())
@@ -850,7 +885,7 @@ class SecureChannel:
                 return buf
         buf = np.empty(n, dtype=np.uint8)
         pool.append(buf)
-        if len(pool) > 4:
+        if len(pool) > 2:  # a server folding uploads on arrival needs about two of a size
             pool.pop(0)
         return buf
 

@@ -32,7 +32,7 @@ class Transport(Protocol):
     size: int
 
     def isend(self, frame: memoryview, dest: int) -> Request: ...
-    def iprobe(self) -> tuple[int, int] | None: ...
+    def iprobe(self, source: int | None = None) -> tuple[int, int] | None: ...
     def irecv_into(self, source: int, out: memoryview) -> Request: ...
     def discard(self, source: int) -> None: ...
     def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes: ...
@@ -144,9 +144,11 @@ class MPITransport:
         req = self.comm.Isend([frame, self._MPI.BYTE], dest=dest, tag=self.tag)  # type: ignore[attr-defined]
         return _MPIRequest(req, is_send=True)
 
-    def iprobe(self) -> tuple[int, int] | None:
+    def iprobe(self, source: int | None = None) -> tuple[int, int] | None:
+        """(source, bytes) of a frame that has arrived (from `source`, or from any rank), or None."""
         st = self._status
-        if not self.comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=self.tag, status=st):  # type: ignore[attr-defined]
+        src = self._MPI.ANY_SOURCE if source is None else source
+        if not self.comm.Iprobe(source=src, tag=self.tag, status=st):  # type: ignore[attr-defined]
             return None
         count = st.Get_count(self._MPI.BYTE)
         if count == self._MPI.UNDEFINED or count < 0:
@@ -249,13 +251,12 @@ class InProcTransport:
         with self._hub.lock:
             self._hub.inbox[dest].append((self.rank, bytes(frame)))
 
-    def iprobe(self) -> tuple[int, int] | None:
+    def iprobe(self, source: int | None = None) -> tuple[int, int] | None:
         with self._hub.lock:
-            q = self._hub.inbox[self.rank]
-            if not q:
-                return None
-            src, frame = q[0]
-            return src, len(frame)
+            for src, frame in self._hub.inbox[self.rank]:
+                if source is None or src == source:
+                    return src, len(frame)
+            return None
 
     def _pop(self, source: int) -> bytes:
         with self._hub.lock:

@@ -148,29 +148,23 @@ class Server:
         t0 = time.monotonic()
         want_state = self._checkpoint_due(rnd)
         self.strategy.begin_round(rnd)
+        got: dict[int, tuple[Update, tuple[dict, dict]]] = {}
         for cid in sorted(self.live):
             self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version, "want_state": want_state},
                           self._model_tensors(self.strategy.model_for(cid)))
-        got: dict[int, tuple[Update, tuple[dict, dict]]] = {}
+            # Fold what the first clients uploaded while later ones were being sent to, so that
+            # finished uploads do not queue up in the channel while the server is busy sending.
+            while (early := self.channel.recv(kinds={P.UPDATE}, timeout=0)) is not None:
+                self._take_update(rnd, early, got, want_state)
+            early = None
         deadline = t0 + fed.round_deadline_s
         while len(got) < len(self.live):
             msg = self._recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
                                    waiting_for=self.live - set(got), fatal=False)
             if msg is None:
                 break
-            if msg.header.get("round") != rnd:
-                self._reject(msg.source, "stale update", f"for round {msg.header.get('round')!r} during round {rnd}")
-                continue
-            if msg.source - 1 in got:
-                self._reject(msg.source, "duplicate update", f"a second update for round {rnd}")
-                continue
-            parsed = self._as_update(msg, allow_state=want_state)
-            if parsed is not None:
-                # Fold on arrival: a streaming strategy (FedAvg's mean) adds it to its running sum and
-                # drops it, so rank 0 never holds the K updates of a round at once.
-                self.strategy.fold(parsed[0])
-                got[parsed[0].client_id] = parsed
-            del msg, parsed
+            self._take_update(rnd, msg, got, want_state)
+            msg = None
         missing = sorted(self.live - set(got))
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(self.live)))
@@ -197,6 +191,22 @@ class Server:
         if want_state:
             self._checkpoint(rnd, {u.client_id: got[u.client_id][1] for u in updates})
         self._maybe_status()
+
+    def _take_update(self, rnd: int, msg: Any, got: dict[int, tuple[Update, tuple[dict, dict]]],
+                     want_state: bool) -> None:
+        """Validate one upload of round `rnd` and fold it into the strategy at once: a streaming
+        strategy (FedAvg's mean) adds it to its running sum and drops it, so rank 0 never holds the
+        K updates of a round together."""
+        if msg.header.get("round") != rnd:
+            self._reject(msg.source, "stale update", f"for round {msg.header.get('round')!r} during round {rnd}")
+            return
+        if msg.source - 1 in got:
+            self._reject(msg.source, "duplicate update", f"a second update for round {rnd}")
+            return
+        parsed = self._as_update(msg, allow_state=want_state)
+        if parsed is not None:
+            self.strategy.fold(parsed[0])
+            got[parsed[0].client_id] = parsed
 
     def _checkpoint_due(self, rnd: int) -> bool:
         every = self.cfg.checkpoint_every

@@ -8,6 +8,9 @@ On each upload x_new trained from server version τ, at server version t::
 ``s`` is ``constant`` (1), ``polynomial`` ((t − τ + 1)^(−a)) or ``hinge`` (1 if t − τ <= b, else
 1 / (a (t − τ − b) + 1)). Only the uploader gets the new model back. A non-finite upload is
 rejected and changes nothing.
+
+Memory on rank 0: streaming by nature: the global model and the one upload being folded,
+2 x the model's float32 bytes, whatever K is.
 """
 
 from __future__ import annotations

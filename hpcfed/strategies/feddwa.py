@@ -13,6 +13,10 @@ broadcast changes no record. ``threshold`` defaults to n (the number of clients)
 upload is rejected: the records stay unchanged and the uploader gets the current model back.
 ``version_mode="client_counter"`` is the alternative reading (``v_latest`` = the uploader's own
 counter, gaps clamped at 0).
+
+Memory on rank 0: each upload is folded as it arrives (asynchronous by nature), but ``S_W`` keeps
+one model per client by definition: (K + 2) x the model's float32 bytes (S_W, the global model,
+the upload being received).
 """
 
 from __future__ import annotations

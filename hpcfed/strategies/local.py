@@ -2,6 +2,8 @@
 
 All clients start from the same initial model; afterwards client k always gets back its own last
 upload. It is the lower bound a federation must beat.
+
+Memory on rank 0: one model per client by definition, (K + 1) x the model's float32 bytes.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ Thin strategies over the pure rules in `hpcfed.strategies.aggregate`:
   (Blanchard et al. 2017), ``num_byzantine`` = f.
 
 Uploads holding NaN/Inf are rejected before aggregation (logged); if none is left the model stays.
+
+Memory on rank 0: these rules need every update of the round at once (no streaming): the K
+uploads, their stacked copy and the global model, about (2K + 1) x the model's float32 bytes;
+Krum adds a K x K Gram matrix.
 """
 
 from __future__ import annotations

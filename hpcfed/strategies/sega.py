@@ -26,6 +26,10 @@ says SBM + SAGPool, which the code does not have); ``probe_nodes`` and ``probe_e
 a small graph for CPU runs (the reference uses 5000 nodes, p = 0.6). The task class supplies the model
 code through two classmethods: ``input_dim(task_config)`` and
 ``probe_outputs(task_config, params_list, x, edge_index, seeds, sample_seed) -> list of (N, d)``.
+
+Memory on rank 0: SEGA's similarity needs every upload of the round at once (no streaming), and it
+keeps one personalised model per client: about (2K + 1) x the model's float32 bytes, plus the
+probe outputs (K x N x d floats).
 """
 
 from __future__ import annotations

@@ -365,3 +365,29 @@ def test_a_rank_in_conversation_sleeps_briefly_and_an_idle_one_backs_off_fully(m
     server._last_frame_at -= channel_mod._CONVERSATION_S  # that frame is long past
     assert server.recv(source=1, timeout=0.02) is None
     assert max(sleeps) == 0.005  # the idle schedule doubles up to backoff_max_s
+
+
+@pytest.mark.parametrize("window, most", [(1, 1), (1 << 30, 2)])
+def test_part_received_messages_are_finished_before_another_senders_begins(window, most):
+    """Two clients upload multi-chunk messages at once and the transport offers their chunks in
+    turn (as MPI may): with a small window the server finishes one message before taking the
+    other's first chunk, so it holds one part-received message, not one per client."""
+    chans = _job([_psk()] * 3, chunk_bytes=4096, max_assembling_bytes=window)
+    assert not _connect(chans)
+    big = {r: np.full(5000, r, np.float32) for r in (1, 2)}  # 20 KB: 5 chunks each
+    for r in (1, 2):
+        chans[r].send(0, 4, {"from": r}, {"x": big[r]})
+    server = chans[0]
+    inner, turn, held = server.transport.iprobe, [0], [0]
+
+    def alternating(source=None):  # offer the two senders' frames in turn when any source will do
+        held[0] = max(held[0], sum(p.asm is not None for p in server._peer.values()))
+        if source is not None:
+            return inner(source)
+        turn[0] ^= 1
+        return inner(1 + turn[0]) or inner()
+
+    server.transport.iprobe = alternating
+    got = {m.source: m for m in (server.recv(timeout=5), server.recv(timeout=5))}
+    assert set(got) == {1, 2} and all(np.array_equal(got[r].tensors["x"], big[r]) for r in (1, 2))
+    assert held[0] == most
