@@ -1,6 +1,6 @@
 """The ``hpcfed`` command line.
 
-    hpcfed run CONFIG [--np K] [--out DIR] [--resume] [key=value ...]
+    hpcfed run CONFIG [--np K] [--out DIR] [--resume | --force] [key=value ...]
     hpcfed keygen PATH
     hpcfed inspect FILE.h5
     hpcfed bench comm [--json]
@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--np", type=int, default=None, help="outside MPI: relaunch under `mpiexec -n NP` (server + NP-1 clients)")
     run.add_argument("--out", default=None, help="output directory (default runs/<config name>)")
     run.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in OUT")
+    run.add_argument("--force", action="store_true",
+                     help="OUT holds an earlier run: delete its results and start over (without it, hpcfed refuses)")
     run.add_argument("--mpiexec", default=None, help="launcher for --np (default: mpiexec on PATH)")
 
     keygen = sub.add_parser("keygen", help="create an Ed25519 site identity (PATH and PATH.pub)")
@@ -84,17 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "run":
         # key=value overrides may come before or after the options
-        stray = [a for a in extra if a.startswith("-") or "=" not in a]
+        stray = [a for a in extra if a.startswith("-")]
         if stray:
             parser.error(f"unrecognized arguments: {' '.join(stray)}")
         args.overrides = [*args.overrides, *extra]
+        bare = [a for a in args.overrides if "=" not in a]
+        if bare:
+            print(f"hpcfed: error: override {bare[0]!r} must look like key=value "
+                  f"(e.g. rounds=5, task.lr=0.01); options start with -- (hpcfed run --help)", file=sys.stderr)
+            return USER_ERROR_EXIT
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "run":
         from hpcfed.launcher import run_command
 
         return _guard(lambda: run_command(args.config, args.overrides, np=args.np, out=args.out,
-                                          resume=args.resume, mpiexec=args.mpiexec))
+                                          resume=args.resume, mpiexec=args.mpiexec, force=args.force))
     if args.command == "keygen":
         from hpcfed.comm.keys import generate_identity
 

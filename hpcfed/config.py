@@ -9,6 +9,7 @@ Task and strategy sections are free-form here; each task/strategy validates its 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import types
@@ -26,6 +27,28 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or malformed; the message names the key."""
 
 
+class InvalidValue(ValueError):
+    """Raised by a config dataclass's ``validate``: `key` (relative to the section) has a bad value."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key} {problem}")
+        self.key, self.problem = key, problem
+
+
+def _at_least(obj: Any, minimum: float, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < minimum:
+            raise InvalidValue(name, f"must be >= {minimum:g}, got {value!r}")
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value > 0:
+            raise InvalidValue(name, f"must be > 0, got {value!r}")
+
+
 @dataclass(kw_only=True)
 class FederationConfig:
     """How the server drives clients."""
@@ -41,6 +64,15 @@ class FederationConfig:
     on_client_failure: Literal["abort", "continue"] = "abort"
     status_every_s: float = 30.0
 
+    def validate(self) -> None:
+        if not 0.0 < self.quorum <= 1.0:
+            raise InvalidValue("quorum", f"must be a fraction in (0, 1], got {self.quorum!r}")
+        _positive(self, "round_deadline_s", "client_timeout_s", "setup_timeout_s", "status_every_s")
+        _at_least(self, 1, "num_clients", "max_updates")
+        for cid, factor in self.slowdown.items():
+            if not factor > 0:
+                raise InvalidValue(f"slowdown.{cid}", f"must be > 0, got {factor!r}")
+
 
 @dataclass(kw_only=True)
 class SecurityConfig:
@@ -54,6 +86,9 @@ class SecurityConfig:
     server_public_key: str | None = None  # keys mode, clients: the server's public key file
     max_rejects: int = 10000  # a peer is cut off after this many rejected messages
 
+    def validate(self) -> None:
+        _at_least(self, 1, "max_rejects")
+
 
 @dataclass(kw_only=True)
 class CommConfig:
@@ -62,6 +97,10 @@ class CommConfig:
     max_tensors: int = 100_000
     backoff_max_s: float = 0.005
     shared_memory: bool = True  # same-node ranks pass encrypted chunks through a /dev/shm ring
+
+    def validate(self) -> None:
+        _at_least(self, 1, "chunk_bytes", "max_message_bytes", "max_tensors")
+        _at_least(self, 0, "backoff_max_s")
 
 
 @dataclass(kw_only=True)
@@ -93,7 +132,11 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     strategy: ComponentConfig = field(default_factory=lambda: ComponentConfig(name="fedavg"))
     task: ComponentConfig = field(default_factory=lambda: ComponentConfig(name="synthetic"))
-    source: str = ""  # file the config came from (for error messages)
+    source: str = ""  # file the config came from (for error messages; an `Origin` after `load`)
+
+    def validate(self) -> None:
+        _at_least(self, 1, "rounds", "keep_checkpoints", "threads_per_rank")
+        _at_least(self, 0, "eval_every", "checkpoint_every", "halt_after_round")
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)
@@ -115,22 +158,127 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; configs live in configs/*.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if path.stat().st_size > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size} bytes is too large for a config (limit {MAX_YAML_BYTES})")
+    raw = load_yaml(path.read_text(), str(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
     return from_mapping(raw, overrides, source=str(path))
 
 
+# A YAML document is parsed into a node graph in which an alias is one shared node; building Python
+# objects from it and then copying them (JSON, dataclasses) expands every alias. Nested aliases grow
+# exponentially ("billion laughs": 589 bytes -> 3 GB), so the expanded size is counted on the graph,
+# before anything is built.
+MAX_YAML_BYTES = 16 << 20
+MAX_YAML_NODES = 1_000_000  # scalars + collections after expanding every alias
+MAX_YAML_ALIASES = 10_000
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """`yaml.safe_load` that refuses alias bombs, recursive aliases and over-deep nesting with a
+    one-line `ConfigError` naming `where` (a file, or a command-line override)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, where)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (PyYAML's own message spans several lines)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = " ".join(x for x in (exc.context, exc.problem) if x)
+        return f"{what}{where}"
+    return " ".join(str(exc).split())
+
+
+def _check_expansion(root: yaml.Node, where: str) -> None:
+    sizes: dict[int, int] = {}  # id(node) -> its expanded size
+    seen_anchors = 0
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            kids = _children(node)
+            sizes[key] = 1 + sum(sizes[id(k)] for k in kids)
+            if sizes[key] > MAX_YAML_NODES:
+                raise ConfigError(f"{where}: YAML expands to more than {MAX_YAML_NODES:,} values through its "
+                                  f"aliases (*name); refusing it (an alias bomb?)")
+            continue
+        if key in sizes:
+            seen_anchors += 1  # a node reached again: an alias
+            if seen_anchors > MAX_YAML_ALIASES:
+                raise ConfigError(f"{where}: YAML uses more than {MAX_YAML_ALIASES:,} aliases (*name); refusing it")
+            continue
+        if key in on_path:
+            raise ConfigError(f"{where}: YAML alias refers to a collection that contains it (recursive alias)")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((k, False) for k in _children(node))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [x for pair in node.value for x in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+class Origin(str):
+    """The config file's name, remembering which dotted keys the command line set, so that an error
+    in one of those blames the command line (``Config.source`` after `load`)."""
+
+    overrides: dict[str, str]
+
+    def __new__(cls, source: str, overrides: dict[str, str] | None = None) -> "Origin":
+        obj = super().__new__(cls, source)
+        obj.overrides = dict(overrides or {})
+        return obj
+
+    def override_for(self, key: str) -> str | None:
+        """The override (``key=value`` as typed) that set `key` or a section holding it."""
+        key = key.replace(".options.", ".")
+        for set_key, item in self.overrides.items():
+            if key == set_key or key.startswith(set_key + ".") or key.startswith(set_key + "["):
+                return item
+        return None
+
+
+def locate(where: str, key: str) -> str:
+    """Where a key's value came from, for an error message: ``file.yaml: key`` or
+    ``command line (key=value): key``."""
+    item = where.override_for(key) if isinstance(where, Origin) else None
+    if item is not None:
+        return f"command line ({item}): {key}"
+    return f"{where}: {key}" if where else key
+
+
 def from_mapping(raw: Mapping[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "<dict>") -> Config:
     data = _normalise_components(json.loads(json.dumps(raw, default=str)))
+    set_by: dict[str, str] = {}
     for item in overrides:
-        _apply_override(data, item, source)
+        set_by[_apply_override(data, item)] = item
     data = _normalise_components(data)
+    origin = Origin(source, set_by)
     data["source"] = source
-    return build(Config, data, where=source)
+    cfg = build(Config, data, where=origin)
+    cfg.source = origin
+    return cfg
 
 
 def _normalise_components(data: dict[str, Any]) -> dict[str, Any]:
@@ -150,14 +298,16 @@ def _normalise_components(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _apply_override(data: dict[str, Any], item: str, source: str) -> None:
+def _apply_override(data: dict[str, Any], item: str) -> str:
+    """Set one ``key=value`` in `data`; returns the dotted key as errors name it (``task.lr``)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key=value (e.g. rounds=5, task.lr=0.01)")
     key, text = item.split("=", 1)
     key = key.strip()
-    if not key:
-        raise ConfigError(f"override {item!r} has an empty key")
-    value = yaml.safe_load(text) if text.strip() else ""
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: {key!r} is not a dotted key like rounds or task.lr")
+    # Values are plain YAML scalars or flow collections, parsed safely (no tags, no alias bombs).
+    value = load_yaml(text, f"command line ({item})") if text.strip() else ""
     parts = key.split(".")
     if parts[0] in ("task", "strategy") and len(parts) >= 2 and parts[1] not in ("name", "options"):
         parts = [parts[0], "options", *parts[1:]]
@@ -169,9 +319,10 @@ def _apply_override(data: dict[str, Any], item: str, source: str) -> None:
         if nxt is None:
             nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            raise ConfigError(f"command line ({item}): {part!r} is not a section")
         node = nxt
     node[parts[-1]] = value
+    return ".".join(p for i, p in enumerate(parts) if not (i == 1 and p == "options" and parts[0] in ("task", "strategy")))
 
 
 def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
@@ -184,9 +335,10 @@ def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{prefix}{unknown[0]}"
-        raise ConfigError(
-            f"{_loc(where, key)}: unknown key; allowed keys here: {', '.join(sorted(fields))}"
-        )
+        close = difflib.get_close_matches(str(unknown[0]), [k for k in fields if k != "source"], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        allowed = sorted(k for k in fields if k != "source")
+        raise ConfigError(f"{_loc(where, key)}: unknown key; allowed keys here: {', '.join(allowed)}{hint}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, f in fields.items():
@@ -202,13 +354,18 @@ def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
     if callable(check):
         try:
             check()
+        except InvalidValue as exc:
+            raise ConfigError(f"{_loc(where, prefix + exc.key)} {exc.problem}") from None
         except ValueError as exc:
+            first, _, rest = str(exc).partition(" ")
+            if first in fields:  # "lr must be > 0": name the key itself, so its origin is found
+                raise ConfigError(f"{_loc(where, prefix + first)} {rest}") from None
             raise ConfigError(f"{_loc(where, prefix.rstrip('.') or cls.__name__)}: {exc}") from None
     return obj
 
 
 def _loc(where: str, key: str) -> str:
-    return f"{where}: {key}" if where else key
+    return locate(where, key)
 
 
 def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
@@ -278,3 +435,47 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [to_plain(v) for v in obj]
     return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# resuming
+
+# What a checkpoint's state depends on: resuming it under a config that changes any of these would
+# load state of another shape or meaning (e.g. FedAvg's checkpoint into FedDWA). Everything else --
+# rounds, timeouts, checkpointing, security, comm, device -- may change between attempts.
+RESUME_MUST_MATCH = ("seed", "method", "federation.mode", "strategy", "task")
+
+
+def check_resume_compatible(saved: Mapping[str, Any], current: Config, where: str = "the checkpoint") -> None:
+    """Raise a one-line `ConfigError` naming every key in `RESUME_MUST_MATCH` whose value in the
+    checkpoint's config (`saved`, as stored by `Config.to_dict`) differs from `current`'s."""
+    now = current.to_dict()
+    differs = []
+    for key in RESUME_MUST_MATCH:
+        for path, old, new in _diff(_get(saved, key), _get(now, key), key):
+            differs.append(f"{_describe(path)}: {old!r} in the checkpoint, {new!r} now")
+    if differs:
+        shown = "; ".join(differs[:4]) + (f"; and {len(differs) - 4} more" if len(differs) > 4 else "")
+        raise ConfigError(f"--resume: {where} was written by a different run configuration ({shown}); "
+                          f"resume with the config it was made with, or start a fresh run "
+                          f"(another --out, or --force to overwrite)")
+
+
+def _get(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, Mapping) else None
+    return data
+
+
+def _diff(old: Any, new: Any, path: str) -> list[tuple[str, Any, Any]]:
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(k), new.get(k), f"{path}.{k}")
+        return out
+    old, new = json.loads(json.dumps(old, default=str)), json.loads(json.dumps(new, default=str))
+    return [] if old == new else [(path, old, new)]
+
+
+def _describe(path: str) -> str:
+    return path.replace("strategy.options.", "strategy.").replace("task.options.", "task.")

@@ -10,6 +10,7 @@ Two modes:
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from hpcfed.config import ConfigError, SecurityConfig
@@ -43,6 +44,10 @@ def _read_psk(sec: SecurityConfig) -> bytes:
         path = Path(sec.psk_file).expanduser()
         if not path.is_file():
             raise ConfigError(f"security.psk_file {path} does not exist")
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:  # like an identity key: a secret others can read authenticates them too
+            raise ConfigError(f"security.psk_file {path} is readable by others (mode {mode:04o}); "
+                              f"run `chmod 600 {path}`")
         text, where = path.read_text().strip(), f"security.psk_file {path}"
     else:
         text, where = os.environ.get(sec.psk_env, "").strip(), f"${sec.psk_env}"

@@ -30,8 +30,14 @@ def write_pid(log_dir: Path, rank: int) -> None:
     _write(log_dir / f"rank{rank}.pid", f"{os.getpid()} {socket.gethostname()}")
 
 
-def write_exit(log_dir: Path, rank: int, code: int) -> None:
-    _write(log_dir / f"rank{rank}.exit", str(code))
+def write_exit(log_dir: Path, rank: int, code: int, reason: str = "") -> None:
+    """Record how this rank ends: its status and, for a failure, the one-line reason (what the
+    launcher prints last, after MPI's own messages)."""
+    reason = " ".join(reason.split())[:_MAX_REASON]
+    _write(log_dir / f"rank{rank}.exit", f"{code}\n{reason}" if reason else str(code))
+
+
+_MAX_REASON = 1000
 
 
 def _write(path: Path, text: str) -> None:
@@ -51,9 +57,25 @@ def clear(log_dir: Path) -> None:
 def exit_status(log_dir: Path, rank: int) -> int | None:
     """The status rank `rank` reported on leaving, or None if it never reported (killed, crashed)."""
     try:
-        return int((log_dir / f"rank{rank}.exit").read_text())
+        return int((log_dir / f"rank{rank}.exit").read_text().split("\n", 1)[0])
     except (OSError, ValueError):
         return None
+
+
+def failures(log_dir: Path, np: int) -> list[tuple[int, int, str]]:
+    """(rank, status, reason) of every rank that reported ending with an error of its own, the
+    earliest report first. Ranks that MPI killed because another one aborted report nothing."""
+    found = []
+    for rank in range(np):
+        path = log_dir / f"rank{rank}.exit"
+        try:
+            first, _, reason = path.read_text().partition("\n")
+            code, when = int(first), path.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if code != 0:
+            found.append((when, rank, code, reason.strip()))
+    return [(rank, code, reason) for _, rank, code, reason in sorted(found)]
 
 
 class RankWatch:

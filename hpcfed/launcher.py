@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 from hpcfed import jobwatch
-from hpcfed.config import Config, ConfigError, build, load
+from hpcfed.config import Config, ConfigError, build, check_resume_compatible, load, locate
 from hpcfed.errors import FederationError
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
@@ -46,7 +46,7 @@ def prepare_config(path: str, overrides: list[str]) -> Config:
         try:
             task_cls.apply_method(cfg.method, cfg)
         except ValueError as exc:
-            raise ConfigError(f"{cfg.source}: method={cfg.method}: {exc}") from None
+            raise ConfigError(f"{locate(cfg.source, 'method')}={cfg.method}: {exc}") from None
     # Validate the components' own options here, once, before any rank is started.
     strategy_cls = _component(strategy_class, cfg.strategy.name, "strategy.name", cfg.source)
     build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
@@ -58,11 +58,11 @@ def _component(resolve, name: str, key: str, source: str):
     try:
         return resolve(name, source)
     except ValueError as exc:
-        raise ConfigError(f"{source}: {key}: {exc}") from None
+        raise ConfigError(f"{locate(source, key)}: {exc}") from None
 
 
 def run_command(config: str, overrides: list[str], *, np: int | None, out: str | None, resume: bool,
-                mpiexec: str | None = None) -> int:
+                mpiexec: str | None = None, force: bool = False) -> int:
     cfg = prepare_config(config, overrides)  # validate before spending a launch
     out_dir = Path(out or Path("runs") / cfg.name)
     if not under_mpi():
@@ -70,8 +70,81 @@ def run_command(config: str, overrides: list[str], *, np: int | None, out: str |
             np = (cfg.federation.num_clients + 1) if cfg.federation.num_clients else None
         if np is None:
             raise ConfigError("not running under MPI: pass --np K (server + K-1 clients) or start with mpiexec -n K")
+        prepare_out_dir(out_dir, cfg, resume=resume, force=force)
         return relaunch(config, overrides, np=np, out=out_dir, resume=resume, mpiexec=mpiexec, cfg=cfg)
-    return run_rank(cfg, out_dir, resume)
+    return run_rank(cfg, out_dir, resume, force=force)
+
+
+# What `hpcfed run` writes into OUT: a folder holding any of these holds a run's results.
+RESULT_FILES = ("summary.json", "metrics.jsonl")
+RESULT_DIRS = ("checkpoints", "embeddings")
+# ... and what `--force` removes before starting over (never anything else of the folder).
+RUN_OUTPUTS = (*RESULT_FILES, *RESULT_DIRS, "logs", "report", "report.md", "tensorboard")
+
+
+def prepare_out_dir(out: Path, cfg: Config, *, resume: bool, force: bool) -> None:
+    """Check `--out` before anything is launched: it must be a folder (made here if missing); a
+    folder that holds a run's results is only continued with --resume (from a checkpoint made
+    with a compatible config) or overwritten with --force, never silently."""
+    if resume and force:
+        raise ConfigError("--resume continues the run in --out and --force overwrites it: choose one")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; choose another --out (e.g. runs/{cfg.name})")
+    found = existing_results(out)
+    if force and found:
+        for name in RUN_OUTPUTS:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        print(f"hpcfed: --force: removed the earlier run's {', '.join(found)} from {out}", file=sys.stderr)
+    elif found and not resume:
+        raise ConfigError(f"--out {out} already holds a run ({', '.join(found)}); continue it with --resume, "
+                          f"overwrite it with --force, or choose another --out")
+    elif resume:
+        saved = saved_config(out)
+        if saved is not None:
+            check_resume_compatible(saved[1], cfg, where=str(saved[0]))
+        elif found and not any(name.startswith("checkpoints") for name in found):
+            raise ConfigError(f"--resume: {out} holds a run ({', '.join(found)}) but no checkpoint to continue it "
+                              f"from; start over with --force, or choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot create the folder ({exc.strerror}); choose another --out") from None
+
+
+def existing_results(out: Path) -> list[str]:
+    """The results of an earlier run in `out` (empty when there are none or only logs)."""
+    found = []
+    for name in RESULT_FILES:
+        path = out / name
+        if path.is_file() and path.stat().st_size > 0:
+            found.append(name)
+    for name in RESULT_DIRS:
+        path = out / name
+        if path.is_dir() and any(p.is_file() for p in path.rglob("*")):
+            found.append(f"{name}/")
+    return found
+
+
+def saved_config(out: Path) -> tuple[Path, dict] | None:
+    """(file, config) stored in the newest checkpoint in `out` that has one, read without verifying
+    the whole file (the server verifies it when it loads it); None when there is none."""
+    import h5py
+
+    from hpcfed.store.checkpoint import list_checkpoints
+
+    for path in list_checkpoints(out / "checkpoints"):
+        try:
+            with h5py.File(path, "r") as f:
+                saved = json.loads(f.attrs["config"])
+        except (OSError, KeyError, ValueError, TypeError):
+            continue  # corrupt or half-written: the server skips it too, with a warning
+        if isinstance(saved, dict):
+            return path, saved
+    return None
 
 
 def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: bool, mpiexec: str | None,
@@ -106,14 +179,28 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
         gone = f" without {_rank_names(failed)}, dropped during the run" if failed else ""
         print(f"hpcfed: the federation finished{gone}; results in {out}/summary.json", file=sys.stderr)
         return 0
+    print(failure_diagnosis(code, out, np, watch.first_dead()), file=sys.stderr)
+    return code
+
+
+def failure_diagnosis(code: int, out: Path, np: int, first_dead: int | None) -> str:
+    """The launcher's last line for a failed job: the rank that failed by itself and why (ranks
+    that MPI_Abort took down with it report nothing), else the rank that ended first."""
     from hpcfed.store.checkpoint import list_checkpoints
 
+    log_dir = out / "logs"
     ckpts = list_checkpoints(out / "checkpoints")
-    first = watch.first_dead()
-    who = f"{_rank_names([first])} ended first; " if first is not None else ""
-    print(f"hpcfed: the federation failed (exit {code}): {who}last checkpoint: "
-          f"{ckpts[0] if ckpts else 'none'}; see {log_dir}/rank*.log", file=sys.stderr)
-    return code
+    last = f"last checkpoint: {ckpts[0] if ckpts else 'none'}"
+    failed = jobwatch.failures(log_dir, np)
+    if failed:
+        rank, _, reason = failed[0]
+        others = [r for r, _, _ in failed[1:]]
+        also = f" ({_rank_names(others)} failed too)" if others else ""
+        return (f"hpcfed: the federation failed (exit {code}): {_rank_names([rank])} failed: "
+                f"{reason or 'no reason recorded'}{also}; {last}; log: {log_dir / f'rank{rank}.log'}")
+    who = f"{_rank_names([first_dead])} ended first (killed or crashed: it recorded no error); " \
+        if first_dead is not None else ""
+    return f"hpcfed: the federation failed (exit {code}): {who}{last}; see {log_dir}/rank*.log"
 
 
 def _rank_names(ranks: list[int]) -> str:
@@ -140,7 +227,7 @@ def _is_hydra(exe: str) -> bool:
     return "HYDRA" in text.upper()
 
 
-def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
+def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> int:
     """Body of one MPI rank. Returns the exit code; aborts the job on failure."""
     from mpi4py import MPI
 
@@ -153,7 +240,8 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
     try:
         _check_world(cfg, size)
         if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            # Under `hpcfed run --np` the launcher has checked OUT already (this finds it as left).
+            prepare_out_dir(out_dir, cfg, resume=resume, force=force)
             (out_dir / "embeddings").mkdir(exist_ok=True)
         comm.Barrier()
         channel = _open_channel(cfg, comm)
@@ -180,12 +268,14 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool) -> int:
     except Exception as exc:  # noqa: BLE001 — any failure must end the whole job, not hang it
         if _expected(exc):
             log.error("rank %d failed: %s", rank, exc)
+            reason = str(exc)
         else:
             log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
-        _abort(comm, out_dir, rank, 2 if isinstance(exc, ConfigError) else 1)
+            reason = f"{type(exc).__name__}: {exc} (a bug: the traceback is in the log)"
+        _abort(comm, out_dir, rank, 2 if isinstance(exc, ConfigError) else 1, reason)
     except BaseException as exc:  # noqa: BLE001 — KeyboardInterrupt, SystemExit: still end the job
         log.error("rank %d stopped: %s", rank, type(exc).__name__)
-        _abort(comm, out_dir, rank, 1)
+        _abort(comm, out_dir, rank, 1, f"stopped by {type(exc).__name__}")
     return 1
 
 
@@ -196,8 +286,8 @@ def _expected(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, FileNotFoundError, FederationError, ChannelError))
 
 
-def _abort(comm: object, out_dir: Path, rank: int, code: int) -> None:
-    jobwatch.write_exit(out_dir / "logs", rank, code)
+def _abort(comm: object, out_dir: Path, rank: int, code: int, reason: str) -> None:
+    jobwatch.write_exit(out_dir / "logs", rank, code, reason)
     logging.shutdown()
     sys.stderr.flush()
     # MPI_Abort can hang when the peer that should carry it out is gone (a killed server, a dead

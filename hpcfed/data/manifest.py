@@ -16,8 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from hpcfed.config import load_yaml
 from hpcfed.data.root import DataError, data_root
 
 MANIFEST = Path(__file__).resolve().parents[2] / "data_manifest.yaml"
@@ -26,7 +25,7 @@ MANIFEST = Path(__file__).resolve().parents[2] / "data_manifest.yaml"
 def load_manifest(path: Path = MANIFEST) -> dict[str, dict[str, Any]]:
     if not path.is_file():
         raise DataError(f"{path} not found; it ships with the hpcfed source tree")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_yaml(path.read_text(), str(path)) or {}
     datasets = data.get("datasets")
     if not isinstance(datasets, dict):
         raise DataError(f"{path}: expected a top-level 'datasets:' mapping")

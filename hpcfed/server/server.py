@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from hpcfed import protocol as P
-from hpcfed.config import Config, build
+from hpcfed.config import Config, build, check_resume_compatible
 from hpcfed.cost import brief as cost_brief
 from hpcfed.cost import parse_cost, rank_cost
 from hpcfed.errors import FederationError
@@ -131,10 +131,19 @@ class Server:
         return start_round, resumed
 
     def _load_checkpoint(self) -> ckpt_store.Checkpoint | None:
-        ckpt = ckpt_store.latest_valid(self.out_dir / "checkpoints", warn=log.warning)
+        folder = self.out_dir / "checkpoints"
+        ckpt = ckpt_store.latest_valid(folder, warn=log.warning)
         if ckpt is None:
-            log.warning("--resume: no valid checkpoint in %s; starting from round 0", self.out_dir / "checkpoints")
+            found = ckpt_store.list_checkpoints(folder)
+            if found:  # starting from round 0 would overwrite the run they belong to
+                raise FederationError(f"--resume: none of the {len(found)} checkpoints in {folder} verifies (see above); "
+                                      f"nothing was changed; move them away and rerun with --force to start over")
+            if (self.out_dir / "summary.json").exists():
+                raise FederationError(f"--resume: {self.out_dir} holds a finished run but no checkpoint to continue it "
+                                      f"from; rerun with --force to start over, or choose another --out")
+            log.warning("--resume: no checkpoint in %s yet; starting from round 0", folder)
             return None
+        check_resume_compatible(ckpt.config, self.cfg, where=str(ckpt.path))
         self.strategy.load_state_dict(ckpt.strategy)
         self.updates_accepted = int(ckpt.meta.get("updates_accepted", 0))
         self.last_checkpoint = ckpt.path

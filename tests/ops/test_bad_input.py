@@ -53,7 +53,9 @@ def test_cli_config_errors_are_one_line_with_exit_code_2(tmp_path):
     assert "Traceback" not in missing.stderr
     bad = run_cli(["run", str(QUICKSTART), "federation.mode=fast", "--np", "3", "--out", str(tmp_path / "o")],
                   check=False, timeout=120)
-    assert bad.returncode == 2 and "quickstart.yaml: federation.mode = 'fast' is not allowed" in bad.stderr
+    # the bad value came from the command line, not from quickstart.yaml
+    assert bad.returncode == 2 and "command line (federation.mode=fast): federation.mode = 'fast' is not allowed" \
+        in bad.stderr
     assert not (tmp_path / "o").exists()  # rejected before anything was launched
 
 
@@ -73,8 +75,18 @@ def test_bad_pre_shared_key_names_the_variable(tmp_path):
     with pytest.raises(ConfigError, match=r"no pre-shared key: set HPCFED_TEST_PSK"):
         load_credentials(SecurityConfig(psk_env="HPCFED_TEST_PSK"), 0)
     (tmp_path / "psk").write_text("not-hex\n")
+    (tmp_path / "psk").chmod(0o644)
+    with pytest.raises(ConfigError, match=rf"psk_file {tmp_path / 'psk'} is readable by others \(mode 0644\); "
+                                          rf"run `chmod 600 {tmp_path / 'psk'}`"):
+        load_credentials(SecurityConfig(psk_file=str(tmp_path / "psk")), 0)
+    (tmp_path / "psk").chmod(0o640)
+    with pytest.raises(ConfigError, match=r"readable by others \(mode 0640\)"):
+        load_credentials(SecurityConfig(psk_file=str(tmp_path / "psk")), 0)
+    (tmp_path / "psk").chmod(0o600)
     with pytest.raises(ConfigError, match=rf"security\.psk_file {tmp_path / 'psk'} is not hex"):
         load_credentials(SecurityConfig(psk_file=str(tmp_path / "psk")), 0)
+    (tmp_path / "psk").write_text("ab" * 32)
+    assert load_credentials(SecurityConfig(psk_file=str(tmp_path / "psk")), 0).psk == b"\xab" * 32
 
 
 def test_malformed_authorized_keys_names_file_and_line(tmp_path):
