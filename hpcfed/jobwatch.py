@@ -62,8 +62,8 @@ def exit_status(log_dir: Path, rank: int) -> int | None:
         return None
 
 
-def failures(log_dir: Path, np: int) -> list[tuple[int, int, str]]:
-    """(rank, status, reason) of every rank that reported ending with an error of its own, the
+def failures(log_dir: Path, np: int) -> list[tuple[int, int, str, float]]:
+    """(rank, status, reason, when) of every rank that reported ending with an error of its own, the
     earliest report first. Ranks that MPI killed because another one aborted report nothing."""
     found = []
     for rank in range(np):
@@ -75,7 +75,7 @@ def failures(log_dir: Path, np: int) -> list[tuple[int, int, str]]:
             continue
         if code != 0:
             found.append((when, rank, code, reason.strip()))
-    return [(rank, code, reason) for _, rank, code, reason in sorted(found)]
+    return [(rank, code, reason, when) for when, rank, code, reason in sorted(found)]
 
 
 class RankWatch:
@@ -90,6 +90,7 @@ class RankWatch:
         self.pids: dict[int, int] = {}  # rank -> pid; -1 for a rank on another host
         self.reported: list[int] = []  # ranks mpiexec itself said ended badly, in order
         self._ends: dict[int, float] = {}  # rank -> when its end was seen
+        self._wall_ends: dict[int, float] = {}  # the same, as wall-clock time (to compare with files' mtimes)
         self._fds: dict[int, int] = {}  # rank -> pidfd, while it runs
         self._lock = threading.Lock()
         self._changed = threading.Event()
@@ -106,6 +107,11 @@ class RankWatch:
             return self.reported[0]
         ended = self.ended
         return ended[0] if ended and len(self.pids) == self.np else None
+
+    def ended_at(self, rank: int) -> float | None:
+        """Wall-clock time at which `rank`'s end was seen (None if it was not seen end)."""
+        with self._lock:
+            return self._wall_ends.get(rank)
 
     def scan(self, line: str) -> None:
         """Read one line of mpiexec's output for its report of a rank that ended badly. (Open MPI
@@ -157,7 +163,8 @@ class RankWatch:
 
     def _record(self, rank: int) -> None:
         with self._lock:
-            self._ends.setdefault(rank, time.monotonic())
+            if rank not in self._ends:
+                self._ends[rank], self._wall_ends[rank] = time.monotonic(), time.time()
         self._changed.set()
 
     def running(self) -> list[int]:

@@ -46,7 +46,7 @@ def prepare_config(path: str, overrides: list[str]) -> Config:
         try:
             task_cls.apply_method(cfg.method, cfg)
         except ValueError as exc:
-            raise ConfigError(f"{locate(cfg.source, 'method')}={cfg.method}: {exc}") from None
+            raise ConfigError(f"{locate(cfg.source, 'method')} = {cfg.method!r}: {exc}") from None
     # Validate the components' own options here, once, before any rank is started.
     strategy_cls = _component(strategy_class, cfg.strategy.name, "strategy.name", cfg.source)
     build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
@@ -179,28 +179,34 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
         gone = f" without {_rank_names(failed)}, dropped during the run" if failed else ""
         print(f"hpcfed: the federation finished{gone}; results in {out}/summary.json", file=sys.stderr)
         return 0
-    print(failure_diagnosis(code, out, np, watch.first_dead()), file=sys.stderr)
+    print(failure_diagnosis(code, out, np, watch), file=sys.stderr)
     return code
 
 
-def failure_diagnosis(code: int, out: Path, np: int, first_dead: int | None) -> str:
-    """The launcher's last line for a failed job: the rank that failed by itself and why (ranks
-    that MPI_Abort took down with it report nothing), else the rank that ended first."""
+def failure_diagnosis(code: int, out: Path, np: int, watch: jobwatch.RankWatch) -> str:
+    """The launcher's last line for a failed job, after all of mpiexec's output: the cause first --
+    a rank that ended without recording an error (killed, crashed) before any rank recorded one, or
+    else the first rank that failed by itself, with its reason (ranks that MPI_Abort took down
+    with it record nothing) -- then the last checkpoint and the log to read."""
     from hpcfed.store.checkpoint import list_checkpoints
 
     log_dir = out / "logs"
     ckpts = list_checkpoints(out / "checkpoints")
     last = f"last checkpoint: {ckpts[0] if ckpts else 'none'}"
     failed = jobwatch.failures(log_dir, np)
-    if failed:
-        rank, _, reason = failed[0]
-        others = [r for r, _, _ in failed[1:]]
-        also = f" ({_rank_names(others)} failed too)" if others else ""
-        return (f"hpcfed: the federation failed (exit {code}): {_rank_names([rank])} failed: "
-                f"{reason or 'no reason recorded'}{also}; {last}; log: {log_dir / f'rank{rank}.log'}")
-    who = f"{_rank_names([first_dead])} ended first (killed or crashed: it recorded no error); " \
-        if first_dead is not None else ""
-    return f"hpcfed: the federation failed (exit {code}): {who}{last}; see {log_dir}/rank*.log"
+    first = watch.first_dead()
+    parts = []
+    if first is not None and jobwatch.exit_status(log_dir, first) is None:
+        seen = watch.ended_at(first)
+        if not failed or seen is None or seen < failed[0][3]:
+            parts.append(f"{_rank_names([first])} ended first (killed or crashed: it recorded no error)")
+    for rank, _, reason, _ in failed[:1]:
+        then = "then " if parts else ""
+        parts.append(f"{then}{_rank_names([rank])} failed: {reason or 'no reason recorded'}")
+    if len(failed) > 1:
+        parts.append(f"{_rank_names([r for r, *_ in failed[1:]])} failed too")
+    logs = f"log: {log_dir / f'rank{failed[0][0]}.log'}" if failed and len(parts) == 1 else f"see {log_dir}/rank*.log"
+    return f"hpcfed: the federation failed (exit {code}): {'; '.join([*parts, last, logs])}"
 
 
 def _rank_names(ranks: list[int]) -> str:
@@ -253,7 +259,8 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             # SIGUSR1 (e.g. `scancel --signal=USR1` before a requeue): checkpoint after this round and stop.
             signal.signal(signal.SIGUSR1, lambda *_: server.request_halt())
             summary = server.run()
-            log.info("done: %s", _brief(summary))
+            for line in closing_lines(summary, out_dir, cfg):
+                log.info("%s", line)
         else:
             import torch
 
@@ -360,6 +367,30 @@ def _setup_logging(rank: int, out_dir: Path, size: int) -> None:
         pass
 
 
-def _brief(summary: dict) -> str:
-    keys = [k for k, v in summary.get("mean", {}).items() if isinstance(v, float)][:4]
-    return ", ".join(f"mean {k}={summary['mean'][k]:.4f}" for k in keys) or "no metrics"
+def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
+    """What the run ends with on the console: its final figures, what they were measured on, and
+    where everything it wrote is."""
+    if "halted_after_round" in summary:
+        return [f"halted after round {summary['halted_after_round']} (halt_after_round); continue with --resume "
+                f"from {summary.get('last_checkpoint')}"]
+    mean = summary.get("mean", {})
+    figures = ", ".join(f"{k}={v:.4f}" for k, v in mean.items() if isinstance(v, float)) or "no metrics"
+    clients = len(summary.get("clients", {}))
+    lines = [f"done: final test metrics, mean over {clients} site{'s' if clients != 1 else ''}: {figures} "
+             f"(on each site's test split)"]
+    try:
+        from hpcfed.registry import task_class
+
+        note = getattr(task_class(cfg.task.name), "evaluation_note", "")  # what the task's splits mean
+    except ValueError:
+        note = ""
+    note = note or "the val_* figures of the round lines are on each site's validation split"
+    lines.append(f"note: {note}")
+    where = [f"{out_dir / 'summary.json'} (final metrics per site)", f"{out_dir / 'metrics.jsonl'} (per {'round' if cfg.federation.mode == 'sync' else 'accepted update'})"]
+    exports = sorted((out_dir / "embeddings").glob("*.h5"))
+    if exports:
+        where.append(f"{out_dir / 'embeddings'}/ ({len(exports)} site export{'s' if len(exports) != 1 else ''})")
+    if summary.get("last_checkpoint"):
+        where.append(f"{summary['last_checkpoint']} (newest checkpoint)")
+    lines.append(f"results: {', '.join(where)}; plots: hpcfed report {out_dir}")
+    return lines

@@ -130,17 +130,43 @@ def _slug(name: str) -> str:
 # plots
 
 
-def plot_metrics(metrics: Metrics, out_dir: str | Path) -> list[Path]:
-    """One PNG per numeric metric (panels: per round, per wall time; one line per site)."""
+def run_mode(metrics: Metrics, summary: dict[str, Any] | None) -> str | None:
+    """"sync" or "async" from summary.json's config, else from what the server logs in each mode
+    (sync: ``round_time_s`` per round; async: ``broadcast`` per accepted update); None if unknown."""
+    cfg = (summary or {}).get("config")
+    fed = cfg.get("federation") if isinstance(cfg, dict) else None
+    if isinstance(fed, dict) and fed.get("mode") in ("sync", "async"):
+        return fed["mode"]
+    if "round_time_s" in metrics.series:
+        return "sync"
+    if "broadcast" in metrics.series:
+        return "async"
+    return None
+
+
+X_LABELS = {"sync": "round (from 0)", "async": "accepted updates", None: "round (sync, from 0) / accepted updates (async)"}
+
+
+def single_valued(metrics: Metrics) -> list[str]:
+    """Metrics with at most one finite value per site (final results, setup figures): a line plot of
+    them is empty or meaningless, so they are listed in the report instead of plotted."""
+    return sorted(name for name, per_site in metrics.series.items()
+                  if all(sum(math.isfinite(v) for v in s.values) <= 1 for s in per_site.values()))
+
+
+def plot_metrics(metrics: Metrics, out_dir: str | Path, mode: str | None = None) -> list[Path]:
+    """One PNG per numeric metric with more than one value at some site (panels: per round, per wall
+    time; one line per site). The x axis is the round in sync runs, accepted updates in async runs."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    skip = set(single_valued(metrics))
     for name in sorted(metrics.series):
         per_site = metrics.series[name]
-        if not any(math.isfinite(v) for s in per_site.values() for v in s.values):
+        if name in skip:
             continue
         fig = Figure(figsize=(10, 3.6), dpi=100)
         FigureCanvasAgg(fig)
@@ -151,7 +177,7 @@ def plot_metrics(metrics: Metrics, out_dir: str | Path) -> list[Path]:
             marker = "o" if len(s.values) < 30 else None
             ax_round.plot(s.rounds, s.values, marker=marker, markersize=3, label=_site_label(client), **style)
             ax_time.plot(s.times, s.values, marker=marker, markersize=3, label=_site_label(client), **style)
-        ax_round.set_xlabel("round (async: accepted updates)")
+        ax_round.set_xlabel(X_LABELS[mode])
         ax_time.set_xlabel("wall time since start (s)")
         for ax in (ax_round, ax_time):
             ax.set_ylabel(name)
@@ -160,7 +186,7 @@ def plot_metrics(metrics: Metrics, out_dir: str | Path) -> list[Path]:
         fig.suptitle(f"{name}  ({metrics.path.parent.name})")
         fig.tight_layout()
         path = out_dir / f"{_slug(name)}.png"
-        fig.savefig(path)
+        fig.savefig(path, metadata={"Description": f"{name} per {X_LABELS[mode]} and per wall time"})
         written.append(path)
     return written
 
@@ -259,8 +285,12 @@ def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary:
             lines.append(f"| | | | … {len(metrics.events) - 200} more | |")
         lines.append("")
 
-    if plots:
+    single = single_valued(metrics)
+    if plots or single:
         lines += ["## Plots", ""]
+    if single:
+        lines += [f"Not plotted (one value per site, see the tables above): {', '.join(f'`{n}`' for n in single)}.", ""]
+    if plots:
         for p in plots:
             rel = p.relative_to(run_dir) if p.is_relative_to(run_dir) else p
             lines += [f"### {p.stem}", "", f"![{p.stem}]({rel.as_posix()})", ""]
@@ -322,7 +352,7 @@ def make_report(run_dir: str | Path, *, out: str | Path | None = None, tensorboa
         if not isinstance(summary, dict):
             raise ValueError(f"{summary_path}: expected a JSON object, got {type(summary).__name__}")
     out_dir = Path(out) if out else run_dir
-    plots = plot_metrics(metrics, out_dir / "report")
+    plots = plot_metrics(metrics, out_dir / "report", run_mode(metrics, summary))
     md_path = out_dir / "report.md"
     md_path.write_text(render_markdown(metrics, plots, out_dir, summary))
     result: dict[str, Any] = {"report": str(md_path), "plots": [str(p) for p in plots],

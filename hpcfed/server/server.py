@@ -29,6 +29,7 @@ from hpcfed.params import ParamLayout
 from hpcfed.registry import strategy_class, task_class
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.outbox import ModelOutbox
+from hpcfed.server.progress import Progress
 from hpcfed.store import atomic
 from hpcfed.store import checkpoint as ckpt_store
 from hpcfed.strategies.base import Strategy, StrategyContext, Update
@@ -71,6 +72,7 @@ class Server:
         self._cpu0 = time.process_time()
         self._outbox: ModelOutbox | None = None  # async mode
         self.client_costs: dict[int, dict[str, Any] | None] = {}
+        self._progress: Progress | None = None  # console progress: rounds (sync) or accepted updates (async)
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -78,6 +80,7 @@ class Server:
         start_round, resumed = self._setup()
         self.metrics.log(None, None, "num_clients", self.num_clients)
         if fed.mode == "sync":
+            self._progress = Progress(self.cfg.rounds, start_round, "rounds")
             for rnd in range(start_round, self.cfg.rounds):
                 self._sync_round(rnd)
                 if (self.cfg.halt_after_round == rnd or self.halt_requested) and rnd < self.cfg.rounds - 1:
@@ -195,10 +198,13 @@ class Server:
             self.metrics.log_many(rnd, upd.client_id, upd.metrics)
         self.metrics.log_many(rnd, None, {"round_time_s": time.monotonic() - t0, "num_updates": len(updates),
                                           **self.strategy.metrics()})
-        log.info("round %d/%d done in %.2f s (%d updates)%s", rnd + 1, self.cfg.rounds, time.monotonic() - t0,
-                 len(updates), _metric_brief(updates))
         if want_state:
             self._checkpoint(rnd, {u.client_id: got[u.client_id][1] for u in updates})
+        # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
+        self._progress.advance_to(rnd + 1)
+        saved = f", saved {self.last_checkpoint.name}" if want_state and self.last_checkpoint else ""
+        log.info("round %d of 0..%d done in %.2f s (%d updates)%s%s [%s]", rnd, self.cfg.rounds - 1,
+                 time.monotonic() - t0, len(updates), _metric_brief(updates), saved, self._progress.describe())
         self._maybe_status()
 
     def _take_update(self, rnd: int, msg: Any, got: dict[int, tuple[Update, tuple[dict, dict]]],
@@ -227,6 +233,7 @@ class Server:
     def _async_loop(self, resumed: ckpt_store.Checkpoint | None) -> None:
         fed = self.cfg.federation
         max_updates = fed.max_updates or self.cfg.rounds * self.num_clients
+        self._progress = Progress(max_updates, self.updates_accepted, "accepted updates")
         every = max(1, self.cfg.checkpoint_every) * self.num_clients
         self._outbox = ModelOutbox(self.channel, self._model_message)
         for cid in sorted(self.live):
@@ -255,6 +262,7 @@ class Server:
             targets = set(self.strategy.on_update(upd)) | {upd.client_id}
             self.updates_accepted += 1
             self.round = self.updates_accepted
+            self._progress.advance_to(self.updates_accepted)
             self.metrics.log_many(self.updates_accepted, upd.client_id, upd.metrics)
             self.metrics.log(self.updates_accepted, None, "broadcast", int(len(targets) > 1))
             for name, value in self.strategy.metrics().items():
@@ -398,8 +406,8 @@ class Server:
         dt = now - self._last_status
         self._last_status = now
         rejected = sum(self.rejected.values()) + sum(stats.rejected.values())
-        log.info("status: round %s, version %d, %d updates, %.1f msg/s, %.2f MB/s in, rejected %d; %s",
-                 self.round, self.strategy.version, self.updates_accepted,
+        where = self._progress.describe() if self._progress else "setting up"
+        log.info("status: %s, version %d, %.1f msg/s, %.2f MB/s in, rejected %d; %s", where, self.strategy.version,
                  (stats.messages_received - getattr(self, "_last_msgs", 0)) / dt,
                  (stats.bytes_received - getattr(self, "_last_bytes", 0)) / dt / 1e6, rejected,
                  cost_brief(rank_cost(stats)))
@@ -493,5 +501,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _metric_brief(updates: list[Update]) -> str:
+    """The first two headline metrics the clients reported with this round's updates (``val_*``:
+    on each site's validation split; ``loss``: training loss)."""
     names = [n for n in ("loss", "accuracy", "val_accuracy", "micro_f1", "nmi") if all(n in u.metrics for u in updates)]
     return "".join(f", mean {n} {np.mean([u.metrics[n] for u in updates]):.4f}" for n in names[:2])

@@ -137,6 +137,21 @@ def read_export(path: str | Path, entity: str | None = None) -> EmbeddingSet:
     return EmbeddingSet(name, vectors, ids, labels, attrs)
 
 
+def read_frame(path: str | Path, entity: str | None = None) -> "pandas.DataFrame":
+    """One entity of an export as a pandas DataFrame: index ``id``, an optional ``label`` column,
+    then one float32 column per dimension (``dim_0`` ...); the group's attributes in ``df.attrs``.
+    (``pd.read_hdf`` reads only PyTables' own layout, which these h5py files do not use.)"""
+    import pandas as pd
+
+    emb = read_export(path, entity)
+    columns = {f"dim_{j}": emb.vectors[:, j] for j in range(emb.vectors.shape[1])}
+    if emb.labels is not None:
+        columns = {"label": emb.labels, **columns}
+    frame = pd.DataFrame(columns, index=pd.Index(emb.ids, name="id"))
+    frame.attrs.update({"entity": emb.entity, **emb.attrs})
+    return frame
+
+
 def export_path(out_dir: str | Path, client_id: int) -> Path:
     """Where site `client_id` writes its export inside a run directory."""
     return Path(out_dir) / "embeddings" / f"site{client_id}.h5"

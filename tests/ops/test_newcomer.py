@@ -123,3 +123,80 @@ def test_a_clients_data_error_is_the_last_line_and_names_the_client(tmp_path):
     assert last.startswith("hpcfed: the federation failed (exit 1): rank ") and "(client " in last, proc.stderr[-3000:]
     assert "failed: dataset 'hin/acm' not found at " in last and "set HPCFED_DATA" in last, last
     assert "rank 0 (the server)" not in last.split("failed:")[1].split(";")[0]
+
+
+def test_data_verify_says_where_it_looked_and_fails_on_missing_or_bad_data(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = run_cli(["data", "verify"], check=False, timeout=120, env={"HPCFED_DATA": str(empty)})
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stdout.splitlines()[0] == f"data root: {empty} (from $HPCFED_DATA)"
+    assert "acm              missing" in missing.stdout
+    assert f"7 of 7 datasets missing under {empty}: set HPCFED_DATA" in missing.stderr
+    allowed = run_cli(["data", "verify", "--allow-missing", "--root", str(empty)], check=False, timeout=120)
+    assert allowed.returncode == 0 and allowed.stdout.splitlines()[0] == f"data root: {empty} (--root)"
+    (empty / "hin" / "acm").mkdir(parents=True)
+    (empty / "hin" / "acm" / "labels.npy").write_bytes(b"not the real file")
+    bad = run_cli(["data", "verify", "acm", "--allow-missing", "--root", str(empty)], check=False, timeout=120)
+    assert bad.returncode == 1 and "acm              MISMATCH (1 files" in bad.stdout
+    assert "1 dataset(s) do not match data_manifest.yaml (acm)" in bad.stderr
+
+
+def test_exports_read_as_pandas_frames(tmp_path):
+    import numpy as np
+
+    from hpcfed.store.embeddings import read_frame, write_export
+
+    path = write_export(tmp_path / "site0.h5", np.arange(6, dtype=np.float32).reshape(3, 2), ["a", "b", "c"],
+                        np.array([1, 0, 1]), entity="node", model="mlp", site=0)
+    frame = read_frame(path, "node")
+    assert list(frame.index) == ["a", "b", "c"] and frame.index.name == "id"
+    assert list(frame.columns) == ["label", "dim_0", "dim_1"] and frame.loc["b", "dim_1"] == 3.0
+    assert frame["dim_0"].dtype == np.float32 and list(frame["label"]) == [1, 0, 1]
+    assert frame.attrs["entity"] == "node" and frame.attrs["model"] == "mlp"
+
+
+def _torch_install(env: dict) -> tuple[str, str]:
+    import os
+    import subprocess
+
+    proc = subprocess.run(["bash", str(REPO / "tools" / "setup.sh"), "--print-torch-install"], cwd=REPO,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip(), proc.stderr.strip()
+
+
+def test_setup_picks_the_cpu_wheel_index_without_a_gpu(tmp_path):
+    """tools/setup.sh's choice of where torch comes from, against a local index (no network)."""
+    import functools
+    import http.server
+    import os
+    import threading
+
+    (tmp_path / "index" / "torch").mkdir(parents=True)
+    (tmp_path / "index" / "torch" / "index.html").write_text("<a href='torch-2.13.0+cpu.whl'>torch</a>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "index"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    index = f"http://127.0.0.1:{server.server_address[1]}/"
+    no_gpu = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    (tmp_path / "bin").mkdir()
+    try:
+        cmd, _ = _torch_install({**no_gpu, "TORCH_INDEX": index})
+        assert cmd.endswith(f"-m pip install -q --index-url {index} torch==2.13.0"), cmd
+        cmd, _ = _torch_install({**no_gpu, "TORCH_INDEX": index, "TORCH_SPEC": "torch>=2.4"})
+        assert cmd.endswith(f"--index-url {index} torch>=2.4"), cmd
+        # unreachable CPU index (this machine: only a mirror of PyPI): the plain spec, with one line why
+        cmd, why = _torch_install({**no_gpu, "TORCH_INDEX": "http://127.0.0.1:9/whl/cpu"})
+        assert cmd.endswith("-m pip install -q torch==2.13.0") and "unreachable" in why, (cmd, why)
+        cmd, why = _torch_install({**no_gpu, "TORCH_INDEX": ""})
+        assert cmd.endswith("-m pip install -q torch==2.13.0") and why == "", (cmd, why)
+        # a GPU node: the ordinary index, whose wheel brings CUDA
+        fake = tmp_path / "bin" / "nvidia-smi"
+        fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-0)'\n")
+        fake.chmod(0o755)
+        cmd, _ = _torch_install({**no_gpu, "TORCH_INDEX": index})
+        assert cmd.endswith("-m pip install -q torch==2.13.0"), cmd
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -43,7 +43,8 @@ def test_report_writes_plots_and_markdown(tmp_path):
     _write_run(run)
     result = make_report(run)
     names = sorted(Path(p).name for p in result["plots"])
-    assert names == ["loss.png", "num_clients.png", "round_time_s.png", "straggler.png", "val_accuracy.png"]
+    # num_clients and straggler have one value per site: listed, not drawn as empty plots
+    assert names == ["loss.png", "round_time_s.png", "val_accuracy.png"]
     for p in result["plots"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (run / "report.md").read_text()
@@ -55,6 +56,30 @@ def test_report_writes_plots_and_markdown(tmp_path):
     assert "| round_time_s | server | 5 |" in md
     assert "| checkpoint | ckpt-000003.h5 |" in md and "| site 1 | straggler | 1 |" in md
     assert "![loss](report/loss.png)" in md
+    assert "Not plotted (one value per site, see the tables above): `num_clients`, `straggler`." in md
+
+
+def _x_axis(png: str) -> str:
+    from PIL import Image
+
+    with Image.open(png) as img:
+        return img.text["Description"]
+
+
+def test_plots_label_the_x_axis_by_mode(tmp_path):
+    """Sync runs are plotted per round, async runs per accepted update (from summary.json's config,
+    or, for an unfinished run, from what the server logs in each mode)."""
+    sync = tmp_path / "sync"
+    _write_run(sync, summary=False)  # round_time_s marks a sync run
+    assert _x_axis(make_report(sync)["plots"][0]) == "loss per round (from 0) and per wall time"
+    run = tmp_path / "async"
+    _write_run(run, summary=False)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [x for x in lines if x["name"] != "round_time_s"]
+    lines += [{"round": u, "client": None, "name": "broadcast", "value": u % 2, "time": u} for u in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plots = make_report(run)["plots"]
+    assert all(_x_axis(p).endswith("per accepted updates and per wall time") for p in plots), plots
 
 
 def test_report_of_a_killed_run_skips_the_cut_line_and_says_so(tmp_path):
@@ -82,7 +107,7 @@ def test_cli_report_command(tmp_path):
     _write_run(run)
     proc = run_cli(["report", str(run), "--json"], timeout=120)
     result = json.loads(proc.stdout)
-    assert Path(result["report"]).is_file() and len(result["plots"]) == 5
+    assert Path(result["report"]).is_file() and len(result["plots"]) == 3
     bad = run_cli(["report", str(tmp_path / "missing")], timeout=120, check=False)
     assert bad.returncode == 2 and "missing" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,24 +27,98 @@ DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_
                "PREEMPTED"}
 
 
+SLURM_DIR = Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/hpcfed-slurm"))
+DAEMONS = ("slurmd", "slurmctld", "munged")  # the order to stop them in
+
+
+def running_daemons(folder: Path = SLURM_DIR) -> dict[str, int]:
+    """Daemon name -> pid, for each of local-slurm.sh's daemons whose pid file names a live process
+    of that name (a stale pid file, or a pid reused by another program, does not count)."""
+    found = {}
+    for name in DAEMONS:
+        try:
+            pid = int((folder / f"{name}.pid").read_text().split()[0])
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        if comm == name:
+            found[name] = pid
+    return found
+
+
+def stop_daemons(pids: dict[str, int], timeout: float = 20.0) -> list[str]:
+    """SIGTERM each daemon in `pids` (slurmd first, munged last) and wait for it to go; SIGKILL
+    what is still there after `timeout`. Returns the names that had to be killed."""
+    killed = []
+    for name in DAEMONS:
+        pid = pids.get(name)
+        if pid is None:
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+            if not select.select([fd], [], [], timeout)[0]:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                killed.append(name)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
+    return killed
+
+
 @pytest.fixture(scope="module")
-def slurm_env() -> dict[str, str]:
+def slurm_env():
+    """A local Slurm cluster for this module: started if needed, and afterwards exactly the daemons
+    this fixture started are stopped again (a cluster someone else started keeps running)."""
     if not LOCAL_SLURM.is_file():
         pytest.skip(f"{LOCAL_SLURM} is missing: cannot start a local Slurm cluster")
     if os.geteuid() != 0:
         pytest.skip("starting the local Slurm cluster needs root (munged, slurmctld, slurmd)")
+    before = running_daemons()
     try:
         proc = subprocess.run(["bash", str(LOCAL_SLURM), "start"], capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
+        stop_daemons({k: v for k, v in running_daemons().items() if before.get(k) != v})
         pytest.skip("local-slurm.sh start did not finish within 600 s (apt mirror unreachable?)")
-    m = re.search(r"export SLURM_CONF=(\S+)", proc.stdout)
-    if proc.returncode != 0 or not m:
-        pytest.skip(f"Slurm could not be installed/started here: {(proc.stderr or proc.stdout)[-500:]}")
-    env = {**os.environ, "SLURM_CONF": m.group(1), "HPCFED_PYTHON": sys.executable,
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
-    if shutil.which("sbatch", path=env["PATH"]) is None:
-        pytest.skip("sbatch is not on PATH after starting Slurm")
-    return env
+    started = {k: v for k, v in running_daemons().items() if before.get(k) != v}
+    try:
+        m = re.search(r"export SLURM_CONF=(\S+)", proc.stdout)
+        if proc.returncode != 0 or not m:
+            pytest.skip(f"Slurm could not be installed/started here: {(proc.stderr or proc.stdout)[-500:]}")
+        env = {**os.environ, "SLURM_CONF": m.group(1), "HPCFED_PYTHON": sys.executable,
+               "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+        if shutil.which("sbatch", path=env["PATH"]) is None:
+            pytest.skip("sbatch is not on PATH after starting Slurm")
+        yield env
+    finally:
+        stop_daemons(started)
+
+
+def test_the_fixture_stops_only_what_it_started(tmp_path):
+    """`stop_daemons` ends the daemons it is given, by pid, and nothing else (here: stand-in
+    processes named like the daemons, found through pid files the way local-slurm.sh writes them)."""
+    procs = {}
+    for name in ("slurmd", "munged"):
+        exe = tmp_path / name
+        os.symlink(shutil.which("sleep"), exe)
+        procs[name] = subprocess.Popen([str(exe), "300"])
+        (tmp_path / f"{name}.pid").write_text(f"{procs[name].pid}\n")
+    (tmp_path / "slurmctld.pid").write_text(f"{os.getpid()}\n")  # a pid of another program: not a daemon
+    try:
+        found = running_daemons(tmp_path)
+        assert found == {"slurmd": procs["slurmd"].pid, "munged": procs["munged"].pid}
+        before = dict(found)
+        stop_daemons({k: v for k, v in found.items() if k == "slurmd" and before.get(k) == v})
+        assert procs["slurmd"].wait(timeout=30) == -signal.SIGTERM
+        assert procs["munged"].poll() is None and running_daemons(tmp_path) == {"munged": procs["munged"].pid}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 def _sbatch(env: dict, script: str, args: list[str], log: Path) -> str:
