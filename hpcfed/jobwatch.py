@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,11 +31,16 @@ def write_pid(log_dir: Path, rank: int) -> None:
     _write(log_dir / f"rank{rank}.pid", f"{os.getpid()} {socket.gethostname()}")
 
 
-def write_exit(log_dir: Path, rank: int, code: int, reason: str = "") -> None:
+def write_exit(log_dir: Path, rank: int, code: int, reason: str = "", *, secondary: bool = False) -> None:
     """Record how this rank ends: its status and, for a failure, the one-line reason (what the
-    launcher prints last, after MPI's own messages)."""
+    launcher prints last, after MPI's own messages). `secondary`: the failure followed from
+    another rank's end (an MPI error talking to a peer that is gone), so it is not the cause."""
     reason = " ".join(reason.split())[:_MAX_REASON]
-    _write(log_dir / f"rank{rank}.exit", f"{code}\n{reason}" if reason else str(code))
+    text = f"{code}\n{reason}\n{_SECONDARY if secondary else ''}" if reason or secondary else str(code)
+    _write(log_dir / f"rank{rank}.exit", text)
+
+
+_SECONDARY = "secondary"
 
 
 _MAX_REASON = 1000
@@ -62,20 +68,30 @@ def exit_status(log_dir: Path, rank: int) -> int | None:
         return None
 
 
-def failures(log_dir: Path, np: int) -> list[tuple[int, int, str, float]]:
-    """(rank, status, reason, when) of every rank that reported ending with an error of its own, the
-    earliest report first. Ranks that MPI killed because another one aborted report nothing."""
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    code: int
+    reason: str
+    when: float  # wall-clock time the rank recorded it
+    secondary: bool  # it followed from another rank's end (see write_exit)
+
+
+def failures(log_dir: Path, np: int) -> list[Failure]:
+    """Every rank that recorded ending with an error, the earliest first. Ranks that MPI killed
+    because another one aborted record nothing."""
     found = []
     for rank in range(np):
         path = log_dir / f"rank{rank}.exit"
         try:
-            first, _, reason = path.read_text().partition("\n")
-            code, when = int(first), path.stat().st_mtime
+            lines = path.read_text().split("\n")
+            code, when = int(lines[0]), path.stat().st_mtime
         except (OSError, ValueError):
             continue
         if code != 0:
-            found.append((when, rank, code, reason.strip()))
-    return [(rank, code, reason, when) for when, rank, code, reason in sorted(found)]
+            reason = lines[1].strip() if len(lines) > 1 else ""
+            found.append(Failure(rank, code, reason, when, len(lines) > 2 and lines[2].strip() == _SECONDARY))
+    return sorted(found, key=lambda f: (f.when, f.rank))
 
 
 class RankWatch:

@@ -194,18 +194,20 @@ def failure_diagnosis(code: int, out: Path, np: int, watch: jobwatch.RankWatch) 
     ckpts = list_checkpoints(out / "checkpoints")
     last = f"last checkpoint: {ckpts[0] if ckpts else 'none'}"
     failed = jobwatch.failures(log_dir, np)
+    causes = [f for f in failed if not f.secondary]
     first = watch.first_dead()
     parts = []
     if first is not None and jobwatch.exit_status(log_dir, first) is None:
         seen = watch.ended_at(first)
-        if not failed or seen is None or seen < failed[0][3]:
+        if not causes or seen is None or seen < causes[0].when:
             parts.append(f"{_rank_names([first])} ended first (killed or crashed: it recorded no error)")
-    for rank, _, reason, _ in failed[:1]:
-        then = "then " if parts else ""
-        parts.append(f"{then}{_rank_names([rank])} failed: {reason or 'no reason recorded'}")
-    if len(failed) > 1:
-        parts.append(f"{_rank_names([r for r, *_ in failed[1:]])} failed too")
-    logs = f"log: {log_dir / f'rank{failed[0][0]}.log'}" if failed and len(parts) == 1 else f"see {log_dir}/rank*.log"
+    shown = (causes or failed)[:1] if not parts else []
+    for f in shown:
+        parts.append(f"{_rank_names([f.rank])} failed: {f.reason or 'no reason recorded'}")
+    others = [f.rank for f in failed if f not in shown]
+    if others:
+        parts.append(f"then {_rank_names(others)} failed too" if parts else f"{_rank_names(others)} failed")
+    logs = f"log: {log_dir / f'rank{shown[0].rank}.log'}" if shown and len(parts) == 1 else f"see {log_dir}/rank*.log"
     return f"hpcfed: the federation failed (exit {code}): {'; '.join([*parts, last, logs])}"
 
 
@@ -273,13 +275,17 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         jobwatch.write_exit(out_dir / "logs", rank, 0)
         return 0
     except Exception as exc:  # noqa: BLE001 — any failure must end the whole job, not hang it
-        if _expected(exc):
+        secondary = _is_mpi_error(exc)
+        if secondary:  # a peer ended under us (killed, aborted): that peer is the story, not this rank
+            reason = f"MPI error talking to another rank (did it end?): {_mpi_brief(exc)}"
+            log.error("rank %d failed: %s", rank, reason)
+        elif _expected(exc):
             log.error("rank %d failed: %s", rank, exc)
             reason = str(exc)
         else:
             log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
             reason = f"{type(exc).__name__}: {exc} (a bug: the traceback is in the log)"
-        _abort(comm, out_dir, rank, 2 if isinstance(exc, ConfigError) else 1, reason)
+        _abort(comm, out_dir, rank, 2 if isinstance(exc, ConfigError) else 1, reason, secondary=secondary)
     except BaseException as exc:  # noqa: BLE001 — KeyboardInterrupt, SystemExit: still end the job
         log.error("rank %d stopped: %s", rank, type(exc).__name__)
         _abort(comm, out_dir, rank, 1, f"stopped by {type(exc).__name__}")
@@ -293,8 +299,18 @@ def _expected(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, FileNotFoundError, FederationError, ChannelError))
 
 
-def _abort(comm: object, out_dir: Path, rank: int, code: int, reason: str) -> None:
-    jobwatch.write_exit(out_dir / "logs", rank, code, reason)
+def _is_mpi_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("mpi4py")
+
+
+def _mpi_brief(exc: BaseException) -> str:
+    """MPICH's error stacks span many lines; the first and the last say what happened."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip().strip(":")]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _abort(comm: object, out_dir: Path, rank: int, code: int, reason: str, secondary: bool = False) -> None:
+    jobwatch.write_exit(out_dir / "logs", rank, code, reason, secondary=secondary)
     logging.shutdown()
     sys.stderr.flush()
     # MPI_Abort can hang when the peer that should carry it out is gone (a killed server, a dead
@@ -381,7 +397,7 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     try:
         from hpcfed.registry import task_class
 
-        note = getattr(task_class(cfg.task.name), "evaluation_note", "")  # what the task's splits mean
+        note = getattr(task_class(cfg.task.name, cfg.source), "evaluation_note", "")  # what the task's splits mean
     except ValueError:
         note = ""
     note = note or "the val_* figures of the round lines are on each site's validation split"

@@ -36,7 +36,7 @@ from hpcfed.tasks.hin_plots import convergence_curves, plot_convergence, time_to
 
 
 def run(config: str, method: str, out: Path, np_: int, overrides: list[str], metric: str) -> dict:
-    cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out),
+    cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force",
            f"method={method}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -87,13 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats must be >= 1")
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_async_"))
     overrides = [f"federation.slowdown={{{args.slow}: {args.factor}}}", *args.overrides]
-    import yaml
+    from hpcfed.config import load
 
-    with open(REPO / args.config if not Path(args.config).is_absolute() else args.config) as fh:
-        rounds = int(yaml.safe_load(fh).get("rounds", 10))
-    for item in args.overrides:
-        if item.startswith("rounds="):
-            rounds = int(item.split("=", 1)[1])
+    rounds = load(REPO / args.config if not Path(args.config).is_absolute() else args.config,
+                  [o for o in args.overrides if o.startswith("rounds=")]).rounds
     budget = [f"federation.max_updates={int(args.async_updates * rounds * (args.np - 1))}"]
     pairs = []
     for rep in range(args.repeats):

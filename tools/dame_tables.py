@@ -40,7 +40,8 @@ def run_one(config: str, out: Path, np_: int, overrides: list[str], timeout: flo
     if summary.is_file():
         return json.loads(summary.read_text())
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), *overrides]
+    # --force: only runs without a summary get here; redo what a failed attempt left
+    cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     print("$", " ".join(cmd), flush=True)
     with open(out / "run.log", "w") as log:

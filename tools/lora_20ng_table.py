@@ -29,7 +29,7 @@ SITES = 3
 def run(config: str, out: Path, np_: int, overrides: list[str]) -> dict:
     summary = out / "summary.json"
     if not summary.exists():
-        cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), *overrides]
+        cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force", *overrides]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     return json.loads(summary.read_text())

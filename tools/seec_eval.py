@@ -100,7 +100,8 @@ def run_inprocess(config: str, overrides: list[str], num_clients: int, out: Path
 
 
 def run_mpi(config: str, overrides: list[str], num_clients: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--np", str(num_clients + 1), "--out", str(out)]
+    cmd = [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--np", str(num_clients + 1), "--out", str(out),
+           "--force"]
     print("  $", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
     return json.loads((out / "summary.json").read_text())

@@ -80,3 +80,16 @@ def test_open_mpi_report_names_the_first_rank(tmp_path):
     watch.pids = {0: 100, 1: 101, 2: 102}
     watch.scan("mpiexec noticed that process rank 1 with PID 101 on node n1 exited on signal 9 (Killed).\n")
     assert watch.first_dead() == 1
+
+
+def test_exit_markers_carry_the_reason_and_whether_it_was_the_cause(tmp_path):
+    import os
+
+    jobwatch.write_exit(tmp_path, 0, 0)
+    jobwatch.write_exit(tmp_path, 2, 1, "dataset 'hin/acm' not found at /x;\n set HPCFED_DATA")
+    jobwatch.write_exit(tmp_path, 1, 1, "MPI error talking to another rank", secondary=True)
+    os.utime(tmp_path / "rank1.exit", (1, 1))  # recorded first, but only as a consequence
+    assert [jobwatch.exit_status(tmp_path, r) for r in range(4)] == [0, 1, 1, None]
+    found = jobwatch.failures(tmp_path, 4)
+    assert [(f.rank, f.secondary) for f in found] == [(1, True), (2, False)]
+    assert found[1].reason == "dataset 'hin/acm' not found at /x; set HPCFED_DATA"  # one line
