@@ -130,11 +130,15 @@ class ChannelStats:
     rejected_by_rank: dict[int, int] = field(default_factory=dict)  # rank -> frames
     seal_s: float = 0.0  # seconds spent encrypting frames (this thread's wall time in AES-GCM)
     open_s: float = 0.0  # seconds spent authenticating and decrypting frames
+    polls: int = 0  # Iprobe calls: how often the channel looked for a frame
+    idle_sleeps: int = 0  # back-off sleeps while waiting (an idle rank sleeps, it does not spin)
+    dropped_chunks: int = 0  # later chunks of a message refused at its first chunk, dropped unread
 
     def as_dict(self) -> dict[str, Any]:
         return {"messages_sent": self.messages_sent, "messages_received": self.messages_received,
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "seal_s": self.seal_s, "open_s": self.open_s,
+                "polls": self.polls, "idle_sleeps": self.idle_sleeps, "dropped_chunks": self.dropped_chunks,
                 "rejected": dict(self.rejected),
                 "rejected_by_rank": {str(k): v for k, v in sorted(self.rejected_by_rank.items())}}
 
@@ -150,7 +154,7 @@ class _Assembly:
 
 class _Peer:
     __slots__ = ("rank", "role", "state", "hs", "tx", "rx", "send_seq", "last_seq", "next_msg_id",
-                 "asm", "rejects", "cut_off", "error", "identity")
+                 "asm", "rejects", "cut_off", "error", "identity", "skip_msg", "queued", "queued_bytes")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -167,6 +171,9 @@ class _Peer:
         self.cut_off = False
         self.error = ""
         self.identity = ""
+        self.skip_msg = -1  # a message refused at its first chunk: its later chunks are dropped unread
+        self.queued = 0  # messages of this peer in the inbox ...
+        self.queued_bytes = 0  # ... and their bundle bytes
 
 
 class _TxRing:
@@ -196,10 +203,10 @@ _yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 class _Backoff:
     """Spin for `spin_s` (yielding the core each time), then sleep 10 us, 20 us, ... up to `max_s` between polls."""
 
-    __slots__ = ("spin_s", "max_s", "t0", "sleep")
+    __slots__ = ("spin_s", "max_s", "t0", "sleep", "stats")
 
-    def __init__(self, spin_s: float, max_s: float) -> None:
-        self.spin_s, self.max_s = spin_s, max_s
+    def __init__(self, spin_s: float, max_s: float, stats: "ChannelStats | None" = None) -> None:
+        self.spin_s, self.max_s, self.stats = spin_s, max_s, stats
         self.reset()
 
     def reset(self) -> None:
@@ -219,6 +226,8 @@ class _Backoff:
             s = min(s, max(0.0, deadline - time.monotonic()))
         if s > 0:
             time.sleep(s)
+            if self.stats is not None:
+                self.stats.idle_sleeps += 1
         self.sleep = min(self.sleep * 2, self.max_s)
 
 
@@ -230,7 +239,8 @@ class SecureChannel:
                  max_message_bytes: int = 8 << 30, backoff_max_s: float = 0.005, max_rejects: int = 10000,
                  log: Callable[[str], None] | None = None, spin_s: float = 5e-4,
                  send_timeout_s: float = 600.0, shared_memory: bool = True,
-                 max_assembling_bytes: int = 64 << 20, shm_budget_bytes: int = 64 << 20) -> None:
+                 max_assembling_bytes: int = 64 << 20, shm_budget_bytes: int = 64 << 20,
+                 inbox_max_messages: int = 1024, inbox_max_bytes: int = 16 << 30) -> None:
         if not 4096 <= chunk_bytes <= crypto.MAX_AEAD_INPUT - HDR - TAG:
             raise ValueError(f"comm.chunk_bytes={chunk_bytes}: use 4096 .. {1 << 30} (4 MiB is a good default)")
         if max_message_bytes < 1:
@@ -277,6 +287,49 @@ class SecureChannel:
         self._assembling = False  # some peer is part-way through a multi-chunk message
         self._last_frame_at = -float("inf")  # perf_counter() when the last frame arrived
         self._closed = False
+        # What this rank accepts (see `expect`): None = every kind from every peer.
+        self._accept: dict[int, frozenset[int]] | frozenset[int] | None = None
+        self._kind_bytes: dict[int, int] = {}
+        self.inbox_max_messages = inbox_max_messages
+        self.inbox_max_bytes = inbox_max_bytes
+
+    # -- what this rank accepts -------------------------------------------------------------------
+    def expect(self, kinds: Collection[int] | Mapping[int, Collection[int]] | None,
+               max_bytes: Mapping[int, int] | None = None, *, inbox_max_messages: int | None = None,
+               inbox_max_bytes: int | None = None) -> None:
+        """Declare what this rank accepts; anything else is dropped on arrival and counted.
+
+        `kinds`: the message kinds accepted from every peer, or {source rank: kinds} (a rank not
+        named may send nothing), or None for everything. `max_bytes`: {kind: largest bundle a
+        message of that kind may declare}; a first chunk declaring more is refused before any
+        buffer is reserved, and the rest of that message is dropped unread. The inbox bounds are
+        per peer: a message beyond them is dropped, not buffered."""
+        if kinds is None:
+            self._accept = None
+        elif isinstance(kinds, Mapping):
+            self._accept = {int(r): frozenset(int(k) for k in ks) for r, ks in kinds.items()}
+        else:
+            self._accept = frozenset(int(k) for k in kinds)
+        for kind, n in (max_bytes or {}).items():
+            if int(n) < 1:
+                raise ValueError(f"expect: max_bytes[{kind}]={n} must be positive")
+        self._kind_bytes = {int(k): int(n) for k, n in (max_bytes or {}).items()}
+        if inbox_max_messages is not None:
+            self.inbox_max_messages = inbox_max_messages
+        if inbox_max_bytes is not None:
+            self.inbox_max_bytes = inbox_max_bytes
+
+    def _refusal(self, src: int, kind: int, total: int) -> tuple[str, str] | None:
+        """Why a data message of `kind` and `total` bytes from `src` is not taken (None: taken)."""
+        accept = self._accept
+        if accept is not None:
+            allowed = accept if isinstance(accept, frozenset) else accept.get(src, frozenset())
+            if kind not in allowed:
+                return "unsolicited kind", f"message kind {kind}, which this rank does not take from rank {src}"
+        limit = self._kind_bytes.get(kind)
+        if limit is not None and total > limit:
+            return "message too large for its kind", f"kind {kind} declares {total} bytes; at most {limit} expected"
+        return None
 
     # -- handshake --------------------------------------------------------------------------------
     def connect(self, peers: Collection[int], timeout: float, *, require_all: bool = True) -> None:
@@ -641,10 +694,10 @@ class SecureChannel:
         if timeout == 0:
             return None
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        idle = _Backoff(self.spin_s, self.backoff_max_s)
-        talking = _Backoff(self.spin_s, min(self.backoff_max_s, _CONVERSATION_SLEEP_S))
+        idle = _Backoff(self.spin_s, self.backoff_max_s, self.stats)
+        talking = _Backoff(self.spin_s, min(self.backoff_max_s, _CONVERSATION_SLEEP_S), self.stats)
         # while a multi-chunk message is arriving, its next chunk is imminent: spin, sleep little
-        busy = _Backoff(_ACTIVE_SPIN_S, min(self.backoff_max_s, _ACTIVE_SLEEP_S))
+        busy = _Backoff(_ACTIVE_SPIN_S, min(self.backoff_max_s, _ACTIVE_SLEEP_S), self.stats)
         backoff = self._pick_backoff(busy, talking, idle)
         while True:
             if self._pump():
@@ -661,6 +714,8 @@ class SecureChannel:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             self._reap_background()
+            if backoff is talking and time.perf_counter() - self._last_frame_at >= _CONVERSATION_S:
+                backoff = idle  # the conversation is over: back off to the idle pace, not poll on
             backoff.pause(deadline)
 
     def _pick_backoff(self, busy: _Backoff, talking: _Backoff, idle: _Backoff) -> _Backoff:
@@ -678,6 +733,10 @@ class SecureChannel:
         for i, m in enumerate(self._inbox):
             if (source is None or m.source == source) and (kinds is None or m.kind in kinds):
                 del self._inbox[i]
+                peer = self._peer.get(m.source)
+                if peer is not None:
+                    peer.queued -= 1
+                    peer.queued_bytes -= m.nbytes
                 return m
         return None
 
@@ -700,6 +759,7 @@ class SecureChannel:
 
     def _pump(self) -> bool:
         """Receive and process one frame if one has arrived; True if it did."""
+        self.stats.polls += 1
         probe = self._probe()
         if probe is None:
             return False
@@ -720,7 +780,13 @@ class SecureChannel:
             self.transport.recv_into(src, view)
         else:
             self._wait_recv(self.transport.irecv_into(src, view))
-        self._on_frame(src, view)
+        try:
+            self._on_frame(src, view)
+        except ChannelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — one peer's frame must never end this rank
+            self._drop_assembly(src)
+            self._reject(src, "frame handling failed", f"{type(exc).__name__}: {str(exc)[:200]}")
         return True
 
     def _rx_view(self, n: int) -> memoryview:
@@ -797,6 +863,15 @@ class SecureChannel:
             self._reject(src, "replayed or reordered frame",
                          f"sequence number {seq}, but {peer.last_seq} was already accepted")
             return
+        if ftype in (F_DATA, F_SHM_DATA) and peer.state == "ready":
+            if index > 0 and msg_id == peer.skip_msg:
+                self.stats.dropped_chunks += 1  # the rest of a message refused at its first chunk
+                return
+            refusal = self._refusal(src, kind, total) if index == 0 else None
+            if refusal is not None:  # before any buffer is reserved or any byte decrypted
+                peer.skip_msg = msg_id
+                self._reject(src, *refusal)
+                return
         problem = self._check_chunk(peer, ftype, msg_id, index, count, offset, length, total, seq)
         if problem:
             self._reject(src, "chunk out of sequence" if problem[0] == "seq" else "malformed frame", problem[1])
@@ -829,8 +904,10 @@ class SecureChannel:
             return
         if index == 0:
             if peer.asm is not None:
+                asm = peer.asm
+                self._drop_assembly(src)
                 self._reject(src, "incomplete message abandoned",
-                             f"message {peer.asm.msg_id} stopped after {peer.asm.next_index} of {peer.asm.count} chunks")
+                             f"message {asm.msg_id} stopped after {asm.next_index} of {asm.count} chunks")
             if count == 1:
                 self._deliver(src, kind, out)
                 peer.asm = None
@@ -895,13 +972,34 @@ class SecureChannel:
         return self._plain0[:n]
 
     def _deliver(self, src: int, kind: int, payload: np.ndarray) -> None:
+        peer = self._peer_of(src)
+        if peer.queued >= self.inbox_max_messages or peer.queued_bytes + len(payload) > self.inbox_max_bytes:
+            self._release(payload)
+            self._reject(src, "inbox full", f"{peer.queued} messages ({peer.queued_bytes} bytes) from rank {src} "
+                                            f"are waiting unread; the bound is {self.inbox_max_messages} messages / "
+                                            f"{self.inbox_max_bytes} bytes")
+            return
         try:
             header, tensors = wire.decode(payload, self.limits)
-        except wire.WireError as exc:
+        except Exception as exc:  # noqa: BLE001 — WireError, or any bound decode missed: refuse, never crash
+            self._release(payload)
             self._reject(src, "malformed bundle", str(exc))
             return
         self._inbox.append(Message(source=src, kind=kind, header=header, tensors=tensors, nbytes=len(payload)))
+        peer.queued += 1
+        peer.queued_bytes += len(payload)
         self.stats.messages_received += 1
+
+    def _release(self, payload: np.ndarray) -> None:
+        """Forget a refused message's buffer, so that its memory goes back at once."""
+        self._pool[:] = [buf for buf in self._pool if buf is not payload]
+
+    def _drop_assembly(self, src: int) -> None:
+        peer = self._peer.get(src)
+        if peer is not None and peer.asm is not None:
+            self._release(peer.asm.payload)
+            peer.asm = None
+            self._assembling = any(p.asm is not None for p in self._peer.values())
 
     # -- rejections -------------------------------------------------------------------------------
     def _peer_of(self, rank: int) -> _Peer:
@@ -921,7 +1019,7 @@ class SecureChannel:
             self._log(f"rejected message from rank {src}: {reason}: {detail}{more}")
         if peer.rejects >= self.max_rejects and not peer.cut_off:
             peer.cut_off = True
-            peer.asm = None
+            self._drop_assembly(src)
             self._log(f"rank {src} cut off after {peer.rejects} rejected messages (security.max_rejects); "
                       f"its frames are dropped from now on")
 

@@ -24,7 +24,11 @@ Layout (all integers little-endian; offsets count from the first byte of the bun
 The layout is canonical: the decoder recomputes every offset and requires the stored one to be
 equal, so one bundle has exactly one encoding. Every length, offset, dtype, shape and name is
 checked against `WireLimits` and the buffer *before* any tensor byte is touched; any malformed
-input raises `WireError` (a `ValueError`) that says what and where.
+input raises `WireError` (a `ValueError`) that says what and where, and nothing else: every
+dimension (also of an empty tensor) is at most `max_total_bytes` and so is the product of the
+non-zero ones; header numbers must be int64 integers or finite float64 values (a 10**400 or a
+NaN/Infinity literal is refused while parsing, so nothing downstream can overflow on them); header
+strings are bounded by `max_header_bytes` and nesting by `max_header_depth`.
 
 Dtypes (`DTYPES`): bool, int8/16/32/64, uint8/16/32/64, float16, bfloat16, float32, float64,
 little-endian only. Big-endian input arrays are converted to little-endian on encode. bfloat16 is
@@ -84,10 +88,19 @@ def _pad(n: int, to: int) -> int:
 
 
 # -- header ---------------------------------------------------------------------------------------
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1  # header integers are int64
+_MAX_INT_DIGITS = 20  # longer literals are refused before Python converts them
+
+
 def _check_json(value: Any, depth: int, limit: int, path: str) -> None:
     if depth > limit:
         raise WireError(f"header nests deeper than {limit} levels at {path}")
-    if value is None or isinstance(value, (str, bool, int)):
+    if value is None or isinstance(value, (str, bool)):
+        return
+    if isinstance(value, int):
+        if not INT_MIN <= value <= INT_MAX:
+            raise WireError(f"header integer at {path} is outside int64 ({str(value)[:24]}...); "
+                            f"send it as a string or a float")
         return
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -130,8 +143,25 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+def _bounded_int(text: str) -> int:
+    if len(text) > _MAX_INT_DIGITS:
+        raise WireError(f"header integer {text[:24]}... has {len(text)} digits; integers must fit int64")
+    value = int(text)
+    if not INT_MIN <= value <= INT_MAX:
+        raise WireError(f"header integer {text} is outside int64")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise WireError(f"header number {text[:24]} does not fit a finite float64")
+    return value
+
+
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-_DECODER = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unique_pairs)
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unique_pairs,
+                            parse_int=_bounded_int, parse_float=_finite_float)
 
 
 def _decode_header(raw: memoryview, limits: WireLimits) -> dict:
@@ -310,6 +340,16 @@ def decode(buf: bytes | bytearray | memoryview | np.ndarray,
     (`bytes`). Unaligned data is copied. Raises `WireError` for any malformed input.
     """
     try:
+        return _decode(buf, limits)
+    except WireError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — a bound missed above must still be a refusal, not a crash
+        raise WireError(f"malformed bundle ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _decode(buf: bytes | bytearray | memoryview | np.ndarray,
+            limits: WireLimits) -> tuple[dict, dict[str, np.ndarray]]:
+    try:
         mv = memoryview(buf)
     except TypeError:
         raise WireError(f"decode needs a bytes-like object, got {type(buf).__name__}") from None
@@ -374,6 +414,10 @@ def decode(buf: bytes | bytearray | memoryview | np.ndarray,
             raise WireError(f"{where}: non-zero padding after the name")
         names.add(name)
         dt = DTYPES[code]
+        big = max(shape, default=0)
+        if big > limits.max_total_bytes or math.prod(d for d in shape if d) > limits.max_total_bytes:
+            raise WireError(f"tensor {name!r}: shape {shape} has more elements than the "
+                            f"{limits.max_total_bytes}-byte limit allows (also when a dimension is 0)")
         count = math.prod(shape)
         if count * dt.itemsize != nbytes:
             raise WireError(f"tensor {name!r}: shape {shape} x {dt.itemsize} bytes != declared {nbytes} bytes")

@@ -1,14 +1,15 @@
 """A live 2-rank job for tests/comm/test_comm_live.py: ``mpiexec -n 2 python tests/comm/post_live.py OUT.json``.
 
-Rank 1 is a site busy computing: for BUSY_S seconds it makes no MPI call at all. Rank 0 posts it
-messages meanwhile (one chunk through MPI, several chunks through the shared-memory ring or MPI)
-and records how long each `post` took and when the channel saw each one taken. Rank 1 then checks
-every message arrived intact and in order.
+Rank 1 is a site busy computing: it makes no MPI call at all until rank 0 has posted every message
+and written a file saying so (the hand-over is a file, not MPI, and nothing is timed). Rank 0
+records whether the channel saw any message taken before rank 1 was back (it must not) and that
+all were taken afterwards. Rank 1 then checks every message arrived intact and in order.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import zlib
@@ -20,7 +21,6 @@ from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.transport import MPITransport
 
-BUSY_S = 2.0
 CHUNK = 256 << 10
 SIZES = [1 << 20, 1 << 20, 1 << 20, 1 << 20]  # 1 MiB each: a rendezvous-sized message, 4 chunks
 
@@ -44,31 +44,28 @@ def main(out_path: str) -> None:
         assert ch.recv(source=0, kinds={1}, timeout=60) is not None
         ch.send(0, 2, {"ready": True})
     comm.Barrier()
+    flag = out_path + ".posted"
     if rank == 0:
-        t0 = time.monotonic()
-        posted, post_s = [], []
-        for i in range(len(SIZES)):
-            t = time.monotonic()
-            posted.append(ch.post(1, 3, {"i": i}, {"x": payload(i)}))
-            post_s.append(time.monotonic() - t)
-        done_at: list[float | None] = [None] * len(posted)
+        posted = [ch.post(1, 3, {"i": i}, {"x": payload(i)}) for i in range(len(SIZES))]
+        done_before = [out.done() for out in posted]  # rank 1 is still away from MPI
+        with open(flag, "w") as fh:
+            fh.write("posted")
         ack = None
-        while any(d is None for d in done_at) and time.monotonic() - t0 < 60:
+        t0 = time.monotonic()
+        while not all(out.done() for out in posted) and time.monotonic() - t0 < 120:
             # keeps the channel's own traffic (shared-memory credits) moving; the ack may come
             # in the same moment as the last credit, so it is kept, not dropped
             ack = ch.recv(source=1, kinds={4}, timeout=0.01) or ack
-            for i, out in enumerate(posted):
-                if done_at[i] is None and out.done():
-                    done_at[i] = time.monotonic() - t0
-        ack = ack or ch.recv(source=1, kinds={4}, timeout=60)
+        ack = ack or ch.recv(source=1, kinds={4}, timeout=120)
         with open(out_path, "w") as fh:
-            json.dump({"post_s": post_s, "done_at_s": done_at, "busy_s": BUSY_S,
+            json.dump({"done_before_peer_back": done_before, "done_after": [out.done() for out in posted],
                        "ack": ack.header if ack else None}, fh)
     else:
-        time.sleep(BUSY_S)  # computing: no MPI call, so nothing is taken
+        while not os.path.exists(flag):  # computing: no MPI call, so nothing is taken
+            time.sleep(0.01)
         got = []
         for _ in SIZES:
-            msg = ch.recv(source=0, kinds={3}, timeout=60)
+            msg = ch.recv(source=0, kinds={3}, timeout=120)
             i = msg.header["i"]
             got.append([i, zlib.crc32(msg.tensors["x"].tobytes()) == zlib.crc32(payload(i).tobytes())])
         ch.send(0, 4, {"got": got})

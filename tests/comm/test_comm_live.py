@@ -46,15 +46,18 @@ def test_hostile_rank_is_rejected_while_the_honest_one_is_served(tmp_path):
     assert got["hostile_texts"] == ["legit 1", "legit 2", "legit 3"]
     assert any(line.startswith("rejected message from rank 2:") for line in got["log"])
 
-    # an idle rank does not burn a core
-    assert not got["idle_got_message"] and got["idle_wall_s"] >= 1.9
-    assert got["idle_cpu_s"] < 0.2 * got["idle_wall_s"], got["idle_cpu_s"]
+    # an idle rank does not burn a core: it sleeps between polls (a spinning loop would Iprobe
+    # hundreds of thousands of times in 2 s); counted, not timed, so a loaded host cannot fail it
+    assert not got["idle_got_message"]
+    assert got["idle_polls"] <= 5000 and got["idle_sleeps"] >= 20, got
 
 
 def test_post_returns_at_once_while_the_peer_is_busy_and_delivers_in_order(tmp_path):
     got = _run_script("post_live.py", 2, tmp_path / "post.json")
-    # Posting 4 MiB to a rank that makes no MPI call for 2 s does not wait for it ...
-    assert sum(got["post_s"]) < 0.5 * got["busy_s"], got
-    # ... and the channel reports each message taken only once the peer is back.
-    assert all(t is not None and t >= 0.5 * got["busy_s"] for t in got["done_at_s"]), got
+    # Every post returned while the peer made no MPI call at all (it waits for a file that rank 0
+    # writes only after its last post returned; were post to wait for the peer, this would hang
+    # and fail on the timeout) ...
+    # ... and the channel reports a message taken only once the peer is back.
+    assert got["done_before_peer_back"] == [False] * 4, got
+    assert all(got["done_after"]), got
     assert got["ack"] == {"got": [[0, True], [1, True], [2, True], [3, True]]}

@@ -208,7 +208,12 @@ def test_duplicate_names_and_invalid_utf8_are_rejected():
     (b"{\"a\": " + b"[" * 100000 + b"]" * 100000 + b"}", "deeper|not valid"),
     (b"\xff{}", "UTF-8"),
     (b"{'a': 1}", "not valid JSON"),
-    (b'{"a": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"a": ' + b"9" * 5000 + b"}", "integers must fit int64"),
+    (b'{"a": ' + b"9" * 400 + b"}", "integers must fit int64"),
+    (b'{"a": 9223372036854775808}', "outside int64"),
+    (b'{"a": [1e400]}', "finite float64"),
+    (b'{"a": -1e999}', "finite float64"),
+    (b'{"a": Infinity}', "NaN/Infinity"),
 ])
 def test_header_json_is_strict(text, fragment):
     pre = struct.pack("<4sBBHIIQQ", b"HPCW", 1, 0, 0, len(text), 0, 0, 0)
@@ -266,7 +271,7 @@ def test_fuzz_mutated_bundles_raise_only_wire_error(data):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(ALL_DTYPES), st.lists(st.integers(0, 4), max_size=4)), max_size=6),
-       st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+       st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1),
                                                        st.floats(allow_nan=False, allow_infinity=False),
                                                        st.text(max_size=20)), max_size=5))
 def test_fuzz_round_trip(specs, header):
@@ -276,3 +281,38 @@ def test_fuzz_round_trip(specs, header):
     assert list(got) == list(tensors)
     for k, v in tensors.items():
         np.testing.assert_array_equal(got[k], v)
+
+
+def _with_shape(shape_tail: int) -> bytes:
+    """A bundle with one empty float32 tensor of shape (0, shape_tail), laid out canonically."""
+    buf = bytearray(wire.encode({}, {"x": np.zeros((0, 2), np.float32)}))
+    at = buf.find(struct.pack("<QQ", 0, 2))
+    buf[at + 8: at + 16] = struct.pack("<Q", shape_tail)
+    return bytes(buf)
+
+
+@pytest.mark.parametrize("tail", [2**64 - 1, 2**63, (8 << 30) + 1])
+def test_empty_tensor_with_a_huge_dimension_is_a_wire_error(tail):
+    with pytest.raises(wire.WireError, match="more elements than"):
+        wire.decode(_with_shape(tail))
+    assert wire.decode(_with_shape(7))[1]["x"].shape == (0, 7)
+
+
+def test_huge_header_numbers_are_refused_on_both_sides():
+    with pytest.raises(wire.WireError, match="outside int64"):
+        wire.encode({"num_examples": 10**400})
+    with pytest.raises(wire.WireError, match="outside int64"):
+        wire.encode({"v": [2**63]})
+    assert wire.decode(wire.encode({"v": [2**63 - 1, -2**63, 1e308]}))[0] == {"v": [2**63 - 1, -2**63, 1e308]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=400))
+def test_decode_raises_only_wire_error_on_any_bytes(raw):
+    """Random bytes behind a valid preamble: never anything but a WireError."""
+    pre = struct.pack("<4sBBHIIQQ", b"HPCW", 1, 0, 0, min(len(raw), 64), 1, 0, 32 + len(raw))
+    for buf in (raw, pre + raw):
+        try:
+            wire.decode(buf)
+        except wire.WireError:
+            pass
