@@ -4,6 +4,7 @@ that names the rank that really failed. Every case runs the real CLI in a subpro
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -36,9 +37,31 @@ def _one_line_error(proc, *needles: str) -> str:
 def finished(tmp_path_factory) -> Path:
     """One finished quickstart run (2 rounds, a checkpoint after each), shared by the tests below."""
     out = tmp_path_factory.mktemp("newcomer") / "run"
-    run_cli(["run", QUICKSTART, *SMALL, "--np", "3", "--out", str(out)], timeout=240)
+    proc = run_cli(["run", QUICKSTART, *SMALL, "--np", "3", "--out", str(out)], timeout=240)
     assert (out / "summary.json").is_file() and len(list((out / "checkpoints").glob("ckpt-*.h5"))) == 2
+    (out.parent / "console.txt").write_text(proc.stdout + proc.stderr)
     return out
+
+
+@pytest.mark.mpi
+def test_console_numbers_rounds_like_the_files_and_ends_with_figures_and_where_results_are(finished):
+    console = (finished.parent / "console.txt").read_text()
+    lines = [line.split("] INFO ", 1)[1] for line in console.splitlines() if "] INFO " in line]
+    rounds = [line for line in lines if line.startswith("round ")]
+    # rounds from 0, like metrics.jsonl and ckpt-00000R.h5; progress counts rounds done out of the total
+    assert rounds[0].startswith("round 0 of 0..1 done in ") and "saved ckpt-000000.h5 [1/2 rounds, ETA " in rounds[0]
+    assert rounds[1].startswith("round 1 of 0..1 done in ") and rounds[1].endswith("saved ckpt-000001.h5 [2/2 rounds]")
+    ckpt_rounds = [e["round"] for e in map(json.loads, (finished / "metrics.jsonl").read_text().splitlines())
+                   if e["name"] == "checkpoint"]
+    assert ckpt_rounds == [0, 1]
+    done, note, results = lines[-3:]
+    assert done.startswith("done: final test metrics, mean over 2 sites: accuracy=") and "(on each site's test split)" in done
+    accuracy = json.loads((finished / "summary.json").read_text())["mean"]["accuracy"]
+    assert f"accuracy={accuracy:.4f}" in done
+    assert note.startswith("note: val_accuracy is on each site's validation split, label-skewed like its training data")
+    assert results == (f"results: {finished}/summary.json (final metrics per site), {finished}/metrics.jsonl (per round), "
+                       f"{finished}/embeddings/ (2 site exports), {finished}/checkpoints/ckpt-000001.h5 (newest "
+                       f"checkpoint); plots: hpcfed report {finished}")
 
 
 @pytest.mark.mpi
