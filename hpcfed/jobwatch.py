@@ -1,8 +1,9 @@
 """Following the ranks of a job that `hpcfed run --np` started under mpiexec.
 
 Each rank writes ``logs/rank<r>.pid`` (pid and host) when it starts and ``logs/rank<r>.exit`` (its
-exit status) just before it leaves. From those the launcher can say which rank ended first, tell a
-finished federation from a failed one, and make sure no rank outlives the job: MPI launchers kill
+exit status; for a failure also its one-line reason, and whether it only followed from another rank's
+end) just before it leaves. From those the launcher can say which rank failed and why, or which ended
+first without a word, tell a finished federation from a failed one, and make sure no rank outlives the job: MPI launchers kill
 the other ranks when one dies, but a rank stuck in ``MPI_Abort`` or left behind by a dead proxy
 would otherwise run on as an orphan.
 """
