@@ -22,7 +22,7 @@ from ops_helpers import checkpoints, final_state, kill_all, output, start, wait_
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 
-LOCAL_SLURM = (REPO / ".." / "shared" / "tools" / "local-slurm.sh").resolve()
+LOCAL_SLURM = Path(os.environ.get("HPCFED_LOCAL_SLURM", REPO / ".." / "shared" / "tools" / "local-slurm.sh")).resolve()
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
                "PREEMPTED"}
 
