@@ -12,7 +12,8 @@ import resource
 import sys
 from typing import Any
 
-_INTS = ("peak_rss_bytes", "bytes_sent", "bytes_received", "messages_sent", "messages_received")
+_INTS = ("peak_rss_bytes", "bytes_sent", "bytes_received", "messages_sent", "messages_received",
+         "polls", "idle_sleeps")  # polls: Iprobe calls; idle_sleeps: back-off sleeps (a waiting rank sleeps)
 _FLOATS = ("seal_s", "open_s")
 _MAX_INT = 1 << 62  # far above any real figure; a larger one is a lie
 _MAX_SECONDS = 1e9

@@ -355,6 +355,10 @@ def _open_channel(cfg: Config, comm: object):
                             send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
     peers = list(range(1, transport.size)) if transport.rank == 0 else [0]
     channel.connect(peers, timeout=cfg.federation.setup_timeout_s)
+    if transport.rank != 0:  # a client takes the server's kinds from the server, nothing from anyone else
+        from hpcfed import protocol
+
+        channel.expect({0: protocol.SERVER_KINDS})
     return channel
 
 

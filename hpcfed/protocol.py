@@ -53,3 +53,20 @@ def split_prefixed(tensors: dict, prefix: str) -> dict:
 
 def prefixed(tensors: dict, prefix: str) -> dict:
     return {prefix + k: v for k, v in tensors.items()}
+
+
+# -- what each side accepts (SecureChannel.expect): anything else is dropped on arrival ----------
+SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP})  # what a client takes, from rank 0 only
+CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED})  # what the server takes from a client
+UPDATE_MARGIN = 4  # an UPDATE may be 4 x the model's float32 bytes (params + optimizer moments + a best copy) ...
+UPDATE_SLACK = 64 << 20  # ... + 64 MiB (task state: RNG, per-document vectors, and the JSON header)
+SMALL_MESSAGE = 2 << 20  # RESULT / FAILED carry a header only (<= 1 MiB) and no model
+
+
+def server_bounds(model_floats: int, num_clients: int) -> tuple[dict[int, frozenset[int]], dict[int, int], int]:
+    """After setup: (kinds by client rank, largest bundle by kind, inbox bytes per client). A
+    client's inbox holds at most one UPDATE and a few small messages; a first chunk declaring
+    more than its kind's bound is refused before any buffer is reserved."""
+    update = UPDATE_MARGIN * 4 * int(model_floats) + UPDATE_SLACK
+    kinds = {rank: CLIENT_KINDS - {SETUP} for rank in range(1, num_clients + 1)}
+    return kinds, {UPDATE: update, RESULT: SMALL_MESSAGE, FAILED: SMALL_MESSAGE}, update + 2 * SMALL_MESSAGE

@@ -25,6 +25,12 @@ Runs the real runtime twice under ``mpiexec`` on the same config, with the same 
      are VALID encrypted messages and test the server's own validation: NaN/Inf parameters, wrong
      dtypes, wrong shapes, missing or unknown tensor names, lying update headers, stale rounds.
 
+   - memory floods (`--flood-mib N`, `FLOOD_ATTACKS`), sent before the first upload: N MiB of
+     valid sealed messages of a kind the server never reads (kind 99, 64 MiB each), UPDATEs larger
+     than their kind's bound (4 x model + 64 MiB, see `hpcfed.protocol.server_bounds`), and forged
+     first chunks declaring an 8 GiB message. The server must drop each on arrival without buffering
+     it: ``server_peak_rss_growth_mib`` (attacked minus baseline) is the figure (goal: <= 64).
+
 The JSON result: ``sent`` (crafted messages), ``accepted`` (sent minus the rejections the server
 counted in ``summary.json``: must be 0), ``server_alive`` (the attacked run finished normally and
 the hostile rank still got its final model), ``honest_result_equal`` (final per-site metrics and the
@@ -78,6 +84,9 @@ RUNTIME_ATTACKS = (
     "unknown_name_extra", "unknown_name_only", "bad_num_examples", "bad_metrics", "stale_round",
 )
 ALL_ATTACKS = FRAME_ATTACKS + BUNDLE_ATTACKS + RUNTIME_ATTACKS
+FLOOD_ATTACKS = ("flood_unsolicited_kind", "flood_oversize_update", "flood_declared_8gib")
+FLOOD_MESSAGE = 64 << 20  # one unsolicited message of the flood
+UNSOLICITED_KIND = 99
 MAX_OVERSIZE = 4  # oversize frames are chunk_bytes+ each (4 MiB by default): a few make the point
 
 
@@ -168,6 +177,28 @@ class Forger:
              "pad": "x" * 160}  # room to rewrite the header text in place
         h.update(over)
         return h
+
+    # -- memory floods (issue 12 item 3) ------------------------------------------------------
+    def flood(self, total_bytes: int) -> None:
+        """`total_bytes` of authenticated, validly sealed messages the server must not buffer:
+        3/4 of a kind it never reads, 1/4 UPDATEs beyond their kind's bound, and a few first
+        chunks that declare an 8 GiB UPDATE and never continue."""
+        from hpcfed import protocol
+
+        junk = np.zeros(FLOOD_MESSAGE // 4 - 1024, np.float32)
+        for _ in range(max(1, total_bytes * 3 // 4 // FLOOD_MESSAGE)):
+            self.channel.send(0, UNSOLICITED_KIND, {"flood": True}, {"x": junk})
+            self.sent["flood_unsolicited_kind"] += 1
+        over = protocol.server_bounds(self.size, 1)[1][protocol.UPDATE] + (8 << 20)
+        big = np.zeros(over // 4, np.float32)
+        for _ in range(max(1, total_bytes // 4 // over)):
+            self.channel.send(0, protocol.UPDATE, self._update_header(0), {"params": big})
+            self.sent["flood_oversize_update"] += 1
+        del big
+        total = 8 << 30
+        for _ in range(4):
+            self.send_frame("flood_declared_8gib", self.frame(bytes(self.channel.chunk_bytes), kind=protocol.UPDATE,
+                                                             count=-(-total // self.channel.chunk_bytes), total=total))
 
     def send_frame(self, name: str, frame: bytes | bytearray) -> None:
         self.transport.send_raw(frame)
@@ -393,6 +424,8 @@ def worker_main(args: argparse.Namespace) -> int:
             if self.forger is None:
                 self.forger = Forger(self.channel, self.layout.size, seed=cfg.seed + 7)
             quota = plan[rnd] if 0 <= rnd < len(plan) else 0
+            if args.flood_mib and report["rounds_attacked"] == 0:
+                self.forger.flood(args.flood_mib << 20)
             done = 0
             while done < quota:
                 if self.forger.attack(next(attacks), rnd, int(msg.header.get("version", 0))):
@@ -461,7 +494,7 @@ def _num_clients(config: str, overrides: list[str]) -> int:
 
 
 def campaign(config: str, overrides: list[str], *, messages: int, out: Path, timeout: float = 300,
-             log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+             log: Callable[[str], None] = lambda s: None, flood_mib: int = 0) -> dict[str, Any]:
     from hpcfed.config import load
 
     cfg = load(config, overrides)
@@ -486,7 +519,7 @@ def campaign(config: str, overrides: list[str], *, messages: int, out: Path, tim
     t0 = time.monotonic()
     rc_atk = _run([mpi, "-n", str(world - 1), py, "-m", "hpcfed", "run", config, *overrides, "--out", str(atk_out),
                    ":", "-n", "1", py, str(Path(__file__).resolve()), "--worker", "--config", config,
-                   "--out", str(atk_out), "--messages", str(messages), *overrides],
+                   "--out", str(atk_out), "--messages", str(messages), "--flood-mib", str(flood_mib), *overrides],
                   env, timeout, out / "attacked.log")
     t_atk = time.monotonic() - t0
 
@@ -521,10 +554,19 @@ def campaign(config: str, overrides: list[str], *, messages: int, out: Path, tim
         "hostile_site_final_metrics_equal": (s_base.get("clients") or {}).get(hostile_cid)
         == (s_atk.get("clients") or {}).get(hostile_cid),
         "exit_codes": {"baseline": rc_base, "attacked": rc_atk},
+        "flood_mib": flood_mib,
+        "server_peak_rss_mib": {"baseline": _server_rss_mib(s_base), "attacked": _server_rss_mib(s_atk)},
+        "server_peak_rss_growth_mib": (round(_server_rss_mib(s_atk) - _server_rss_mib(s_base), 1)
+                                       if s_base and s_atk else None),
         "wall_s": {"baseline": round(t_base, 2), "attacked": round(t_atk, 2)},
         "out": str(out),
     }
     return result
+
+
+def _server_rss_mib(summary: dict[str, Any]) -> float:
+    cost = (summary.get("cost") or {}).get("0") or {}
+    return round(cost.get("peak_rss_bytes", 0) / 2**20, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,12 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="keep both runs here (default: a temporary folder, removed)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run before it is killed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--flood-mib", type=int, default=0,
+                   help="also flood the server with this many MiB of unsolicited / oversize messages (e.g. 2048)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the hostile rank itself
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
-    if args.messages < 1:
-        p.error("--messages must be at least 1")
+    if args.messages < 0 or (args.messages == 0 and not args.flood_mib):
+        p.error("--messages must be at least 1 (or 0 with --flood-mib)")
     tmp = None
     if args.out:
         out = Path(args.out).resolve()
@@ -550,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tmp)
     say = (lambda s: print(f"[hostile] {s}", file=sys.stderr)) if args.json else (lambda s: print(f"[hostile] {s}"))
     try:
-        result = campaign(args.config, args.overrides, messages=args.messages, out=out, timeout=args.timeout, log=say)
+        result = campaign(args.config, args.overrides, messages=args.messages, out=out, timeout=args.timeout, log=say,
+                          flood_mib=args.flood_mib)
     finally:
         if tmp is not None and not os.environ.get("HPCFED_KEEP_CAMPAIGN"):
             shutil.rmtree(tmp, ignore_errors=True)

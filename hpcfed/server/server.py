@@ -131,7 +131,13 @@ class Server:
             }, tensors)
         log.info("setup done: %d clients, %d parameters%s", self.num_clients, self.layout.size,
                  f", resumed from {resumed.path} (round {resumed.round})" if resumed else "")
+        self._bound_inbox()
         return start_round, resumed
+
+    def _bound_inbox(self) -> None:
+        """From now on take only the kinds the server reads, each bounded by the model's size."""
+        kinds, max_bytes, inbox_bytes = P.server_bounds(self.layout.size, self.num_clients)
+        self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
 
     def _load_checkpoint(self) -> ckpt_store.Checkpoint | None:
         folder = self.out_dir / "checkpoints"

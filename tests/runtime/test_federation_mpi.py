@@ -69,15 +69,18 @@ def test_resumed_sync_run_matches_uninterrupted_bit_for_bit(tmp_path):
     assert sa["clients"] == sb["clients"]
 
 
-def test_idle_server_uses_under_a_fifth_of_a_core(tmp_path):
+def test_idle_server_sleeps_instead_of_spinning(tmp_path):
     out = tmp_path / "idle"
     # Clients are made ~200x slower than their real work (a round of ~10-30 ms), so the server
     # mostly waits; the run must last long enough for its CPU share to mean something.
     run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=3", "checkpoint_every=0",
              "federation.slowdown={0: 200, 1: 200}"], np=3, timeout=240)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["wall_time_s"] > 3.0, summary
-    assert summary["server_cpu_s"] / summary["wall_time_s"] < 0.2, summary
+    # Counted, not timed (issue 16): a waiting server sleeps in its back-off. A receive loop
+    # spinning at 100 % would Iprobe ~10^5..10^6 times a second; a loaded host only polls less.
+    server = summary["cost"]["0"]
+    assert server["idle_sleeps"] > 100, server
+    assert server["polls"] <= 10_000 * summary["wall_time_s"], (server, summary["wall_time_s"])
 
 
 def test_straggler_past_deadline_is_reported_not_waited_for(tmp_path):
@@ -92,7 +95,6 @@ def test_straggler_past_deadline_is_reported_not_waited_for(tmp_path):
     assert "straggler(s) past the 15 s deadline" in proc.stderr and "client 1 (rank 2)" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert "0" in summary["clients"] and summary["missing_clients"] == [1]
-    assert summary["wall_time_s"] < 90
 
 
 def test_identity_keys_mode_admits_authorized_sites_only(tmp_path):
