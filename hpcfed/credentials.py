@@ -4,7 +4,8 @@ Two modes:
 - ``psk``: one pre-shared 32-byte key (hex) for the whole job, from ``$HPCFED_PSK`` (or
   ``security.psk_env``) or ``security.psk_file``. `hpcfed run --np` creates a fresh one per job.
 - ``keys``: every site has an Ed25519 identity (`hpcfed keygen`); the server lists the allowed site
-  public keys in ``security.authorized_keys`` and clients pin ``security.server_public_key``.
+  public keys in ``security.authorized_keys``, each bound to its rank (``rank=N`` on the line), and
+  clients pin ``security.server_public_key``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hpcfed.config import ConfigError, SecurityConfig
 
 def load_credentials(sec: SecurityConfig, rank: int):
     from hpcfed.comm.crypto import Credentials
-    from hpcfed.comm.keys import load_identity, load_public_keys
+    from hpcfed.comm.keys import load_authorized_keys, load_identity, load_public_keys
 
     if sec.mode == "psk":
         return Credentials(mode="psk", psk=_read_psk(sec), identity=None, authorized=[], server_public=None)
@@ -28,9 +29,13 @@ def load_credentials(sec: SecurityConfig, rank: int):
     identity = load_identity(_expand(sec.identity, rank))
     if rank == 0:
         if not sec.authorized_keys:
-            raise ConfigError("security.mode=keys: the server needs security.authorized_keys (one site public key per line)")
-        return Credentials(mode="keys", psk=None, identity=identity,
-                           authorized=load_public_keys(_expand(sec.authorized_keys, rank)), server_public=None)
+            raise ConfigError("security.mode=keys: the server needs security.authorized_keys "
+                              "(one site public key per line, with rank=N)")
+        try:
+            authorized = load_authorized_keys(_expand(sec.authorized_keys, rank))
+        except ValueError as exc:
+            raise ConfigError(f"security.authorized_keys: {exc}") from None
+        return Credentials(mode="keys", psk=None, identity=identity, authorized=authorized, server_public=None)
     if not sec.server_public_key:
         raise ConfigError("security.mode=keys: clients need security.server_public_key (the server's .pub file)")
     server = load_public_keys(_expand(sec.server_public_key, rank))

@@ -355,6 +355,9 @@ def _open_channel(cfg: Config, comm: object):
                             send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
     peers = list(range(1, transport.size)) if transport.rank == 0 else [0]
     channel.connect(peers, timeout=cfg.federation.setup_timeout_s)
+    if transport.rank == 0 and cfg.security.mode == "keys":
+        for rank in channel.peers:  # who is who, for the record
+            log.info("rank %d authenticated as site key %s", rank, channel.identity(rank))
     if transport.rank != 0:  # a client takes the server's kinds from the server, nothing from anyone else
         from hpcfed import protocol
 

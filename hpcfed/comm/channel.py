@@ -402,6 +402,11 @@ class SecureChannel:
                 peer.state = "finish_sent"
             else:  # F_FINISH
                 keys = peer.hs.on_finish(bytes(body))  # type: ignore[union-attr]
+                twin = [p.rank for p in self._peer.values()
+                        if p is not peer and keys.peer_identity != "psk" and p.identity == keys.peer_identity]
+                if twin:
+                    raise crypto.HandshakeError(f"rank {src} presented identity {keys.peer_identity}, which rank "
+                                                f"{twin[0]} already holds; one site, one key, one rank")
                 self._install(peer, keys)
                 peer.state = "ready"
                 self._send_sealed_message(peer, F_CONFIRM, 0, None)
@@ -410,6 +415,11 @@ class SecureChannel:
             peer.hs = None
             self._reject(src, "handshake failed", str(exc))
             self._send_plain(src, F_REFUSE, str(exc).encode("utf-8")[:_MAX_PLAIN_FRAME])
+
+    def identity(self, rank: int) -> str:
+        """The fingerprint of the identity key `rank` authenticated with ("psk" in psk mode)."""
+        peer = self._peer.get(rank)
+        return peer.identity if peer is not None else ""
 
     def _install(self, peer: _Peer, keys: crypto.SessionKeys) -> None:
         peer.tx, peer.rx, peer.identity = keys.send, keys.recv, keys.peer_identity

@@ -64,12 +64,13 @@ class Credentials:
     - ``psk``: `psk` (>= 16 bytes) is shared by every rank of the job.
     - ``keys``: `identity` is this rank's Ed25519 key; a responder (the server) accepts initiators
       whose public key is in `authorized`; an initiator (a client) accepts only `server_public`.
+      `authorized` as {rank: key} binds each key to its rank: a key is accepted from that rank only.
     """
 
     mode: Literal["psk", "keys"]
     psk: bytes | None = None
     identity: Ed25519PrivateKey | None = None
-    authorized: list[Ed25519PublicKey] = field(default_factory=list)
+    authorized: list[Ed25519PublicKey] | dict[int, Ed25519PublicKey] = field(default_factory=list)
     server_public: Ed25519PublicKey | None = None
 
     def __post_init__(self) -> None:
@@ -257,7 +258,15 @@ class Responder:
         version, mode, reserved, eph_i, _nonce, id_i = _HELLO.unpack(hello)
         _check_mode(self.cred, version, mode, reserved)
         if self.cred.mode == "keys":
-            match = [k for k in self.cred.authorized if hmac.compare_digest(public_raw(k), id_i)]
+            allowed = self.cred.authorized
+            if isinstance(allowed, dict):  # keys bound to ranks: only this rank's key is accepted
+                owner = [r for r, k in allowed.items() if hmac.compare_digest(public_raw(k), id_i)]
+                if owner and owner[0] != self.peer:
+                    raise HandshakeError(f"rank {self.peer} presented the identity of rank {owner[0]} "
+                                         f"({fingerprint(allowed[owner[0]])}); a site key is accepted from "
+                                         f"its own rank only (authorized_keys 'rank=')")
+                allowed = [allowed[self.peer]] if self.peer in allowed else []
+            match = [k for k in allowed if hmac.compare_digest(public_raw(k), id_i)]
             if not match:
                 try:
                     fp = fingerprint(Ed25519PublicKey.from_public_bytes(id_i))

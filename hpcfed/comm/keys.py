@@ -3,7 +3,9 @@
 - ``PATH``: the Ed25519 private key, PEM (PKCS#8, unencrypted), mode 0600, like an SSH key.
 - ``PATH.pub``: one line ``hpcfed-ed25519 <base64 of the 32-byte public key> [comment]``.
 - An authorized-keys file (the server's ``security.authorized_keys``) holds such lines, one per
-  site; blank lines and lines starting with ``#`` are ignored.
+  site, each bound to the MPI rank that site runs as: ``hpcfed-ed25519 <base64> rank=N [comment]``
+  (N = 1..K). The server accepts a key only from its own rank, so one site cannot pose as another,
+  and a key may be listed for one rank only. Blank lines and lines starting with ``#`` are ignored.
 """
 
 from __future__ import annotations
@@ -84,6 +86,40 @@ def load_public_keys(path: str | os.PathLike) -> list["crypto.Ed25519PublicKey"]
     return keys
 
 
+def load_authorized_keys(path: str | os.PathLike) -> dict[int, "crypto.Ed25519PublicKey"]:
+    """Read the server's authorized-keys file: {rank: key}; every line must carry ``rank=N``."""
+    path = Path(path).expanduser()
+    keys = load_public_keys(path)  # the format checks, with line numbers
+    bound: dict[int, crypto.Ed25519PublicKey] = {}
+    lines = [t for t in (ln.strip() for ln in path.read_text(encoding="utf-8", errors="replace").splitlines())
+             if t and not t.startswith("#")]
+    for text, key in zip(lines, keys):
+        num = _line_number(path, text)
+        ranks = [tok[5:] for tok in text.split()[2:] if tok.startswith("rank=")]
+        if len(ranks) != 1 or not ranks[0].isdigit() or int(ranks[0]) < 1:
+            b64 = text.split()[1]
+            raise ValueError(f"{path}:{num}: the key is not bound to one site rank; write the line as "
+                             f"'{crypto.KEY_TYPE} {b64[:12]}... rank=N' with N the MPI rank that site runs as "
+                             f"(1..K; a site's key is accepted from that rank only)")
+        rank = int(ranks[0])
+        if rank in bound:
+            raise ValueError(f"{path}:{num}: rank {rank} is listed twice; each rank has exactly one key")
+        raw = crypto.public_raw(key)
+        other = [r for r, k in bound.items() if crypto.public_raw(k) == raw]
+        if other:
+            raise ValueError(f"{path}:{num}: this key is already bound to rank {other[0]}; one key per site "
+                             f"(run `hpcfed keygen` for each site)")
+        bound[rank] = key
+    return bound
+
+
+def _line_number(path: Path, text: str) -> int:
+    for num, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if line.strip() == text:
+            return num
+    return 0
+
+
 def keygen_main(argv: list[str]) -> int:
     """``hpcfed keygen PATH [--force] [--comment TEXT]``."""
     p = argparse.ArgumentParser(prog="hpcfed keygen", description="create an Ed25519 site identity")
@@ -93,5 +129,7 @@ def keygen_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     line = generate_identity(args.path, overwrite=args.force, comment=args.comment)
     print(f"wrote {args.path} (private, mode 0600) and {args.path}.pub")
-    print(f"add this line to the server's authorized_keys file:\n{line}")
+    kind, b64, *comment = line.split(None, 2)
+    print("add this line to the server's authorized_keys file, with N = the MPI rank this site runs as:\n"
+          + " ".join([kind, b64, "rank=N", *comment]))
     return 0

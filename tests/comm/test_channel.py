@@ -111,6 +111,38 @@ def test_unauthorized_identity_is_refused_and_named():
     _echo(chans, 1)  # the authorized site still works
 
 
+def _bound_keys_job(presented: dict[int, int]) -> list[Credentials]:
+    """Keys mode with the server's keys bound to ranks; rank r presents site presented[r]'s key."""
+    ids = [crypto.new_identity() for _ in range(3)]
+    creds = [Credentials(mode="keys", identity=ids[0], authorized={1: ids[1].public_key(), 2: ids[2].public_key()})]
+    creds += [Credentials(mode="keys", identity=ids[presented.get(r, r)], server_public=ids[0].public_key())
+              for r in (1, 2)]
+    return creds
+
+
+def test_a_site_key_is_accepted_from_its_own_rank_only():
+    chans = _job(_bound_keys_job({}))
+    assert _connect(chans) == {}
+    assert chans[0].identity(1).startswith("SHA256:") and chans[0].identity(1) != chans[0].identity(2)
+    _echo(chans, 2)
+    chans = _job(_bound_keys_job({2: 1}))  # rank 2 poses as site 1
+    errors = _connect(chans)
+    assert "rank 2 presented the identity of rank 1" in str(errors[0]), errors
+    assert 1 not in errors and chans[0].peers == [1] and chans[0].stats.rejected_by_rank == {2: 1}
+    _echo(chans, 1)
+
+
+def test_one_key_presented_by_two_ranks_is_refused_the_second_time():
+    """Without a rank binding (a plain list of keys), the same key still cannot be two sites."""
+    ids = [crypto.new_identity() for _ in range(2)]
+    creds = [Credentials(mode="keys", identity=ids[0], authorized=[ids[1].public_key()])]
+    creds += [Credentials(mode="keys", identity=ids[1], server_public=ids[0].public_key())] * 2
+    chans = _job(creds)
+    errors = _connect(chans)
+    assert "which rank" in str(errors[0]) and "already holds" in str(errors[0]), errors
+    assert len(chans[0].peers) == 1
+
+
 def test_server_may_continue_without_a_refused_site():
     chans = _job(_keys_job(2, authorized=[2]))
     errors = _connect(chans, require_all=False)

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from hpcfed.comm import crypto
-from hpcfed.comm.keys import generate_identity, keygen_main, load_identity, load_public_keys
+from hpcfed.comm.keys import generate_identity, keygen_main, load_authorized_keys, load_identity, load_public_keys
 
 
 def test_generate_writes_a_private_key_only_the_owner_reads(tmp_path):
@@ -73,3 +73,25 @@ def test_keygen_main(tmp_path, capsys):
     assert keygen_main([str(tmp_path / "id"), "--comment", "x"]) == 0
     out = capsys.readouterr().out
     assert "hpcfed-ed25519" in out and (tmp_path / "id.pub").exists()
+    assert " rank=N x" in out and "MPI rank" in out  # the hint says how to bind the key to its rank
+
+
+def test_authorized_keys_bind_each_key_to_one_rank(tmp_path):
+    lines = [generate_identity(tmp_path / f"s{i}", comment=f"site{i}") for i in range(3)]
+    kind_b64 = [" ".join(line.split()[:2]) for line in lines]
+    auth = tmp_path / "authorized_keys"
+    auth.write_text(f"# sites\n{kind_b64[0]} rank=1 site0\n\n{kind_b64[1]} rank=2\n{kind_b64[2]} rank=3 x y\n")
+    bound = load_authorized_keys(auth)
+    assert sorted(bound) == [1, 2, 3]
+    assert crypto.public_raw(bound[2]) == crypto.public_raw(load_public_keys(tmp_path / "s1.pub")[0])
+    auth.write_text("\n".join(lines) + "\n")  # an old file, without ranks: says how to fix it
+    with pytest.raises(ValueError, match=r"authorized_keys:1: the key is not bound to one site rank; .*rank=N"):
+        load_authorized_keys(auth)
+    for bad, why in [(f"{kind_b64[0]} rank=1\n{kind_b64[1]} rank=1\n", ":2: rank 1 is listed twice"),
+                     (f"{kind_b64[0]} rank=1\n{kind_b64[0]} rank=2\n", ":2: this key is already bound to rank 1"),
+                     (f"{kind_b64[0]} rank=0\n", ":1: the key is not bound"),
+                     (f"{kind_b64[0]} rank=1 rank=2\n", ":1: the key is not bound"),
+                     (f"{kind_b64[0]} rank=x\n", ":1: the key is not bound")]:
+        auth.write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            load_authorized_keys(auth)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import h5py
@@ -97,21 +98,47 @@ def test_straggler_past_deadline_is_reported_not_waited_for(tmp_path):
     assert "0" in summary["clients"] and summary["missing_clients"] == [1]
 
 
-def test_identity_keys_mode_admits_authorized_sites_only(tmp_path):
+def test_identity_keys_mode_admits_authorized_sites_only_each_from_its_own_rank(tmp_path):
     keys = tmp_path / "keys"
     keys.mkdir()
     for rank in range(3):
         run_cli(["keygen", str(keys / f"rank{rank}")])
-    (keys / "authorized").write_text((keys / "rank1.pub").read_text() + (keys / "rank2.pub").read_text())
-    (keys / "only2").write_text((keys / "rank2.pub").read_text())
-    common = ["rounds=1", "checkpoint_every=0", "security.mode=keys", f"security.identity={keys}/rank{{rank}}",
+
+    def bound(rank: int) -> str:
+        kind, b64, *rest = (keys / f"rank{rank}.pub").read_text().split()
+        return " ".join([kind, b64, f"rank={rank}", *rest]) + "\n"
+
+    (keys / "authorized").write_text(bound(1) + bound(2))
+    (keys / "only2").write_text(bound(2))
+    (keys / "unbound").write_text((keys / "rank1.pub").read_text() + (keys / "rank2.pub").read_text())
+    # rank 2 of this job holds site 1's key: it poses as site 1
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    for rank, source in ((0, 0), (1, 1), (2, 1)):
+        for suffix in ("", ".pub"):
+            shutil.copy2(keys / f"rank{source}{suffix}", twin / f"rank{rank}{suffix}")
+    common = ["rounds=1", "checkpoint_every=0", "security.mode=keys",
               f"security.server_public_key={keys}/rank0.pub", "federation.setup_timeout_s=30"]
     ok = tmp_path / "ok"
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(ok), *common, f"security.authorized_keys={keys}/authorized"],
-            np=3, timeout=180)
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(ok), *common, f"security.identity={keys}/rank{{rank}}",
+             f"security.authorized_keys={keys}/authorized"], np=3, timeout=180)
     assert set(json.loads((ok / "summary.json").read_text())["clients"]) == {"0", "1"}
+    server_log = (ok / "logs" / "rank0.log").read_text()
+    for rank in (1, 2):  # each site's fingerprint is on record
+        assert f"rank {rank} authenticated as site key SHA256:" in server_log
     bad = run_cli(["run", "configs/quickstart.yaml", "--out", str(tmp_path / "bad"), *common,
-                   f"security.authorized_keys={keys}/only2"], np=3, timeout=180, check=False)
+                   f"security.identity={keys}/rank{{rank}}", f"security.authorized_keys={keys}/only2"],
+                  np=3, timeout=180, check=False)
     assert bad.returncode != 0
     assert "not in the authorized keys" in bad.stderr and "rank 1" in bad.stderr
     assert not (tmp_path / "bad" / "summary.json").exists()
+    posed = run_cli(["run", "configs/quickstart.yaml", "--out", str(tmp_path / "posed"), *common,
+                     f"security.identity={twin}/rank{{rank}}", f"security.authorized_keys={keys}/authorized"],
+                    np=3, timeout=180, check=False)
+    assert posed.returncode != 0 and not (tmp_path / "posed" / "summary.json").exists()
+    assert "rank 2 presented the identity of rank 1" in posed.stderr, posed.stderr[-3000:]
+    assert "Traceback" not in posed.stderr
+    old = run_cli(["run", "configs/quickstart.yaml", "--out", str(tmp_path / "old"), *common,
+                   f"security.identity={keys}/rank{{rank}}", f"security.authorized_keys={keys}/unbound"],
+                  np=3, timeout=180, check=False)
+    assert old.returncode != 0 and "not bound to one site rank" in old.stderr and "rank=N" in old.stderr
