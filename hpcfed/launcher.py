@@ -82,7 +82,7 @@ RESULT_DIRS = ("checkpoints", "embeddings")
 RUN_OUTPUTS = (*RESULT_FILES, *RESULT_DIRS, "logs", "report", "report.md", "tensorboard")
 
 
-def prepare_out_dir(out: Path, cfg: Config, *, resume: bool, force: bool) -> None:
+def prepare_out_dir(out: Path, cfg: Config, *, resume: bool, force: bool, keep_logs: bool = False) -> None:
     """Check `--out` before anything is launched: it must be a folder (made here if missing); a
     folder that holds a run's results is only continued with --resume (from a checkpoint made
     with a compatible config) or overwritten with --force, never silently."""
@@ -93,6 +93,8 @@ def prepare_out_dir(out: Path, cfg: Config, *, resume: bool, force: bool) -> Non
     found = existing_results(out)
     if force and found:
         for name in RUN_OUTPUTS:
+            if keep_logs and name == "logs":
+                continue  # under MPI every rank has already opened its log there
             path = out / name
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -249,7 +251,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         _check_world(cfg, size)
         if rank == 0:
             # Under `hpcfed run --np` the launcher has checked OUT already (this finds it as left).
-            prepare_out_dir(out_dir, cfg, resume=resume, force=force)
+            prepare_out_dir(out_dir, cfg, resume=resume, force=force, keep_logs=True)
             (out_dir / "embeddings").mkdir(exist_ok=True)
         comm.Barrier()
         channel = _open_channel(cfg, comm)
