@@ -37,12 +37,13 @@ def test_killed_client_ends_job_quickly_and_leaves_a_valid_checkpoint(tmp_path):
     try:
         wait_for(lambda: checkpoints(out), 180, "a first checkpoint", proc)
         os.kill(_ranks(out)["rank2"], signal.SIGKILL)
-        took = _ended_within(proc, deadline + 30)
+        took = _ended_within(proc, deadline + 90)
     finally:
         kill_all(out, proc)
     text = output(proc)
     assert proc.returncode not in (None, 0), text[-3000:]
-    assert took < deadline + 30, f"the job outlived a dead client by {took:.0f} s"
+    # a hang, not a figure: the job ends on its deadline, with a wide margin for a loaded host (issue 16)
+    assert took < deadline + 90, f"the job outlived a dead client by {took:.0f} s"
     # `hpcfed run --np` watches the ranks and names the one that died first, with the last checkpoint.
     last = text.strip().splitlines()[-1]  # our diagnosis comes after everything mpiexec printed
     assert last.startswith("hpcfed: the federation failed") and "rank 2 (client 1) ended first (killed or crashed" \
@@ -62,7 +63,7 @@ def test_hung_client_ends_sync_job_within_deadline_naming_rank(tmp_path):
         pids = _ranks(out)
         assert proc.poll() is None, output(proc)[-3000:]
         os.kill(pids["rank2"], signal.SIGSTOP)  # alive but silent: no MPI library notices this
-        took = _ended_within(proc, deadline + 30)
+        took = _ended_within(proc, deadline + 90)
     finally:
         if "rank2" in pids:
             try:
@@ -71,7 +72,7 @@ def test_hung_client_ends_sync_job_within_deadline_naming_rank(tmp_path):
                 pass
         kill_all(out, proc)
     text = output(proc)
-    assert took < deadline + 30, f"the job hung {took:.0f} s on a silent client"
+    assert took < deadline + 90, f"the job hung {took:.0f} s on a silent client"
     assert proc.returncode != 0
     assert "client 1 (rank 2)" in text and "last checkpoint: " in text, text[-3000:]
     assert "ckpt-" in text.split("last checkpoint: ", 1)[1][:300]
@@ -84,11 +85,11 @@ def test_killed_server_does_not_leave_clients_running(tmp_path):
         wait_for(lambda: checkpoints(out), 180, "a first checkpoint", proc)
         pids = _ranks(out)
         os.kill(pids["rank0"], signal.SIGKILL)
-        took = _ended_within(proc, 20 + 30)
+        took = _ended_within(proc, 20 + 90)
         alive = [r for r, pid in pids.items() if r.startswith("rank") and _alive(pid)]
     finally:
         kill_all(out, proc)
-    assert took < 50, f"clients outlived the server by {took:.0f} s"
+    assert took < 20 + 90, f"clients outlived the server by {took:.0f} s"
     assert proc.returncode != 0 and alive == [], (alive, output(proc)[-2000:])
     assert "rank 0 (the server) ended first" in output(proc), output(proc)[-2000:]
 
