@@ -267,6 +267,10 @@ class SecureChannel:
         # Shared-memory rings this rank maps (sending and receiving) stay under this many bytes: a
         # server with K clients on its node would otherwise map 2 K rings; the rest go through MPI.
         self.shm_budget_bytes = shm_budget_bytes
+        # Optional: called with each message as it is decoded; returning True consumes it instead of
+        # queueing it. A server sending K models uses it to fold uploads that complete meanwhile, so
+        # they do not pile up in memory. It must not call the channel.
+        self.on_message: Callable[[Message], bool] | None = None
         self.shared_memory = shared_memory and hasattr(transport, "shm_create")
         self.stats = ChannelStats()
         self.peers: list[int] = []
@@ -967,9 +971,10 @@ class SecureChannel:
         are as slow as the decryption itself), else a new one."""
         pool = self._pool
         for buf in pool:
-            # a live view of the tensors holds a reference beyond the pool's and this loop's
-            if len(buf) == n and sys.getrefcount(buf) <= _FREE_REFS:
-                return buf
+            # a live view of the tensors holds a reference beyond the pool's and this loop's; a
+            # buffer a little larger serves too (K uploads of one model differ by a few header bytes)
+            if n <= len(buf) <= n + (n >> 4) and sys.getrefcount(buf) <= _FREE_REFS:
+                return buf if len(buf) == n else buf[:n]
         buf = np.empty(n, dtype=np.uint8)
         pool.append(buf)
         if len(pool) > 2:  # a server folding uploads on arrival needs about two of a size
@@ -995,14 +1000,17 @@ class SecureChannel:
             self._release(payload)
             self._reject(src, "malformed bundle", str(exc))
             return
-        self._inbox.append(Message(source=src, kind=kind, header=header, tensors=tensors, nbytes=len(payload)))
+        msg = Message(source=src, kind=kind, header=header, tensors=tensors, nbytes=len(payload))
+        self.stats.messages_received += 1
+        if self.on_message is not None and self.on_message(msg):
+            return  # taken as it arrived (e.g. folded during a send): it never waits in the inbox
+        self._inbox.append(msg)
         peer.queued += 1
         peer.queued_bytes += len(payload)
-        self.stats.messages_received += 1
 
     def _release(self, payload: np.ndarray) -> None:
         """Forget a refused message's buffer, so that its memory goes back at once."""
-        self._pool[:] = [buf for buf in self._pool if buf is not payload]
+        self._pool[:] = [buf for buf in self._pool if buf is not payload and buf is not payload.base]
 
     def _drop_assembly(self, src: int) -> None:
         peer = self._peer.get(src)

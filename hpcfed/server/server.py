@@ -167,14 +167,23 @@ class Server:
         want_state = self._checkpoint_due(rnd)
         self.strategy.begin_round(rnd)
         got: dict[int, tuple[Update, tuple[dict, dict]]] = {}
-        for cid in sorted(self.live):
-            self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version, "want_state": want_state},
-                          self._model_tensors(self.strategy.model_for(cid)))
-            # Fold what the first clients uploaded while later ones were being sent to, so that
-            # finished uploads do not queue up in the channel while the server is busy sending.
-            while (early := self.channel.recv(kinds={P.UPDATE}, timeout=0)) is not None:
-                self._take_update(rnd, early, got, want_state)
-            early = None
+
+        def fold_early(msg: Any) -> bool:
+            # An upload that completes while the server is still sending the round's models is
+            # folded at once, inside the send, instead of waiting in the channel's inbox.
+            if msg.kind != P.UPDATE:
+                return False
+            self._take_update(rnd, msg, got, want_state)
+            return True
+
+        self.channel.on_message = fold_early
+        try:
+            for cid in sorted(self.live):
+                self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version,
+                                              "want_state": want_state},
+                              self._model_tensors(self.strategy.model_for(cid)))
+        finally:
+            self.channel.on_message = None
         deadline = t0 + fed.round_deadline_s
         while len(got) < len(self.live):
             msg = self._recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",

@@ -516,3 +516,16 @@ def test_part_received_messages_are_finished_before_another_senders_begins(windo
     got = {m.source: m for m in (server.recv(timeout=5), server.recv(timeout=5))}
     assert set(got) == {1, 2} and all(np.array_equal(got[r].tensors["x"], big[r]) for r in (1, 2))
     assert held[0] == most
+
+
+def test_on_message_consumes_what_it_takes_and_queues_the_rest():
+    chans = _job([_psk()] * 2)
+    assert not _connect(chans)
+    taken = []
+    chans[0].on_message = lambda m: m.kind == 4 and not taken.append(m.header["i"])
+    for i, kind in enumerate((4, 5, 4)):
+        chans[1].send(0, kind, {"i": i}, {"x": np.zeros(3, np.float32)})
+    msg = chans[0].recv(timeout=5)
+    assert msg is not None and msg.kind == 5 and msg.header == {"i": 1}
+    assert chans[0].recv(timeout=0.2) is None  # the kind-4 messages never reached the inbox
+    assert taken == [0, 2] and chans[0].stats.messages_received == 3
