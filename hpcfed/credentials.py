@@ -72,3 +72,52 @@ def _read_psk(sec: SecurityConfig) -> bytes:
 
 def _expand(template: str, rank: int) -> Path:
     return Path(template.replace("{rank}", str(rank)).replace("{client_id}", str(rank - 1))).expanduser()
+
+
+def state_file_auth(sec: SecurityConfig, rank: int, purpose: str):
+    """The key that tags this rank's state files of `purpose` (see `hpcfed.store.sealed`).
+
+    psk mode: HMAC keyed from the job PSK (never stored in the run directory); keys mode: this
+    rank's Ed25519 identity signs, and its public half verifies."""
+    from hpcfed.store.sealed import FileAuth
+
+    if sec.mode == "psk":
+        return FileAuth.from_psk(_read_psk(sec), purpose)
+    from hpcfed.comm.keys import load_identity
+
+    if not sec.identity:
+        raise ConfigError("security.mode=keys needs security.identity to sign checkpoints and shards")
+    return FileAuth.from_identity(load_identity(_expand(sec.identity, rank)), purpose)
+
+
+def job_psk(out_dir: Path, resume: bool) -> str:
+    """The PSK of a job launched with `hpcfed run --np` and no key of its own.
+
+    A fresh key per job would make every checkpoint unverifiable on --resume, and storing it in the
+    run directory would let whoever can write there forge one. So the key lives in a user-private
+    file outside it, ``$HPCFED_KEYS_DIR`` (default ``~/.hpcfed/keys``)/<run id> (mode 0600), where the
+    run id is a hash of the run directory's real path: --resume finds it, a fresh run replaces it."""
+    import hashlib
+    import secrets
+
+    keys = Path(os.environ.get("HPCFED_KEYS_DIR") or Path.home() / ".hpcfed" / "keys").expanduser()
+    run_id = hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:24]
+    path = keys / run_id
+    if resume and path.is_file():
+        text = path.read_text().strip()
+        try:
+            if len(bytes.fromhex(text)) >= 16:
+                return text
+        except ValueError:
+            pass
+        raise ConfigError(f"{path}: the stored job key for {out_dir} is not hex; delete it or set HPCFED_PSK")
+    keys.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(keys, 0o700)
+    key = secrets.token_hex(32)
+    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path.with_name(path.name + ".tmp"), path)
+    return key

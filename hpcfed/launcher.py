@@ -158,7 +158,10 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
         raise ConfigError("no mpiexec on PATH; install an MPI (`pip install mpich`) or use your site's module")
     env = dict(os.environ)
     if cfg.security.mode == "psk" and not env.get(cfg.security.psk_env) and not cfg.security.psk_file:
-        env[cfg.security.psk_env] = secrets.token_hex(32)  # fresh key for this job only
+        from hpcfed.credentials import job_psk
+
+        # fresh key per run, kept outside the run directory so that --resume can verify its files
+        env[cfg.security.psk_env] = job_psk(out, resume)
     cmd = [exe, "-n", str(np)]
     if cfg.federation.on_client_failure == "continue" and _is_hydra(exe):
         cmd.append("-disable-auto-cleanup")  # let the server outlive a dead client

@@ -118,6 +118,10 @@ class Client:
         metrics = self.task.evaluate(int(msg.header.get("round", 0)), final=True)
         path = self.task.export_embeddings(self.site.out_dir)
         if path is not None:
+            from hpcfed.credentials import state_file_auth
+            from hpcfed.store.embeddings import seal_export
+
+            seal_export(path, state_file_auth(self.cfg.security, self.client_id + 1, "embeddings"))
             log.info("client %d: embeddings written to %s", self.client_id, path)
         self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
                                         "cost": rank_cost(self.channel.stats),

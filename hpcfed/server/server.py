@@ -73,6 +73,10 @@ class Server:
         self._outbox: ModelOutbox | None = None  # async mode
         self.client_costs: dict[int, dict[str, Any] | None] = {}
         self._progress: Progress | None = None  # console progress: rounds (sync) or accepted updates (async)
+        from hpcfed.credentials import state_file_auth
+
+        # Checkpoints are tagged with a key derived from the job's credentials, never kept in out_dir.
+        self.file_auth = state_file_auth(cfg.security, 0, "checkpoint")
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -141,7 +145,7 @@ class Server:
 
     def _load_checkpoint(self) -> ckpt_store.Checkpoint | None:
         folder = self.out_dir / "checkpoints"
-        ckpt = ckpt_store.latest_valid(folder, warn=log.warning)
+        ckpt = ckpt_store.latest_valid(folder, warn=log.warning, auth=self.file_auth)
         if ckpt is None:
             found = ckpt_store.list_checkpoints(folder)
             if found:  # starting from round 0 would overwrite the run they belong to
@@ -409,7 +413,8 @@ class Server:
                 "rejected": self.rejected}
         ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
                                    strategy=self.strategy.state_dict(), clients=client_states, meta=meta)
-        self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints)
+        self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints,
+                                               auth=self.file_auth)
         self.metrics.log(rnd, None, "checkpoint", str(self.last_checkpoint.name))
 
     def _maybe_status(self) -> None:

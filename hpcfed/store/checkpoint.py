@@ -3,19 +3,20 @@
 One file per checkpoint, ``checkpoints/ckpt-<round>.h5``::
 
     attrs:  format="hpcfed-checkpoint", format_version, round, version, created, config (JSON),
-            checksum (SHA-256 over every dataset's name, dtype, shape and bytes, in sorted order)
+            auth (JSON: alg, purpose, digest, tag; see `hpcfed.store.sealed`)
     /strategy            arrays of Strategy.state_dict(); attr "header" = its JSON scalars
     /clients/<id>        arrays of Task.state_dict() (optimizer, RNG); attr "header" = JSON
     /meta                attr "header" = JSON (metrics so far, rejected counts, wall time)
 
 Written to a temporary file, fsynced, then ``os.replace``d and the folder fsynced: a kill at any
-moment leaves either the old or the new file, never half of one. `latest_valid` verifies the
-checksum and falls back to the previous checkpoint when the newest is corrupt or truncated.
+moment leaves either the old or the new file, never half of one. Every file is authenticated with
+the job's key (`hpcfed.store.sealed`: HMAC from the PSK or an Ed25519 signature) and read with every
+declared size bounded; `latest_valid` falls back to the previous checkpoint when the newest is
+corrupt, truncated, forged or hostile.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hpcfed.store import atomic
+from hpcfed.store import atomic, sealed
 
 FORMAT = "hpcfed-checkpoint"
 FORMAT_VERSION = 1
@@ -48,63 +49,67 @@ class Checkpoint:
     clients: dict[int, tuple[dict[str, Any], Arrays]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    verified: bool = False  # the tag checked out against the job key
 
 
 def checkpoint_path(directory: str | Path, round: int) -> Path:
     return Path(directory) / f"ckpt-{round:06d}.h5"
 
 
-def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3) -> Path:
-    """Write `ckpt` atomically and keep only the newest `keep` checkpoints."""
+def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3, auth: "sealed.FileAuth | None" = None) -> Path:
+    """Write `ckpt` atomically, tagged with `auth`, and keep only the newest `keep` checkpoints."""
     import h5py
 
+    if auth is None:
+        raise CheckpointError("a checkpoint needs a key to be authenticated (security.psk_env / psk_file / keys)")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, ckpt.round)
-    digest = hashlib.sha256()
-    with atomic.atomic_path(final) as tmp, h5py.File(tmp, "w") as f:
-        f.attrs["format"] = FORMAT
-        f.attrs["format_version"] = FORMAT_VERSION
-        f.attrs["round"] = ckpt.round
-        f.attrs["version"] = ckpt.version
-        f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        f.attrs["config"] = json.dumps(ckpt.config, sort_keys=True, default=str)
-        _write_group(f.create_group("strategy"), *ckpt.strategy)
-        clients = f.create_group("clients")
-        for cid in sorted(ckpt.clients):
-            _write_group(clients.create_group(str(cid)), *ckpt.clients[cid])
-        _write_group(f.create_group("meta"), ckpt.meta, {})
-        _digest_file(f, digest)
-        f.attrs["checksum"] = digest.hexdigest()
+    with atomic.atomic_path(final) as tmp:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["round"] = ckpt.round
+            f.attrs["version"] = ckpt.version
+            f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            f.attrs["config"] = json.dumps(ckpt.config, sort_keys=True, default=str)
+            _write_group(f.create_group("strategy"), *ckpt.strategy)
+            clients = f.create_group("clients")
+            for cid in sorted(ckpt.clients):
+                _write_group(clients.create_group(str(cid)), *ckpt.clients[cid])
+            _write_group(f.create_group("meta"), ckpt.meta, {})
+        sealed.seal(tmp, auth)
     _fsync_dir(directory)
     _prune(directory, keep)
     ckpt.path = final
     return final
 
 
-def load(path: str | Path) -> Checkpoint:
-    """Read and verify one checkpoint; raises CheckpointError naming the file and the problem."""
-    import h5py
+def load(path: str | Path, auth: "sealed.FileAuth | None" = None) -> Checkpoint:
+    """Read, bound and verify one checkpoint; raises CheckpointError naming the file and the problem.
 
+    With `auth` the tag must verify (a forged or foreign file is refused); without it only
+    corruption is detected (`hpcfed inspect` without the job key)."""
     path = Path(path)
     try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != FORMAT:
-                raise CheckpointError(f"{path} is not an hpcfed checkpoint (format={f.attrs.get('format')!r})")
-            digest = hashlib.sha256()
-            _digest_file(f, digest)
-            if digest.hexdigest() != f.attrs.get("checksum"):
-                raise CheckpointError(f"{path}: checksum mismatch (the file is corrupt or was modified)")
-            strategy = _read_group(f["strategy"])
-            clients = {int(k): _read_group(g) for k, g in f["clients"].items()}
-            meta = _read_group(f["meta"])[0]
-            return Checkpoint(round=int(f.attrs["round"]), version=int(f.attrs["version"]),
-                              config=json.loads(f.attrs["config"]), strategy=strategy, clients=clients,
-                              meta=meta, path=path)
+        tree = sealed.read(path, auth, require_auth=auth is not None)
+        root = tree.attrs.get("", {})
+        if root.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not an hpcfed checkpoint (format={root.get('format')!r})")
+        strategy = _read_group(tree, "strategy")
+        clients = {int(k): _read_group(tree, f"clients/{k}") for k in tree.children("clients")}
+        meta = _read_group(tree, "meta")[0]
+        ck = Checkpoint(round=int(root["round"]), version=int(root["version"]),
+                        config=json.loads(root["config"]), strategy=strategy, clients=clients,
+                        meta=meta, path=path)
+        ck.verified = tree.verified
+        return ck
     except CheckpointError:
         raise
-    except (OSError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from None
+    except sealed.SealError as exc:
+        raise CheckpointError(str(exc).replace(" is not a readable HDF5 file", ": unreadable checkpoint")) from None
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})") from None
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -116,11 +121,12 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def latest_valid(directory: str | Path, warn: Callable[[str], None] = print) -> Checkpoint | None:
-    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+def latest_valid(directory: str | Path, warn: Callable[[str], None] = print,
+                 auth: "sealed.FileAuth | None" = None) -> Checkpoint | None:
+    """The newest checkpoint that verifies; corrupt, forged or hostile ones are reported and skipped."""
     for path in list_checkpoints(directory):
         try:
-            return load(path)
+            return load(path, auth)
         except CheckpointError as exc:
             warn(f"skipping checkpoint: {exc}")
     return None
@@ -137,26 +143,15 @@ def _write_group(group: Any, header: dict[str, Any], arrays: Arrays) -> None:
         group.create_dataset(name.replace("/", "|"), data=arr)
 
 
-def _read_group(group: Any) -> tuple[dict[str, Any], Arrays]:
-    header = json.loads(group.attrs.get("header", "{}"))
-    arrays = {name.replace("|", "/"): np.asarray(ds[()]) for name, ds in group.items()}
+def _read_group(tree: "sealed.Tree", group: str) -> tuple[dict[str, Any], Arrays]:
+    if group not in tree.groups:
+        raise CheckpointError(f"{tree.path}: group /{group} is missing")
+    header = json.loads(tree.attrs.get(group, {}).get("header", "{}"))
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{tree.path}: /{group} header is not a mapping")
+    arrays = {name.replace("|", "/"): tree.datasets[f"{group}/{name}"] for name in tree.children(group)
+              if f"{group}/{name}" in tree.datasets}
     return header, arrays
-
-
-def _digest_file(f: Any, digest: "hashlib._Hash") -> None:
-    import h5py
-
-    items: list[tuple[str, Any]] = []
-    f.visititems(lambda name, obj: items.append((name, obj)))
-    for name, obj in sorted(items, key=lambda kv: kv[0]):
-        if isinstance(obj, h5py.Dataset):
-            data = np.ascontiguousarray(obj[()])
-            digest.update(f"{name}|{data.dtype.str}|{data.shape}".encode())
-            digest.update(data.tobytes())
-        if "header" in obj.attrs:
-            digest.update(f"{name}#header".encode() + str(obj.attrs["header"]).encode())
-    for key in ("round", "version", "config"):
-        digest.update(f"@{key}={f.attrs.get(key)}".encode())
 
 
 def _json_default(value: Any) -> Any:

@@ -9,7 +9,9 @@ Layout (one file per site, written by that site: raw data never leaves it)::
     attrs on /<entity>: model, dim, metric, normalized, site, config_hash, version
 
 Readable with plain h5py (``f["node/vectors"][:]``). Files are written to a temporary name and
-``os.replace``d, so a reader never sees half a file.
+``os.replace``d, so a reader never sees half a file. The writing site tags the file with a key from
+the job's PSK (`seal_export`, file attribute ``auth``); `read_export` bounds every declared size,
+refuses links/external/virtual datasets, and verifies the tag when the key is at hand.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hpcfed.store import atomic
+from hpcfed.store import atomic, sealed
 
 FORMAT = "hpcfed-embeddings"
 FORMAT_VERSION = 1
@@ -39,6 +41,7 @@ class EmbeddingSet:
     ids: list[str]
     labels: np.ndarray | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    verified: bool = False  # its tag checked out against the job key
 
 
 def write_export(
@@ -105,36 +108,62 @@ def _write_entity(path: Path, mode: str, entity: str, vectors: np.ndarray, ids: 
             g.attrs[key] = value
 
 
-def read_export(path: str | Path, entity: str | None = None) -> EmbeddingSet:
-    """Read one entity (default: the only/first one) from an export, checking the format."""
-    import h5py
+def read_export(path: str | Path, entity: str | None = None, auth: "sealed.FileAuth | None" = None) -> EmbeddingSet:
+    """Read one entity (default: the only/first one) from an export, bounded and checked.
 
+    `auth` defaults to the key in ``$HPCFED_PSK`` (see `export_auth`); with a key the file's tag must
+    verify, without one the result says ``verified=False``."""
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"embedding export {path} does not exist")
+    if auth is None:
+        auth = export_auth()
     try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != FORMAT:
-                raise ExportError(f"{path} is not an hpcfed embedding export (attribute format={f.attrs.get('format')!r})")
-            groups = [k for k in f.keys() if isinstance(f[k], h5py.Group)]
-            if not groups:
-                raise ExportError(f"{path} holds no embedding group")
-            name = entity or groups[0]
-            if name not in f:
-                raise ExportError(f"{path} has no entity {name!r}; it has: {', '.join(groups)}")
-            g = f[name]
-            for key in ("vectors", "ids"):
-                if key not in g:
-                    raise ExportError(f"{path}: /{name}/{key} is missing")
-            vectors = np.asarray(g["vectors"][:], dtype=np.float32)
-            ids = [s.decode() if isinstance(s, bytes) else str(s) for s in g["ids"][:]]
-            labels = np.asarray(g["labels"][:]) if "labels" in g else None
-            attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in g.attrs.items()}
-    except OSError as exc:
-        raise ExportError(f"{path} is not a readable HDF5 file ({exc}); re-export it") from None
+        tree = sealed.read(path, auth, require_auth=False)
+    except sealed.SealError as exc:
+        raise ExportError(f"{exc}; re-export it") from None
+    root = tree.attrs.get("", {})
+    if root.get("format") != FORMAT:
+        raise ExportError(f"{path} is not an hpcfed embedding export (attribute format={root.get('format')!r})")
+    groups = [g for g in tree.children("") if g in tree.groups]
+    if not groups:
+        raise ExportError(f"{path} holds no embedding group")
+    name = entity or groups[0]
+    if name not in groups:
+        raise ExportError(f"{path} has no entity {name!r}; it has: {', '.join(groups)}")
+    for key in ("vectors", "ids"):
+        if f"{name}/{key}" not in tree.datasets:
+            raise ExportError(f"{path}: /{name}/{key} is missing")
+    vectors = np.asarray(tree.datasets[f"{name}/vectors"], dtype=np.float32)
+    ids = [s.decode() if isinstance(s, bytes) else str(s) for s in np.asarray(tree.datasets[f"{name}/ids"]).reshape(-1)]
+    labels = tree.datasets.get(f"{name}/labels")
+    attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in tree.attrs.get(name, {}).items()}
     if vectors.ndim != 2 or vectors.shape[0] != len(ids):
         raise ExportError(f"{path}: /{name}/vectors shape {vectors.shape} does not match {len(ids)} ids")
-    return EmbeddingSet(name, vectors, ids, labels, attrs)
+    if labels is not None and np.asarray(labels).shape != (len(ids),):
+        raise ExportError(f"{path}: /{name}/labels shape {np.asarray(labels).shape} does not match {len(ids)} ids")
+    return EmbeddingSet(name, vectors, ids, None if labels is None else np.asarray(labels), attrs,
+                        verified=tree.verified)
+
+
+def seal_export(path: str | Path, auth: "sealed.FileAuth") -> None:
+    """Tag a finished export with the site's key (the site calls this after its task exported)."""
+    path = Path(path)
+    with atomic.atomic_path(path) as tmp:
+        shutil.copyfile(path, tmp)
+        sealed.seal(tmp, auth)
+
+
+def export_auth(purpose: str = "embeddings") -> "sealed.FileAuth | None":
+    """The key from ``$HPCFED_PSK`` (the job's PSK), or None: readers then say 'not verified'."""
+    import os
+
+    text = os.environ.get("HPCFED_PSK", "").strip()
+    try:
+        psk = bytes.fromhex(text)
+    except ValueError:
+        raise ExportError("$HPCFED_PSK is not hex; unset it or give the job's key") from None
+    return sealed.FileAuth.from_psk(psk, purpose) if len(psk) >= 16 else None
 
 
 def read_frame(path: str | Path, entity: str | None = None) -> "pandas.DataFrame":

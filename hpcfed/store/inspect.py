@@ -1,34 +1,43 @@
-"""`hpcfed inspect FILE.h5`: a readable account of a checkpoint, an embedding export, or any HDF5 file."""
+"""`hpcfed inspect FILE.h5`: a readable account of a checkpoint, a site shard, an embedding export,
+or any HDF5 file.
+
+Every file is read through `hpcfed.store.sealed` (links, external and virtual datasets refused,
+every declared size bounded), so a hostile file gives one plain error line. With the job key in
+``$HPCFED_PSK`` the file's tag is verified; without it the output says "not verified".
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from hpcfed.store import checkpoint, embeddings
+from hpcfed.store import checkpoint, embeddings, sealed
 
 
 def inspect_file(path: str | Path) -> str:
-    import h5py
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
-    try:
-        with h5py.File(path, "r") as f:
-            kind = f.attrs.get("format")
-    except OSError as exc:
-        raise checkpoint.CheckpointError(f"{path} is not a readable HDF5 file ({exc})") from None
+    tree = sealed.read(path, None, require_auth=False)  # bounded; the tag is checked below
+    kind = tree.attrs.get("", {}).get("format")
     if kind == checkpoint.FORMAT:
         return _describe_checkpoint(path)
     if kind == embeddings.FORMAT:
         return _describe_export(path)
-    return _describe_tree(path)
+    return _describe_tree(tree)
+
+
+def _key(purpose: str) -> "sealed.FileAuth | None":
+    return embeddings.export_auth(purpose)
+
+
+def _verdict(verified: bool) -> str:
+    return "authenticated with the job key" if verified else "checksum OK, not verified: set HPCFED_PSK to the job key"
 
 
 def _describe_checkpoint(path: Path) -> str:
-    ckpt = checkpoint.load(path)  # verifies the checksum
-    lines = [f"{path}: hpcfed checkpoint (checksum OK)",
+    ckpt = checkpoint.load(path, _key("checkpoint"))
+    lines = [f"{path}: hpcfed checkpoint ({_verdict(ckpt.verified)})",
              f"  round {ckpt.round}, server version {ckpt.version}",
              f"  config: {ckpt.config.get('name')} task={ckpt.config.get('task', {}).get('name')} "
              f"strategy={ckpt.config.get('strategy', {}).get('name')} seed={ckpt.config.get('seed')}"]
@@ -44,14 +53,13 @@ def _describe_checkpoint(path: Path) -> str:
 
 
 def _describe_export(path: Path) -> str:
-    import h5py
-
-    lines = [f"{path}: hpcfed embedding export"]
-    with h5py.File(path, "r") as f:
-        lines.append("  " + ", ".join(f"{k}={_plain(v)}" for k, v in f.attrs.items()))
-        entities = [k for k in f.keys() if isinstance(f[k], h5py.Group)]
-    for entity in entities:
-        emb = embeddings.read_export(path, entity)
+    auth = embeddings.export_auth()
+    tree = sealed.read(path, auth, require_auth=False)
+    lines = [f"{path}: hpcfed embedding export ({_verdict(tree.verified)})"]
+    root = {k: v for k, v in tree.attrs.get("", {}).items()}
+    lines.append("  " + ", ".join(f"{k}={_plain(v)}" for k, v in root.items()))
+    for entity in [g for g in tree.children("") if g in tree.groups]:
+        emb = embeddings.read_export(path, entity, auth)
         lines.append(f"  /{entity}: vectors {emb.vectors.shape[0]} x {emb.vectors.shape[1]} float32, "
                      f"labels {'yes' if emb.labels is not None else 'no'}")
         lines.append("    " + ", ".join(f"{k}={_plain(v)}" for k, v in emb.attrs.items()))
@@ -60,13 +68,14 @@ def _describe_export(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _describe_tree(path: Path) -> str:
-    import h5py
-
-    lines = [f"{path}: HDF5 file (not an hpcfed format)"]
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: lines.append(
-            f"  /{name}: {obj.dtype} {list(obj.shape)}" if isinstance(obj, h5py.Dataset) else f"  /{name}/"))
+def _describe_tree(tree: "sealed.Tree") -> str:
+    lines = [f"{tree.path}: HDF5 file (not an hpcfed format)"]
+    for name in sorted({*tree.groups, *tree.datasets} - {""}):
+        if name in tree.datasets:
+            a = tree.datasets[name]
+            lines.append(f"  /{name}: {a.dtype} {list(a.shape)}")
+        else:
+            lines.append(f"  /{name}/")
     return "\n".join(lines)
 
 

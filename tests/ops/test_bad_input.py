@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, run_cli
 from hpcfed.config import ConfigError, load
 from hpcfed.store import checkpoint as ck
+from hpcfed.store.sealed import FileAuth
 from hpcfed.store.embeddings import ExportError, read_export, write_export
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -99,11 +100,14 @@ def test_malformed_authorized_keys_names_file_and_line(tmp_path):
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------
+KEY = FileAuth.from_psk(bytes(32), "checkpoint")  # the tests' job PSK (tests/conftest.py)
+
+
 def _checkpoint(directory: Path, rnd: int) -> Path:
     state = ({"name": "fedavg"}, {"global": np.full(10, rnd, np.float32)})
     clients = {0: ({"rng": [1, 2]}, {"opt/m": np.ones(3, np.float32)})}
     return ck.save(directory, ck.Checkpoint(round=rnd, version=rnd + 1, config={"rounds": 9}, strategy=state,
-                                            clients=clients, meta={"elapsed": 1.0}), keep=5)
+                                            clients=clients, meta={"elapsed": 1.0}), keep=5, auth=KEY)
 
 
 def _flip_dataset_value(path: Path) -> None:

@@ -4,6 +4,9 @@ import pytest
 from hpcfed.store import checkpoint as ck
 from hpcfed.store.embeddings import ExportError, read_export, write_export
 from hpcfed.store.inspect import inspect_file
+from hpcfed.store.sealed import FileAuth
+
+KEY = FileAuth.from_psk(bytes(32), "checkpoint")  # the tests' job PSK (tests/conftest.py)
 
 
 def _ckpt(r: int) -> ck.Checkpoint:
@@ -15,7 +18,7 @@ def _ckpt(r: int) -> ck.Checkpoint:
 
 def test_roundtrip_and_prune(tmp_path):
     for r in range(5):
-        ck.save(tmp_path, _ckpt(r), keep=2)
+        ck.save(tmp_path, _ckpt(r), keep=2, auth=KEY)
     files = ck.list_checkpoints(tmp_path)
     assert [p.name for p in files] == ["ckpt-000004.h5", "ckpt-000003.h5"]
     got = ck.load(files[0])
@@ -27,8 +30,8 @@ def test_roundtrip_and_prune(tmp_path):
 
 
 def test_corrupt_newest_falls_back_to_previous(tmp_path):
-    ck.save(tmp_path, _ckpt(1), keep=3)
-    newest = ck.save(tmp_path, _ckpt(2), keep=3)
+    ck.save(tmp_path, _ckpt(1), keep=3, auth=KEY)
+    newest = ck.save(tmp_path, _ckpt(2), keep=3, auth=KEY)
     data = bytearray(newest.read_bytes())
     data[len(data) // 2 :] = b"\0" * (len(data) - len(data) // 2)  # half-written file
     newest.write_bytes(bytes(data))
@@ -41,7 +44,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path):
 def test_bit_flip_is_detected_by_checksum(tmp_path):
     import h5py
 
-    path = ck.save(tmp_path, _ckpt(3))
+    path = ck.save(tmp_path, _ckpt(3), auth=KEY)
     with h5py.File(path, "r+") as f:
         f["strategy/global"][0] = 42.0
     with pytest.raises(ck.CheckpointError, match="checksum mismatch"):
@@ -65,6 +68,6 @@ def test_embedding_export_roundtrip_and_inspect(tmp_path):
     assert emb.ids[3] == "n3" and emb.attrs["dim"] == 3 and emb.attrs["metric"] == "cosine"
     text = inspect_file(path)
     assert "7 x 3" in text and "hpcfed embedding export" in text
-    assert "checksum OK" in inspect_file(ck.save(tmp_path / "c", _ckpt(1)))
+    assert "checksum OK" in inspect_file(ck.save(tmp_path / "c", _ckpt(1), auth=KEY))
     with pytest.raises(ExportError, match="ids for"):
         write_export(tmp_path / "bad.h5", vec, ["a"], model="m", site=0)
