@@ -63,6 +63,9 @@ class FederationConfig:
     slowdown: dict[int, float] = field(default_factory=dict)  # client_id -> factor (straggler knob)
     on_client_failure: Literal["abort", "continue"] = "abort"
     status_every_s: float = 30.0
+    # where each site keeps its own checkpoint shards (optimizer, RNG, personal models); the server
+    # never sees them. Placeholders: {out} (run dir), {client}, {rank}, {job} ($SLURM_JOB_ID or 'local').
+    site_state_dir: str = "{out}/sites/{client}"
 
     def validate(self) -> None:
         if not 0.0 < self.quorum <= 1.0:

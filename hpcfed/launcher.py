@@ -275,7 +275,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             torch.set_num_threads(max(1, cfg.threads_per_rank))
             from hpcfed.client.client import Client
 
-            Client(cfg, channel, out_dir, device=device).run()
+            Client(cfg, channel, out_dir, device=device, resume=resume).run()
         channel.close()
         jobwatch.write_exit(out_dir / "logs", rank, 0)
         return 0

@@ -8,20 +8,22 @@ wrong dtype or a wrong shape is rejected and counted like a forged one.
 from __future__ import annotations
 
 SETUP = 1  # client -> server: task setup payload ("setup/*"), client 0's initial model ("init/*")
-SETUP_REPLY = 2  # server -> client: task reply ("setup/*"), resumed state ("state/*"), layout, start round
+SETUP_REPLY = 2  # server -> client: task reply ("setup/*"), layout, start round, the shard to resume from
 PARAMS = 3  # server -> client: the model for a round (sync) or version (async), see `params_tensors`
-UPDATE = 4  # client -> server: the model (`params_tensors`), + "state/*" when a checkpoint asked for it
+UPDATE = 4  # client -> server: the model (`params_tensors`); header "shard" when PARAMS said "checkpoint"
 FINAL = 5  # server -> client: final model to evaluate and export
 RESULT = 6  # client -> server: final metrics
 STOP = 7  # server -> client: leave now (header: reason)
 FAILED = 8  # client -> server: this client failed (header: error); the server ends the job naming it
+CHECKPOINT = 9  # server -> client (async): write your state shard now (header: round)
+CHECKPOINT_DONE = 10  # client -> server: shard written (header: round, digest, path); no state on the wire
 
 NAMES = {SETUP: "SETUP", SETUP_REPLY: "SETUP_REPLY", PARAMS: "PARAMS", UPDATE: "UPDATE", FINAL: "FINAL",
-         RESULT: "RESULT", STOP: "STOP", FAILED: "FAILED"}
+         RESULT: "RESULT", STOP: "STOP", FAILED: "FAILED", CHECKPOINT: "CHECKPOINT",
+         CHECKPOINT_DONE: "CHECKPOINT_DONE"}
 
 SETUP_PREFIX = "setup/"
 INIT_PREFIX = "init/"
-STATE_PREFIX = "state/"
 PARAMS_KEY = "params"
 
 
@@ -56,8 +58,8 @@ def prefixed(tensors: dict, prefix: str) -> dict:
 
 
 # -- what each side accepts (SecureChannel.expect): anything else is dropped on arrival ----------
-SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP})  # what a client takes, from rank 0 only
-CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED})  # what the server takes from a client
+SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT})  # what a client takes, from rank 0 only
+CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED, CHECKPOINT_DONE})  # what the server takes from a client
 UPDATE_MARGIN = 4  # an UPDATE may be 4 x the model's float32 bytes (params + optimizer moments + a best copy) ...
 UPDATE_SLACK = 64 << 20  # ... + 64 MiB (task state: RNG, per-document vectors, and the JSON header)
 SMALL_MESSAGE = 2 << 20  # RESULT / FAILED carry a header only (<= 1 MiB) and no model
@@ -69,4 +71,5 @@ def server_bounds(model_floats: int, num_clients: int) -> tuple[dict[int, frozen
     more than its kind's bound is refused before any buffer is reserved."""
     update = UPDATE_MARGIN * 4 * int(model_floats) + UPDATE_SLACK
     kinds = {rank: CLIENT_KINDS - {SETUP} for rank in range(1, num_clients + 1)}
-    return kinds, {UPDATE: update, RESULT: SMALL_MESSAGE, FAILED: SMALL_MESSAGE}, update + 2 * SMALL_MESSAGE
+    return kinds, {UPDATE: update, RESULT: SMALL_MESSAGE, FAILED: SMALL_MESSAGE, CHECKPOINT_DONE: SMALL_MESSAGE}, \
+        update + 3 * SMALL_MESSAGE

@@ -26,7 +26,7 @@ log = logging.getLogger("hpcfed.client")
 
 
 class Client:
-    def __init__(self, cfg: Config, channel: Any, out_dir: Path, device: str = "cpu") -> None:
+    def __init__(self, cfg: Config, channel: Any, out_dir: Path, device: str = "cpu", resume: bool = False) -> None:
         self.cfg = cfg
         self.channel = channel
         self.client_id = channel.rank - 1
@@ -48,12 +48,23 @@ class Client:
         # every broadcast would start a second training chain from a model lacking our last step.
         self._awaiting_answer = False
         self._held: Any = None
+        from hpcfed.credentials import state_file_auth
+        from hpcfed.store import site_state
+
+        # This site's own checkpoint shards: written and read here only, tagged with the site's key.
+        self.resume = resume
+        self.state_dir = site_state.site_dir(cfg.federation.site_state_dir, out=out_dir, client=self.client_id,
+                                             rank=self.client_id + 1)
+        self.state_auth = state_file_auth(cfg.security, self.client_id + 1, "site-shard")
 
     def run(self) -> None:
         self._setup()
         try:
             while True:
-                msg = self._wait({P.PARAMS, P.FINAL, P.STOP})
+                msg = self._wait({P.PARAMS, P.FINAL, P.STOP, P.CHECKPOINT})
+                if msg.kind == P.CHECKPOINT:  # async: write the shard between training steps
+                    self.channel.send(0, P.CHECKPOINT_DONE, self._write_shard(msg.header.get("round")))
+                    continue
                 if msg.kind == P.PARAMS:
                     msg = self._skip_stale(msg)
                 if msg.kind == P.STOP:
@@ -75,7 +86,12 @@ class Client:
         out = P.prefixed(tensors, P.SETUP_PREFIX)
         if self.client_id == 0:
             out.update(P.prefixed(self.task.get_parameters(), P.INIT_PREFIX))
-        self.channel.send(0, P.SETUP, {"task": header}, out)
+        setup_header: dict[str, Any] = {"task": header}
+        if self.resume:  # the shards this site holds intact; the server picks a checkpoint all sites hold
+            from hpcfed.store import site_state
+
+            setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
+        self.channel.send(0, P.SETUP, setup_header, out)
         reply = self._wait({P.SETUP_REPLY, P.STOP}, self.cfg.federation.setup_timeout_s + self.cfg.federation.client_timeout_s)
         if reply.kind == P.STOP:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
@@ -85,10 +101,16 @@ class Client:
             raise FederationError(
                 f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes/"
                 f"dtypes differ); every site must use the same task config")
-        if reply.header.get("resumed"):
-            state = P.split_prefixed(reply.tensors, P.STATE_PREFIX)
-            if state or reply.header.get("state"):
-                self.task.load_state_dict((reply.header.get("state", {}), state))
+        shard = reply.header.get("shard")
+        if reply.header.get("resumed") and isinstance(shard, dict):
+            from hpcfed.store import site_state
+
+            try:
+                state = site_state.load_shard(self.state_dir, int(shard.get("round")), str(shard.get("digest")),
+                                              self.client_id, self.state_auth)
+            except (site_state.ShardError, TypeError, ValueError) as exc:
+                raise FederationError(f"client {self.client_id} (rank {self.client_id + 1}): cannot resume: {exc}") from None
+            self.task.load_state_dict(state)
 
     def _train_and_upload(self, msg: Any) -> None:
         rnd = int(msg.header["round"])
@@ -107,11 +129,19 @@ class Client:
         header: dict[str, Any] = {"round": rnd, "version": msg.header.get("version", 0),
                                   "client_version": self.client_version, "num_examples": int(result.num_examples),
                                   "metrics": {k: _json_number(v) for k, v in metrics.items()}}
-        if msg.header.get("want_state"):
-            state_header, state = self.task.state_dict()
-            header["state"] = state_header
-            tensors.update(P.prefixed(state, P.STATE_PREFIX))
+        if msg.header.get("checkpoint"):
+            # After fit, before upload: the state the resumed twin needs to continue bit-identically.
+            header["shard"] = self._write_shard(rnd)
         self.channel.send(0, P.UPDATE, header, tensors)
+
+    def _write_shard(self, rnd: Any) -> dict[str, Any]:
+        from hpcfed.store import site_state
+
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
+            raise FederationError(f"client {self.client_id}: the server asked for a checkpoint of round {rnd!r}")
+        path, digest = site_state.write_shard(self.state_dir, rnd, self.client_id, self.task.state_dict(),
+                                              self.state_auth, keep=self.cfg.keep_checkpoints)
+        return {"round": rnd, "digest": digest, "path": str(path)}
 
     def _final(self, msg: Any) -> None:
         self._load(msg)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,7 @@ class Server:
     def _setup(self) -> tuple[int, ckpt_store.Checkpoint | None]:
         fed = self.cfg.federation
         payloads: dict[int, tuple[dict, dict]] = {}
+        held: dict[int, set[tuple[int, str]]] = {}  # --resume: the intact shards each site reports
         initial = None
         deadline = time.monotonic() + fed.setup_timeout_s
         while len(payloads) < self.num_clients:
@@ -109,6 +112,7 @@ class Server:
                 self._reject(msg.source, "malformed header", "SETUP task header is not a mapping")
                 continue
             payloads[cid] = (header, P.split_prefixed(msg.tensors, P.SETUP_PREFIX))
+            held[cid] = _held_shards(msg.header.get("shards"))
             if cid == 0:
                 initial = {k: np.array(v) for k, v in P.split_prefixed(msg.tensors, P.INIT_PREFIX).items()}
         replies, server_init = self.task_cls.server_setup(self.task_config, payloads)
@@ -117,7 +121,7 @@ class Server:
             raise FederationError("client 0 (rank 1) sent no initial model and the task's server_setup built none")
         self.strategy.initialize(init)
         self.layout = self.strategy.layout
-        resumed = self._load_checkpoint() if self.resume else None
+        resumed = self._load_checkpoint(held) if self.resume else None
         start_round = resumed.round + 1 if resumed else 0
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", resume_round=resumed.round if resumed else None,
                                   time_offset=float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0)
@@ -125,13 +129,12 @@ class Server:
         for cid in range(self.num_clients):
             reply_header, reply_tensors = replies.get(cid, ({}, {}))
             tensors = P.prefixed(reply_tensors, P.SETUP_PREFIX)
-            state_header: dict = {}
-            if resumed and cid in resumed.clients:
-                state_header, state_arrays = resumed.clients[cid]
-                tensors.update(P.prefixed(state_arrays, P.STATE_PREFIX))
+            shard = None  # which of its own shards the site loads (it verifies it against this digest)
+            if resumed and cid in resumed.sites:
+                shard = {"round": resumed.round, "digest": resumed.sites[cid]["digest"]}
             self.channel.send(cid + 1, P.SETUP_REPLY, {
                 "task": reply_header, "layout": layout_header, "start_round": start_round,
-                "state": state_header, "resumed": bool(resumed),
+                "shard": shard, "resumed": bool(resumed),
             }, tensors)
         log.info("setup done: %d clients, %d parameters%s", self.num_clients, self.layout.size,
                  f", resumed from {resumed.path} (round {resumed.round})" if resumed else "")
@@ -143,9 +146,9 @@ class Server:
         kinds, max_bytes, inbox_bytes = P.server_bounds(self.layout.size, self.num_clients)
         self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
 
-    def _load_checkpoint(self) -> ckpt_store.Checkpoint | None:
+    def _load_checkpoint(self, held: dict[int, set[tuple[int, str]]]) -> ckpt_store.Checkpoint | None:
         folder = self.out_dir / "checkpoints"
-        ckpt = ckpt_store.latest_valid(folder, warn=log.warning, auth=self.file_auth)
+        ckpt = self._newest_held(folder, held)
         if ckpt is None:
             found = ckpt_store.list_checkpoints(folder)
             if found:  # starting from round 0 would overwrite the run they belong to
@@ -163,6 +166,31 @@ class Server:
         self.round = ckpt.round
         return ckpt
 
+    def _newest_held(self, folder: Path, held: dict[int, set[tuple[int, str]]]) -> ckpt_store.Checkpoint | None:
+        """The newest verified manifest whose every site shard its site holds intact.
+
+        A manifest whose shard is gone or corrupt at some site is skipped (named in the log); if
+        valid manifests exist but none is held by every site, the federation stops naming the site."""
+        first_gap = None
+        for path in ckpt_store.list_checkpoints(folder):
+            try:
+                ckpt = ckpt_store.load(path, self.file_auth)
+            except ckpt_store.CheckpointError as exc:
+                log.warning("skipping checkpoint: %s", exc)
+                continue
+            gaps = [(cid, ref) for cid, ref in sorted(ckpt.sites.items())
+                    if (ckpt.round, ref["digest"]) not in held.get(cid, set())]
+            if not gaps:
+                return ckpt
+            cid, ref = gaps[0]
+            gap = f"client {cid} (rank {cid + 1}) does not hold its shard {ref['path']} intact"
+            log.warning("skipping checkpoint %s: %s", path.name, gap)
+            first_gap = first_gap or f"{gap} (checkpoint {path.name})"
+        if first_gap:
+            raise FederationError(f"--resume: no checkpoint is held intact by every site: {first_gap}; "
+                                  f"restore that site's shards, or rerun with --force to start over")
+        return None
+
     # -- synchronous rounds ----------------------------------------------------------------------
     def _sync_round(self, rnd: int) -> None:
         fed = self.cfg.federation
@@ -170,7 +198,7 @@ class Server:
         t0 = time.monotonic()
         want_state = self._checkpoint_due(rnd)
         self.strategy.begin_round(rnd)
-        got: dict[int, tuple[Update, tuple[dict, dict]]] = {}
+        got: dict[int, tuple[Update, dict | None]] = {}
 
         def fold_early(msg: Any) -> bool:
             # An upload that completes while the server is still sending the round's models is
@@ -184,7 +212,7 @@ class Server:
         try:
             for cid in sorted(self.live):
                 self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version,
-                                              "want_state": want_state},
+                                              "checkpoint": want_state},
                               self._model_tensors(self.strategy.model_for(cid)))
         finally:
             self.channel.on_message = None
@@ -218,7 +246,7 @@ class Server:
         self.metrics.log_many(rnd, None, {"round_time_s": time.monotonic() - t0, "num_updates": len(updates),
                                           **self.strategy.metrics()})
         if want_state:
-            self._checkpoint(rnd, {u.client_id: got[u.client_id][1] for u in updates})
+            self._checkpoint(rnd, {u.client_id: got[u.client_id][1] for u in updates})  # phase 2: the manifest
         # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
         self._progress.advance_to(rnd + 1)
         saved = f", saved {self.last_checkpoint.name}" if want_state and self.last_checkpoint else ""
@@ -226,7 +254,7 @@ class Server:
                  time.monotonic() - t0, len(updates), _metric_brief(updates), saved, self._progress.describe())
         self._maybe_status()
 
-    def _take_update(self, rnd: int, msg: Any, got: dict[int, tuple[Update, tuple[dict, dict]]],
+    def _take_update(self, rnd: int, msg: Any, got: dict[int, tuple[Update, dict | None]],
                      want_state: bool) -> None:
         """Validate one upload of round `rnd` and fold it into the strategy at once: a streaming
         strategy (FedAvg's mean) adds it to its running sum and drops it, so rank 0 never holds the
@@ -238,6 +266,9 @@ class Server:
             self._reject(msg.source, "duplicate update", f"a second update for round {rnd}")
             return
         parsed = self._as_update(msg, allow_state=want_state)
+        if parsed is not None and want_state and (parsed[1] is None or parsed[1]["round"] != rnd):
+            self._reject(msg.source, "malformed header", f"UPDATE of checkpoint round {rnd} without a valid shard")
+            return
         if parsed is not None:
             self.strategy.fold(parsed[0])
             got[parsed[0].client_id] = parsed
@@ -289,18 +320,18 @@ class Server:
             for cid in sorted(targets & self.live):
                 self._outbox.owe(cid, answer=cid == upd.client_id)
             if self.updates_accepted >= next_ckpt:
-                self._checkpoint(self.updates_accepted, {})
+                self._async_checkpoint(last_seen)
                 next_ckpt += every
             self._maybe_status()
         log.info("async: %d updates accepted, server version %d", self.updates_accepted, self.strategy.version)
         if self.cfg.checkpoint_every > 0:
-            self._checkpoint(self.updates_accepted, {})
+            self._async_checkpoint(last_seen)
 
     def _model_message(self, cid: int, answer: bool) -> tuple[int, dict, dict]:
         # answer=False marks a broadcast the client did not ask for: it replaces the client's model
         # but does not start a training step while the client's own upload is unanswered.
         return P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
-                          "want_state": False, "answer": answer}, self._model_tensors(self.strategy.model_for(cid))
+                          "checkpoint": False, "answer": answer}, self._model_tensors(self.strategy.model_for(cid))
 
     def _check_silent(self, last_seen: dict[int, float]) -> None:
         limit = self.cfg.federation.round_deadline_s
@@ -321,7 +352,7 @@ class Server:
         raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
 
     # -- validation ------------------------------------------------------------------------------
-    def _as_update(self, msg: Any, allow_state: bool) -> tuple[Update, tuple[dict, dict]] | None:
+    def _as_update(self, msg: Any, allow_state: bool) -> tuple[Update, dict | None] | None:
         """Check an UPDATE against the model layout; return it, or count and log a rejection."""
         if msg.kind == P.FAILED:
             self._client_failed(msg.source - 1, f"failed: {msg.header.get('error', 'unknown error')}")
@@ -332,7 +363,7 @@ class Server:
             return None
         h, tensors = msg.header, msg.tensors
         keys = {P.params_key(name) for name in self.layout.groups}
-        unknown = [k for k in tensors if k not in keys and not (allow_state and k.startswith(P.STATE_PREFIX))]
+        unknown = [k for k in tensors if k not in keys]  # site state never crosses the wire
         if unknown:
             self._reject(msg.source, "unknown tensor name", f"{unknown[:3]}")
             return None
@@ -355,9 +386,7 @@ class Server:
                      base_version=int(h.get("version", 0)) if _is_int(h.get("version", 0)) else 0,
                      client_version=int(h.get("client_version", 0)) if _is_int(h.get("client_version", 0)) else 0,
                      metrics={k: (float(v) if v is not None else math.nan) for k, v in metrics.items()})
-        state = (h.get("state", {}) if isinstance(h.get("state", {}), dict) else {},
-                 P.split_prefixed(tensors, P.STATE_PREFIX))
-        return upd, state
+        return upd, _shard_ref(h.get("shard")) if allow_state else None
 
     def _model_tensors(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The float32 model as the wire carries it: one buffer per dtype group, in each parameter's dtype."""
@@ -408,14 +437,43 @@ class Server:
             return msg
 
     # -- checkpoints, status, finish ---------------------------------------------------------------
-    def _checkpoint(self, rnd: int, client_states: dict[int, tuple[dict, dict]]) -> None:
+    def _checkpoint(self, rnd: int, sites: dict[int, dict | None]) -> None:
+        """Phase 2: every site has written its shard and sent its digest; commit the manifest.
+        Until this file is renamed into place the checkpoint does not exist."""
+        if os.environ.get("HPCFED_FAULT_KILL_BEFORE_MANIFEST") == str(rnd):
+            log.error("fault injection: killing rank 0 after the sites wrote round %d, before the manifest", rnd)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
         meta = {"elapsed": self.metrics.elapsed(), "updates_accepted": self.updates_accepted,
                 "rejected": self.rejected}
+        refs = {cid: {"digest": ref["digest"], "path": ref["path"]} for cid, ref in sites.items() if ref}
         ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
-                                   strategy=self.strategy.state_dict(), clients=client_states, meta=meta)
+                                   strategy=self.strategy.state_dict(), sites=refs, meta=meta)
         self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints,
                                                auth=self.file_auth)
         self.metrics.log(rnd, None, "checkpoint", str(self.last_checkpoint.name))
+
+    def _async_checkpoint(self, last_seen: dict[int, float]) -> None:
+        """Async: the consistent point is this moment of the server (its state after the uploads
+        accepted so far) and each site's state when it handles CHECKPOINT, i.e. after its last
+        finished training step; uploads arriving meanwhile wait in the channel until the manifest
+        is committed. At most one in-flight step per site is replayed on resume."""
+        rnd = self.updates_accepted
+        for cid in sorted(self.live):
+            self._send_to(cid, P.CHECKPOINT, {"round": rnd})
+        sites: dict[int, dict | None] = {}
+        deadline = time.monotonic() + self.cfg.federation.round_deadline_s
+        while len(sites) < len(self.live):
+            msg = self._recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED}, f"checkpoint {rnd}",
+                                   waiting_for=self.live - set(sites))
+            cid = msg.source - 1
+            ref = _shard_ref(msg.header)
+            if cid not in self.live or ref is None or ref["round"] != rnd:
+                self._reject(msg.source, "malformed header", f"CHECKPOINT_DONE for checkpoint {rnd}")
+                continue
+            sites[cid] = ref
+            last_seen[cid] = time.monotonic()
+        self._checkpoint(rnd, sites)
 
     def _maybe_status(self) -> None:
         now = time.monotonic()
@@ -510,6 +568,30 @@ class Server:
             "config": self.cfg.to_dict(),
             "config_hash": self.cfg.hash(),
         }
+
+
+def _shard_ref(value: Any) -> dict[str, Any] | None:
+    """A site's report of the shard it wrote: {round, digest (64 hex), path}, or None if malformed."""
+    if not isinstance(value, dict):
+        return None
+    rnd, digest, path = value.get("round"), value.get("digest"), value.get("path")
+    if not _is_int(rnd) or rnd < 0 or not isinstance(digest, str) or len(digest) != 64 \
+            or any(c not in "0123456789abcdef" for c in digest) or not isinstance(path, str) or len(path) > 4096:
+        return None
+    return {"round": rnd, "digest": digest, "path": path}
+
+
+def _held_shards(value: Any) -> set[tuple[int, str]]:
+    """A site's --resume report [[round, digest], ...], bounded; anything malformed counts as not held."""
+    if not isinstance(value, list):
+        return set()
+    out = set()
+    for item in value[:64]:
+        if isinstance(item, list) and len(item) == 2:
+            ref = _shard_ref({"round": item[0], "digest": item[1], "path": ""})
+            if ref:
+                out.add((ref["round"], ref["digest"]))
+    return out
 
 
 def _is_int(v: Any) -> bool:

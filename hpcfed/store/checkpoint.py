@@ -1,11 +1,12 @@
-"""HDF5 checkpoints that survive kill -9 and Slurm requeue.
+"""The server's HDF5 checkpoints (the manifests of coordinated checkpoints); survive kill -9 and requeue.
 
 One file per checkpoint, ``checkpoints/ckpt-<round>.h5``::
 
     attrs:  format="hpcfed-checkpoint", format_version, round, version, created, config (JSON),
             auth (JSON: alg, purpose, digest, tag; see `hpcfed.store.sealed`)
     /strategy            arrays of Strategy.state_dict(); attr "header" = its JSON scalars
-    /clients/<id>        arrays of Task.state_dict() (optimizer, RNG); attr "header" = JSON
+    /sites/<id>          attrs digest, path: the site's own shard of this round (see store.site_state);
+                         no site state is ever in this file
     /meta                attr "header" = JSON (metrics so far, rejected counts, wall time)
 
 Written to a temporary file, fsynced, then ``os.replace``d and the folder fsynced: a kill at any
@@ -46,7 +47,8 @@ class Checkpoint:
     version: int
     config: dict[str, Any]
     strategy: tuple[dict[str, Any], Arrays]
-    clients: dict[int, tuple[dict[str, Any], Arrays]] = field(default_factory=dict)
+    # client id -> {"digest": hex, "path": str}: each site's shard of this round (kept by the site)
+    sites: dict[int, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
     verified: bool = False  # the tag checked out against the job key
@@ -74,9 +76,11 @@ def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3, auth: "sealed.F
             f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             f.attrs["config"] = json.dumps(ckpt.config, sort_keys=True, default=str)
             _write_group(f.create_group("strategy"), *ckpt.strategy)
-            clients = f.create_group("clients")
-            for cid in sorted(ckpt.clients):
-                _write_group(clients.create_group(str(cid)), *ckpt.clients[cid])
+            sites = f.create_group("sites")
+            for cid in sorted(ckpt.sites):
+                g = sites.create_group(str(cid))
+                g.attrs["digest"] = str(ckpt.sites[cid]["digest"])
+                g.attrs["path"] = str(ckpt.sites[cid]["path"])
             _write_group(f.create_group("meta"), ckpt.meta, {})
         sealed.seal(tmp, auth)
     _fsync_dir(directory)
@@ -97,10 +101,11 @@ def load(path: str | Path, auth: "sealed.FileAuth | None" = None) -> Checkpoint:
         if root.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not an hpcfed checkpoint (format={root.get('format')!r})")
         strategy = _read_group(tree, "strategy")
-        clients = {int(k): _read_group(tree, f"clients/{k}") for k in tree.children("clients")}
+        sites = {int(k): {"digest": str(tree.attrs[f"sites/{k}"]["digest"]),
+                          "path": str(tree.attrs[f"sites/{k}"]["path"])} for k in tree.children("sites")}
         meta = _read_group(tree, "meta")[0]
         ck = Checkpoint(round=int(root["round"]), version=int(root["version"]),
-                        config=json.loads(root["config"]), strategy=strategy, clients=clients,
+                        config=json.loads(root["config"]), strategy=strategy, sites=sites,
                         meta=meta, path=path)
         ck.verified = tree.verified
         return ck

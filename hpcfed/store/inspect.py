@@ -44,9 +44,8 @@ def _describe_checkpoint(path: Path) -> str:
     header, arrays = ckpt.strategy
     lines.append(f"  strategy state: {json.dumps(header, default=str)[:200]}")
     lines += [f"    {name}: {a.dtype} {list(a.shape)}" for name, a in arrays.items()]
-    for cid, (head, arrs) in sorted(ckpt.clients.items()):
-        total = sum(a.nbytes for a in arrs.values())
-        lines.append(f"  client {cid}: {len(arrs)} state arrays, {total} bytes; {json.dumps(head, default=str)[:120]}")
+    for cid, ref in sorted(ckpt.sites.items()):
+        lines.append(f"  client {cid}: shard {ref['path']} (kept by the site), digest {ref['digest'][:16]}...")
     if ckpt.meta:
         lines.append(f"  meta: {json.dumps(ckpt.meta, default=str)[:300]}")
     return "\n".join(lines)

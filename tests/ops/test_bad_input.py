@@ -105,9 +105,9 @@ KEY = FileAuth.from_psk(bytes(32), "checkpoint")  # the tests' job PSK (tests/co
 
 def _checkpoint(directory: Path, rnd: int) -> Path:
     state = ({"name": "fedavg"}, {"global": np.full(10, rnd, np.float32)})
-    clients = {0: ({"rng": [1, 2]}, {"opt/m": np.ones(3, np.float32)})}
+    sites = {0: {"digest": "00" * 32, "path": "sites/0/shard.h5"}}
     return ck.save(directory, ck.Checkpoint(round=rnd, version=rnd + 1, config={"rounds": 9}, strategy=state,
-                                            clients=clients, meta={"elapsed": 1.0}), keep=5, auth=KEY)
+                                            sites=sites, meta={"elapsed": 1.0}), keep=5, auth=KEY)
 
 
 def _flip_dataset_value(path: Path) -> None:

@@ -13,7 +13,9 @@ import pytest
 from conftest import run_cli
 from plugin_source import plugin_root  # noqa: F401 (fixture)
 from hpcfed.store import checkpoint as ck
+from hpcfed.store import site_state
 from hpcfed.store.embeddings import read_export
+from hpcfed.store.sealed import FileAuth
 
 pytestmark = pytest.mark.mpi
 
@@ -64,7 +66,9 @@ def test_plugin_federation_runs_and_writes_its_outputs(runs):
     # only the trainable tensors travel: the frozen first-layer weight (16 x 8) is not in the global model
     assert newest.strategy[1]["global"].size == 16 + 16 * 16 + 16 + 16 + 16 + 3 * 16 + 3
     assert newest.strategy[1]["velocity"].shape == newest.strategy[1]["global"].shape
-    assert any(k.startswith("local/") for k in newest.clients[0][1])
+    shard = site_state.load_shard(out / "sites" / "0", newest.round, newest.sites[0]["digest"], 0,
+                                  FileAuth.from_psk(bytes(32), "site-shard"))
+    assert any(k.startswith("local/") for k in shard[1])  # the personal part stays at its site
     emb = read_export(out / "embeddings" / "site1.h5")
     assert emb.vectors.shape == (64, 16)
 

@@ -12,7 +12,9 @@ import pytest
 
 from conftest import run_cli
 from hpcfed.store import checkpoint as ck
+from hpcfed.store import site_state
 from hpcfed.store.embeddings import read_export
+from hpcfed.store.sealed import FileAuth
 
 pytestmark = pytest.mark.mpi
 
@@ -40,7 +42,10 @@ def test_quickstart_writes_metrics_checkpoints_and_exports(tmp_path):
 
     newest = ck.latest_valid(out / "checkpoints")
     assert newest is not None and newest.round == 7
-    assert set(newest.clients) == {0, 1} and any(k.startswith("opt/") for k in newest.clients[0][1])
+    assert set(newest.sites) == {0, 1}  # the manifest names each site's shard; the state stays at the site
+    shard = site_state.load_shard(out / "sites" / "0", 7, newest.sites[0]["digest"], 0,
+                                  FileAuth.from_psk(bytes(32), "site-shard"))
+    assert any(k.startswith("opt/") for k in shard[1])
     assert newest.strategy[1]["global"].dtype == np.float32
 
     for site in (0, 1):
