@@ -17,7 +17,6 @@ import h5py
 import pytest
 
 from conftest import run_cli
-from hpcfed.store import checkpoint as ck
 
 COMMON = ["rounds=4", "checkpoint_every=1", "keep_checkpoints=3"]
 
