@@ -465,7 +465,11 @@ class Server:
         deadline = time.monotonic() + self.cfg.federation.round_deadline_s
         while len(sites) < len(self.live):
             msg = self._recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED}, f"checkpoint {rnd}",
-                                   waiting_for=self.live - set(sites))
+                                   waiting_for=self.live - set(sites), fatal=False)
+            if msg is None:  # a silent site has failed (dropped with on_client_failure=continue)
+                for cid in sorted(self.live - set(sites)):
+                    self._client_failed(cid, f"wrote no checkpoint shard within {self.cfg.federation.round_deadline_s:g} s")
+                break
             cid = msg.source - 1
             ref = _shard_ref(msg.header)
             if cid not in self.live or ref is None or ref["round"] != rnd:
