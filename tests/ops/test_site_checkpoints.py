@@ -96,3 +96,17 @@ def test_missing_shard_falls_back_to_a_checkpoint_every_site_holds_then_stops_na
     lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "no checkpoint is held intact" in ln]
     assert lines and "client 0 (rank 1)" in lines[0] and "shard-0000" in lines[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_np_run_keeps_its_job_key_outside_the_run_directory_for_resume(tmp_path):
+    out, keys = tmp_path / "run", tmp_path / "keys"
+    env = {"HPCFED_PSK": "", "HPCFED_KEYS_DIR": str(keys)}  # no key of ours: `--np` makes one per run
+    args = ["run", "configs/quickstart.yaml", "--np", "3", "--out", str(out), "rounds=3", "checkpoint_every=1"]
+    run_cli([*args, "halt_after_round=0"], env=env, timeout=300)
+    [key_file] = list(keys.iterdir())
+    assert key_file.stat().st_mode & 0o777 == 0o600 and keys.stat().st_mode & 0o777 == 0o700
+    key = key_file.read_text().strip()
+    assert not any(key.encode() in p.read_bytes() for p in out.rglob("*") if p.is_file())
+    proc = run_cli([*args, "--resume"], env=env, timeout=300)
+    assert re.search(r"resumed from \S+ckpt-000000\.h5 \(round 0\)", proc.stderr + proc.stdout)
+    assert (out / "summary.json").exists()
