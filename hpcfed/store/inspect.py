@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpcfed.store import checkpoint, embeddings, sealed
+from hpcfed.store import checkpoint, embeddings, sealed, site_state
 
 
 def inspect_file(path: str | Path) -> str:
@@ -24,7 +24,18 @@ def inspect_file(path: str | Path) -> str:
         return _describe_checkpoint(path)
     if kind == embeddings.FORMAT:
         return _describe_export(path)
+    if kind == site_state.FORMAT:
+        return _describe_shard(path)
     return _describe_tree(tree)
+
+
+def _describe_shard(path: Path) -> str:
+    tree = sealed.read(path, _key("site-shard"), require_auth=False)
+    root = tree.attrs.get("", {})
+    lines = [f"{path}: hpcfed site shard of client {root.get('client')}, round {root.get('round')} "
+             f"({_verdict(tree.verified)}); digest {tree.digest.hex()}"]
+    lines += [f"  /{name}: {a.dtype} {list(a.shape)}" for name, a in sorted(tree.datasets.items())]
+    return "\n".join(lines)
 
 
 def _key(purpose: str) -> "sealed.FileAuth | None":
