@@ -111,7 +111,7 @@ def _write_entity(path: Path, mode: str, entity: str, vectors: np.ndarray, ids: 
 def read_export(path: str | Path, entity: str | None = None, auth: "sealed.FileAuth | None" = None) -> EmbeddingSet:
     """Read one entity (default: the only/first one) from an export, bounded and checked.
 
-    `auth` defaults to the key in ``$HPCFED_PSK`` (see `export_auth`); with a key the file's tag must
+    `auth` defaults to the key in ``$HPCFED_STATE_KEY`` (see `export_auth`); with a key the file's tag must
     verify, without one the result says ``verified=False``."""
     path = Path(path)
     if not path.is_file():
@@ -155,14 +155,15 @@ def seal_export(path: str | Path, auth: "sealed.FileAuth") -> None:
 
 
 def export_auth(purpose: str = "embeddings") -> "sealed.FileAuth | None":
-    """The key from ``$HPCFED_PSK`` (the job's PSK), or None: readers then say 'not verified'."""
+    """The key from ``$HPCFED_STATE_KEY`` (the PSK of the job that wrote the files), or None: readers
+    then say 'not verified'. Not ``$HPCFED_PSK``: a reading job (live search) has a key of its own."""
     import os
 
-    text = os.environ.get("HPCFED_PSK", "").strip()
+    text = os.environ.get("HPCFED_STATE_KEY", "").strip()
     try:
         psk = bytes.fromhex(text)
     except ValueError:
-        raise ExportError("$HPCFED_PSK is not hex; unset it or give the job's key") from None
+        raise ExportError("$HPCFED_STATE_KEY is not hex; unset it or give the writing job's PSK") from None
     return sealed.FileAuth.from_psk(psk, purpose) if len(psk) >= 16 else None
 
 

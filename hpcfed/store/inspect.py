@@ -3,7 +3,7 @@ or any HDF5 file.
 
 Every file is read through `hpcfed.store.sealed` (links, external and virtual datasets refused,
 every declared size bounded), so a hostile file gives one plain error line. With the job key in
-``$HPCFED_PSK`` the file's tag is verified; without it the output says "not verified".
+``$HPCFED_STATE_KEY`` the file's tag is verified; without it the output says "not verified".
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _key(purpose: str) -> "sealed.FileAuth | None":
 
 
 def _verdict(verified: bool) -> str:
-    return "authenticated with the job key" if verified else "checksum OK, not verified: set HPCFED_PSK to the job key"
+    return "authenticated with the job key" if verified else "checksum OK, not verified: set HPCFED_STATE_KEY to the job's PSK"
 
 
 def _describe_checkpoint(path: Path) -> str:

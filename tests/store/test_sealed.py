@@ -133,10 +133,10 @@ def _export(path):
 
 def test_exports_are_tagged_verified_and_bounded(tmp_path, monkeypatch):
     path = _export(tmp_path / "embeddings" / "site0.h5")
-    monkeypatch.delenv("HPCFED_PSK", raising=False)
+    monkeypatch.delenv("HPCFED_STATE_KEY", raising=False)
     assert not read_export(path).verified
     seal_export(path, FileAuth.from_psk(PSK, "embeddings"))
-    monkeypatch.setenv("HPCFED_PSK", PSK.hex())
+    monkeypatch.setenv("HPCFED_STATE_KEY", PSK.hex())
     assert read_export(path).verified
     assert "authenticated with the job key" in run_cli(["inspect", str(path)], timeout=120).stdout
     with h5py.File(path, "r+") as f:
