@@ -378,7 +378,7 @@ class Server:
         flat = self.layout.unpack_flat(groups)
         num = h.get("num_examples")
         metrics = h.get("metrics", {})
-        if not _is_int(num) or num < 0 or not isinstance(metrics, dict) or not all(
+        if not _is_int(num) or num < 0 or not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
                 isinstance(k, str) and (_is_number(v) or v is None) for k, v in metrics.items()):
             self._reject(msg.source, "malformed header", "UPDATE num_examples/metrics")
             return None
@@ -528,8 +528,8 @@ class Server:
             if msg.kind == P.UPDATE:
                 continue  # an async client's last upload, overtaken by the stop
             metrics = msg.header.get("metrics", {})
-            if not isinstance(metrics, dict):
-                self._reject(msg.source, "malformed header", "RESULT metrics is not a mapping")
+            if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
+                self._reject(msg.source, "malformed header", f"RESULT metrics is not a mapping of at most {MAX_METRICS}")
                 continue
             cost = parse_cost(msg.header["cost"]) if "cost" in msg.header else None
             if "cost" in msg.header and cost is None:
@@ -598,12 +598,21 @@ def _held_shards(value: Any) -> set[tuple[int, str]]:
     return out
 
 
+# A client's header values are bounded before any arithmetic: a JSON integer such as 10**400 would
+# otherwise raise OverflowError in float() and end the server. 2**53 is the largest exactly-representable
+# integer in a float64, far above any legitimate count, version or round.
+HEADER_INT_MAX = 2**53
+MAX_METRICS = 64
+
+
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and not isinstance(v, bool) and -HEADER_INT_MAX <= v <= HEADER_INT_MAX
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v)
 
 
 def _metric_brief(updates: list[Update]) -> str:
