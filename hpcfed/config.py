@@ -35,6 +35,9 @@ class InvalidValue(ValueError):
         self.key, self.problem = key, problem
 
 
+MAX_CRYPTO_THREADS = 64
+
+
 def _at_least(obj: Any, minimum: float, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -100,9 +103,16 @@ class CommConfig:
     max_tensors: int = 100_000
     backoff_max_s: float = 0.005
     shared_memory: bool = True  # same-node ranks pass encrypted chunks through a /dev/shm ring
+    # Threads that seal a big message's chunks in parallel (AES-GCM releases the GIL); None: the
+    # cores this rank may run on, at most 8.
+    crypto_threads: int | None = None
 
     def validate(self) -> None:
         _at_least(self, 1, "chunk_bytes", "max_message_bytes", "max_tensors")
+        if self.crypto_threads is not None and not (
+                isinstance(self.crypto_threads, int) and 1 <= self.crypto_threads <= MAX_CRYPTO_THREADS):
+            raise InvalidValue("crypto_threads", f"must be an integer in 1..{MAX_CRYPTO_THREADS} (or left out "
+                                                 f"for the cores available, at most 8), got {self.crypto_threads!r}")
         _at_least(self, 0, "backoff_max_s")
 
 

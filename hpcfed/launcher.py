@@ -354,7 +354,7 @@ def _open_channel(cfg: Config, comm: object):
 
     limits = WireLimits(max_tensors=cfg.comm.max_tensors, max_total_bytes=cfg.comm.max_message_bytes)
     channel = SecureChannel(transport, credentials, job_id, chunk_bytes=cfg.comm.chunk_bytes, limits=limits,
-                            shared_memory=cfg.comm.shared_memory,
+                            shared_memory=cfg.comm.shared_memory, crypto_threads=cfg.comm.crypto_threads,
                             max_message_bytes=cfg.comm.max_message_bytes, backoff_max_s=cfg.comm.backoff_max_s,
                             max_rejects=cfg.security.max_rejects, log=log.warning,
                             send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))

@@ -45,6 +45,8 @@ import struct
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
@@ -77,6 +79,22 @@ _ACTIVE_SLEEP_S = 2e-4  # ... and then sleep at most this long between polls
 _CONVERSATION_S = 0.05
 _STALL_S = 1.0  # a part-received message whose sender has been silent this long no longer holds others back
 _CONVERSATION_SLEEP_S = 5e-5
+
+
+def default_crypto_threads() -> int:
+    """The cores this process may run on, at most 8 (sealing threads beyond that buy nothing)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _seal_timed(sealer: crypto.Sealer, seq: int, data: memoryview | bytes, aad: bytes, out: memoryview) -> float:
+    """Seal one chunk (on a pool thread); return the seconds it took."""
+    t0 = time.perf_counter()
+    sealer.seal_into(seq, data, aad, out)
+    return time.perf_counter() - t0
 
 
 def _free_refs() -> int:
@@ -240,7 +258,8 @@ class SecureChannel:
                  log: Callable[[str], None] | None = None, spin_s: float = 5e-4,
                  send_timeout_s: float = 600.0, shared_memory: bool = True,
                  max_assembling_bytes: int = 64 << 20, shm_budget_bytes: int = 64 << 20,
-                 inbox_max_messages: int = 1024, inbox_max_bytes: int = 16 << 30) -> None:
+                 inbox_max_messages: int = 1024, inbox_max_bytes: int = 16 << 30,
+                 crypto_threads: int | None = None) -> None:
         if not 4096 <= chunk_bytes <= crypto.MAX_AEAD_INPUT - HDR - TAG:
             raise ValueError(f"comm.chunk_bytes={chunk_bytes}: use 4096 .. {1 << 30} (4 MiB is a good default)")
         if max_message_bytes < 1:
@@ -249,6 +268,15 @@ class SecureChannel:
             raise ValueError(f"comm.backoff_max_s={backoff_max_s}: use a value in (0, 1] seconds")
         if max_rejects < 1:
             raise ValueError(f"security.max_rejects={max_rejects} must be at least 1")
+        if crypto_threads is None:
+            crypto_threads = default_crypto_threads()
+        if isinstance(crypto_threads, bool) or not isinstance(crypto_threads, int) or not 1 <= crypto_threads <= 64:
+            raise ValueError(f"comm.crypto_threads={crypto_threads!r}: use an integer in 1..64 "
+                             f"(or leave it out for the cores available, at most 8)")
+        # Chunks of one big message are sealed by this many threads at once (AES-GCM releases the
+        # GIL); the pool starts with the first such message and is joined by close().
+        self.crypto_threads = crypto_threads
+        self._sealers: ThreadPoolExecutor | None = None
         self.transport = transport
         self.credentials = credentials
         self.job_id = bytes(job_id)
@@ -286,6 +314,7 @@ class SecureChannel:
         self._rx_big: np.ndarray | None = None
         self._tx_slots: list[np.ndarray] = []
         self._gather: np.ndarray | None = None
+        self._gathers: list[np.ndarray] = []  # one per slot of the parallel sealing path
         self._plain0: np.ndarray | None = None
         self._pool: list[np.ndarray] = []  # multi-chunk message buffers, recycled when free
         self._assembling = False  # some peer is part-way through a multi-chunk message
@@ -495,6 +524,9 @@ class SecureChannel:
         if posted is not None:
             self._post_chunks(peer, kind, enc, total, count, msg_id, posted)
             return
+        if count > 1 and self.crypto_threads > 1:
+            self._send_pipelined(peer, kind, enc, total, count, msg_id)  # type: ignore[arg-type]
+            return
         inflight: deque[Request] = deque()
         nslots = 1 if count == 1 else 3  # three buffers: encrypt one while two are in flight
         for i in range(count):
@@ -511,6 +543,63 @@ class SecureChannel:
                 req.test()
         while inflight:
             self._wait_send(inflight.popleft(), dest)
+
+    def _send_pipelined(self, peer: _Peer, kind: int, enc: wire.Encoded, total: int, count: int,
+                        msg_id: int) -> None:
+        """Send a multi-chunk message with `crypto_threads` threads sealing chunks while earlier
+        chunks are in flight. Memory: 2 x threads reused chunk buffers (+ gather buffers).
+
+        Sequence numbers are taken in chunk order here, on the calling thread, exactly as the serial
+        path does. Every chunk sealed is handed to MPI before this thread waits on a send (which
+        receives meanwhile and may send a control frame to this peer with the next sequence
+        number): so frames still leave in sequence order."""
+        dest, chunk, threads = peer.rank, self.chunk_bytes, self.crypto_threads
+        if self._sealers is None:
+            self._sealers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"hpcfed-seal{self.rank}")
+        nslots = 2 * threads
+        free: deque[int] = deque(range(nslots))
+        sealing: deque[tuple[int, int, Future[float]]] = deque()  # (slot, n, job) in chunk order
+        inflight: deque[tuple[Request, int]] = deque()  # (send, slot) in chunk order
+        i = 0
+        try:
+            while i < count:
+                while i < count and free:  # start sealing as many chunks as there are free slots
+                    slot = free.popleft()
+                    start = i * chunk
+                    n = min(total - start, chunk)
+                    buf = self._slot(slot, HDR + n + TAG)
+                    peer.send_seq += 1
+                    hdr = FRAME.pack(VERSION, F_DATA, kind, 0, self.rank, dest, n, peer.send_seq, msg_id, i, count,
+                                     start, total)
+                    buf[:HDR] = hdr
+                    pieces = enc.pieces(start, start + n)
+                    data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n, slot)
+                    sealing.append((slot, n, self._sealers.submit(_seal_timed, peer.tx, peer.send_seq, data,
+                                                                  self._jd + hdr, buf[HDR:HDR + n + TAG])))
+                    i += 1
+                while sealing:  # hand every sealed chunk to MPI, in order
+                    slot, n, job = sealing.popleft()
+                    self.stats.seal_s += job.result()
+                    inflight.append((self.transport.isend(memoryview(self._tx_slots[slot])[:HDR + n + TAG], dest),
+                                     slot))
+                    self.stats.bytes_sent += HDR + n + TAG
+                    for req, _ in inflight:  # nudge MPI's progress on the chunks already out
+                        req.test()
+                if i < count:  # wait for the oldest send to free its buffer (and any others done)
+                    req, slot = inflight.popleft()
+                    self._wait_send(req, dest)
+                    free.append(slot)
+                    while inflight and inflight[0][0].test():
+                        free.append(inflight.popleft()[1])
+            while inflight:
+                req, _ = inflight.popleft()
+                self._wait_send(req, dest)
+        except BaseException as exc:
+            wait_futures([job for _, _, job in sealing])  # no thread writes into a buffer after this
+            self._tx_slots.clear()  # frames may still be read by abandoned sends or half-sealed
+            if isinstance(exc, (ChannelError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise ChannelError(f"sealing a message to rank {dest} failed: {exc}") from exc
 
     def _seal_chunk(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None, msg_id: int, index: int,
                     count: int, start: int, n: int, total: int, out: memoryview) -> bytes:
@@ -649,10 +738,19 @@ class SecureChannel:
         self._background.append((self.transport.isend(memoryview(frame), dest), frame))
         self._reap_background()
 
-    def _gathered(self, pieces: list[memoryview], n: int) -> memoryview:
-        if self._gather is None or len(self._gather) < n:
-            self._gather = np.empty(max(n, min(self.chunk_bytes, 1 << 16)), dtype=np.uint8)
-        out = memoryview(self._gather)
+    def _gathered(self, pieces: list[memoryview], n: int, slot: int = -1) -> memoryview:
+        """Copy a chunk that spans several tensors into one buffer (per slot when chunks are
+        sealed in parallel, the shared one otherwise)."""
+        if slot >= 0:
+            while len(self._gathers) <= slot:
+                self._gathers.append(np.empty(0, dtype=np.uint8))
+            if len(self._gathers[slot]) < n:
+                self._gathers[slot] = np.empty(max(n, min(self.chunk_bytes, 1 << 16)), dtype=np.uint8)
+            out = memoryview(self._gathers[slot])
+        else:
+            if self._gather is None or len(self._gather) < n:
+                self._gather = np.empty(max(n, min(self.chunk_bytes, 1 << 16)), dtype=np.uint8)
+            out = memoryview(self._gather)
         pos = 0
         for p in pieces:
             out[pos:pos + len(p)] = p
@@ -1063,6 +1161,10 @@ class SecureChannel:
         self._tx_rings.clear()
         self._rx_rings.clear()
         self._tx_slots.clear()
+        self._gathers.clear()
+        if self._sealers is not None:
+            self._sealers.shutdown(wait=True, cancel_futures=True)  # joins the sealing threads
+            self._sealers = None
         self._rx_big = self._gather = self._plain0 = None
         self._pool.clear()
         self._closed = True

@@ -1,0 +1,113 @@
+"""Chunks of a big message sealed by a pool of threads: the same frames as one thread, tampering
+still caught, a failing sealer neither hangs nor leaks threads, and comm.crypto_threads validated."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcfed.comm import crypto
+from hpcfed.comm.channel import HDR, ChannelError, SecureChannel, default_crypto_threads
+from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.transport import InProcTransport
+from hpcfed.config import ConfigError, load
+
+from test_channel import _connect
+
+REPO = Path(__file__).resolve().parents[2]
+PSK = bytes(range(32))
+KEY = bytes(range(100, 132))
+
+
+def _pair(threads: int, tap=None, chunk_bytes: int = 8192) -> list[SecureChannel]:
+    ts = InProcTransport.group(2, tap=tap)
+    chans = [SecureChannel(t, Credentials(mode="psk", psk=PSK), b"job-1", chunk_bytes=chunk_bytes,
+                           shared_memory=False, crypto_threads=threads) for t in ts]
+    assert _connect(chans) == {}
+    return chans
+
+
+def _tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)  # several tensors, so chunks span tensor boundaries
+    return {"a": rng.standard_normal(9_000), "b": rng.standard_normal(777).astype(np.float32),
+            "c": np.arange(20_001, dtype=np.int8)}
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_a_pool_sends_the_same_frames_as_one_thread(threads):
+    wires: dict[int, list[bytes]] = {}
+    for n in (1, threads):
+        frames: list[bytes] = []
+        chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
+        # the same session key in both runs (the handshake's are random), so ciphertexts compare
+        chans[1]._peer[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[0]._peer[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        del frames[:]
+        chans[1].send(0, 4, {"n": 1}, _tensors())
+        m = chans[0].recv(timeout=10)
+        assert m is not None and m.header == {"n": 1}
+        for k, v in _tensors().items():
+            np.testing.assert_array_equal(m.tensors[k], v)
+        assert chans[0].stats.rejected == {}
+        wires[n] = frames
+        for ch in chans:
+            ch.close()
+    assert len(wires[1]) > 10
+    assert wires[1] == wires[threads]
+
+
+def test_tampering_is_caught_with_the_pool():
+    victim = {"armed": True}
+
+    def tap(src: int, dst: int, frame: bytes) -> list[bytes]:
+        if src == 1 and victim["armed"] and len(frame) > 8000 and frame[32] == 3:  # chunk index 3
+            victim["armed"] = False
+            return [frame[:HDR + 50] + bytes([frame[HDR + 50] ^ 4]) + frame[HDR + 51:]]
+        return [frame]
+
+    chans = _pair(4, tap=tap)
+    chans[1].send(0, 4, {"n": 1}, _tensors())
+    chans[1].send(0, 4, {"n": 2}, _tensors())
+    m = chans[0].recv(timeout=10)
+    assert m is not None and m.header == {"n": 2}
+    np.testing.assert_array_equal(m.tensors["a"], _tensors()["a"])
+    assert chans[0].stats.rejected["authentication failed"] == 1
+    assert chans[0].recv(timeout=0.2) is None
+
+
+def test_a_failing_sealer_raises_a_channel_error_and_threads_are_joined(monkeypatch):
+    chans = _pair(3)
+    real = crypto.Sealer.seal_into
+    calls = {"n": 0}
+
+    def flaky(self, seq, data, aad, out):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated sealing fault")
+        return real(self, seq, data, aad, out)
+
+    monkeypatch.setattr(crypto.Sealer, "seal_into", flaky)
+    with pytest.raises(ChannelError, match="sealing a message to rank 0 failed: simulated sealing fault"):
+        chans[1].send(0, 4, {"n": 1}, _tensors())
+    chans[1].send(0, 4, {"n": 2}, _tensors())  # the channel goes on; the broken message is abandoned
+    m = chans[0].recv(timeout=10)
+    assert m is not None and m.header == {"n": 2}
+    assert any(t.name.startswith("hpcfed-seal1") for t in threading.enumerate())
+    for ch in chans:
+        ch.close()
+    assert not any(t.name.startswith("hpcfed-seal") for t in threading.enumerate())
+
+
+def test_crypto_threads_default_and_validation():
+    assert 1 <= default_crypto_threads() <= 8
+    ts = InProcTransport.group(1)
+    for bad in (0, -1, 65, 2.5, True):
+        with pytest.raises(ValueError, match="comm.crypto_threads"):
+            SecureChannel(ts[0], Credentials(mode="psk", psk=PSK), b"j", crypto_threads=bad)
+    assert load(REPO / "configs" / "quickstart.yaml", ["comm.crypto_threads=3"]).comm.crypto_threads == 3
+    for bad in ("0", "-2", "1000"):
+        with pytest.raises(ConfigError, match="crypto_threads"):
+            load(REPO / "configs" / "quickstart.yaml", [f"comm.crypto_threads={bad}"])
