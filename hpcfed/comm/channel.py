@@ -82,11 +82,16 @@ _CONVERSATION_SLEEP_S = 5e-5
 
 
 def default_crypto_threads() -> int:
-    """The cores this process may run on, at most 8 (sealing threads beyond that buy nothing)."""
+    """The cores this process may run on, at most 8 (sealing threads beyond that buy nothing),
+    shared among the ranks the MPI launcher placed on this node (MPICH's MPI_LOCALNRANKS, Open
+    MPI's OMPI_COMM_WORLD_LOCAL_SIZE): ranks that share two cores gain nothing from more threads."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
+    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "1"
+    if local.isdigit() and int(local) > 1 and cores > 1:
+        cores = max(1, cores // int(local))
     return max(1, min(8, cores))
 
 
@@ -268,15 +273,8 @@ class SecureChannel:
             raise ValueError(f"comm.backoff_max_s={backoff_max_s}: use a value in (0, 1] seconds")
         if max_rejects < 1:
             raise ValueError(f"security.max_rejects={max_rejects} must be at least 1")
-        if crypto_threads is None:
-            crypto_threads = default_crypto_threads()
-        if isinstance(crypto_threads, bool) or not isinstance(crypto_threads, int) or not 1 <= crypto_threads <= 64:
-            raise ValueError(f"comm.crypto_threads={crypto_threads!r}: use an integer in 1..64 "
-                             f"(or leave it out for the cores available, at most 8)")
-        # Chunks of one big message are sealed by this many threads at once (AES-GCM releases the
-        # GIL); the pool starts with the first such message and is joined by close().
-        self.crypto_threads = crypto_threads
         self._sealers: ThreadPoolExecutor | None = None
+        self.set_crypto_threads(crypto_threads)
         self.transport = transport
         self.credentials = credentials
         self.job_id = bytes(job_id)
@@ -325,6 +323,20 @@ class SecureChannel:
         self._kind_bytes: dict[int, int] = {}
         self.inbox_max_messages = inbox_max_messages
         self.inbox_max_bytes = inbox_max_bytes
+
+    def set_crypto_threads(self, threads: int | None) -> None:
+        """Seal a big message's chunks with this many threads at once (AES-GCM releases the GIL);
+        None: the cores available, at most 8. The pool starts with the first such message and is
+        joined here and by close()."""
+        if threads is None:
+            threads = default_crypto_threads()
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
+            raise ValueError(f"comm.crypto_threads={threads!r}: use an integer in 1..64 "
+                             f"(or leave it out for the cores available, at most 8)")
+        if self._sealers is not None:
+            self._sealers.shutdown(wait=True)
+            self._sealers = None
+        self.crypto_threads = threads
 
     # -- what this rank accepts -------------------------------------------------------------------
     def expect(self, kinds: Collection[int] | Mapping[int, Collection[int]] | None,

@@ -111,3 +111,14 @@ def test_crypto_threads_default_and_validation():
     for bad in ("0", "-2", "1000"):
         with pytest.raises(ConfigError, match="crypto_threads"):
             load(REPO / "configs" / "quickstart.yaml", [f"comm.crypto_threads={bad}"])
+
+
+def test_default_threads_share_the_cores_among_the_ranks_of_the_node(monkeypatch):
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("MPI_LOCALNRANKS", "1")
+    assert default_crypto_threads() == 8
+    monkeypatch.setenv("MPI_LOCALNRANKS", "4")
+    assert default_crypto_threads() == 4
+    monkeypatch.setenv("MPI_LOCALNRANKS", "32")
+    assert default_crypto_threads() == 1
