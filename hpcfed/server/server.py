@@ -302,7 +302,7 @@ class Server:
                 self._maybe_status()
                 continue
             if msg.kind == P.FAILED:
-                self._client_failed(msg.source - 1, str(msg.header.get("error", "unknown error")))
+                self._client_failed(msg.source - 1, _error_text(msg.header))
                 continue
             parsed = self._as_update(msg, allow_state=False)
             if parsed is None:
@@ -355,7 +355,7 @@ class Server:
     def _as_update(self, msg: Any, allow_state: bool) -> tuple[Update, dict | None] | None:
         """Check an UPDATE against the model layout; return it, or count and log a rejection."""
         if msg.kind == P.FAILED:
-            self._client_failed(msg.source - 1, f"failed: {msg.header.get('error', 'unknown error')}")
+            self._client_failed(msg.source - 1, f"failed: {_error_text(msg.header)}")
             return None
         cid = msg.source - 1
         if cid not in self.live:
@@ -432,7 +432,7 @@ class Server:
                 self._maybe_status()
                 continue
             if msg.kind == P.FAILED:
-                self._client_failed(msg.source - 1, f"failed: {msg.header.get('error', 'unknown error')}")
+                self._client_failed(msg.source - 1, f"failed: {_error_text(msg.header)}")
                 continue
             return msg
 
@@ -603,6 +603,12 @@ def _held_shards(value: Any) -> set[tuple[int, str]]:
 # integer in a float64, far above any legitimate count, version or round.
 HEADER_INT_MAX = 2**53
 MAX_METRICS = 64
+
+
+def _error_text(header: dict) -> str:
+    """A FAILED message's error, as at most 500 characters of text (it goes into logs and summary.json)."""
+    error = header.get("error")
+    return error[:500] if isinstance(error, str) else "unknown error"
 
 
 def _is_int(v: Any) -> bool:

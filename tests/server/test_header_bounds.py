@@ -22,3 +22,9 @@ def test_every_accepted_number_converts_to_a_finite_float(v):
         assert math.isfinite(float(v))
     if _is_int(v):
         assert abs(v) <= HEADER_INT_MAX and math.isfinite(float(v) * 1e6)
+
+
+def test_a_failed_clients_error_text_is_bounded():
+    from hpcfed.server.server import _error_text
+    assert len(_error_text({"error": "x" * 10**6})) == 500
+    assert _error_text({}) == "unknown error" and _error_text({"error": 10**400}) == "unknown error"
