@@ -117,6 +117,23 @@ class CommConfig:
 
 
 @dataclass(kw_only=True)
+class InfluenceConfig:
+    """What one site can do to the model (`hpcfed.server.influence`); on by default."""
+
+    enabled: bool = True
+    max_weight_factor: float = 1.0  # weight cap, relative to the median claimed size
+    clip_factor: float = 1.0  # distance cap, relative to the median recent distance
+    reject_factor: float = 10.0  # refuse uploads farther than this x the median recent distance
+
+    def validate(self) -> None:
+        for name in ("max_weight_factor", "clip_factor"):
+            if not getattr(self, name) >= 1.0:
+                raise InvalidValue(name, f"must be >= 1, got {getattr(self, name)!r}")
+        if not self.reject_factor > self.clip_factor:
+            raise InvalidValue("reject_factor", f"must be > clip_factor ({self.clip_factor}), got {self.reject_factor!r}")
+
+
+@dataclass(kw_only=True)
 class ComponentConfig:
     """A pluggable component: `name` picks it from a registry, the rest are its own options."""
 
@@ -141,6 +158,7 @@ class Config:
     attack: str | None = None  # task-defined malicious-site behaviour (the last client turns malicious)
     halt_after_round: int | None = None  # stop cleanly after this round's checkpoint (time-boxed jobs, resume tests)
     federation: FederationConfig = field(default_factory=FederationConfig)
+    influence: InfluenceConfig = field(default_factory=InfluenceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     strategy: ComponentConfig = field(default_factory=lambda: ComponentConfig(name="fedavg"))

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from hpcfed import protocol as P
+from hpcfed.client import attacks
 from hpcfed.config import Config, build
 from hpcfed.cost import rank_cost
 from hpcfed.errors import FederationError
@@ -125,14 +126,18 @@ class Client:
         if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.federation.mode == "sync":
             metrics.update(self.task.evaluate(rnd))
         self.client_version += 1
-        tensors = P.params_tensors(self.layout.pack(self.task.get_parameters()))
+        params, num_examples, copies = self.task.get_parameters(), int(result.num_examples), 1
+        if self.site.attack in attacks.RUNTIME_ATTACKS:
+            params, num_examples, copies = attacks.tamper(self.site.attack, params, self._received, num_examples)
+        tensors = P.params_tensors(self.layout.pack(params))
         header: dict[str, Any] = {"round": rnd, "version": msg.header.get("version", 0),
-                                  "client_version": self.client_version, "num_examples": int(result.num_examples),
+                                  "client_version": self.client_version, "num_examples": num_examples,
                                   "metrics": {k: _json_number(v) for k, v in metrics.items()}}
         if msg.header.get("checkpoint"):
             # After fit, before upload: the state the resumed twin needs to continue bit-identically.
             header["shard"] = self._write_shard(rnd)
-        self.channel.send(0, P.UPDATE, header, tensors)
+        for _ in range(copies):
+            self.channel.send(0, P.UPDATE, header, tensors)
 
     def _write_shard(self, rnd: Any) -> dict[str, Any]:
         from hpcfed.store import site_state
@@ -162,7 +167,10 @@ class Client:
         wrong = self.layout.check_packed(groups)
         if wrong:
             raise FederationError(f"client {self.client_id}: the server sent a model of the wrong form ({wrong})")
-        self.task.set_parameters({k: np.array(v) for k, v in self.layout.unpack(groups).items()})
+        params = {k: np.array(v) for k, v in self.layout.unpack(groups).items()}
+        if self.site.attack in attacks.RUNTIME_ATTACKS:
+            self._received = {k: v.copy() for k, v in params.items()}
+        self.task.set_parameters(params)
 
     def _skip_stale(self, msg: Any) -> Any:
         """Work only on the newest instruction: a straggler (or an async client behind broadcasts)

@@ -29,6 +29,7 @@ from hpcfed.cost import parse_cost, rank_cost
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.registry import strategy_class, task_class
+from hpcfed.server.influence import InfluenceGuard, Refused
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.outbox import ModelOutbox
 from hpcfed.server.progress import Progress
@@ -64,6 +65,9 @@ class Server:
                 f"{'sync' if strategy_cls.synchronous else 'async'}")
         self.layout: ParamLayout | None = None
         self.rejected: dict[str, int] = {}
+        self.rejected_by_rank: dict[int, int] = {}
+        self.influence = InfluenceGuard(cfg.influence, self.num_clients)
+        self._requested: set[int] = set()  # async: clients owed an answer to their next upload (one in flight)
         self.updates_accepted = 0
         self.round = -1
         self.last_checkpoint: Path | None = None
@@ -160,8 +164,13 @@ class Server:
             log.warning("--resume: no checkpoint in %s yet; starting from round 0", folder)
             return None
         check_resume_compatible(ckpt.config, self.cfg, where=str(ckpt.path))
-        self.strategy.load_state_dict(ckpt.strategy)
+        header, arrays = ckpt.strategy
+        arrays = dict(arrays)
+        step = arrays.pop(_STEP_KEY, None)
+        self.strategy.load_state_dict((header, arrays))
+        self.influence.step = None if step is None else np.array(step, dtype=np.float32)
         self.updates_accepted = int(ckpt.meta.get("updates_accepted", 0))
+        self.influence.load_state(ckpt.meta.get("influence"))
         self.last_checkpoint = ckpt.path
         self.round = ckpt.round
         return ckpt
@@ -198,14 +207,16 @@ class Server:
         t0 = time.monotonic()
         want_state = self._checkpoint_due(rnd)
         self.strategy.begin_round(rnd)
+        self.influence.begin_round(self.live)
         got: dict[int, tuple[Update, dict | None]] = {}
+        refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
 
         def fold_early(msg: Any) -> bool:
             # An upload that completes while the server is still sending the round's models is
             # folded at once, inside the send, instead of waiting in the channel's inbox.
             if msg.kind != P.UPDATE:
                 return False
-            self._take_update(rnd, msg, got, want_state)
+            self._contained(msg, self._take_update, rnd, msg, got, want_state, refused)
             return True
 
         self.channel.on_message = fold_early
@@ -222,7 +233,7 @@ class Server:
                                    waiting_for=self.live - set(got), fatal=False)
             if msg is None:
                 break
-            self._take_update(rnd, msg, got, want_state)
+            self._contained(msg, self._take_update, rnd, msg, got, want_state, refused)
             msg = None
         missing = sorted(self.live - set(got))
         if missing:
@@ -237,8 +248,11 @@ class Server:
                         rnd, fed.round_deadline_s, who)
             for c in missing:
                 self.metrics.log(rnd, c, "straggler", 1)
-        updates = [got[c][0] for c in sorted(got)]
+        updates = [got[c][0] for c in sorted(got) if c not in refused]
+        before = self.influence.sample(self.strategy.global_flat) if self.cfg.influence.enabled else None
         self.strategy.end_round(rnd)
+        if before is not None:
+            self.influence.end_round(before, self.strategy.global_flat)
         self.strategy.version += 1
         self.updates_accepted += len(updates)
         for upd in updates:
@@ -246,7 +260,7 @@ class Server:
         self.metrics.log_many(rnd, None, {"round_time_s": time.monotonic() - t0, "num_updates": len(updates),
                                           **self.strategy.metrics()})
         if want_state:
-            self._checkpoint(rnd, {u.client_id: got[u.client_id][1] for u in updates})  # phase 2: the manifest
+            self._checkpoint(rnd, {c: got[c][1] for c in sorted(got)})  # phase 2: the manifest
         # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
         self._progress.advance_to(rnd + 1)
         saved = f", saved {self.last_checkpoint.name}" if want_state and self.last_checkpoint else ""
@@ -255,7 +269,7 @@ class Server:
         self._maybe_status()
 
     def _take_update(self, rnd: int, msg: Any, got: dict[int, tuple[Update, dict | None]],
-                     want_state: bool) -> None:
+                     want_state: bool, refused: set[int]) -> None:
         """Validate one upload of round `rnd` and fold it into the strategy at once: a streaming
         strategy (FedAvg's mean) adds it to its running sum and drops it, so rank 0 never holds the
         K updates of a round together."""
@@ -269,9 +283,35 @@ class Server:
         if parsed is not None and want_state and (parsed[1] is None or parsed[1]["round"] != rnd):
             self._reject(msg.source, "malformed header", f"UPDATE of checkpoint round {rnd} without a valid shard")
             return
-        if parsed is not None:
+        if parsed is None:
+            return
+        got[parsed[0].client_id] = parsed
+        if self._bounded(msg.source, parsed[0]):
             self.strategy.fold(parsed[0])
-            got[parsed[0].client_id] = parsed
+        else:
+            refused.add(parsed[0].client_id)
+
+    def _bounded(self, rank: int, upd: Update) -> bool:
+        """Apply bounded influence (`hpcfed.server.influence`) to one upload, in place; False when it
+        is out of range (rejected and counted; the site is answered as usual)."""
+        upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
+        try:
+            self.influence.bound(upd.client_id, upd.flat, self.strategy.model_for(upd.client_id))
+        except Refused as exc:
+            self._reject(rank, "update out of range", str(exc))
+            return False
+        return True
+
+    def _contained(self, msg: Any, handle: Any, *args: Any) -> Any:
+        """Run `handle(*args)` for one peer's message: any fault in it rejects that message, counted
+        against the peer, and never ends the federation (only the runtime's own verdicts do)."""
+        try:
+            return handle(*args)
+        except FederationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a peer's input must not end the server
+            self._reject(msg.source, "unhandled input", f"{type(exc).__name__}: {_short(str(exc))}")
+            return None
 
     def _checkpoint_due(self, rnd: int) -> bool:
         every = self.cfg.checkpoint_every
@@ -304,12 +344,10 @@ class Server:
             if msg.kind == P.FAILED:
                 self._client_failed(msg.source - 1, _error_text(msg.header))
                 continue
-            parsed = self._as_update(msg, allow_state=False)
-            if parsed is None:
+            accepted = self._contained(msg, self._async_update, msg, last_seen)
+            if accepted is None:
                 continue
-            upd = parsed[0]
-            last_seen[upd.client_id] = time.monotonic()
-            targets = set(self.strategy.on_update(upd)) | {upd.client_id}
+            upd, targets = accepted
             self.updates_accepted += 1
             self.round = self.updates_accepted
             self._progress.advance_to(self.updates_accepted)
@@ -327,7 +365,29 @@ class Server:
         if self.cfg.checkpoint_every > 0:
             self._async_checkpoint(last_seen)
 
+    def _async_update(self, msg: Any, last_seen: dict[int, float]) -> tuple[Update, set[int]] | None:
+        """One async upload: (the update, the clients to send the new model to), or None."""
+        cid = msg.source - 1
+        if cid not in self._requested:  # one update in flight per site: a flood gains nothing
+            self._reject(msg.source, "unrequested update", "an upload the server did not ask for")
+            return None
+        parsed = self._as_update(msg, allow_state=False)
+        if parsed is None:
+            return None
+        upd = parsed[0]
+        self._requested.discard(cid)
+        last_seen[cid] = time.monotonic()
+        self.influence.begin_round(self.live)
+        bounded = self._bounded(msg.source, upd)
+        self.influence.settle()
+        if not bounded:
+            self._outbox.owe(cid, answer=True)  # answered all the same: the site goes on
+            return None
+        return upd, set(self.strategy.on_update(upd)) | {cid}
+
     def _model_message(self, cid: int, answer: bool) -> tuple[int, dict, dict]:
+        if answer:
+            self._requested.add(cid)
         # answer=False marks a broadcast the client did not ask for: it replaces the client's model
         # but does not start a training step while the client's own upload is unanswered.
         return P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
@@ -378,8 +438,7 @@ class Server:
         flat = self.layout.unpack_flat(groups)
         num = h.get("num_examples")
         metrics = h.get("metrics", {})
-        if not _is_int(num) or num < 0 or not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
-                isinstance(k, str) and (_is_number(v) or v is None) for k, v in metrics.items()):
+        if not _is_int(num) or num < 0 or not _metrics_ok(metrics):
             self._reject(msg.source, "malformed header", "UPDATE num_examples/metrics")
             return None
         upd = Update(client_id=cid, flat=flat, num_examples=int(num),
@@ -395,7 +454,11 @@ class Server:
     def _reject(self, rank: int, category: str, detail: str) -> None:
         """Count a rejected message under a fixed category; the detail goes to the log only."""
         self.rejected[category] = self.rejected.get(category, 0) + 1
+        self.rejected_by_rank[rank] = self.rejected_by_rank.get(rank, 0) + 1
         log.warning("rejected message from rank %d: %s: %s", rank, category, detail)
+        limit = self.cfg.security.max_rejects
+        if self.rejected_by_rank[rank] == limit + 1 and rank - 1 in self.live:
+            self._client_failed(rank - 1, f"was cut off after {limit} rejected messages (security.max_rejects)")
 
     # -- sending and waiting -------------------------------------------------------------------------
     def _send_to(self, cid: int, kind: int, header: dict, tensors: dict | None = None) -> None:
@@ -445,10 +508,13 @@ class Server:
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
         meta = {"elapsed": self.metrics.elapsed(), "updates_accepted": self.updates_accepted,
-                "rejected": self.rejected}
+                "rejected": self.rejected, "influence": self.influence.state()}
         refs = {cid: {"digest": ref["digest"], "path": ref["path"]} for cid, ref in sites.items() if ref}
+        header, arrays = self.strategy.state_dict()
+        if self.influence.step is not None:
+            arrays = {**arrays, _STEP_KEY: self.influence.step}
         ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
-                                   strategy=self.strategy.state_dict(), sites=refs, meta=meta)
+                                   strategy=(header, arrays), sites=refs, meta=meta)
         self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints,
                                                auth=self.file_auth)
         self.metrics.log(rnd, None, "checkpoint", str(self.last_checkpoint.name))
@@ -528,8 +594,11 @@ class Server:
             if msg.kind == P.UPDATE:
                 continue  # an async client's last upload, overtaken by the stop
             metrics = msg.header.get("metrics", {})
-            if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS:
-                self._reject(msg.source, "malformed header", f"RESULT metrics is not a mapping of at most {MAX_METRICS}")
+            if msg.source - 1 not in self.live:
+                self._reject(msg.source, "not a member", "RESULT from a client that is not part of the federation")
+                continue
+            if not _metrics_ok(metrics):
+                self._reject(msg.source, "malformed header", f"RESULT metrics are not at most {MAX_METRICS} named numbers")
                 continue
             cost = parse_cost(msg.header["cost"]) if "cost" in msg.header else None
             if "cost" in msg.header and cost is None:
@@ -567,6 +636,7 @@ class Server:
             "cost": {"0": rank_cost(self.channel.stats),
                      **{str(c + 1): self.client_costs.get(c) for c in range(self.num_clients)}},
             "rejected": {"runtime": self.rejected, "channel": dict(self.channel.stats.rejected)},
+            "clipped_updates": self.influence.clipped,
             "channel": self.channel.stats.as_dict(),  # the server's traffic: bytes per run, per round
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "config": self.cfg.to_dict(),
@@ -608,7 +678,23 @@ MAX_METRICS = 64
 def _error_text(header: dict) -> str:
     """A FAILED message's error, as at most 500 characters of text (it goes into logs and summary.json)."""
     error = header.get("error")
-    return error[:500] if isinstance(error, str) else "unknown error"
+    return " ".join(error[:500].split()) if isinstance(error, str) else "unknown error"
+
+
+_STEP_KEY = "influence_step"  # bounded influence's last aggregate step, beside the strategy's arrays
+_MAX_NAME = 128
+
+
+def _metrics_ok(metrics: Any) -> bool:
+    """At most `MAX_METRICS` short names, each a number (the wire bounds it: int64, finite) or null."""
+    return isinstance(metrics, dict) and len(metrics) <= MAX_METRICS and all(
+        isinstance(k, str) and len(k) <= _MAX_NAME and (_is_number(v) or v is None) for k, v in metrics.items())
+
+
+def _short(text: str, limit: int = 300) -> str:
+    """A peer's text as it may appear in our logs and errors: one line, bounded."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _is_int(v: Any) -> bool:

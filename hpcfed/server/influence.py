@@ -1,0 +1,158 @@
+"""Bounded influence: what one authenticated site can do to the model, whatever it claims.
+
+A site is not trusted just because its messages are sealed. Before an upload reaches the strategy
+the server bounds the two levers a site holds over a mean-based aggregate:
+
+- **Its weight.** A site's weight is the example count it claims, capped at
+  ``max_weight_factor`` x the median of the sizes the sites claimed with their first upload. Until
+  every live site has made that first claim (the first synchronous round) the sites weigh the same,
+  so a site that opens with ``num_examples = 1e12`` gains nothing.
+- **How far it moves the model.** The distance ``||θ_k - θ_ref||`` of the upload from the model it
+  was sent (``θ_ref = strategy.model_for(k)``) is clipped to ``clip_factor`` x the median distance
+  of the recently accepted uploads (the last ``2K``), and an upload farther than ``reject_factor`` x
+  that median is refused outright (finite but enormous parameters, e.g. x1e30). Before any upload
+  has been accepted the reference distance is ``||θ_ref||`` itself (``sqrt(P)`` for an all-zero
+  model). Once the federation has taken a step, an upload pointing against it (negative cosine
+  with the last aggregate step) is refused: a sign-flipping site gains nothing.
+
+Clipping is done in blocks, so it needs no second copy of the model (rank 0 stays O(model)). The
+state (claimed sizes, recent distances) is part of the server checkpoint, so a resumed run repeats
+the uninterrupted one. Robust aggregators (median, trimmed mean, Krum) remain selectable on top.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from hpcfed.config import InfluenceConfig
+
+_BLOCK = 1 << 20  # elements per block of the distance and clipping passes
+_STEP_SAMPLES = 1 << 20  # coordinates of the last step kept for the direction check (4 MiB at most)
+
+
+class Refused(Exception):
+    """The upload is out of range; the message says why (it becomes the rejection's detail)."""
+
+
+class InfluenceGuard:
+    def __init__(self, config: InfluenceConfig, num_clients: int) -> None:
+        self.config = config
+        self.claimed: dict[int, int] = {}  # client id -> the size it claimed with its first upload
+        self.distances: deque[float] = deque(maxlen=max(4, 2 * num_clients))
+        self._weigh_by_size = False
+        self._cap = math.inf
+        self._typical: float | None = None
+        self._pending: list[tuple[int, float]] = []  # this round's distances, kept in client order
+        self.clipped = 0
+        self.step: np.ndarray | None = None  # the last aggregate step, on every `stride`-th coordinate
+
+    # -- rounds ---------------------------------------------------------------------------------
+    def begin_round(self, live: set[int]) -> None:
+        """Fix this round's bounds from what came before it, so that they do not depend on the
+        order in which the round's uploads arrive (a resumed run repeats the uninterrupted one).
+        Sizes weigh only once every live site has claimed one."""
+        self._weigh_by_size = bool(live) and live <= set(self.claimed)
+        if self.claimed:
+            self._cap = self.config.max_weight_factor * float(np.median(list(self.claimed.values())))
+        self._typical = float(np.median(self.distances)) if self.distances else None
+
+    # -- one upload -----------------------------------------------------------------------------
+    def weight(self, cid: int, claimed: int) -> int:
+        """The example count the strategy sees for this upload."""
+        if not self.config.enabled:
+            return claimed
+        self.claimed.setdefault(cid, claimed)
+        if not self._weigh_by_size:
+            return 1
+        return max(1, int(min(claimed, self._cap)))
+
+    def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray) -> float:
+        """Clip `flat` (in place) to the allowed distance from `reference`; return the distance it
+        had. Raises `Refused` when it is beyond ``reject_factor`` x the reference distance."""
+        if not self.config.enabled:
+            return 0.0
+        distance = _distance(flat, reference)
+        along = self._cosine_with_step(flat, reference)
+        # Before any upload was accepted: the model's own norm (sqrt(P) for an all-zero model).
+        typical = self._typical if self._typical is not None else (_norm(reference) or math.sqrt(flat.size))
+        typical = max(typical, 1e-12)
+        if not math.isfinite(distance) or distance > self.config.reject_factor * typical:
+            raise Refused(f"moves the model {distance:.3g} away, {self.config.reject_factor:g} x the typical "
+                          f"{typical:.3g} is the limit")
+        if along is not None and along < 0.0:
+            raise Refused(f"points against the federation's last step (cosine {along:.3f})")
+        limit = self.config.clip_factor * typical
+        if distance > limit:
+            _scale_towards(flat, reference, limit / distance)
+            self.clipped += 1
+        self._pending.append((cid, min(distance, limit)))
+        return distance
+
+    def settle(self) -> None:
+        """The round (or async upload) is over: its distances join the history, in client order."""
+        self.distances.extend(d for _, d in sorted(self._pending))
+        self._pending.clear()
+
+    @staticmethod
+    def stride(size: int) -> int:
+        """Every how many coordinates the step is sampled (all of them up to 1 M parameters)."""
+        return max(1, -(-size // _STEP_SAMPLES))
+
+    def sample(self, flat: np.ndarray) -> np.ndarray:
+        return flat[:: self.stride(flat.size)].copy()
+
+    def end_round(self, before_sample: np.ndarray, after: np.ndarray) -> None:
+        """Remember the aggregate step (`before_sample` is `sample(model before the round)`)."""
+        if self.config.enabled:
+            self.step = np.subtract(after[:: self.stride(after.size)], before_sample, dtype=np.float32)
+        self.settle()
+
+    def _cosine_with_step(self, flat: np.ndarray, reference: np.ndarray) -> float | None:
+        if self.step is None:
+            return None
+        k = self.stride(flat.size)
+        d = flat[::k].astype(np.float64) - reference[::k]
+        norms = float(np.linalg.norm(d)) * float(np.linalg.norm(self.step.astype(np.float64)))
+        return float(np.dot(d, self.step)) / norms if norms > 0 and math.isfinite(norms) else None
+
+    # -- checkpointing --------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"claimed": {str(k): v for k, v in self.claimed.items()}, "distances": list(self.distances),
+                "clipped": self.clipped}
+
+    def load_state(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            return
+        self.claimed = {int(k): int(v) for k, v in dict(state.get("claimed", {})).items()}
+        self.distances.clear()
+        self.distances.extend(float(d) for d in state.get("distances", []))
+        self.clipped = int(state.get("clipped", 0))
+
+
+def _blocks(n: int):
+    for start in range(0, n, _BLOCK):
+        yield slice(start, min(n, start + _BLOCK))
+
+
+def _distance(flat: np.ndarray, reference: np.ndarray) -> float:
+    total = 0.0
+    for s in _blocks(flat.size):
+        d = flat[s].astype(np.float64) - reference[s]
+        total += float(np.dot(d, d))
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def _norm(x: np.ndarray) -> float:
+    total = sum(float(np.dot(b, b)) for b in (x[s].astype(np.float64) for s in _blocks(x.size)))
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def _scale_towards(flat: np.ndarray, reference: np.ndarray, factor: float) -> None:
+    """flat <- reference + factor * (flat - reference), block by block."""
+    for s in _blocks(flat.size):
+        d = flat[s].astype(np.float64) - reference[s]
+        flat[s] = (reference[s] + factor * d).astype(flat.dtype)

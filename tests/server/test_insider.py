@@ -1,0 +1,173 @@
+"""An authenticated site with hostile content: the server's bounds, containment and bounded influence.
+
+The fuzz test drives the real path a malicious site's message takes: sealed by a real SecureChannel
+on the in-process transport, opened and decoded by the server's channel, then the server's own
+validation, bounded influence and the FedAvg strategy.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpcfed import protocol as P
+from hpcfed.comm.channel import SecureChannel
+from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.transport import InProcTransport
+from hpcfed.config import InfluenceConfig, from_mapping
+from hpcfed.server.influence import InfluenceGuard, Refused
+from hpcfed.server.metrics import MetricsLog
+from hpcfed.server.server import Server
+
+INT64 = 2**63 - 1
+
+
+# -- bounded influence, by hand -----------------------------------------------------------------
+def test_weights_are_equal_until_every_site_claimed_then_capped_at_the_median():
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=4)
+    guard.begin_round({0, 1, 2, 3})
+    assert [guard.weight(c, n) for c, n in enumerate([100, 120, 80, 10**12])] == [1, 1, 1, 1]
+    guard.begin_round({0, 1, 2, 3})
+    # median of the first claims (80, 100, 120, 1e12) is 110: the liar weighs as a typical site
+    assert [guard.weight(c, n) for c, n in enumerate([100, 120, 80, 10**12])] == [100, 110, 80, 110]
+
+
+def test_an_upload_is_clipped_to_the_typical_distance_and_refused_far_beyond_it():
+    guard = InfluenceGuard(InfluenceConfig(clip_factor=1.0, reject_factor=10.0), num_clients=2)
+    ref = np.zeros(4, dtype=np.float32)
+    guard.begin_round({0, 1})
+    for cid in range(2):
+        guard.bound(cid, np.array([1, 0, 0, 0], dtype=np.float32), ref)  # typical distance 1
+    guard.settle()
+    guard.begin_round({0, 1})
+    far = np.array([0, 3, 4, 0], dtype=np.float32)  # distance 5: clipped to 1, same direction
+    assert guard.bound(0, far, ref) == pytest.approx(5.0)
+    np.testing.assert_allclose(far, [0, 0.6, 0.8, 0], rtol=1e-6)
+    with pytest.raises(Refused, match="away"):
+        guard.bound(1, np.full(4, 1e30, dtype=np.float32), ref)
+
+
+def test_an_upload_against_the_last_step_is_refused():
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=2)
+    guard.end_round(guard.sample(np.zeros(3, np.float32)), np.array([1, 1, 0], np.float32))
+    guard.bound(0, np.array([0.5, 0.4, 0.1], np.float32), np.zeros(3, np.float32))
+    with pytest.raises(Refused, match="against"):
+        guard.bound(1, np.array([-0.5, -0.4, 0.0], np.float32), np.zeros(3, np.float32))
+
+
+def test_influence_state_round_trips_for_resume():
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=2)
+    guard.begin_round({0, 1})
+    guard.weight(0, 7), guard.weight(1, 9)
+    guard.bound(0, np.ones(3, np.float32), np.zeros(3, np.float32))
+    guard.settle()
+    twin = InfluenceGuard(InfluenceConfig(), num_clients=2)
+    twin.load_state(guard.state())
+    assert twin.state() == guard.state()
+
+
+def test_influence_config_is_validated():
+    with pytest.raises(Exception, match="influence.clip_factor"):
+        from_mapping({"influence": {"clip_factor": 0.5}})
+    with pytest.raises(Exception, match="influence.reject_factor"):
+        from_mapping({"influence": {"reject_factor": 1.0}})
+
+
+# -- the real decode -> validate -> strategy path, fuzzed ------------------------------------------
+PSK = bytes(range(32))
+SIZE = 6
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    """A server on rank 0 with its real channel, and a sealed channel for the hostile rank 1."""
+    ts = InProcTransport.group(3)
+    chans = [SecureChannel(t, Credentials(mode="psk", psk=PSK), b"job-fuzz", log=lambda *_: None) for t in ts]
+    threads = [threading.Thread(target=chans[r].connect, args=([0],), kwargs={"timeout": 10}) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    chans[0].connect([1, 2], timeout=10)
+    for t in threads:
+        t.join()
+    out = tmp_path_factory.mktemp("fuzz")
+    cfg = from_mapping({"rounds": 1, "task": {"name": "synthetic"}})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HPCFED_PSK", PSK.hex())
+        server = Server(cfg, chans[0], Path(out))
+    server.strategy.initialize({"w": np.zeros(SIZE, dtype=np.float32)})
+    server.layout = server.strategy.layout
+    server.metrics = MetricsLog(Path(out) / "metrics.jsonl")
+    server._bound_inbox()
+    yield server, chans[1], chans[2]
+    server.metrics.close()
+
+
+def _send_and_take(server: Server, sender: SecureChannel, header: dict, tensors: dict, rnd: int,
+                   got: dict, refused: set) -> None:
+    try:
+        sender.send(0, P.UPDATE, header, tensors)
+    except ValueError:  # our own encoder refuses it (e.g. a lone surrogate): nothing is sent
+        return
+    msg = server.channel.recv(kinds={P.UPDATE}, timeout=5)
+    if msg is not None:  # a message the channel itself refused never reaches the server
+        server._contained(msg, server._take_update, rnd, msg, got, False, refused)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-INT64, max_value=INT64)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12)
+hostile_headers = st.fixed_dictionaries({}, optional={
+    "round": json_values | st.integers(min_value=0, max_value=3),
+    "version": json_values, "client_version": json_values,
+    "num_examples": json_values | st.integers(min_value=0, max_value=INT64),
+    "metrics": json_values | st.dictionaries(st.text(max_size=300), json_values, max_size=300),
+    "shard": json_values,
+})
+hostile_tensors = st.dictionaries(
+    st.sampled_from(["params", "params:bfloat16", "params:int8", "state/opt", "x"]),
+    st.tuples(st.sampled_from(["float32", "float64", "int8", "uint8", "float16"]),
+              st.lists(st.integers(min_value=0, max_value=SIZE + 1), min_size=1, max_size=2),
+              st.sampled_from([0.0, 1.0, -1e30, 3e38, 1e-40])),
+    max_size=3)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=hostile_headers, layout=hostile_tensors)
+def test_no_update_header_or_bundle_ends_the_server_and_honest_updates_still_aggregate(federation, header, layout):
+    server, hostile, honest = federation
+    with np.errstate(all="ignore"):  # -1e30 as int8 is whatever the cast makes it: hostile either way
+        tensors = {name: np.full(shape, fill).astype(dtype) for name, (dtype, shape, fill) in layout.items()}
+    rnd = 0
+    server.strategy.begin_round(rnd)
+    server.influence = InfluenceGuard(InfluenceConfig(enabled=False), num_clients=2)
+    got: dict = {}
+    refused: set = set()
+    _send_and_take(server, hostile, {"round": rnd, **header}, tensors, rnd, got, refused)
+    if 0 in got:  # a well-formed hostile update is taken; the honest one must still be exact
+        return
+    _send_and_take(server, honest, {"round": rnd, "num_examples": 3, "metrics": {"loss": 1.0}},
+                   {"params": np.full(SIZE, 2.0, dtype=np.float32)}, rnd, got, refused)
+    server.strategy.end_round(rnd)
+    assert set(got) == {1}
+    np.testing.assert_array_equal(server.strategy.global_flat, np.full(SIZE, 2.0, dtype=np.float32))
+    server.strategy.global_flat[:] = 0.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(metrics=json_values | st.dictionaries(st.text(max_size=300), json_values, max_size=300),
+       error=json_values)
+def test_hostile_result_and_failure_headers_are_bounded(federation, metrics, error):
+    from hpcfed.server.server import _metrics_ok, _short
+
+    ok = _metrics_ok(metrics)
+    if ok:
+        assert all(v is None or math.isfinite(float(v)) for v in metrics.values())
+    assert len(_short(error)) <= 330

@@ -1,0 +1,43 @@
+"""One malicious site among four under the DEFAULT config, real mpiexec: the honest sites' test
+accuracy stays within 0.05 of the no-attack run and no honest site is blamed
+(the full table, with the async flood: tools/insider_attacks.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.mpi
+HONEST = ("0", "1", "2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("insider")
+    out = {}
+    for attack in (None, "claim_examples", "scale", "sign_flip"):
+        folder = root / (attack or "baseline")
+        run_cli(["run", "configs/quickstart.yaml", "--out", str(folder), "rounds=6",
+                 *([f"attack={attack}"] if attack else [])], np=5, timeout=400)
+        out[attack] = json.loads((folder / "summary.json").read_text())
+    return out
+
+
+def _honest_mean(summary: dict) -> float:
+    return sum(summary["clients"][c]["accuracy"] for c in HONEST) / len(HONEST)
+
+
+@pytest.mark.parametrize("attack", ["claim_examples", "scale", "sign_flip"])
+def test_one_malicious_site_costs_the_honest_ones_at_most_005(runs, attack):
+    base, hit = runs[None], runs[attack]
+    assert _honest_mean(base) > 0.5  # the federation learns at all
+    assert _honest_mean(base) - _honest_mean(hit) <= 0.05, (_honest_mean(base), _honest_mean(hit))
+    assert not hit["dropped_clients"] and not hit["missing_clients"]
+
+
+def test_the_enormous_update_is_refused_and_counted_not_blamed_on_anyone_else(runs):
+    assert runs["scale"]["rejected"]["runtime"].get("update out of range", 0) >= 5
+    assert runs[None]["rejected"]["runtime"].get("update out of range", 0) == 0

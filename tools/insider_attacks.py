@@ -1,0 +1,102 @@
+"""One malicious site among four, under the DEFAULT configuration: what does it cost the honest sites?
+
+Runs the quickstart (configs/quickstart.yaml, sync FedAvg) under real `mpiexec -n 5` with the last
+client playing each runtime attack (`hpcfed.client.attacks`), plus the async flood against FedAsync,
+and prints the honest sites' mean test accuracy beside the no-attack run of the same mode:
+
+    python tools/insider_attacks.py [--json] [--out DIR]
+
+Goal (issue 12): the honest mean drops by at most 0.05 in every case, and summary.json names no
+honest client as failed or dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+NUM_RANKS = 5  # server + 3 honest sites + 1 malicious site
+HONEST = ("0", "1", "2")
+ASYNC = ["federation.mode=async", "strategy.name=fedasync", "~strategy.weighting"]
+CASES = [  # (name, mode overrides, attack)
+    ("no attack", [], None),
+    ("constant model, num_examples=1e12", [], "claim_examples"),
+    ("parameters x1e30", [], "scale"),
+    ("sign-flipped step x10", [], "sign_flip"),
+    ("20 copies of each upload", [], "flood"),
+    ("async: no attack", ASYNC, None),
+    ("async: flood of unrequested updates", ASYNC, "flood"),
+]
+
+
+def run_case(out: Path, overrides: list[str], attack: str | None, timeout: float = 600) -> dict:
+    """Run one federation; return its summary.json (or the failure)."""
+    cfg = QUICKSTART
+    if "~strategy.weighting" in overrides:  # FedAsync has no weighting option
+        text = QUICKSTART.read_text().replace("  weighting: num_examples\n", "")
+        cfg = out.parent / "quickstart_async.yaml"
+        cfg.write_text(text)
+        overrides = [o for o in overrides if not o.startswith("~")]
+    args = [*overrides, *([f"attack={attack}"] if attack else [])]
+    env = {**os.environ, "HPCFED_PSK": os.environ.get("HPCFED_PSK") or secrets.token_hex(32)}
+    cmd = [shutil.which("mpiexec") or "mpiexec", "-n", str(NUM_RANKS), sys.executable, "-m", "hpcfed", "run",
+           str(cfg), "--out", str(out), "--force", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    summary_path = out / "summary.json"
+    if proc.returncode != 0 or not summary_path.exists():
+        last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["(no output)"]
+        return {"failed": True, "rc": proc.returncode, "last_line": last[0]}
+    return json.loads(summary_path.read_text())
+
+
+def honest_mean(summary: dict) -> float | None:
+    accs = [summary["clients"][c]["accuracy"] for c in HONEST if c in summary.get("clients", {})]
+    return sum(accs) / len(accs) if len(accs) == len(HONEST) else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    args = parser.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="insider_"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows, baseline = [], {}
+    for i, (name, overrides, attack) in enumerate(CASES):
+        summary = run_case(root / f"case{i}", overrides, attack)
+        mode = "async" if overrides else "sync"
+        mean = None if summary.get("failed") else honest_mean(summary)
+        if attack is None:
+            baseline[mode] = mean
+        blamed = sorted(set(map(str, summary.get("dropped_clients", []) + summary.get("missing_clients", [])))
+                        & set(HONEST))
+        drop = None if mean is None or baseline.get(mode) is None else baseline[mode] - mean
+        rows.append({"case": name, "mode": mode, "attack": attack, "honest_mean_accuracy": mean,
+                     "drop": drop, "honest_blamed": blamed, "failed": summary.get("failed", False),
+                     "last_line": summary.get("last_line"),
+                     "rejected": summary.get("rejected", {}).get("runtime"),
+                     "clipped_updates": summary.get("clipped_updates")})
+    ok = all(r["drop"] is not None and r["drop"] <= 0.05 and not r["honest_blamed"] for r in rows if r["attack"])
+    if args.json:
+        print(json.dumps({"cases": rows, "goal_met": ok}, indent=2))
+        return
+    print(f"{'case':42} {'mode':5} {'honest acc':>10} {'drop':>7}  rejected / clipped")
+    for r in rows:
+        acc = "failed" if r["honest_mean_accuracy"] is None else f"{r['honest_mean_accuracy']:.3f}"
+        drop = "" if r["drop"] is None else f"{r['drop']:+.3f}"
+        print(f"{r['case']:42} {r['mode']:5} {acc:>10} {drop:>7}  {r['rejected']} / {r['clipped_updates']}"
+              + (f"  ({r['last_line']})" if r["failed"] else ""))
+    print(f"goal (every drop <= 0.05, no honest site blamed): {'met' if ok else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
