@@ -122,3 +122,19 @@ def test_default_threads_share_the_cores_among_the_ranks_of_the_node(monkeypatch
     assert default_crypto_threads() == 4
     monkeypatch.setenv("MPI_LOCALNRANKS", "32")
     assert default_crypto_threads() == 1
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_messages_at_chunk_boundaries_arrive_whole(threads, extra):
+    """Totals one byte either side of a multiple of the chunk size: the same offset/count logic a
+    tensor over 2 GiB goes through with 4 MiB chunks (tools/bench_big_tensor.py moves a real one)."""
+    chans = _pair(threads, chunk_bytes=4096)
+    probe = chans[1]._prepare(0, 4, {}, {"t": np.zeros(0, np.uint8)})[1].total  # prefix bytes
+    n = 5 * 4096 - probe + extra
+    data = np.arange(n, dtype=np.int64).astype(np.uint8)
+    chans[1].send(0, 4, {}, {"t": data})
+    m = chans[0].recv(timeout=10)
+    assert m is not None and m.tensors["t"].shape == (n,)
+    np.testing.assert_array_equal(m.tensors["t"], data)
+    assert chans[0].stats.rejected == {}
