@@ -642,6 +642,9 @@ class SecureChannel:
                      msg_id: int, posted: "Outgoing") -> None:
         """Seal every chunk into a buffer of its own and start all their sends (see `post`)."""
         dest, chunk = peer.rank, self.chunk_bytes
+        if count > 1 and self.crypto_threads > 1 and enc is not None:
+            self._post_pipelined(peer, kind, enc, total, count, msg_id, posted)
+            return
         for i in range(count):
             start = i * chunk
             frame = self._own_frame(peer, F_DATA, kind, enc, msg_id, i, count, start, min(total - start, chunk), total)
@@ -649,6 +652,43 @@ class SecureChannel:
             self._background.append((req, frame))  # close() waits for it, then abandons it
             posted.requests.append(req)
             self.stats.bytes_sent += len(frame)
+
+    def _post_pipelined(self, peer: _Peer, kind: int, enc: wire.Encoded, total: int, count: int,
+                        msg_id: int, posted: "Outgoing") -> None:
+        """`_post_chunks` with the sealing pool: every chunk has its own frame buffer; sequence
+        numbers are taken in chunk order here and the sends start in chunk order (nothing else is
+        sent in between: this never waits on MPI)."""
+        dest, chunk, threads = peer.rank, self.chunk_bytes, self.crypto_threads
+        if self._sealers is None:
+            self._sealers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"hpcfed-seal{self.rank}")
+        jobs: deque[tuple[np.ndarray, Future[float]]] = deque()
+        try:
+            for i in range(count):
+                start = i * chunk
+                n = min(total - start, chunk)
+                frame = np.empty(HDR + n + TAG, dtype=np.uint8)
+                view = memoryview(frame)
+                peer.send_seq += 1
+                hdr = FRAME.pack(VERSION, F_DATA, kind, 0, self.rank, dest, n, peer.send_seq, msg_id, i, count,
+                                 start, total)
+                view[:HDR] = hdr
+                pieces = enc.pieces(start, start + n)
+                data = pieces[0] if len(pieces) == 1 else memoryview(np.concatenate(
+                    [np.frombuffer(p, dtype=np.uint8) for p in pieces]))  # a chunk spanning tensors
+                jobs.append((frame, self._sealers.submit(_seal_timed, peer.tx, peer.send_seq, data,
+                                                         self._jd + hdr, view[HDR:])))
+                while len(jobs) > 2 * threads or (i == count - 1 and jobs):
+                    frame, job = jobs.popleft()
+                    self.stats.seal_s += job.result()
+                    req = self.transport.isend(memoryview(frame), dest)
+                    self._background.append((req, frame))  # close() waits for it, then abandons it
+                    posted.requests.append(req)
+                    self.stats.bytes_sent += len(frame)
+        except BaseException as exc:
+            wait_futures([job for _, job in jobs])
+            if isinstance(exc, (ChannelError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise ChannelError(f"sealing a message to rank {dest} failed: {exc}") from exc
 
     # -- shared-memory chunks (peers on the same node) -----------------------------------------------
     def _offer_ring(self, peer: _Peer) -> None:

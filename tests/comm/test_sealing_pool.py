@@ -138,3 +138,21 @@ def test_messages_at_chunk_boundaries_arrive_whole(threads, extra):
     assert m is not None and m.tensors["t"].shape == (n,)
     np.testing.assert_array_equal(m.tensors["t"], data)
     assert chans[0].stats.rejected == {}
+
+
+def test_post_with_the_pool_sends_the_same_frames_as_one_thread():
+    wires: dict[int, list[bytes]] = {}
+    for n in (1, 3):
+        frames: list[bytes] = []
+        chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
+        chans[1]._peer[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[0]._peer[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        del frames[:]
+        out = chans[1].post(0, 4, {"n": 1}, _tensors())
+        m = chans[0].recv(timeout=10)
+        assert m is not None and m.header == {"n": 1} and out.done()
+        np.testing.assert_array_equal(m.tensors["c"], _tensors()["c"])
+        wires[n] = frames
+        for ch in chans:
+            ch.close()
+    assert len(wires[1]) > 10 and wires[1] == wires[3]
