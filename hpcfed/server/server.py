@@ -12,6 +12,7 @@ and NaN/Inf parameters are rejected, counted and logged with the rank, and the s
 from __future__ import annotations
 
 import json
+from collections import deque
 import logging
 import math
 import os
@@ -67,7 +68,10 @@ class Server:
         self.rejected: dict[str, int] = {}
         self.rejected_by_rank: dict[int, int] = {}
         self.influence = InfluenceGuard(cfg.influence, self.num_clients)
-        self._requested: set[int] = set()  # async: clients owed an answer to their next upload (one in flight)
+        # async, one update in flight per site: client id -> the version of the model it was last
+        # answered with; its next upload must be trained from that model or a newer one
+        self._requested: dict[int, int] = {}
+        self._deferred: deque[Any] = deque()  # async: uploads that arrived during a checkpoint
         self.updates_accepted = 0
         self.round = -1
         self.last_checkpoint: Path | None = None
@@ -335,7 +339,8 @@ class Server:
                 raise FederationError(f"every client has failed; last checkpoint: {self.last_checkpoint or 'none'}")
             # While a model is owed to a busy client, look back soon to post it once it is free.
             wait = _OWED_POLL_S if self._outbox.waiting() else min(1.0, fed.status_every_s)
-            msg = self.channel.recv(kinds={P.UPDATE, P.FAILED}, timeout=wait)
+            msg = self._deferred.popleft() if self._deferred else self.channel.recv(kinds={P.UPDATE, P.FAILED},
+                                                                                   timeout=wait)
             self._outbox.flush()
             if msg is None:
                 self._check_silent(last_seen)
@@ -368,14 +373,16 @@ class Server:
     def _async_update(self, msg: Any, last_seen: dict[int, float]) -> tuple[Update, set[int]] | None:
         """One async upload: (the update, the clients to send the new model to), or None."""
         cid = msg.source - 1
-        if cid not in self._requested:  # one update in flight per site: a flood gains nothing
+        base = msg.header.get("version")
+        if cid not in self._requested or not _is_int(base) or base < self._requested[cid]:
+            # not asked for, or a copy trained before our last answer: a flood gains nothing
             self._reject(msg.source, "unrequested update", "an upload the server did not ask for")
             return None
         parsed = self._as_update(msg, allow_state=False)
         if parsed is None:
             return None
         upd = parsed[0]
-        self._requested.discard(cid)
+        del self._requested[cid]
         last_seen[cid] = time.monotonic()
         self.influence.begin_round(self.live)
         bounded = self._bounded(msg.source, upd)
@@ -387,7 +394,7 @@ class Server:
 
     def _model_message(self, cid: int, answer: bool) -> tuple[int, dict, dict]:
         if answer:
-            self._requested.add(cid)
+            self._requested[cid] = self.strategy.version
         # answer=False marks a broadcast the client did not ask for: it replaces the client's model
         # but does not start a training step while the client's own upload is unanswered.
         return P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
@@ -522,16 +529,24 @@ class Server:
     def _async_checkpoint(self, last_seen: dict[int, float]) -> None:
         """Async: the consistent point is this moment of the server (its state after the uploads
         accepted so far) and each site's state when it handles CHECKPOINT, i.e. after its last
-        finished training step; uploads arriving meanwhile wait in the channel until the manifest
-        is committed. At most one in-flight step per site is replayed on resume."""
+        finished training step; uploads arriving meanwhile are held (one per site: the one it was
+        asked for; any other is refused at once, so a flood cannot fill the site's inbox and crowd
+        out its own answer) and handled after the manifest. At most one in-flight step per site is
+        replayed on resume."""
         rnd = self.updates_accepted
         for cid in sorted(self.live):
             self._send_to(cid, P.CHECKPOINT, {"round": rnd})
         sites: dict[int, dict | None] = {}
         deadline = time.monotonic() + self.cfg.federation.round_deadline_s
         while len(sites) < len(self.live):
-            msg = self._recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED}, f"checkpoint {rnd}",
+            msg = self._recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED, P.UPDATE}, f"checkpoint {rnd}",
                                    waiting_for=self.live - set(sites), fatal=False)
+            if msg is not None and msg.kind == P.UPDATE:
+                if msg.source - 1 in self._requested and all(m.source != msg.source for m in self._deferred):
+                    self._deferred.append(msg)
+                else:
+                    self._reject(msg.source, "unrequested update", "an upload the server did not ask for")
+                continue
             if msg is None:  # a silent site has failed (dropped with on_client_failure=continue)
                 for cid in sorted(self.live - set(sites)):
                     self._client_failed(cid, f"wrote no checkpoint shard within {self.cfg.federation.round_deadline_s:g} s")
