@@ -9,8 +9,10 @@
 #   HPCFED_LAUNCHER   auto (default: srun --mpi=pmi2, else mpiexec) | srun | mpiexec
 #   HPCFED_SRUN_MPI   the srun MPI plugin (default pmi2; pmix for a site MPI built with PMIx)
 #   HPCFED_SRUN_ARGS / HPCFED_MPIEXEC_ARGS   extra launcher arguments
-#   HPCFED_PSK        pre-shared key (64 hex digits); a fresh one is made per job when unset
-#                     (security.mode: psk). Requeued attempts make a new one: each attempt is its own job.
+#   HPCFED_PSK        pre-shared key (64 hex digits). When unset, hpcfed_job_key takes the run's key
+#                     from ~/.hpcfed/keys/<run id> (as `hpcfed run --np` does): a fresh one for a new
+#                     run, the stored one for --resume, so a requeued attempt can verify the
+#                     checkpoints the earlier attempt signed.
 
 hpcfed_log() { echo "[hpcfed-slurm $(date -u +%H:%M:%S)] $*" >&2; }
 hpcfed_die() { hpcfed_log "error: $*"; exit 2; }
@@ -34,11 +36,16 @@ hpcfed_env() {
   [ "$SLURM_NTASKS" -ge 2 ] || hpcfed_die "a federation needs >= 2 tasks (1 server + clients); submit with --ntasks=3 or more"
   # One thread per rank unless the job asked for more CPUs per task: ranks share nodes.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
-  if [ -z "${HPCFED_PSK:-}" ]; then
-    HPCFED_PSK=$("$HPCFED_PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
-    export HPCFED_PSK
-  fi
   export PYTHONUNBUFFERED=1
+}
+
+# hpcfed_job_key OUTDIR RESUME(0|1): export HPCFED_PSK for the run in OUTDIR unless the user set one.
+# Checkpoints are signed with this key, so every attempt of a run must use the same one.
+hpcfed_job_key() {
+  [ -n "${HPCFED_PSK:-}" ] && return 0
+  HPCFED_PSK=$("$HPCFED_PYTHON" -c 'import sys; from pathlib import Path; from hpcfed.credentials import job_psk
+print(job_psk(Path(sys.argv[1]), sys.argv[2] == "1"))' "$1" "$2") || hpcfed_die "could not make or read the job key for $1"
+  export HPCFED_PSK
 }
 
 # Print the MPI world size a launcher gives (rank 0's view), or nothing when the launch failed.

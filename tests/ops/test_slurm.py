@@ -221,12 +221,15 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
         wait_for(lambda: (checkpoints(out)[-1] > restart_point and _job(slurm_env, job).get("JobState") == "RUNNING")
                  or _job(slurm_env, job).get("JobState") in DONE_STATES, 420, "a checkpoint of the second attempt")
         assert not (out / "summary.json").exists(), "the second attempt finished before SIGUSR1; slow it down"
+        assert _job(slurm_env, job).get("JobState") == "RUNNING", log.read_text()[-3000:]
         wait_for(lambda: _signal_batch(slurm_env, job, "USR1"), 30, "scancel --signal=USR1 to reach the batch script")
         _restart_when_pending(slurm_env, job, 2)
         info = _wait_done(slurm_env, job, 420)
     finally:
         if _in_queue(slurm_env, job):
             subprocess.run(["scancel", job], env=slurm_env, timeout=30)
+        if ref.poll() is None and sys.exc_info()[0] is not None:
+            kill_all(ref_out, ref)  # the test failed: do not leave the reference run behind
     text = log.read_text()
     assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (info, text[-3000:])
     assert info.get("Restarts") == "2"
