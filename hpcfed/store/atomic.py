@@ -7,10 +7,13 @@ the same folder, flush it to disk, then `os.replace` it over the target (atomic 
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+import numpy as np
 
 
 @contextmanager
@@ -31,3 +34,28 @@ def atomic_path(path: str | Path, *, fsync: bool = True) -> Iterator[Path]:
 def write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside `directory` durable (best effort: some filesystems refuse it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def header_json(header: dict[str, Any]) -> str:
+    """A header attribute as canonical JSON (numpy scalars and arrays as plain numbers and lists)."""
+    return json.dumps(header, sort_keys=True, default=_json_default)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)

@@ -83,7 +83,7 @@ def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3, auth: "sealed.F
                 g.attrs["path"] = str(ckpt.sites[cid]["path"])
             _write_group(f.create_group("meta"), ckpt.meta, {})
         sealed.seal(tmp, auth)
-    _fsync_dir(directory)
+    atomic.fsync_dir(directory)
     _prune(directory, keep)
     ckpt.path = final
     return final
@@ -141,7 +141,7 @@ def latest_valid(directory: str | Path, warn: Callable[[str], None] = print,
 
 
 def _write_group(group: Any, header: dict[str, Any], arrays: Arrays) -> None:
-    group.attrs["header"] = json.dumps(header, sort_keys=True, default=_json_default)
+    group.attrs["header"] = atomic.header_json(header)
     for name, value in arrays.items():
         arr = np.ascontiguousarray(value)
         # Names may contain '/', which h5py would read as nested groups; escape it.
@@ -158,24 +158,6 @@ def _read_group(tree: "sealed.Tree", group: str) -> tuple[dict[str, Any], Arrays
               if f"{group}/{name}" in tree.datasets}
     return header, arrays
 
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return str(value)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(directory: Path, keep: int) -> None:

@@ -68,12 +68,12 @@ def write_shard(directory: Path, round: int, client: int, state: State, auth: se
             f.attrs["format_version"] = FORMAT_VERSION
             f.attrs["round"] = int(round)
             f.attrs["client"] = int(client)
-            f.attrs["header"] = json.dumps(header, sort_keys=True, default=_json_default)
+            f.attrs["header"] = atomic.header_json(header)
             g = f.create_group("state")
             for name, value in arrays.items():
                 g.create_dataset(name.replace("/", "|"), data=np.ascontiguousarray(value))
         digest = sealed.seal(tmp, auth)
-    _fsync_dir(directory)
+    atomic.fsync_dir(directory)
     prune(directory, keep + 1)
     return final, digest.hex()
 
@@ -139,21 +139,3 @@ def _listing(directory: Path) -> list[tuple[int, Path]]:
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
     return sorted(found, reverse=True)
 
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return str(value)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
