@@ -12,12 +12,12 @@ and NaN/Inf parameters are rejected, counted and logged with the rank, and the s
 from __future__ import annotations
 
 import json
-from collections import deque
 import logging
 import math
 import os
 import signal
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 

@@ -109,6 +109,8 @@ def test_the_fixture_stops_only_what_it_started(tmp_path):
         (tmp_path / f"{name}.pid").write_text(f"{procs[name].pid}\n")
     (tmp_path / "slurmctld.pid").write_text(f"{os.getpid()}\n")  # a pid of another program: not a daemon
     try:
+        # A stand-in is named like the daemon only once its exec has happened (slow on a busy host).
+        wait_for(lambda: len(running_daemons(tmp_path)) == 2, 30, "the stand-ins to exec")
         found = running_daemons(tmp_path)
         assert found == {"slurmd": procs["slurmd"].pid, "munged": procs["munged"].pid}
         before = dict(found)
