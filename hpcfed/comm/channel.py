@@ -30,7 +30,10 @@ rejections is cut off.
 
 Sending encrypts chunk n+1 (straight from the tensors' memory) while chunk n is in flight. Receiving
 decrypts each chunk straight into its slot of the message buffer, and the decoded tensors are views
-into that buffer. Waiting never blocks inside MPI: it polls (``Iprobe`` / ``Test``), spinning for
+into that buffer. With `crypto_threads` > 1 both sides use a pool of threads: a message's chunks
+are sealed in parallel, and every chunk after the first is opened on a pool thread while the next
+one is received (the first is opened at once, so nothing large is reserved for a frame that does
+not authenticate; a later chunk that fails its tag refuses the whole message when it completes). Waiting never blocks inside MPI: it polls (``Iprobe`` / ``Test``), spinning for
 `spin_s` and then sleeping with a doubling back-off up to `backoff_max_s`, so an idle rank uses
 well under 20% of a core. While a send waits, incoming frames are still received, so two ranks
 sending big messages to each other never deadlock.
@@ -102,6 +105,14 @@ def _seal_timed(sealer: crypto.Sealer, seq: int, data: memoryview | bytes, aad: 
     return time.perf_counter() - t0
 
 
+def _open_timed(opener: crypto.Sealer, seq: int, data: memoryview, aad: bytes, out: memoryview) -> float:
+    """Open one chunk (on a pool thread); the seconds it took, or -1 when it does not authenticate."""
+    t0 = time.perf_counter()
+    if not opener.open_into(seq, data, aad, out):
+        return -1.0
+    return time.perf_counter() - t0
+
+
 def _free_refs() -> int:
     """References an unused pooled buffer has inside `_payload_buffer`'s loop (interpreter-specific)."""
     for buf in [np.empty(1, dtype=np.uint8)]:
@@ -167,12 +178,14 @@ class ChannelStats:
 
 
 class _Assembly:
-    __slots__ = ("msg_id", "kind", "total", "count", "next_index", "filled", "payload", "last_seq", "last_at")
+    __slots__ = ("msg_id", "kind", "total", "count", "next_index", "filled", "payload", "last_seq", "last_at",
+                 "opening")
 
     def __init__(self, msg_id: int, kind: int, total: int, count: int, payload: np.ndarray) -> None:
         self.msg_id, self.kind, self.total, self.count = msg_id, kind, total, count
         self.next_index, self.filled, self.payload, self.last_seq = 0, 0, payload, 0
         self.last_at = time.monotonic()  # when its last chunk came: a stalled sender is not waited on
+        self.opening: list[Future[float]] = []  # chunks being opened on the pool (write into payload)
 
 
 class _Peer:
@@ -274,6 +287,10 @@ class SecureChannel:
         if max_rejects < 1:
             raise ValueError(f"security.max_rejects={max_rejects} must be at least 1")
         self._sealers: ThreadPoolExecutor | None = None
+        # With the pool: big frames land in these in turn; a buffer is reused once its chunk is opened.
+        self._rx_bigs: list[np.ndarray] = []
+        self._rx_opening: list[Future[float] | None] = []
+        self._rx_turn = 0
         self.set_crypto_threads(crypto_threads)
         self.transport = transport
         self.credentials = credentials
@@ -334,9 +351,19 @@ class SecureChannel:
             raise ValueError(f"comm.crypto_threads={threads!r}: use an integer in 1..64 "
                              f"(or leave it out for the cores available, at most 8)")
         if self._sealers is not None:
-            self._sealers.shutdown(wait=True)
+            self._sealers.shutdown(wait=True)  # chunks being opened finish; their results stay readable
             self._sealers = None
+        self._rx_bigs.clear()
+        self._rx_opening.clear()
+        self._rx_turn = 0
         self.crypto_threads = threads
+
+    def _crypto_pool(self) -> ThreadPoolExecutor:
+        """The threads that seal and open big messages' chunks (started on first use)."""
+        if self._sealers is None:
+            self._sealers = ThreadPoolExecutor(max_workers=self.crypto_threads,
+                                               thread_name_prefix=f"hpcfed-crypto{self.rank}")
+        return self._sealers
 
     # -- what this rank accepts -------------------------------------------------------------------
     def expect(self, kinds: Collection[int] | Mapping[int, Collection[int]] | None,
@@ -566,8 +593,7 @@ class SecureChannel:
         receives meanwhile and may send a control frame to this peer with the next sequence
         number): so frames still leave in sequence order."""
         dest, chunk, threads = peer.rank, self.chunk_bytes, self.crypto_threads
-        if self._sealers is None:
-            self._sealers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"hpcfed-seal{self.rank}")
+        pool = self._crypto_pool()
         nslots = 2 * threads
         free: deque[int] = deque(range(nslots))
         sealing: deque[tuple[int, int, Future[float]]] = deque()  # (slot, n, job) in chunk order
@@ -586,8 +612,8 @@ class SecureChannel:
                     buf[:HDR] = hdr
                     pieces = enc.pieces(start, start + n)
                     data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n, slot)
-                    sealing.append((slot, n, self._sealers.submit(_seal_timed, peer.tx, peer.send_seq, data,
-                                                                  self._jd + hdr, buf[HDR:HDR + n + TAG])))
+                    sealing.append((slot, n, pool.submit(_seal_timed, peer.tx, peer.send_seq, data,
+                                                         self._jd + hdr, buf[HDR:HDR + n + TAG])))
                     i += 1
                 while sealing:  # hand every sealed chunk to MPI, in order
                     slot, n, job = sealing.popleft()
@@ -658,9 +684,8 @@ class SecureChannel:
         """`_post_chunks` with the sealing pool: every chunk has its own frame buffer; sequence
         numbers are taken in chunk order here and the sends start in chunk order (nothing else is
         sent in between: this never waits on MPI)."""
-        dest, chunk, threads = peer.rank, self.chunk_bytes, self.crypto_threads
-        if self._sealers is None:
-            self._sealers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"hpcfed-seal{self.rank}")
+        dest, chunk = peer.rank, self.chunk_bytes
+        pool = self._crypto_pool()
         jobs: deque[tuple[np.ndarray, Future[float]]] = deque()
         try:
             for i in range(count):
@@ -675,9 +700,9 @@ class SecureChannel:
                 pieces = enc.pieces(start, start + n)
                 data = pieces[0] if len(pieces) == 1 else memoryview(np.concatenate(
                     [np.frombuffer(p, dtype=np.uint8) for p in pieces]))  # a chunk spanning tensors
-                jobs.append((frame, self._sealers.submit(_seal_timed, peer.tx, peer.send_seq, data,
-                                                         self._jd + hdr, view[HDR:])))
-                while len(jobs) > 2 * threads or (i == count - 1 and jobs):
+                jobs.append((frame, pool.submit(_seal_timed, peer.tx, peer.send_seq, data,
+                                                self._jd + hdr, view[HDR:])))
+                while len(jobs) > 2 * self.crypto_threads or (i == count - 1 and jobs):
                     frame, job = jobs.popleft()
                     self.stats.seal_s += job.result()
                     req = self.transport.isend(memoryview(frame), dest)
@@ -956,6 +981,16 @@ class SecureChannel:
     def _rx_view(self, n: int) -> memoryview:
         if n <= len(self._rx_small):
             return memoryview(self._rx_small)[:n]
+        if self.crypto_threads > 1:  # the next of threads + 1 buffers, once the chunk it held is opened
+            self._rx_turn = (self._rx_turn + 1) % (self.crypto_threads + 1)
+            while len(self._rx_bigs) <= self._rx_turn:
+                self._rx_bigs.append(np.empty(self._max_frame, dtype=np.uint8))
+                self._rx_opening.append(None)
+            pending = self._rx_opening[self._rx_turn]
+            if pending is not None:
+                wait_futures([pending])
+                self._rx_opening[self._rx_turn] = None
+            return memoryview(self._rx_bigs[self._rx_turn])[:n]
         if self._rx_big is None:
             self._rx_big = np.empty(self._max_frame, dtype=np.uint8)
         return memoryview(self._rx_big)[:n]
@@ -1000,7 +1035,8 @@ class SecureChannel:
                 self._reject(src, "truncated frame", f"{n}-byte frame should be {HDR + length + TAG} "
                                                      f"({length} ciphertext bytes + header + tag)")
                 return
-            self._on_sealed(src, view, view[HDR:], ftype, kind, length, seq, msg_id, index, count, offset, total)
+            self._on_sealed(src, view, view[HDR:], ftype, kind, length, seq, msg_id, index, count, offset, total,
+                            pooled=n > len(self._rx_small) and self.crypto_threads > 1)
             return
         ring = self._rx_rings.get(src)
         slot = _SLOT.unpack_from(view, HDR)[0] if n == HDR + _SLOT.size else -1
@@ -1018,7 +1054,10 @@ class SecureChannel:
                                              _SLOT.size) + _SLOT.pack(slot))
 
     def _on_sealed(self, src: int, view: memoryview, ciphertext: memoryview, ftype: int, kind: int, length: int,
-                   seq: int, msg_id: int, index: int, count: int, offset: int, total: int) -> None:
+                   seq: int, msg_id: int, index: int, count: int, offset: int, total: int, *,
+                   pooled: bool = False) -> None:
+        """`pooled`: the frame sits in one of the rotating receive buffers, so a later chunk of a
+        message may be opened on the pool while this thread receives the next one."""
         peer = self._peer.get(src)
         if peer is None or peer.rx is None:
             self._reject(src, "no session", "encrypted frame before a secure handshake")
@@ -1046,6 +1085,14 @@ class SecureChannel:
             out = self._scratch0(length) if count > 1 else np.empty(length, dtype=np.uint8)
         else:
             out = peer.asm.payload[offset:offset + length]  # type: ignore[union-attr]
+            if pooled and ftype == F_DATA and peer.state == "ready":
+                job = self._crypto_pool().submit(_open_timed, peer.rx, seq, ciphertext, self._jd + bytes(view[:HDR]),
+                                                 memoryview(out))
+                self._rx_opening[self._rx_turn] = job
+                peer.asm.opening.append(job)  # type: ignore[union-attr]
+                peer.last_seq = seq
+                self._chunk_taken(src, peer, kind, index, offset, length, seq)
+                return
         t0 = time.perf_counter()
         opened = peer.rx.open_into(seq, ciphertext, self._jd + bytes(view[:HDR]), memoryview(out))
         self.stats.open_s += time.perf_counter() - t0
@@ -1080,15 +1127,37 @@ class SecureChannel:
             payload[:length] = out
             peer.asm = _Assembly(msg_id, kind, total, count, payload)
             self._assembling = True
+        self._chunk_taken(src, peer, kind, index, offset, length, seq)
+
+    def _chunk_taken(self, src: int, peer: _Peer, kind: int, index: int, offset: int, length: int, seq: int) -> None:
+        """Record a chunk of the peer's message; deliver the message with its last chunk, once every
+        chunk opened on the pool has authenticated."""
         asm = peer.asm
-        asm.next_index = index + 1  # type: ignore[union-attr]
-        asm.filled = offset + length  # type: ignore[union-attr]
-        asm.last_seq = seq  # type: ignore[union-attr]
-        asm.last_at = time.monotonic()  # type: ignore[union-attr]
-        if asm.next_index == asm.count:  # type: ignore[union-attr]
-            peer.asm = None
-            self._assembling = any(p.asm is not None for p in self._peer.values())
-            self._deliver(src, kind, asm.payload)  # type: ignore[union-attr]
+        assert asm is not None
+        asm.next_index = index + 1
+        asm.filled = offset + length
+        asm.last_seq = seq
+        asm.last_at = time.monotonic()
+        if asm.next_index < asm.count:
+            return
+        peer.asm = None
+        self._assembling = any(p.asm is not None for p in self._peer.values())
+        if not self._opened(asm):
+            self._release(asm.payload)
+            self._reject(src, "authentication failed", f"a chunk of message {asm.msg_id} does not authenticate "
+                                                       f"(tampered, truncated, misrouted or wrong key)")
+            return
+        self._deliver(src, kind, asm.payload)
+
+    def _opened(self, asm: _Assembly) -> bool:
+        """Wait for the chunks of `asm` being opened on the pool; True if every one authenticated."""
+        if not asm.opening:
+            return True
+        wait_futures(asm.opening)
+        times = [job.result() if job.exception() is None else -1.0 for job in asm.opening]
+        asm.opening = []
+        self.stats.open_s += sum(t for t in times if t > 0)
+        return min(times) >= 0
 
     def _check_chunk(self, peer: _Peer, ftype: int, msg_id: int, index: int, count: int, offset: int,
                      length: int, total: int, seq: int) -> tuple[str, str] | None:
@@ -1165,6 +1234,7 @@ class SecureChannel:
     def _drop_assembly(self, src: int) -> None:
         peer = self._peer.get(src)
         if peer is not None and peer.asm is not None:
+            self._opened(peer.asm)  # the pool must be done writing into the buffer before it goes
             self._release(peer.asm.payload)
             peer.asm = None
             self._assembling = any(p.asm is not None for p in self._peer.values())
@@ -1218,5 +1288,7 @@ class SecureChannel:
             self._sealers.shutdown(wait=True, cancel_futures=True)  # joins the sealing threads
             self._sealers = None
         self._rx_big = self._gather = self._plain0 = None
+        self._rx_bigs.clear()
+        self._rx_opening.clear()
         self._pool.clear()
         self._closed = True

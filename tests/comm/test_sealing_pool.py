@@ -1,5 +1,7 @@
-"""Chunks of a big message sealed by a pool of threads: the same frames as one thread, tampering
-still caught, a failing sealer neither hangs nor leaks threads, and comm.crypto_threads validated."""
+"""Chunks of a big message sealed and opened by a pool of threads: the same frames as one thread,
+tampering still caught (a later chunk that fails refuses its whole message), an abandoned message
+waits for its chunks being opened, a failing sealer neither hangs nor leaks threads, and
+comm.crypto_threads validated."""
 
 from __future__ import annotations
 
@@ -59,23 +61,79 @@ def test_a_pool_sends_the_same_frames_as_one_thread(threads):
     assert wires[1] == wires[threads]
 
 
-def test_tampering_is_caught_with_the_pool():
+@pytest.mark.parametrize("chunk_bytes", [8192, 80_000])  # opened at once / later chunks opened on the pool
+def test_tampering_is_caught_with_the_pool(chunk_bytes):
     victim = {"armed": True}
+    big = chunk_bytes > 70_000
+    payload = _big() if big else _tensors()
 
     def tap(src: int, dst: int, frame: bytes) -> list[bytes]:
-        if src == 1 and victim["armed"] and len(frame) > 8000 and frame[32] == 3:  # chunk index 3
+        if src == 1 and victim["armed"] and len(frame) > chunk_bytes - 100 and frame[32] == 3:  # chunk index 3
             victim["armed"] = False
             return [frame[:HDR + 50] + bytes([frame[HDR + 50] ^ 4]) + frame[HDR + 51:]]
         return [frame]
 
-    chans = _pair(4, tap=tap)
-    chans[1].send(0, 4, {"n": 1}, _tensors())
-    chans[1].send(0, 4, {"n": 2}, _tensors())
+    chans = _pair(4, tap=tap, chunk_bytes=chunk_bytes)
+    chans[1].send(0, 4, {"n": 1}, payload)
+    chans[1].send(0, 4, {"n": 2}, payload)
     m = chans[0].recv(timeout=10)
     assert m is not None and m.header == {"n": 2}
-    np.testing.assert_array_equal(m.tensors["a"], _tensors()["a"])
+    for k, v in payload.items():
+        np.testing.assert_array_equal(m.tensors[k], v)
     assert chans[0].stats.rejected["authentication failed"] == 1
     assert chans[0].recv(timeout=0.2) is None
+    for ch in chans:
+        ch.close()
+
+
+def _big() -> dict[str, np.ndarray]:
+    # frames above the 64 KiB that arrive whole when probed go through the pooled receive path
+    return {"x": np.random.default_rng(3).standard_normal(160_000), "y": np.arange(70_001, dtype=np.int16)}
+
+
+def test_later_chunks_are_opened_on_the_pool_and_the_first_at_once(monkeypatch):
+    real = crypto.Sealer.open_into
+    where: list[tuple[int, str]] = []
+
+    def recorded(self, seq, data, aad, out):
+        where.append((int.from_bytes(aad[16 + 32:16 + 36], "little"), threading.current_thread().name))
+        return real(self, seq, data, aad, out)
+
+    chans = _pair(3, chunk_bytes=80_000)
+    monkeypatch.setattr(crypto.Sealer, "open_into", recorded)
+    chans[1].send(0, 4, {"n": 1}, _big())
+    m = chans[0].recv(timeout=10)
+    assert m is not None and m.header == {"n": 1}
+    for k, v in _big().items():
+        np.testing.assert_array_equal(m.tensors[k], v)
+    chunks = [(index, name) for index, name in where if name != threading.current_thread().name]
+    assert len(chunks) >= 10 and all(name.startswith("hpcfed-crypto0") for _, name in chunks)
+    assert (0, threading.current_thread().name) in where and 0 not in {index for index, _ in chunks}
+    assert chans[0].stats.rejected == {} and chans[0].stats.open_s > 0
+    for ch in chans:
+        ch.close()
+
+
+def test_an_abandoned_message_is_dropped_after_its_pooled_chunks_and_the_next_one_arrives():
+    dropped = {"armed": True}
+
+    def tap(src: int, dst: int, frame: bytes) -> list[bytes]:
+        count = int.from_bytes(frame[36:40], "little")
+        if src == 1 and dropped["armed"] and len(frame) > 70_000 and frame[32] == count - 2:  # a late chunk
+            dropped["armed"] = False
+            return []
+        return [frame]
+
+    chans = _pair(3, tap=tap, chunk_bytes=80_000)
+    chans[1].send(0, 4, {"n": 1}, _big())
+    chans[1].send(0, 4, {"n": 2}, _big())
+    m = chans[0].recv(timeout=10)
+    assert m is not None and m.header == {"n": 2}
+    np.testing.assert_array_equal(m.tensors["y"], _big()["y"])
+    assert chans[0].stats.rejected == {"chunk out of sequence": 1, "incomplete message abandoned": 1}
+    assert chans[0].recv(timeout=0.2) is None
+    for ch in chans:
+        ch.close()
 
 
 def test_a_failing_sealer_raises_a_channel_error_and_threads_are_joined(monkeypatch):
@@ -95,10 +153,10 @@ def test_a_failing_sealer_raises_a_channel_error_and_threads_are_joined(monkeypa
     chans[1].send(0, 4, {"n": 2}, _tensors())  # the channel goes on; the broken message is abandoned
     m = chans[0].recv(timeout=10)
     assert m is not None and m.header == {"n": 2}
-    assert any(t.name.startswith("hpcfed-seal1") for t in threading.enumerate())
+    assert any(t.name.startswith("hpcfed-crypto1") for t in threading.enumerate())
     for ch in chans:
         ch.close()
-    assert not any(t.name.startswith("hpcfed-seal") for t in threading.enumerate())
+    assert not any(t.name.startswith("hpcfed-crypto") for t in threading.enumerate())
 
 
 def test_crypto_threads_default_and_validation():
