@@ -12,6 +12,8 @@
 
 and run it with ``task: {name: mymodule:MyTask, lr: 0.01}``. The adapter does the rest:
 
+- ``personalize_epochs: N`` fine-tunes the final federated model on the site's own data before the
+  final test (FedAvg-FT); the personal model never travels;
 - only *shared* tensors travel: by default the parameters with ``requires_grad`` (so a frozen
   backbone with LoRA adapters sends the adapters and the head); ``share: all`` sends every floating
   parameter and buffer, ``share_patterns: ["encoder.*"]`` picks by name (fnmatch);
@@ -90,12 +92,17 @@ class TorchTask(Task):
         grad_clip: float | None = None  # max gradient norm
         share: Literal["trainable", "all"] = "trainable"
         share_patterns: list[str] = field(default_factory=list)  # fnmatch names; overrides `share`
+        # Before the final test, fine-tune the federated model on this site's own data for this many
+        # epochs (FedAvg-FT): the site's personal model; nothing of it travels.
+        personalize_epochs: int = 0
 
         def validate(self) -> None:
             if self.lr <= 0:
                 raise ValueError(f"lr must be > 0, got {self.lr}")
             if self.local_epochs < 1:
                 raise ValueError(f"local_epochs must be >= 1, got {self.local_epochs}")
+            if self.personalize_epochs < 0:
+                raise ValueError(f"personalize_epochs must be >= 0, got {self.personalize_epochs}")
             if self.max_steps is not None and self.max_steps < 1:
                 raise ValueError(f"max_steps must be >= 1 or null, got {self.max_steps}")
             if self.grad_clip is not None and self.grad_clip <= 0:
@@ -215,11 +222,18 @@ class TorchTask(Task):
                 tensor.copy_(torch_state.to_torch(value).to(tensor.dtype).reshape(tensor.shape))
 
     def fit(self, round: int) -> FitResult:
-        c = self.config
         seed_everything(round_seed(self.site.seed, self.site.client_id, round))
+        total, seen = self._train_epochs(self.config.local_epochs)
+        size = _dataset_len(self._train)
+        return FitResult(num_examples=size if size is not None else seen,
+                         metrics={"train_loss": total / max(seen, 1)})
+
+    def _train_epochs(self, epochs: int) -> tuple[float, int]:
+        """Train on this site's data; (summed loss, examples seen)."""
+        c = self.config
         self.model.train()
         total, seen, steps = 0.0, 0, 0
-        for _ in range(c.local_epochs):
+        for _ in range(epochs):
             for batch in self._train:
                 inputs, target = to_device(self.split_batch(batch), self.device)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -238,13 +252,19 @@ class TorchTask(Task):
                     break
             if c.max_steps is not None and steps >= c.max_steps:
                 break
-        size = _dataset_len(self._train)
-        return FitResult(num_examples=size if size is not None else seen,
-                         metrics={"train_loss": total / max(seen, 1)})
+        return total, seen
 
     def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
+        if final and self.config.personalize_epochs:
+            self.personalize(round)
         result = self.evaluate_on(self.eval_data("test" if final else "val"))
         return result if final else {f"val_{k}": v for k, v in result.items()}
+
+    def personalize(self, round: int) -> None:
+        """Fine-tune the final federated model on this site's data (`personalize_epochs`): the
+        final test and the embedding export then use the site's personal model."""
+        seed_everything(round_seed(self.site.seed, self.site.client_id, round + 1))
+        self._train_epochs(self.config.personalize_epochs)
 
     def evaluate_on(self, batches: Iterable) -> dict[str, float]:
         """Loss and `metrics` of the current model over `batches` (empty dict for no batches)."""

@@ -63,6 +63,24 @@ def test_training_improves_and_metrics_are_reported(plugin_path, tmp_path):
     assert export.vectors.shape == (120, 16) and len(export.ids) == 120
 
 
+def test_personalize_epochs_fine_tune_the_final_model_on_the_site_only(plugin_path, tmp_path):
+    plain, personal = (_task(plugin_path, tmp_path, lr=0.02, **extra) for extra in ({}, {"personalize_epochs": 2}))
+    for task in (plain, personal):
+        task.fit(0)
+    shared = plain.get_parameters()
+    personal.set_parameters(shared)
+    assert set(plain.evaluate(0)) == set(personal.evaluate(0))  # rounds: the federated model as it is
+    assert all(np.array_equal(shared[k], v) for k, v in personal.get_parameters().items())
+    final = personal.evaluate(1, final=True)
+    moved = personal.get_parameters()
+    assert not np.array_equal(moved["6.weight"], shared["6.weight"])  # trained on the site's data
+    assert final["loss"] != plain.evaluate(1, final=True)["loss"]
+    # fitted to the site's own label mix (its val split is skewed like its training data)
+    assert personal.evaluate(1)["val_loss"] < plain.evaluate(1)["val_loss"]
+    with pytest.raises(ValueError, match="personalize_epochs must be >= 0"):
+        _task(plugin_path, tmp_path, personalize_epochs=-1)
+
+
 @pytest.mark.parametrize("options, local", [
     ({}, {"local/4.running_mean", "local/4.num_batches_tracked"}),
     ({"share_patterns": ["6.*"]}, {"local/3.weight", "local/4.running_var"}),  # trainable, unshared: stays home
