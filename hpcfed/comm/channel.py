@@ -33,7 +33,8 @@ decrypts each chunk straight into its slot of the message buffer, and the decode
 into that buffer. With `crypto_threads` > 1 both sides use a pool of threads: a message's chunks
 are sealed in parallel, and every chunk after the first is opened on a pool thread while the next
 one is received (the first is opened at once, so nothing large is reserved for a frame that does
-not authenticate; a later chunk that fails its tag refuses the whole message when it completes). Waiting never blocks inside MPI: it polls (``Iprobe`` / ``Test``), spinning for
+not authenticate; a later chunk that fails its tag refuses the whole message when it completes).
+Waiting never blocks inside MPI: it polls (``Iprobe`` / ``Test``), spinning for
 `spin_s` and then sleeping with a doubling back-off up to `backoff_max_s`, so an idle rank uses
 well under 20% of a core. While a send waits, incoming frames are still received, so two ranks
 sending big messages to each other never deadlock.

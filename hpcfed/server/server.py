@@ -99,8 +99,10 @@ class Server:
                 self._sync_round(rnd)
                 if (self.cfg.halt_after_round == rnd or self.halt_requested) and rnd < self.cfg.rounds - 1:
                     return self._halt(rnd)
-        else:
-            self._async_loop(resumed)
+        elif self._async_loop(resumed):
+            if self._outbox is not None:
+                self._outbox.forget()  # STOP supersedes every model still owed
+            return self._halt(self.updates_accepted)
         summary = self._finish()
         return summary
 
@@ -324,7 +326,9 @@ class Server:
         return every > 0 and ((rnd + 1) % every == 0 or rnd == self.cfg.rounds - 1)
 
     # -- asynchronous loop ---------------------------------------------------------------------
-    def _async_loop(self, resumed: ckpt_store.Checkpoint | None) -> None:
+    def _async_loop(self, resumed: ckpt_store.Checkpoint | None) -> bool:
+        """Accept uploads until the budget is spent; True when it stopped early to halt (SIGUSR1, or
+        `halt_after_round` = this many accepted updates) after a checkpoint."""
         fed = self.cfg.federation
         max_updates = fed.max_updates or self.cfg.rounds * self.num_clients
         self._progress = Progress(max_updates, self.updates_accepted, "accepted updates")
@@ -362,13 +366,19 @@ class Server:
                 self.metrics.log(self.updates_accepted, None, name, value)
             for cid in sorted(targets & self.live):
                 self._outbox.owe(cid, answer=cid == upd.client_id)
-            if self.updates_accepted >= next_ckpt:
+            halt = (self.halt_requested or self.updates_accepted == self.cfg.halt_after_round) \
+                and self.updates_accepted < max_updates
+            if halt or self.updates_accepted >= next_ckpt:
                 self._async_checkpoint(last_seen)
-                next_ckpt += every
+                while next_ckpt <= self.updates_accepted:
+                    next_ckpt += every
+            if halt:
+                return True
             self._maybe_status()
         log.info("async: %d updates accepted, server version %d", self.updates_accepted, self.strategy.version)
         if self.cfg.checkpoint_every > 0:
             self._async_checkpoint(last_seen)
+        return False
 
     def _async_update(self, msg: Any, last_seen: dict[int, float]) -> tuple[Update, set[int]] | None:
         """One async upload: (the update, the clients to send the new model to), or None."""
@@ -577,7 +587,7 @@ class Server:
         self._last_msgs, self._last_bytes = stats.messages_received, stats.bytes_received
 
     def request_halt(self) -> None:
-        """Finish the current sync round with client states, checkpoint it, and stop (Slurm pre-emption)."""
+        """Finish the current sync round (async: the update being handled), checkpoint, and stop (Slurm pre-emption)."""
         self.halt_requested = True
         log.warning("halt requested: the federation stops after this round's checkpoint; resume with --resume")
 
