@@ -20,7 +20,9 @@ Runs the real runtime twice under ``mpiexec`` on the same config, with the same 
      frame type / flags, handshake frames after the handshake, random garbage;
    - bundles (`BUNDLE_ATTACKS`): correctly encrypted and authenticated frames whose plaintext is a
      malformed bundle (bad magic, lying header/tensor lengths and offsets, unknown dtype code, huge
-     ndim, header that is not UTF-8 / not JSON / not an object / too deep / NaN / duplicate keys);
+     ndim, header that is not UTF-8 / not JSON / not an object / too deep / NaN / duplicate keys,
+     a 401-digit integer in num_examples / version / round / a metric, a zero-size tensor whose
+     other dimension is 2**64-1);
    - runtime messages (`RUNTIME_ATTACKS`), sent through the real `SecureChannel.send` so that they
      are VALID encrypted messages and test the server's own validation: NaN/Inf parameters, wrong
      dtypes, wrong shapes, missing or unknown tensor names, lying update headers, stale rounds.
@@ -76,6 +78,8 @@ BUNDLE_ATTACKS = (
     "bundle_lying_tensor_nbytes", "bundle_lying_tensor_offset", "bundle_unknown_dtype", "bundle_huge_ndim",
     "bundle_header_not_utf8", "bundle_header_not_json", "bundle_header_not_object", "bundle_header_too_deep",
     "bundle_header_nan", "bundle_header_duplicate_key", "bundle_truncated",
+    # issue 12: a huge JSON integer where the server does arithmetic; a zero-size tensor with a 2**64-1 dim
+    "bundle_header_huge_int", "bundle_empty_tensor_huge_dim",
 )
 RUNTIME_ATTACKS = (
     "nan_params", "inf_params", "wrong_dtype_float64", "wrong_dtype_int32", "wrong_dtype_float16",
@@ -174,7 +178,7 @@ class Forger:
 
     def _update_header(self, rnd: int, **over: Any) -> dict:
         h = {"round": rnd, "version": 0, "client_version": 1, "num_examples": 10, "metrics": {"loss": 1.0},
-             "pad": "x" * 160}  # room to rewrite the header text in place
+             "pad": "x" * 640}  # room to rewrite the header text in place (a 401-digit integer)
         h.update(over)
         return h
 
@@ -321,6 +325,21 @@ class Forger:
             header_text(f'{{"round": {rnd}, "round": {rnd}, "num_examples": 1, "metrics": {{}}}}')
         elif name == "bundle_truncated":
             b = b[:len(b) - self.rng.randrange(1, 64)]
+        elif name == "bundle_header_huge_int":
+            field = self.rng.choice(["num_examples", "version", "round", "metric"])
+            values = {"round": rnd, "version": 0, "num_examples": 1, "metrics": {"loss": 1.0}}
+            text = json.dumps(values)
+            huge = "1" + "0" * 400
+            if field == "metric":
+                text = text.replace('"loss": 1.0', f'"loss": {huge}')
+            else:
+                text = text.replace(f'"{field}": {values[field]}', f'"{field}": {huge}', 1)
+            header_text(text)
+        elif name == "bundle_empty_tensor_huge_dim":
+            b = bytearray(wire.encode(self._update_header(rnd), {"params": np.zeros((0, 2), np.float32)}))
+            hl = struct.unpack_from("<I", b, 8)[0]
+            table = 32 + (hl + 7) // 8 * 8
+            struct.pack_into("<Q", b, table + 24 + 8, 2**64 - 1)  # shape (0, 2**64-1): zero bytes, absurd dims
         else:
             raise ValueError(f"unknown bundle attack {name!r}")
         try:

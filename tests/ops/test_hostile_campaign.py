@@ -31,7 +31,8 @@ def test_thousand_crafted_messages_are_all_rejected_and_change_nothing(tmp_path)
     by_attack = result["by_attack"]
     for name in ("tampered_ciphertext", "replayed_frame", "reordered_seq", "reordered_chunk", "truncated_frame",
                  "wrong_key", "wrong_source_rank", "wrong_destination_rank", "oversize_frame", "lying_length",
-                 "bundle_lying_tensor_nbytes", "nan_params", "inf_params", "wrong_dtype_float64",
+                 "bundle_lying_tensor_nbytes", "bundle_header_huge_int", "bundle_empty_tensor_huge_dim",
+                 "nan_params", "inf_params", "wrong_dtype_float64",
                  "wrong_dtype_bfloat16", "wrong_dtype_group", "wrong_shape_short", "unknown_name_extra"):
         assert by_attack.get(name, 0) > 0, name
     channel, runtime = result["rejected_by_server"]["channel"], result["rejected_by_server"]["runtime"]
