@@ -141,8 +141,8 @@ def _blocks(n: int):
 def _distance(flat: np.ndarray, reference: np.ndarray | None) -> float:
     """||flat - reference|| (||flat|| for no reference): differences and squares in float32 (a
     float32 square overflows only for a difference beyond 1.8e19, which is refused anyway), summed
-    in float64. One block-sized buffer: ~12x faster than converting each block to float64 first
-    (24 vs 280 ms at 16 M parameters: fresh float64 blocks cost page faults)."""
+    in float64. One reused block buffer instead of a fresh float64 block per step: at 16 M
+    parameters 10.6 vs 19.6 ms on an idle host, 24 vs 280 ms on a loaded one (page faults)."""
     buf = np.empty(min(flat.size, _BLOCK), dtype=np.float32)
     total = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
