@@ -215,5 +215,18 @@ def run_live(args: Any) -> int:
     except BaseException as exc:  # noqa: BLE001 — one failed rank must end the job, not hang it
         text = str(exc) if isinstance(exc, (ValueError, TimeoutError)) else traceback.format_exc()
         print(f"hpcfed search: rank {rank} failed: {text}", file=sys.stderr, flush=True)
+        if rank == 0 and channel is not None and isinstance(exc, ValueError) and _stop_sites(channel, size):
+            return 2  # a bad query: the sites are told to stop, so the message is not lost to MPI_Abort
         comm.Abort(2 if isinstance(exc, ValueError) else 1)
     return 1
+
+
+def _stop_sites(channel: Any, size: int) -> bool:
+    """Tell every site rank to stop and close the channel; False if that failed (then abort)."""
+    try:
+        for r in range(1, size):
+            channel.send(r, STOP, {})
+        channel.close()
+    except Exception:  # noqa: BLE001 — a broken channel: the caller aborts the job instead
+        return False
+    return True

@@ -153,10 +153,12 @@ def test_a_failing_sealer_raises_a_channel_error_and_threads_are_joined(monkeypa
     chans[1].send(0, 4, {"n": 2}, _tensors())  # the channel goes on; the broken message is abandoned
     m = chans[0].recv(timeout=10)
     assert m is not None and m.header == {"n": 2}
-    assert any(t.name.startswith("hpcfed-crypto1") for t in threading.enumerate())
+    # this pair's pool threads (other tests' channels may still hold threads of the same name)
+    threads = [t for ch in chans if ch._sealers is not None for t in ch._sealers._threads]
+    assert threads and all(t.name.startswith("hpcfed-crypto") and t.is_alive() for t in threads)
     for ch in chans:
         ch.close()
-    assert not any(t.name.startswith("hpcfed-crypto") for t in threading.enumerate())
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_crypto_threads_default_and_validation():
