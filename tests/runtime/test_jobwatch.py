@@ -17,6 +17,14 @@ def _fake_rank(log_dir, rank: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
+def _reap(procs: list[subprocess.Popen]) -> None:
+    """Kill and wait for each: a Popen dropped unwaited warns (ResourceWarning) in whichever test
+    the garbage collector happens to run in."""
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def _registered(log_dir, n: int) -> None:
     deadline = time.monotonic() + 30
     while not all((log_dir / f"rank{r}.pid").exists() for r in range(n)):
@@ -39,8 +47,7 @@ def test_first_dead_rank_is_named_and_leftovers_are_killed(tmp_path):
         for proc in ranks:
             assert proc.wait(timeout=10) != 0
     finally:
-        for proc in ranks:
-            proc.kill()
+        _reap(ranks)
 
 
 def test_server_done_kills_dropped_clients_at_once(tmp_path):
@@ -70,9 +77,7 @@ def test_server_done_kills_dropped_clients_at_once(tmp_path):
         assert ranks[2].wait(timeout=5) != 0
         assert jobwatch.exit_status(tmp_path, 0) == 0 and jobwatch.exit_status(tmp_path, 2) is None
     finally:
-        for proc in ranks:
-            proc.kill()
-        launcher.kill()
+        _reap([*ranks, launcher])
 
 
 def test_open_mpi_report_names_the_first_rank(tmp_path):
