@@ -451,12 +451,10 @@ class EventsTask(Task):
     # resumable state
 
     def state_dict(self) -> Bundle:
-        header, arrays = torch_state.optimizer_state(self.optimizer)
-        _, rng = torch_state.rng_state()
-        out: dict[str, np.ndarray] = {**arrays, **rng}
+        head, out = torch_state.training_state(self.optimizer)
         if self.local_flat is not None:
             out["local"] = self.local_flat
-        head: dict[str, Any] = {"optimizer": header, "last_lambda": self.last_lambda}
+        head["last_lambda"] = self.last_lambda
         if self.personal is not None:
             ph, pa = torch_state.optimizer_state(self.personal_optimizer)
             head["personal_optimizer"] = ph
@@ -466,9 +464,7 @@ class EventsTask(Task):
 
     def load_state_dict(self, state: Bundle) -> None:
         header, arrays = state
-        if "optimizer" in header:
-            torch_state.load_optimizer_state(self.optimizer, header["optimizer"],
-                                             {k: v for k, v in arrays.items() if k.startswith("opt/")})
+        torch_state.load_training_state(self.optimizer, header, arrays)
         if "local" in arrays:
             self.local_flat = np.array(arrays["local"], dtype=np.float32)
         self.last_lambda = float(header.get("last_lambda", 1.0))
@@ -476,4 +472,3 @@ class EventsTask(Task):
             self._load_flat(self.personal, arrays["personal"])
             torch_state.load_optimizer_state(self.personal_optimizer, header["personal_optimizer"],
                                              {k[1:]: v for k, v in arrays.items() if k.startswith("popt/")})
-        torch_state.load_rng_state(arrays)

@@ -343,18 +343,14 @@ class HINTask(Task):
 
     # -- resumable state ------------------------------------------------------------------------
     def state_dict(self) -> Bundle:
-        header, arrays = torch_state.optimizer_state(self.optimizer)
-        _, rng = torch_state.rng_state()
+        header, arrays = torch_state.training_state(self.optimizer)
         best = {f"best/{k}": v for k, v in (self.best_params or {}).items()}
-        return {"optimizer": header, "steps": self.steps, "best_val": self.best_val}, {**arrays, **rng, **best}
+        return {**header, "steps": self.steps, "best_val": self.best_val}, {**arrays, **best}
 
     def load_state_dict(self, state: Bundle) -> None:
         header, arrays = state
-        if "optimizer" in header:
-            torch_state.load_optimizer_state(self.optimizer, header["optimizer"],
-                                             {k: v for k, v in arrays.items() if k.startswith("opt/")})
+        torch_state.load_training_state(self.optimizer, header, arrays)
         self.steps = int(header.get("steps", 0))
         self.best_val = float(header.get("best_val", -1.0))
         best = {k[5:]: np.array(v) for k, v in arrays.items() if k.startswith("best/")}
         self.best_params = best or None
-        torch_state.load_rng_state(arrays)

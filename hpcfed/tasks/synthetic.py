@@ -173,13 +173,7 @@ class SyntheticTask(Task):
 
     # -- resumable state ------------------------------------------------------------------------
     def state_dict(self) -> Bundle:
-        header, arrays = torch_state.optimizer_state(self.optimizer)
-        _, rng = torch_state.rng_state()
-        return {"optimizer": header}, {**arrays, **rng}
+        return torch_state.training_state(self.optimizer)
 
     def load_state_dict(self, state: Bundle) -> None:
-        header, arrays = state
-        if "optimizer" in header:
-            torch_state.load_optimizer_state(self.optimizer, header["optimizer"],
-                                             {k: v for k, v in arrays.items() if k.startswith("opt/")})
-        torch_state.load_rng_state(arrays)
+        torch_state.load_training_state(self.optimizer, *state)

@@ -315,20 +315,16 @@ class TorchTask(Task):
         return [n for n in self.model.state_dict() if n not in shared and (n in trainable or n in buffers)]
 
     def state_dict(self) -> Bundle:
-        header, arrays = torch_state.optimizer_state(self.optimizer)
-        _, rng = torch_state.rng_state()
+        header, arrays = torch_state.training_state(self.optimizer)
         state = self.model.state_dict()
         local = {LOCAL_PREFIX + n: _wire_array(state[n]) for n in self._local_names()}
-        return {"optimizer": header}, {**arrays, **rng, **local}
+        return header, {**arrays, **local}
 
     def load_state_dict(self, state: Bundle) -> None:
         import torch
 
         header, arrays = state
-        if "optimizer" in header:
-            torch_state.load_optimizer_state(self.optimizer, header["optimizer"],
-                                             {k: v for k, v in arrays.items() if k.startswith("opt/")})
-        torch_state.load_rng_state(arrays)
+        torch_state.load_training_state(self.optimizer, header, arrays)
         model_state = self.model.state_dict()
         with torch.no_grad():
             for key, value in arrays.items():

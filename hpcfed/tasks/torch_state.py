@@ -100,3 +100,18 @@ def load_rng_state(arrays: dict[str, np.ndarray]) -> None:
 
     if "rng/torch" in arrays:
         torch.set_rng_state(torch.as_tensor(np.asarray(arrays["rng/torch"], dtype=np.uint8)))
+
+
+def training_state(optimizer: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A torch task's resumable core: ``({"optimizer": header}, optimizer arrays + torch RNG)``;
+    a task adds its own keys to both."""
+    header, arrays = optimizer_state(optimizer)
+    _, rng = rng_state()
+    return {"optimizer": header}, {**arrays, **rng}
+
+
+def load_training_state(optimizer: Any, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Undo `training_state` (a header without "optimizer", from before any step, leaves it as is)."""
+    if "optimizer" in header:
+        load_optimizer_state(optimizer, header["optimizer"], {k: v for k, v in arrays.items() if k.startswith("opt/")})
+    load_rng_state(arrays)
