@@ -4,7 +4,9 @@ Runs the quickstart (configs/quickstart.yaml, sync FedAvg) under real `mpiexec -
 client playing each runtime attack (`hpcfed.client.attacks`), plus the async flood against FedAsync,
 and prints the honest sites' mean test accuracy beside the no-attack run of the same mode:
 
-    python tools/insider_attacks.py [--json] [--out DIR]
+    python tools/insider_attacks.py [--json] [--out DIR] [key=value ...]
+
+Overrides apply to every run (e.g. `influence.clip_factor=2` to measure another bound).
 
 Goal (issue 12): the honest mean drops by at most 0.05 in every case, and summary.json names no
 honest client as failed or dropped.
@@ -38,7 +40,8 @@ CASES = [  # (name, mode overrides, attack)
 ]
 
 
-def run_case(out: Path, overrides: list[str], attack: str | None, timeout: float = 600) -> dict:
+def run_case(out: Path, overrides: list[str], attack: str | None, timeout: float = 600,
+             common: list[str] = ()) -> dict:
     """Run one federation; return its summary.json (or the failure)."""
     cfg = QUICKSTART
     if "~strategy.weighting" in overrides:  # FedAsync has no weighting option
@@ -46,7 +49,7 @@ def run_case(out: Path, overrides: list[str], attack: str | None, timeout: float
         cfg = out.parent / "quickstart_async.yaml"
         cfg.write_text(text)
         overrides = [o for o in overrides if not o.startswith("~")]
-    args = [*overrides, *([f"attack={attack}"] if attack else [])]
+    args = [*overrides, *common, *([f"attack={attack}"] if attack else [])]
     env = {**os.environ, "HPCFED_PSK": os.environ.get("HPCFED_PSK") or secrets.token_hex(32)}
     cmd = [shutil.which("mpiexec") or "mpiexec", "-n", str(NUM_RANKS), sys.executable, "-m", "hpcfed", "run",
            str(cfg), "--out", str(out), "--force", *args]
@@ -67,12 +70,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="insider_"))
     root.mkdir(parents=True, exist_ok=True)
     rows, baseline = [], {}
     for i, (name, overrides, attack) in enumerate(CASES):
-        summary = run_case(root / f"case{i}", overrides, attack)
+        summary = run_case(root / f"case{i}", overrides, attack, common=args.overrides)
         mode = "async" if overrides else "sync"
         mean = None if summary.get("failed") else honest_mean(summary)
         if attack is None:

@@ -8,12 +8,21 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   every live site has made that first claim (the first synchronous round) the sites weigh the same,
   so a site that opens with ``num_examples = 1e12`` gains nothing.
 - **How far it moves the model.** The distance ``||θ_k - θ_ref||`` of the upload from the model it
-  was sent (``θ_ref = strategy.model_for(k)``) is clipped to ``clip_factor`` x the median distance
-  of the recently accepted uploads (the last ``2K``), and an upload farther than ``reject_factor`` x
-  that median is refused outright (finite but enormous parameters, e.g. x1e30). Before any upload
-  has been accepted the reference distance is ``||θ_ref||`` itself (``sqrt(P)`` for an all-zero
-  model). Once the federation has taken a step, an upload pointing against it (negative cosine
-  with the last aggregate step) is refused: a sign-flipping site gains nothing.
+  was sent (``θ_ref = strategy.model_for(k)``) is clipped to ``clip_factor`` x the typical distance,
+  and an upload farther than ``reject_factor`` x that is refused outright (finite but enormous
+  parameters, e.g. x1e30). The typical distance is the median of the distances the recent uploads
+  (the last ``2K``, one per site and round) asked for, refused and clipped ones included: a median
+  follows the honest majority as their steps grow or shrink, and one site of K holds at most 1/K of
+  the history. (Recording the clipped distances instead ratchets the bound down round after round
+  until every honest upload is refused.)
+- **The first round**, with no history: an upload is clipped to the model's own norm
+  ``||θ_ref||`` (``sqrt(P)`` for an all-zero model), so one site moves the first aggregate by at
+  most 1/K of the model's size, and refused beyond ``reject_factor`` x ``max(||θ_ref||, sqrt(P))``,
+  so a model initialised near zero (gensim's vectors, LoRA's B matrices) may still learn.
+
+There is deliberately no rule on an upload's direction (e.g. refusing one that points against the
+last aggregate step): one skewed step would then make the honest majority's corrections look hostile
+and refuse them, round after round. A sign-flipping site is bounded by the clip like any other.
 
 Clipping is done in blocks, so it needs no second copy of the model (rank 0 stays O(model)). The
 state (claimed sizes, recent distances) is part of the server checkpoint, so a resumed run repeats
@@ -31,7 +40,6 @@ import numpy as np
 from hpcfed.config import InfluenceConfig
 
 _BLOCK = 1 << 20  # elements per block of the distance and clipping passes
-_STEP_SAMPLES = 1 << 20  # coordinates of the last step kept for the direction check (4 MiB at most)
 
 
 class Refused(Exception):
@@ -48,7 +56,6 @@ class InfluenceGuard:
         self._typical: float | None = None
         self._pending: list[tuple[int, float]] = []  # this round's distances, kept in client order
         self.clipped = 0
-        self.step: np.ndarray | None = None  # the last aggregate step, on every `stride`-th coordinate
 
     # -- rounds ---------------------------------------------------------------------------------
     def begin_round(self, live: set[int]) -> None:
@@ -76,48 +83,28 @@ class InfluenceGuard:
         if not self.config.enabled:
             return 0.0
         distance = _distance(flat, reference)
-        along = self._cosine_with_step(flat, reference)
-        # Before any upload was accepted: the model's own norm (sqrt(P) for an all-zero model).
-        typical = self._typical if self._typical is not None else (_norm(reference) or math.sqrt(flat.size))
-        typical = max(typical, 1e-12)
-        if not math.isfinite(distance) or distance > self.config.reject_factor * typical:
+        if not math.isfinite(distance):
+            raise Refused(f"moves the model {distance:.3g} away (not a finite distance)")
+        self._pending.append((cid, distance))  # what the site asked for, whatever is done with it
+        if self._typical is not None:
+            clip_at = reject_at = self._typical
+        else:  # the first round: the model's own size
+            norm = _norm(reference)
+            clip_at, reject_at = norm or math.sqrt(flat.size), max(norm, math.sqrt(flat.size))
+        clip_at, reject_at = max(clip_at, 1e-12), max(reject_at, 1e-12)
+        if distance > self.config.reject_factor * reject_at:
             raise Refused(f"moves the model {distance:.3g} away, {self.config.reject_factor:g} x the typical "
-                          f"{typical:.3g} is the limit")
-        if along is not None and along < 0.0:
-            raise Refused(f"points against the federation's last step (cosine {along:.3f})")
-        limit = self.config.clip_factor * typical
+                          f"{reject_at:.3g} is the limit")
+        limit = self.config.clip_factor * clip_at
         if distance > limit:
             _scale_towards(flat, reference, limit / distance)
             self.clipped += 1
-        self._pending.append((cid, min(distance, limit)))
         return distance
 
     def settle(self) -> None:
         """The round (or async upload) is over: its distances join the history, in client order."""
         self.distances.extend(d for _, d in sorted(self._pending))
         self._pending.clear()
-
-    @staticmethod
-    def stride(size: int) -> int:
-        """Every how many coordinates the step is sampled (all of them up to 1 M parameters)."""
-        return max(1, -(-size // _STEP_SAMPLES))
-
-    def sample(self, flat: np.ndarray) -> np.ndarray:
-        return flat[:: self.stride(flat.size)].copy()
-
-    def end_round(self, before_sample: np.ndarray, after: np.ndarray) -> None:
-        """Remember the aggregate step (`before_sample` is `sample(model before the round)`)."""
-        if self.config.enabled:
-            self.step = np.subtract(after[:: self.stride(after.size)], before_sample, dtype=np.float32)
-        self.settle()
-
-    def _cosine_with_step(self, flat: np.ndarray, reference: np.ndarray) -> float | None:
-        if self.step is None:
-            return None
-        k = self.stride(flat.size)
-        d = flat[::k].astype(np.float64) - reference[::k]
-        norms = float(np.linalg.norm(d)) * float(np.linalg.norm(self.step.astype(np.float64)))
-        return float(np.dot(d, self.step)) / norms if norms > 0 and math.isfinite(norms) else None
 
     # -- checkpointing --------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -171,10 +171,7 @@ class Server:
             return None
         check_resume_compatible(ckpt.config, self.cfg, where=str(ckpt.path))
         header, arrays = ckpt.strategy
-        arrays = dict(arrays)
-        step = arrays.pop(_STEP_KEY, None)
         self.strategy.load_state_dict((header, arrays))
-        self.influence.step = None if step is None else np.array(step, dtype=np.float32)
         self.updates_accepted = int(ckpt.meta.get("updates_accepted", 0))
         self.influence.load_state(ckpt.meta.get("influence"))
         self.last_checkpoint = ckpt.path
@@ -255,10 +252,8 @@ class Server:
             for c in missing:
                 self.metrics.log(rnd, c, "straggler", 1)
         updates = [got[c][0] for c in sorted(got) if c not in refused]
-        before = self.influence.sample(self.strategy.global_flat) if self.cfg.influence.enabled else None
         self.strategy.end_round(rnd)
-        if before is not None:
-            self.influence.end_round(before, self.strategy.global_flat)
+        self.influence.settle()
         self.strategy.version += 1
         self.updates_accepted += len(updates)
         for upd in updates:
@@ -528,8 +523,6 @@ class Server:
                 "rejected": self.rejected, "influence": self.influence.state()}
         refs = {cid: {"digest": ref["digest"], "path": ref["path"]} for cid, ref in sites.items() if ref}
         header, arrays = self.strategy.state_dict()
-        if self.influence.step is not None:
-            arrays = {**arrays, _STEP_KEY: self.influence.step}
         ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
                                    strategy=(header, arrays), sites=refs, meta=meta)
         self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints,
@@ -706,7 +699,6 @@ def _error_text(header: dict) -> str:
     return " ".join(error[:500].split()) if isinstance(error, str) else "unknown error"
 
 
-_STEP_KEY = "influence_step"  # bounded influence's last aggregate step, beside the strategy's arrays
 _MAX_NAME = 128
 
 

@@ -41,6 +41,11 @@ def test_joint_run_writes_exports_and_models(joint_run: Path) -> None:
         with h5py.File(joint_run / "embeddings" / f"site{k}.h5", "r") as f:
             assert f["doc/vectors"].shape == (40, 16)
         assert (joint_run / "models" / f"site{k}.h5").is_file()
+    # Joint learning really is joint: every round averaged both sites' uploads under the default
+    # bounded influence (which used to refuse doc2vec's first steps, so each site trained alone).
+    events = [json.loads(line) for line in (joint_run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["value"] for e in events if e["name"] == "num_updates"] == [2, 2]
+    assert summary["rejected"]["runtime"] == {}
 
 
 def test_live_search_matches_offline(joint_run: Path) -> None:

@@ -53,12 +53,73 @@ def test_an_upload_is_clipped_to_the_typical_distance_and_refused_far_beyond_it(
         guard.bound(1, np.full(4, 1e30, dtype=np.float32), ref)
 
 
-def test_an_upload_against_the_last_step_is_refused():
+def test_growing_honest_steps_are_followed_not_ratcheted_away():
+    """The bound follows the honest majority: steps that double every round (a learning-rate warm-up,
+    a summed update) are clipped at most, never refused; clipped distances used to shrink the
+    bound until every honest upload was refused."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    ref = np.zeros(64, dtype=np.float32)
+    for rnd in range(12):
+        guard.begin_round({0, 1, 2})
+        for cid in range(3):
+            step = np.zeros(64, dtype=np.float32)
+            step[cid] = 2.0 ** rnd * (1 + 0.1 * cid)
+            guard.bound(cid, step, ref)  # raises Refused if refused
+        guard.settle()
+    assert guard.clipped < 3 * 12
+
+
+def test_a_model_initialised_near_zero_may_learn_in_its_first_round():
+    """gensim starts its vectors at +-0.5/dim: an honest first step is many times the model's own
+    norm. The first round clips it to that norm (no site moves the first aggregate by more than
+    1/K of the model) but refuses only beyond 10 x sqrt(P); from the second round on the history
+    says such steps are typical."""
+    rng = np.random.default_rng(0)
+    ref = rng.uniform(-0.01, 0.01, 10_000).astype(np.float32)  # norm ~0.58
+    step = rng.normal(0, 0.2, ref.size).astype(np.float32)  # moves ~20, 35 x the norm
     guard = InfluenceGuard(InfluenceConfig(), num_clients=2)
-    guard.end_round(guard.sample(np.zeros(3, np.float32)), np.array([1, 1, 0], np.float32))
-    guard.bound(0, np.array([0.5, 0.4, 0.1], np.float32), np.zeros(3, np.float32))
-    with pytest.raises(Refused, match="against"):
-        guard.bound(1, np.array([-0.5, -0.4, 0.0], np.float32), np.zeros(3, np.float32))
+    for rnd in range(2):
+        guard.begin_round({0, 1})
+        for cid in range(2):
+            trained = ref + step
+            assert guard.bound(cid, trained, ref) == pytest.approx(np.linalg.norm(step), rel=1e-4)
+            moved = float(np.linalg.norm(trained - ref))
+            if rnd == 0:
+                assert moved == pytest.approx(np.linalg.norm(ref), rel=1e-4)  # clipped to the model's norm
+            else:
+                np.testing.assert_array_equal(trained, ref + step)  # typical now: untouched
+        guard.settle()
+
+
+def test_one_site_of_four_cannot_move_the_bound():
+    """A site that asks for a million-fold step every round holds 1/4 of the history: the median
+    stays at the honest sites' distance, and the liar is refused every round."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=4)
+    ref = np.zeros(16, dtype=np.float32)
+    for _ in range(10):
+        guard.begin_round({0, 1, 2, 3})
+        for cid in range(3):
+            guard.bound(cid, np.full(16, 0.25, dtype=np.float32), ref)  # distance 1
+        with pytest.raises(Refused, match="away"):  # 1e6 away: beyond 10 x sqrt(P) at first, then 10 x 1
+            guard.bound(3, np.full(16, 0.25e6, dtype=np.float32), ref)
+        guard.settle()
+    assert guard._typical == pytest.approx(1.0)
+
+
+def test_a_skewed_round_does_not_turn_the_honest_majority_away():
+    """No direction rule: after a round one site pulled its way, the honest sites' corrections
+    (pointing against that step) are taken, clipped at most, never refused."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=4)
+    ref = np.zeros(8, dtype=np.float32)
+    guard.begin_round({0, 1, 2, 3})
+    for cid in range(4):
+        guard.bound(cid, np.full(8, 1.0 if cid == 3 else 0.1, dtype=np.float32), ref)
+    guard.settle()
+    guard.begin_round({0, 1, 2, 3})
+    for cid in range(3):
+        correction = np.full(8, -0.1, dtype=np.float32)
+        guard.bound(cid, correction, ref)
+        np.testing.assert_array_equal(correction, np.full(8, -0.1, dtype=np.float32))
 
 
 def test_influence_state_round_trips_for_resume():

@@ -1,6 +1,10 @@
 """One malicious site among four under the DEFAULT config, real mpiexec: the honest sites' test
 accuracy stays within 0.05 of the no-attack run and no honest site is blamed
-(the full table, with the async flood: tools/insider_attacks.py)."""
+(the full table, with the async flood: tools/insider_attacks.py).
+
+The quickstart as it is (8 rounds): the first round has no history of typical distances, so an
+attacker's first upload is bounded only by the model's own norm; the honest sites need the rest of
+the run to undo it (at 6 rounds the sign flip still costs ~0.05)."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ def runs(tmp_path_factory):
     out = {}
     for attack in (None, "claim_examples", "scale", "sign_flip"):
         folder = root / (attack or "baseline")
-        run_cli(["run", "configs/quickstart.yaml", "--out", str(folder), "rounds=6",
+        run_cli(["run", "configs/quickstart.yaml", "--out", str(folder),
                  *([f"attack={attack}"] if attack else [])], np=5, timeout=400)
         out[attack] = json.loads((folder / "summary.json").read_text())
     return out
