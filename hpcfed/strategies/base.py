@@ -48,6 +48,9 @@ class Strategy(ABC):
 
     name: ClassVar[str] = ""
     synchronous: ClassVar[bool] = True
+    # Does one site's upload reach another site's model? Then the server bounds its influence
+    # (`hpcfed.server.influence`); a strategy that keeps every site to itself says False.
+    shares_updates: ClassVar[bool] = True
 
     @dataclass(kw_only=True)
     class Config:

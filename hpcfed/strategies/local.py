@@ -19,6 +19,7 @@ from hpcfed.strategies.base import Strategy, Update
 class Local(Strategy):
     name = "local"
     synchronous = True
+    shares_updates = False  # a site's upload is its own next model: nothing to bound
 
     def initialize(self, initial: Params) -> None:
         super().initialize(initial)

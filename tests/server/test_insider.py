@@ -232,3 +232,25 @@ def test_hostile_result_and_failure_headers_are_bounded(federation, metrics, err
     if ok:
         assert all(v is None or math.isfinite(float(v)) for v in metrics.values())
     assert len(_short(error)) <= 330
+
+
+def test_local_only_training_is_not_bounded(federation):
+    """`local` keeps every site to itself: its uploads are not clipped (a baseline must train as
+    the site trained), while a strategy that shares them is bounded."""
+    from hpcfed.strategies.base import StrategyContext, Update
+    from hpcfed.strategies.local import Local
+
+    server = federation[0]
+    shared, guard = server.strategy, server.influence
+    local = Local(Local.Config(), StrategyContext(num_clients=2, seed=0))
+    local.initialize({"w": np.zeros(SIZE, dtype=np.float32)})
+    try:
+        server.influence = InfluenceGuard(InfluenceConfig(), num_clients=2)
+        server.influence.begin_round({0, 1})
+        far = np.full(SIZE, 100.0, dtype=np.float32)  # 245 away from a zero model: beyond 10 x sqrt(P)
+        server.strategy = local
+        assert server._bounded(1, Update(client_id=0, flat=far.copy(), num_examples=1))
+        server.strategy = shared
+        assert not server._bounded(1, Update(client_id=0, flat=far.copy(), num_examples=1))
+    finally:
+        server.strategy, server.influence = shared, guard
