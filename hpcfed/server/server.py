@@ -294,7 +294,8 @@ class Server:
 
     def _bounded(self, rank: int, upd: Update) -> bool:
         """Apply bounded influence (`hpcfed.server.influence`) to one upload, in place; False when it
-        is out of range (rejected and counted; the site is answered as usual)."""
+        is out of range (rejected and counted; the site is answered as usual). Nothing to bound
+        where no site's upload reaches another's model."""
         if not self.strategy.shares_updates or self.num_clients < 2:
             return True  # each site keeps to itself (local-only, or a centralized baseline's one site)
         upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
