@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ CASES = [  # (name, mode overrides, attack)
 
 
 def run_case(out: Path, overrides: list[str], attack: str | None, timeout: float = 600,
-             common: list[str] = ()) -> dict:
+             common: Sequence[str] = ()) -> dict:
     """Run one federation; return its summary.json (or the failure)."""
     cfg = QUICKSTART
     if "~strategy.weighting" in overrides:  # FedAsync has no weighting option

@@ -11,9 +11,9 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   was sent (``θ_ref = strategy.model_for(k)``) is clipped to ``clip_factor`` x the typical distance,
   and an upload farther than ``reject_factor`` x that is refused outright (finite but enormous
   parameters, e.g. x1e30). The typical distance is the median of the distances the recent uploads
-  (the last ``2K``, one per site and round) asked for, refused and clipped ones included: a median
-  follows the honest majority as their steps grow or shrink, and one site of K holds at most 1/K of
-  the history. (Recording the clipped distances instead ratchets the bound down round after round
+  (the last ``2K``; a site has one per round, or one in flight when async) asked for, refused and
+  clipped ones included: a median follows the honest majority as their steps grow or shrink, and
+  one site of K holds at most 1/K of the history. (Recording the clipped distances instead ratchets the bound down round after round
   until every honest upload is refused.)
 - **The first round**, with no history: an upload is clipped to the model's own norm
   ``||θ_ref||`` (``sqrt(P)`` for an all-zero model), so one site moves the first aggregate by at
