@@ -57,8 +57,25 @@ def _write(path: Path, text: str) -> None:
 
 def clear(log_dir: Path) -> None:
     """Forget an earlier attempt's ranks (the output folder is reused by --resume)."""
-    for stale in [*log_dir.glob("rank*.pid"), *log_dir.glob("rank*.exit")]:
+    for stale in [*log_dir.glob("rank*.pid"), *log_dir.glob("rank*.exit"), *log_dir.glob("rank*.lifeline")]:
         stale.unlink(missing_ok=True)
+
+
+def hold_lifeline(log_dir: Path, rank: int) -> bool:
+    """Hold this rank's lifeline (a FIFO the launcher reads) open as file descriptor 0.
+
+    A dying process closes its descriptors in increasing order, so the launcher sees descriptor 0
+    close before the MPI launcher sees this rank's PMI socket or output close, and so before it
+    kills any other rank: the order in which lifelines close is the order in which ranks died,
+    however long each took to finish dying. Ranks never read stdin. False (and nothing changed)
+    when no launcher is reading, e.g. under plain mpiexec or srun, or on another node."""
+    try:
+        fd = os.open(log_dir / f"rank{rank}.lifeline", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: nobody reads it; ENOENT: not launched by `hpcfed run --np`
+        return False
+    os.dup2(fd, 0, inheritable=False)  # not passed to programs the rank runs
+    os.close(fd)
+    return True
 
 
 def exit_status(log_dir: Path, rank: int) -> int | None:
@@ -98,42 +115,60 @@ def failures(log_dir: Path, np: int) -> list[Failure]:
 class RankWatch:
     """Which of the job's `np` ranks (on this host) are alive, and in which order they ended.
 
-    Each rank gets a thread blocked on its pidfd that timestamps the end the moment it is woken.
-    One poll over all ranks would lose the order whenever this process is scheduled only after
-    mpiexec has already killed the others (a loaded node), and so would name the wrong rank."""
+    All ranks' pidfds sit in one epoll set. The kernel queues ready pidfds in the order their
+    processes ended and epoll hands them back in that order, so the order holds however late this
+    process is scheduled: on a loaded node mpiexec may have killed every other rank before the
+    launcher runs again, and a per-rank timestamp taken on waking (by a thread, after it gets the
+    GIL) would then name whichever thread ran first, not the rank that died first."""
 
     def __init__(self, log_dir: Path, np: int) -> None:
         self.log_dir, self.np = log_dir, np
         self.pids: dict[int, int] = {}  # rank -> pid; -1 for a rank on another host
         self.reported: list[int] = []  # ranks mpiexec itself said ended badly, in order
-        self._ends: dict[int, float] = {}  # rank -> when its end was seen
-        self._wall_ends: dict[int, float] = {}  # the same, as wall-clock time (to compare with files' mtimes)
-        self._fds: dict[int, int] = {}  # rank -> pidfd, while it runs
-        self._lock = threading.Lock()
-        self._changed = threading.Event()
-        self._pidfds = hasattr(os, "pidfd_open")
+        self._order: list[int] = []  # ranks in the order they ended
+        self._wall_ends: dict[int, float] = {}  # when each end was seen (to compare with files' mtimes)
+        self._fds: dict[int, int] = {}  # rank -> pidfd
+        self._lifelines: dict[int, int] = {}  # rank -> read end of its lifeline
+        self._ranks_by_fd: dict[int, int] = {}  # pidfds and lifelines
+        self._epoll = select.epoll() if hasattr(os, "pidfd_open") else None
+
+    def open_lifelines(self) -> None:
+        """Before the ranks start: make each rank's lifeline (see `hold_lifeline`) and read it.
+        The pidfds alone give the order in which ranks *finished* dying; on a loaded node a
+        killed client can finish after the server that mpiexec killed because of it."""
+        if self._epoll is None:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for rank in range(self.np):
+            path = self.log_dir / f"rank{rank}.lifeline"
+            try:
+                path.unlink(missing_ok=True)
+                os.mkfifo(path, 0o600)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            except OSError:
+                continue  # a file system without FIFOs: the pidfds still tell the order
+            self._lifelines[rank], self._ranks_by_fd[fd] = fd, rank
+            # EPOLLHUP comes once the rank has opened it and closed it again, not before.
+            self._epoll.register(fd, select.EPOLLIN)
 
     @property
     def ended(self) -> list[int]:
-        with self._lock:
-            return sorted(self._ends, key=self._ends.__getitem__)
+        return list(self._order)
 
     def first_dead(self) -> int | None:
         """The rank that ended first, once every rank had started (None before that)."""
         if self.reported:
             return self.reported[0]
-        ended = self.ended
-        return ended[0] if ended and len(self.pids) == self.np else None
+        return self._order[0] if self._order and len(self.pids) == self.np else None
 
     def ended_at(self, rank: int) -> float | None:
         """Wall-clock time at which `rank`'s end was seen (None if it was not seen end)."""
-        with self._lock:
-            return self._wall_ends.get(rank)
+        return self._wall_ends.get(rank)
 
     def scan(self, line: str) -> None:
         """Read one line of mpiexec's output for its report of a rank that ended badly. (Open MPI
         names the rank; MPICH's Hydra prints a PID, but that of the first local process, not the
-        one that failed, so it is not used.)"""
+        one that failed, so it is not used.) Called from the output relay threads."""
         found = _OMPI_REPORT.search(line)
         if found:
             self.reported.append(int(found.group(1)))
@@ -153,58 +188,65 @@ class RankWatch:
                 continue
             self.pids[rank] = int(pid_text)
             self._watch(rank, int(pid_text))
-        if self._pidfds:
-            self._changed.wait(wait_s)
-            self._changed.clear()
+        if self._epoll is not None:
+            for fd, _ in self._epoll.poll(max(wait_s, 0)):
+                rank = self._ranks_by_fd[fd]
+                if fd in self._lifelines.values() and rank not in self.pids:
+                    self.pids[rank] = -1  # its pid file is not read yet: count it as started
+                self._record(rank)
             return
         time.sleep(wait_s)
         for rank, pid in sorted(self.pids.items()):
-            if pid > 0 and rank not in self._ends and not alive(pid):
+            if pid > 0 and rank not in self._wall_ends and not alive(pid):
                 self._record(rank)
 
     def _watch(self, rank: int, pid: int) -> None:
-        if not self._pidfds:
+        if self._epoll is None:
             return
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
             self._record(rank)
             return
-        self._fds[rank] = fd
-
-        def wait_for_end() -> None:
-            select.select([fd], [], [])  # readable once the process has ended
-            self._record(rank)
-
-        threading.Thread(target=wait_for_end, name=f"rank{rank}-watch", daemon=True).start()
+        self._fds[rank], self._ranks_by_fd[fd] = fd, rank
+        if rank in self._wall_ends:
+            return  # its lifeline closed already
+        self._epoll.register(fd, select.EPOLLIN)
 
     def _record(self, rank: int) -> None:
-        with self._lock:
-            if rank not in self._ends:
-                self._ends[rank], self._wall_ends[rank] = time.monotonic(), time.time()
-        self._changed.set()
+        if rank in self._wall_ends:
+            return
+        self._order.append(rank)
+        self._wall_ends[rank] = time.time()
+        for fd in (self._fds.get(rank), self._lifelines.get(rank)):
+            if fd is not None:
+                self._epoll.unregister(fd)  # ready for good now: do not report it again
 
     def running(self) -> list[int]:
-        if self._pidfds:
-            return sorted(r for r in self._fds if r not in self._ends)
-        return [r for r, pid in sorted(self.pids.items()) if pid > 0 and r not in self._ends and alive(pid)]
+        if self._epoll is not None:
+            return sorted(r for r in self._fds if r not in self._wall_ends)
+        return [r for r, pid in sorted(self.pids.items()) if pid > 0 and r not in self._wall_ends and alive(pid)]
 
     def kill(self, ranks: list[int]) -> None:
         """SIGKILL these ranks; through their pidfds where possible, so a recycled pid is never hit."""
         for rank in ranks:
             try:
                 if rank in self._fds:
-                    if rank not in self._ends:
+                    if rank not in self._wall_ends:
                         signal.pidfd_send_signal(self._fds[rank], signal.SIGKILL)
-                elif not self._pidfds and self.pids.get(rank, -1) > 0:
+                elif self._epoll is None and self.pids.get(rank, -1) > 0:
                     os.kill(self.pids[rank], signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
     def close(self) -> None:
-        """Close the pidfds of ranks that have ended (a running one's thread still waits on its fd)."""
-        for rank in [r for r in self._fds if r in self._ends]:
-            os.close(self._fds.pop(rank))
+        """Close the pidfds, the lifelines and the epoll set."""
+        for fd in [*self._fds.values(), *self._lifelines.values()]:
+            os.close(fd)
+        self._fds.clear()
+        self._lifelines.clear()
+        if self._epoll is not None:
+            self._epoll.close()
 
 
 def follow(proc: subprocess.Popen, watch: RankWatch, *, finished: Callable[[], list[int] | None],

@@ -171,8 +171,14 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     log_dir = out / "logs"
     jobwatch.clear(log_dir)
     launched = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     watch = jobwatch.RankWatch(log_dir, np)
+    watch.open_lifelines()
+    # No rank reads stdin (each holds its lifeline there), so mpiexec has nothing to forward.
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError:
+        watch.close()
+        raise
     code = jobwatch.follow(proc, watch, finished=lambda: _dropped_clients(out, launched))
     if code == 0:
         return 0
@@ -250,6 +256,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
     log = logging.getLogger("hpcfed")
     log.debug("rank %d pid %d on %s", rank, os.getpid(), socket.gethostname())
     jobwatch.write_pid(out_dir / "logs", rank)
+    jobwatch.hold_lifeline(out_dir / "logs", rank)
     try:
         _check_world(cfg, size)
         if rank == 0:

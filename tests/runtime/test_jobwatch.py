@@ -10,10 +10,10 @@ import time
 from hpcfed import jobwatch
 
 
-def _fake_rank(log_dir, rank: int) -> subprocess.Popen:
-    """A process that registers as rank `rank` the way `run_rank` does, then sleeps."""
-    code = f"from pathlib import Path; from hpcfed import jobwatch; import time; " \
-           f"jobwatch.write_pid(Path({str(log_dir)!r}), {rank}); time.sleep(120)"
+def _fake_rank(log_dir, rank: int, then: str = "") -> subprocess.Popen:
+    """A process that registers as rank `rank` the way `run_rank` does, runs `then`, then sleeps."""
+    code = f"from pathlib import Path; from hpcfed import jobwatch; import os, time; log = Path({str(log_dir)!r}); " \
+           f"jobwatch.write_pid(log, {rank}); jobwatch.hold_lifeline(log, {rank}); {then or 'pass'}; time.sleep(120)"
     return subprocess.Popen([sys.executable, "-c", code])
 
 
@@ -48,6 +48,60 @@ def test_first_dead_rank_is_named_and_leftovers_are_killed(tmp_path):
             assert proc.wait(timeout=10) != 0
     finally:
         _reap(ranks)
+
+
+def test_the_order_of_ends_holds_when_the_watch_looks_late(tmp_path):
+    """On a loaded node the launcher may run again only after mpiexec has killed every other rank:
+    the rank that died first is still the one named (the CI failure of stop 18 named the server)."""
+    ranks = [_fake_rank(tmp_path, r) for r in range(3)]
+    watch = jobwatch.RankWatch(tmp_path, 3)
+    try:
+        _registered(tmp_path, 3)
+        watch.update(0)
+        for r in (2, 0, 1):  # each one dead before the next is killed, all before the watch looks
+            ranks[r].kill()
+            ranks[r].wait(timeout=30)
+        watch.update(0)
+        assert watch.ended == [2, 0, 1] and watch.first_dead() == 2
+        assert watch.running() == []
+    finally:
+        watch.close()
+        _reap(ranks)
+
+
+def test_a_rank_slow_to_finish_dying_is_still_named_first(tmp_path):
+    """Under load a SIGKILLed client can finish dying after the server that mpiexec killed because
+    of it. Its lifeline (descriptor 0, closed first of all) is what tells: here rank 2 closes it
+    (as a dying process does first) but lingers while the server dies and is reaped."""
+    watch = jobwatch.RankWatch(tmp_path, 3)
+    watch.open_lifelines()
+    ranks = [_fake_rank(tmp_path, 0), _fake_rank(tmp_path, 1),
+             _fake_rank(tmp_path, 2, then="time.sleep(1.5); os.close(0)")]
+    try:
+        _registered(tmp_path, 3)
+        watch.update(0)
+        deadline = time.monotonic() + 30
+        while 2 not in watch.ended:  # its lifeline has closed; the process lives on
+            assert time.monotonic() < deadline, "rank 2's lifeline never closed"
+            watch.update(0.1)
+        assert ranks[2].poll() is None
+        ranks[0].kill()
+        ranks[0].wait(timeout=30)
+        ranks[2].kill()
+        ranks[2].wait(timeout=30)
+        watch.update(0)
+        assert watch.ended[:2] == [2, 0] and watch.first_dead() == 2
+    finally:
+        watch.close()
+        _reap(ranks)
+
+
+def test_without_a_launcher_a_rank_keeps_its_stdin(tmp_path):
+    assert jobwatch.hold_lifeline(tmp_path, 0) is False  # no FIFO: plain mpiexec or srun
+    import os
+
+    os.mkfifo(tmp_path / "rank1.lifeline")
+    assert jobwatch.hold_lifeline(tmp_path, 1) is False  # a FIFO nobody reads (a stale one)
 
 
 def test_server_done_kills_dropped_clients_at_once(tmp_path):
