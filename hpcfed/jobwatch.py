@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -57,11 +59,16 @@ def _write(path: Path, text: str) -> None:
 
 def clear(log_dir: Path) -> None:
     """Forget an earlier attempt's ranks (the output folder is reused by --resume)."""
-    for stale in [*log_dir.glob("rank*.pid"), *log_dir.glob("rank*.exit"), *log_dir.glob("rank*.lifeline")]:
+    for stale in [*log_dir.glob("rank*.pid"), *log_dir.glob("rank*.exit")]:
         stale.unlink(missing_ok=True)
 
 
-def hold_lifeline(log_dir: Path, rank: int) -> bool:
+# The folder of the lifelines, set by the launcher in the ranks' environment. Node-local on purpose:
+# a rank on another node finds none and goes without.
+LIFELINES_ENV = "HPCFED_LIFELINES"
+
+
+def hold_lifeline(rank: int) -> bool:
     """Hold this rank's lifeline (a FIFO the launcher reads) open as file descriptor 0.
 
     A dying process closes its descriptors in increasing order, so the launcher sees descriptor 0
@@ -69,9 +76,12 @@ def hold_lifeline(log_dir: Path, rank: int) -> bool:
     kills any other rank: the order in which lifelines close is the order in which ranks died,
     however long each took to finish dying. Ranks never read stdin. False (and nothing changed)
     when no launcher is reading, e.g. under plain mpiexec or srun, or on another node."""
+    folder = os.environ.get(LIFELINES_ENV)
+    if not folder:
+        return False
     try:
-        fd = os.open(log_dir / f"rank{rank}.lifeline", os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:  # ENXIO: nobody reads it; ENOENT: not launched by `hpcfed run --np`
+        fd = os.open(Path(folder) / f"rank{rank}", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: nobody reads it; ENOENT: another node, or a finished launcher
         return False
     os.dup2(fd, 0, inheritable=False)  # not passed to programs the rank runs
     os.close(fd)
@@ -129,27 +139,30 @@ class RankWatch:
         self._wall_ends: dict[int, float] = {}  # when each end was seen (to compare with files' mtimes)
         self._fds: dict[int, int] = {}  # rank -> pidfd
         self._lifelines: dict[int, int] = {}  # rank -> read end of its lifeline
+        self._lifeline_dir: Path | None = None
         self._ranks_by_fd: dict[int, int] = {}  # pidfds and lifelines
         self._epoll = select.epoll() if hasattr(os, "pidfd_open") else None
 
-    def open_lifelines(self) -> None:
-        """Before the ranks start: make each rank's lifeline (see `hold_lifeline`) and read it.
-        The pidfds alone give the order in which ranks *finished* dying; on a loaded node a
-        killed client can finish after the server that mpiexec killed because of it."""
+    def open_lifelines(self) -> dict[str, str]:
+        """Before the ranks start: make each rank's lifeline (see `hold_lifeline`) in a private
+        folder of this node's temporary space (not the run directory, which users copy) and read
+        it. Returns the environment the ranks need to find them. The pidfds alone give the order
+        in which ranks *finished* dying; on a loaded node a killed client can finish after the
+        server that mpiexec killed because of it."""
         if self._epoll is None:
-            return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+            return {}
+        self._lifeline_dir = Path(tempfile.mkdtemp(prefix="hpcfed-lifelines-"))
         for rank in range(self.np):
-            path = self.log_dir / f"rank{rank}.lifeline"
+            path = self._lifeline_dir / f"rank{rank}"
             try:
-                path.unlink(missing_ok=True)
                 os.mkfifo(path, 0o600)
                 fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             except OSError:
-                continue  # a file system without FIFOs: the pidfds still tell the order
+                continue  # a temporary space without FIFOs: the pidfds still tell the order
             self._lifelines[rank], self._ranks_by_fd[fd] = fd, rank
             # EPOLLHUP comes once the rank has opened it and closed it again, not before.
             self._epoll.register(fd, select.EPOLLIN)
+        return {LIFELINES_ENV: str(self._lifeline_dir)}
 
     @property
     def ended(self) -> list[int]:
@@ -245,6 +258,9 @@ class RankWatch:
             os.close(fd)
         self._fds.clear()
         self._lifelines.clear()
+        if self._lifeline_dir is not None:
+            shutil.rmtree(self._lifeline_dir, ignore_errors=True)
+            self._lifeline_dir = None
         if self._epoll is not None:
             self._epoll.close()
 

@@ -172,7 +172,7 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     jobwatch.clear(log_dir)
     launched = time.time()
     watch = jobwatch.RankWatch(log_dir, np)
-    watch.open_lifelines()
+    env.update(watch.open_lifelines())
     # No rank reads stdin (each holds its lifeline there), so mpiexec has nothing to forward.
     try:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -256,7 +256,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
     log = logging.getLogger("hpcfed")
     log.debug("rank %d pid %d on %s", rank, os.getpid(), socket.gethostname())
     jobwatch.write_pid(out_dir / "logs", rank)
-    jobwatch.hold_lifeline(out_dir / "logs", rank)
+    jobwatch.hold_lifeline(rank)
     try:
         _check_world(cfg, size)
         if rank == 0:

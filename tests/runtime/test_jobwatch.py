@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from hpcfed import jobwatch
 
 
-def _fake_rank(log_dir, rank: int, then: str = "") -> subprocess.Popen:
+def _fake_rank(log_dir, rank: int, then: str = "", env: dict | None = None) -> subprocess.Popen:
     """A process that registers as rank `rank` the way `run_rank` does, runs `then`, then sleeps."""
     code = f"from pathlib import Path; from hpcfed import jobwatch; import os, time; log = Path({str(log_dir)!r}); " \
-           f"jobwatch.write_pid(log, {rank}); jobwatch.hold_lifeline(log, {rank}); {then or 'pass'}; time.sleep(120)"
-    return subprocess.Popen([sys.executable, "-c", code])
+           f"jobwatch.write_pid(log, {rank}); jobwatch.hold_lifeline({rank}); {then or 'pass'}; time.sleep(120)"
+    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **(env or {})})
 
 
 def _reap(procs: list[subprocess.Popen]) -> None:
@@ -74,9 +76,9 @@ def test_a_rank_slow_to_finish_dying_is_still_named_first(tmp_path):
     of it. Its lifeline (descriptor 0, closed first of all) is what tells: here rank 2 closes it
     (as a dying process does first) but lingers while the server dies and is reaped."""
     watch = jobwatch.RankWatch(tmp_path, 3)
-    watch.open_lifelines()
-    ranks = [_fake_rank(tmp_path, 0), _fake_rank(tmp_path, 1),
-             _fake_rank(tmp_path, 2, then="time.sleep(1.5); os.close(0)")]
+    env = watch.open_lifelines()
+    ranks = [_fake_rank(tmp_path, 0, env=env), _fake_rank(tmp_path, 1, env=env),
+             _fake_rank(tmp_path, 2, then="time.sleep(1.5); os.close(0)", env=env)]
     try:
         _registered(tmp_path, 3)
         watch.update(0)
@@ -94,14 +96,17 @@ def test_a_rank_slow_to_finish_dying_is_still_named_first(tmp_path):
     finally:
         watch.close()
         _reap(ranks)
+    assert not Path(env[jobwatch.LIFELINES_ENV]).exists()  # nothing left behind, and none in the run folder
+    assert not list(tmp_path.glob("*lifeline*"))
 
 
-def test_without_a_launcher_a_rank_keeps_its_stdin(tmp_path):
-    assert jobwatch.hold_lifeline(tmp_path, 0) is False  # no FIFO: plain mpiexec or srun
-    import os
-
-    os.mkfifo(tmp_path / "rank1.lifeline")
-    assert jobwatch.hold_lifeline(tmp_path, 1) is False  # a FIFO nobody reads (a stale one)
+def test_without_a_launcher_a_rank_keeps_its_stdin(tmp_path, monkeypatch):
+    monkeypatch.delenv(jobwatch.LIFELINES_ENV, raising=False)
+    assert jobwatch.hold_lifeline(0) is False  # plain mpiexec or srun
+    monkeypatch.setenv(jobwatch.LIFELINES_ENV, str(tmp_path))
+    assert jobwatch.hold_lifeline(0) is False  # another node: no such FIFO here
+    os.mkfifo(tmp_path / "rank1")
+    assert jobwatch.hold_lifeline(1) is False  # a FIFO nobody reads (a finished launcher's)
 
 
 def test_server_done_kills_dropped_clients_at_once(tmp_path):
