@@ -15,10 +15,17 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   clipped ones included: a median follows the honest majority as their steps grow or shrink, and
   one site of K holds at most 1/K of the history. (Recording the clipped distances instead ratchets the bound down round after round
   until every honest upload is refused.)
-- **The first round**, with no history: an upload is clipped to the model's own norm
-  ``||θ_ref||`` (``sqrt(P)`` for an all-zero model), so one site moves the first aggregate by at
-  most 1/K of the model's size, and refused beyond ``reject_factor`` x ``max(||θ_ref||, sqrt(P))``,
-  so a model initialised near zero (gensim's vectors, LoRA's B matrices) may still learn.
+- **The first round**, with no history, calibrates on itself (synchronous runs,
+  ``calibrate_first_round``): the server measures every upload of the round first (`measure`,
+  refusing non-finite ones and any beyond ``reject_factor`` x ``max(||θ_ref||, sqrt(P))``), parks it
+  on disk, and only once the round is in takes the median of the round's own distances as the
+  typical one (`calibrate`) and bounds and folds the parked uploads against it. So the first round
+  is bounded like every later one: one site of K moves it by at most ``clip_factor`` x the honest
+  median, not by the model's own norm; and a model initialised near zero (gensim's vectors, LoRA's
+  B matrices), whose honest first steps are many times its norm, is not clipped at all. Without
+  calibration (asynchronous runs, whose uploads do not come in rounds, or
+  ``calibrate_first_round: false``) the first upload is clipped to the model's own norm
+  ``||θ_ref||`` (``sqrt(P)`` for an all-zero model) and refused beyond the same limit.
 
 There is deliberately no rule on an upload's direction (e.g. refusing one that points against the
 last aggregate step): one skewed step would then make the honest majority's corrections look hostile
@@ -77,29 +84,53 @@ class InfluenceGuard:
             return 1
         return max(1, int(min(claimed, self._cap)))
 
-    def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray) -> float:
-        """Clip `flat` (in place) to the allowed distance from `reference`; return the distance it
-        had. Raises `Refused` when it is beyond ``reject_factor`` x the reference distance."""
-        if not self.config.enabled:
-            return 0.0
+    @property
+    def calibrating(self) -> bool:
+        """This synchronous round has no history to bound it: measure every upload first, then
+        `calibrate` on the round's own distances, then `bound` the measured uploads."""
+        return self.config.enabled and self.config.calibrate_first_round and self._typical is None
+
+    def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray) -> float:
+        """Record how far the upload asked to move the model (it joins the history whatever is
+        done with it) and return it. Raises `Refused` for a distance that is not finite, or beyond
+        ``reject_factor`` x the typical distance (x ``max(||θ_ref||, sqrt(P))`` with no history)."""
         distance = _distance(flat, reference)
         if not math.isfinite(distance):
             raise Refused(f"moves the model {distance:.3g} away (not a finite distance)")
-        self._pending.append((cid, distance))  # what the site asked for, whatever is done with it
+        self._pending.append((cid, distance))
+        typical = self._typical if self._typical is not None else max(_norm(reference), math.sqrt(flat.size))
+        self._refuse_beyond(distance, typical)
+        return distance
+
+    def calibrate(self) -> None:
+        """The first synchronous round is in: its own median distance is the typical one."""
+        if self._typical is None and self._pending:
+            self._typical = float(np.median([d for _, d in self._pending]))
+
+    def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray, distance: float | None = None) -> float:
+        """Clip `flat` (in place) to the allowed distance from `reference`; return the distance it
+        had. Raises `Refused` when it is beyond ``reject_factor`` x the typical distance. With
+        `distance`, the upload was `measure`d already (a calibrated first round)."""
+        if not self.config.enabled:
+            return 0.0
+        if distance is None:
+            distance = self.measure(cid, flat, reference)
         if self._typical is not None:
-            clip_at = reject_at = self._typical
-        else:  # the first round: the model's own size
-            norm = _norm(reference)
-            clip_at, reject_at = norm or math.sqrt(flat.size), max(norm, math.sqrt(flat.size))
-        clip_at, reject_at = max(clip_at, 1e-12), max(reject_at, 1e-12)
-        if distance > self.config.reject_factor * reject_at:
-            raise Refused(f"moves the model {distance:.3g} away, {self.config.reject_factor:g} x the typical "
-                          f"{reject_at:.3g} is the limit")
-        limit = self.config.clip_factor * clip_at
+            clip_at = self._typical
+            self._refuse_beyond(distance, clip_at)
+        else:  # uncalibrated first upload: the model's own size
+            clip_at = _norm(reference) or math.sqrt(flat.size)
+        limit = self.config.clip_factor * max(clip_at, 1e-12)
         if distance > limit:
             _scale_towards(flat, reference, limit / distance)
             self.clipped += 1
         return distance
+
+    def _refuse_beyond(self, distance: float, typical: float) -> None:
+        limit = self.config.reject_factor * max(typical, 1e-12)
+        if distance > limit:
+            raise Refused(f"moves the model {distance:.3g} away, {self.config.reject_factor:g} x the typical "
+                          f"{max(typical, 1e-12):.3g} is the limit")
 
     def settle(self) -> None:
         """The round (or async upload) is over: its distances join the history, in client order."""

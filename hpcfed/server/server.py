@@ -31,6 +31,7 @@ from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.registry import strategy_class, task_class
 from hpcfed.server.influence import InfluenceGuard, Refused
+from hpcfed.server.parking import Parking
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.outbox import ModelOutbox
 from hpcfed.server.progress import Progress
@@ -72,6 +73,8 @@ class Server:
         # answered with; its next upload must be trained from that model or a newer one
         self._requested: dict[int, int] = {}
         self._deferred: deque[Any] = deque()  # async: uploads that arrived during a checkpoint
+        self._parking: Parking | None = None  # the first sync round's uploads, while it calibrates
+        self._measured: dict[int, float] = {}  # ... and the distance each asked for
         self.updates_accepted = 0
         self.round = -1
         self.last_checkpoint: Path | None = None
@@ -213,31 +216,7 @@ class Server:
         self.influence.begin_round(self.live)
         got: dict[int, tuple[Update, dict | None]] = {}
         refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
-
-        def fold_early(msg: Any) -> bool:
-            # An upload that completes while the server is still sending the round's models is
-            # folded at once, inside the send, instead of waiting in the channel's inbox.
-            if msg.kind != P.UPDATE:
-                return False
-            self._contained(msg, self._take_update, rnd, msg, got, want_state, refused)
-            return True
-
-        self.channel.on_message = fold_early
-        try:
-            for cid in sorted(self.live):
-                self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version,
-                                              "checkpoint": want_state},
-                              self._model_tensors(self.strategy.model_for(cid)))
-        finally:
-            self.channel.on_message = None
-        deadline = t0 + fed.round_deadline_s
-        while len(got) < len(self.live):
-            msg = self._recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
-                                   waiting_for=self.live - set(got), fatal=False)
-            if msg is None:
-                break
-            self._contained(msg, self._take_update, rnd, msg, got, want_state, refused)
-            msg = None
+        self._collect_uploads(rnd, t0, want_state, got, refused)
         missing = sorted(self.live - set(got))
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(self.live)))
@@ -269,6 +248,45 @@ class Server:
                  time.monotonic() - t0, len(updates), _metric_brief(updates), saved, self._progress.describe())
         self._maybe_status()
 
+    def _collect_uploads(self, rnd: int, t0: float, want_state: bool,
+                         got: dict[int, tuple[Update, dict | None]], refused: set[int]) -> None:
+        """Send round `rnd`'s models and take the uploads until all are in or the deadline passes."""
+        fed = self.cfg.federation
+        # The first round, with no history to bound it, bounds itself: uploads wait on disk, measured.
+        self._parking = Parking(self.out_dir / "scratch") if self._bounds_apply() and self.influence.calibrating else None
+
+        def fold_early(msg: Any) -> bool:
+            # An upload that completes while the server is still sending the round's models is
+            # folded at once, inside the send, instead of waiting in the channel's inbox.
+            if msg.kind != P.UPDATE:
+                return False
+            self._contained(msg.source, self._take_update, rnd, msg, got, want_state, refused)
+            return True
+
+        try:
+            self.channel.on_message = fold_early
+            try:
+                for cid in sorted(self.live):
+                    self._send_to(cid, P.PARAMS, {"round": rnd, "version": self.strategy.version,
+                                                  "checkpoint": want_state},
+                                  self._model_tensors(self.strategy.model_for(cid)))
+            finally:
+                self.channel.on_message = None
+            deadline = t0 + fed.round_deadline_s
+            while len(got) < len(self.live):
+                msg = self._recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
+                                       waiting_for=self.live - set(got), fatal=False)
+                if msg is None:
+                    break
+                self._contained(msg.source, self._take_update, rnd, msg, got, want_state, refused)
+                msg = None
+            if self._parking is not None:
+                self._fold_parked(got, refused)
+        finally:
+            if self._parking is not None:  # the round failed while parking: free the disk
+                self._parking.close()
+                self._parking = None
+
     def _take_update(self, rnd: int, msg: Any, got: dict[int, tuple[Update, dict | None]],
                      want_state: bool, refused: set[int]) -> None:
         """Validate one upload of round `rnd` and fold it into the strategy at once: a streaming
@@ -287,34 +305,75 @@ class Server:
         if parsed is None:
             return
         got[parsed[0].client_id] = parsed
-        if self._bounded(msg.source, parsed[0]):
+        if self._parking is not None:
+            self._park(msg.source, parsed[0], refused)
+        elif self._bounded(msg.source, parsed[0]):
             self.strategy.fold(parsed[0])
         else:
             refused.add(parsed[0].client_id)
 
-    def _bounded(self, rank: int, upd: Update) -> bool:
+    def _bounds_apply(self) -> bool:
+        """Nothing to bound where no site's upload reaches another's model: local-only training,
+        or a centralized baseline's one site."""
+        return self.strategy.shares_updates and self.num_clients >= 2
+
+    def _bounded(self, rank: int, upd: Update, distance: float | None = None) -> bool:
         """Apply bounded influence (`hpcfed.server.influence`) to one upload, in place; False when it
-        is out of range (rejected and counted; the site is answered as usual). Nothing to bound
-        where no site's upload reaches another's model."""
-        if not self.strategy.shares_updates or self.num_clients < 2:
-            return True  # each site keeps to itself (local-only, or a centralized baseline's one site)
-        upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
+        is out of range (rejected and counted; the site is answered as usual)."""
+        if not self._bounds_apply():
+            return True
+        if distance is None:  # a parked upload was weighed when it came
+            upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
         try:
-            self.influence.bound(upd.client_id, upd.flat, self.strategy.model_for(upd.client_id))
+            self.influence.bound(upd.client_id, upd.flat, self.strategy.model_for(upd.client_id), distance)
         except Refused as exc:
             self._reject(rank, "update out of range", str(exc))
             return False
         return True
 
-    def _contained(self, msg: Any, handle: Any, *args: Any) -> Any:
-        """Run `handle(*args)` for one peer's message: any fault in it rejects that message, counted
-        against the peer, and never ends the federation (only the runtime's own verdicts do)."""
+    def _park(self, rank: int, upd: Update, refused: set[int]) -> None:
+        """First round: weigh and measure the upload now, bound and fold it once the round is in."""
+        upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
+        try:
+            self._measured[upd.client_id] = self.influence.measure(
+                upd.client_id, upd.flat, self.strategy.model_for(upd.client_id))
+        except Refused as exc:
+            self._reject(rank, "update out of range", str(exc))
+            refused.add(upd.client_id)
+            return
+        self._parking.park(upd.client_id, upd.flat)
+        upd.flat = None
+
+    def _fold_parked(self, got: dict[int, tuple[Update, dict | None]], refused: set[int]) -> None:
+        """The first round is in: bound each parked upload by the round's own median distance and
+        fold it, in client order (a resumed run folds as the uninterrupted one did)."""
+        parking, self._parking = self._parking, None
+        try:
+            self.influence.calibrate()
+            for cid in sorted(self._measured):
+                upd = got[cid][0]
+                upd.flat = parking.take(cid)  # a disk fault is rank 0's own: it ends the run
+                self._contained(cid + 1, self._fold_bounded, cid + 1, upd, self._measured[cid], refused)
+        finally:
+            self._measured.clear()
+            parking.close()
+
+    def _fold_bounded(self, rank: int, upd: Update, distance: float, refused: set[int]) -> None:
+        if self._bounded(rank, upd, distance):
+            self.strategy.fold(upd)
+        else:
+            refused.add(upd.client_id)
+
+    def _contained(self, rank: int, handle: Any, *args: Any) -> Any:
+        """Run `handle(*args)` for one message of the peer at `rank`: any fault in it rejects that
+        message, counted against the peer, and never ends the federation (only the runtime's own
+        verdicts do)."""
         try:
             return handle(*args)
         except FederationError:
             raise
         except Exception as exc:  # noqa: BLE001 - a peer's input must not end the server
-            self._reject(msg.source, "unhandled input", f"{type(exc).__name__}: {_short(str(exc))}")
+            self._reject(rank, "unhandled input", f"{type(exc).__name__}: {_short(str(exc))}")
             return None
 
     def _checkpoint_due(self, rnd: int) -> bool:
@@ -351,7 +410,7 @@ class Server:
             if msg.kind == P.FAILED:
                 self._client_failed(msg.source - 1, _error_text(msg.header))
                 continue
-            accepted = self._contained(msg, self._async_update, msg, last_seen)
+            accepted = self._contained(msg.source, self._async_update, msg, last_seen)
             if accepted is None:
                 continue
             upd, targets = accepted

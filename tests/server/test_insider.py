@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +123,72 @@ def test_a_skewed_round_does_not_turn_the_honest_majority_away():
         np.testing.assert_array_equal(correction, np.full(8, -0.1, dtype=np.float32))
 
 
+def test_the_first_round_is_bounded_by_its_own_median():
+    """With no history, the round's uploads are measured first and the median of their distances
+    bounds them: honest first steps many times the model's norm are taken whole, a sign flip x10
+    is clipped to the honest median (not to the model's norm), and x100 is refused."""
+    ref = np.full(64, 0.01, dtype=np.float32)  # norm 0.08: every honest first step is ~15 x that
+    honest = [ref + np.full(64, 0.15 + 0.01 * c, dtype=np.float32) for c in range(3)]  # distances 1.2, 1.28, 1.36
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=5)
+    guard.begin_round(set(range(5)))
+    assert guard.calibrating
+    flipped, wild = ref - 10 * (honest[0] - ref), ref - 100 * (honest[0] - ref)  # 12 and 120 away
+    uploads = [*honest, flipped, wild]
+    distances = {}
+    for cid, flat in enumerate(uploads[:4]):
+        distances[cid] = guard.measure(cid, flat, ref)
+    with pytest.raises(Refused):  # 120 > 10 x max(norm, sqrt(64)) = 80: refused as it comes
+        guard.measure(4, wild, ref)
+    guard.calibrate()
+    median = float(np.median([*distances.values(), 120.0]))  # 1.36: refused uploads count too
+    assert guard._typical == pytest.approx(median, rel=1e-5)
+    for cid in range(3):
+        before = uploads[cid].copy()
+        guard.bound(cid, uploads[cid], ref, distances[cid])
+        np.testing.assert_array_equal(uploads[cid], before)
+    guard.bound(3, flipped, ref, distances[3])
+    assert np.linalg.norm(flipped - ref) == pytest.approx(median, rel=1e-5)
+    guard.settle()
+    assert not InfluenceGuard(InfluenceConfig(calibrate_first_round=False), 2).calibrating
+
+
+def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tmp_path):
+    """The real path: four sealed uploads of round 0, one a sign flip x10. The server weighs and
+    measures each as it comes, parks it under out/scratch, and once the round is in folds the
+    honest ones whole and the flip clipped to the honest median; the scratch is gone after."""
+    server, chans = _in_process_federation(tmp_path, 5)
+    try:
+        step = np.full(SIZE, 0.5, dtype=np.float32)
+        uploads = {1: -10 * step, 2: step, 3: 1.1 * step, 4: 1.2 * step}
+        for rank, flat in uploads.items():
+            chans[rank].send(0, P.UPDATE, {"round": 0, "num_examples": 10, "metrics": {}}, {"params": flat})
+        server.strategy.begin_round(0)
+        server.influence.begin_round(server.live)
+        got: dict = {}
+        refused: set = set()
+        parked_during_round = []
+        take = server._take_update
+
+        def watching_take(*args):
+            take(*args)
+            parked_during_round.append(sorted(p.name for p in (tmp_path / "scratch").glob("*")))
+
+        server._take_update = watching_take
+        server._collect_uploads(0, time.monotonic(), False, got, refused)
+        server.strategy.end_round(0)
+        assert set(got) == {0, 1, 2, 3} and not refused
+        assert len(parked_during_round[-1]) == 4  # all four were on disk before any was folded
+        assert not (tmp_path / "scratch").exists()
+        median = float(np.median([np.linalg.norm(f) for f in uploads.values()]))  # 1.41: honest scale
+        # clip_factor 1: whatever asked for more than the median moves the median (the flip, and
+        # the largest honest step, 1.47)
+        clipped = [f * min(1.0, median / np.linalg.norm(f)) for f in uploads.values()]
+        np.testing.assert_allclose(server.strategy.global_flat, np.mean(clipped, axis=0), rtol=1e-5)
+        assert server.influence.clipped == 2
+    finally:
+        server.metrics.close()
+
+
 def test_influence_state_round_trips_for_resume():
     guard = InfluenceGuard(InfluenceConfig(), num_clients=2)
     guard.begin_round({0, 1})
@@ -145,26 +212,31 @@ PSK = bytes(range(32))
 SIZE = 6
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    """A server on rank 0 with its real channel, and a sealed channel for the hostile rank 1."""
-    ts = InProcTransport.group(3)
+def _in_process_federation(out: Path, ranks: int) -> tuple[Server, list[SecureChannel]]:
+    """A server on rank 0 with its real channel, and sealed channels for ranks 1.. (the sites)."""
+    ts = InProcTransport.group(ranks)
     chans = [SecureChannel(t, Credentials(mode="psk", psk=PSK), b"job-fuzz", log=lambda *_: None) for t in ts]
-    threads = [threading.Thread(target=chans[r].connect, args=([0],), kwargs={"timeout": 10}) for r in (1, 2)]
+    threads = [threading.Thread(target=chans[r].connect, args=([0],), kwargs={"timeout": 10}) for r in range(1, ranks)]
     for t in threads:
         t.start()
-    chans[0].connect([1, 2], timeout=10)
+    chans[0].connect(list(range(1, ranks)), timeout=10)
     for t in threads:
         t.join()
-    out = tmp_path_factory.mktemp("fuzz")
     cfg = from_mapping({"rounds": 1, "task": {"name": "synthetic"}})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HPCFED_PSK", PSK.hex())
-        server = Server(cfg, chans[0], Path(out))
+        server = Server(cfg, chans[0], out)
     server.strategy.initialize({"w": np.zeros(SIZE, dtype=np.float32)})
     server.layout = server.strategy.layout
-    server.metrics = MetricsLog(Path(out) / "metrics.jsonl")
+    server.metrics = MetricsLog(out / "metrics.jsonl")
     server._bound_inbox()
+    return server, chans
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    """The server, and the sealed channels of the hostile rank 1 and the honest rank 2."""
+    server, chans = _in_process_federation(Path(tmp_path_factory.mktemp("fuzz")), 3)
     yield server, chans[1], chans[2]
     server.metrics.close()
 
@@ -177,7 +249,7 @@ def _send_and_take(server: Server, sender: SecureChannel, header: dict, tensors:
         return
     msg = server.channel.recv(kinds={P.UPDATE}, timeout=5)
     if msg is not None:  # a message the channel itself refused never reaches the server
-        server._contained(msg, server._take_update, rnd, msg, got, False, refused)
+        server._contained(msg.source, server._take_update, rnd, msg, got, False, refused)
 
 
 json_values = st.recursive(

@@ -2,9 +2,9 @@
 accuracy stays within 0.05 of the no-attack run and no honest site is blamed
 (the full table, with the async flood: tools/insider_attacks.py).
 
-The quickstart as it is (8 rounds): the first round has no history of typical distances, so an
-attacker's first upload is bounded only by the model's own norm; the honest sites need the rest of
-the run to undo it (at 6 rounds the sign flip still costs ~0.05)."""
+The quickstart as it is (8 rounds): the first round, with no history of typical distances, is
+bounded by its own median distance (its uploads are parked until it is in), every later round by
+the recent uploads'."""
 
 from __future__ import annotations
 
