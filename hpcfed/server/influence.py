@@ -10,11 +10,13 @@ the server bounds the two levers a site holds over a mean-based aggregate:
 - **How far it moves the model.** The distance ``||θ_k - θ_ref||`` of the upload from the model it
   was sent (``θ_ref = strategy.model_for(k)``) is clipped to ``clip_factor`` x the typical distance,
   and an upload farther than ``reject_factor`` x that is refused outright (finite but enormous
-  parameters, e.g. x1e30). The typical distance is the median of the distances the recent uploads
-  (the last ``2K``; a site has one per round, or one in flight when async) asked for, refused and
-  clipped ones included: a median follows the honest majority as their steps grow or shrink, and
-  one site of K holds at most 1/K of the history. (Recording the clipped distances instead ratchets the bound down round after round
-  until every honest upload is refused.)
+  parameters, e.g. x1e30). The typical distance is the median of the distances each site's last
+  two uploads asked for, refused and clipped ones included: a median follows the honest majority
+  as their steps grow or shrink, and one site of K holds at most 1/K of the history however often
+  it uploads (an async site that trains fast would fill a shared "last 2K uploads" history with
+  its own distances). It is used once at least ``min(3, K)`` sites have one, so that one site
+  never sets it alone. (Recording the clipped distances instead ratchets the bound down round
+  after round until every honest upload is refused.)
 - **The first round**, with no history, calibrates on itself (synchronous runs,
   ``calibrate_first_round``): the server measures every upload of the round first (`measure`,
   refusing non-finite ones and any beyond ``reject_factor`` x ``max(||θ_ref||, sqrt(P))``), parks it
@@ -47,6 +49,7 @@ import numpy as np
 from hpcfed.config import InfluenceConfig
 
 _BLOCK = 1 << 20  # elements per block of the distance and clipping passes
+_PER_SITE = 2  # recent distances kept per site
 
 
 class Refused(Exception):
@@ -57,7 +60,8 @@ class InfluenceGuard:
     def __init__(self, config: InfluenceConfig, num_clients: int) -> None:
         self.config = config
         self.claimed: dict[int, int] = {}  # client id -> the size it claimed with its first upload
-        self.distances: deque[float] = deque(maxlen=max(4, 2 * num_clients))
+        self.distances: dict[int, deque[float]] = {}  # client id -> its last uploads' distances
+        self._quorum = min(3, max(1, num_clients))  # sites with a distance before the median is used
         self._weigh_by_size = False
         self._cap = math.inf
         self._typical: float | None = None
@@ -72,7 +76,8 @@ class InfluenceGuard:
         self._weigh_by_size = bool(live) and live <= set(self.claimed)
         if self.claimed:
             self._cap = self.config.max_weight_factor * float(np.median(list(self.claimed.values())))
-        self._typical = float(np.median(self.distances)) if self.distances else None
+        recent = [d for per_site in self.distances.values() for d in per_site]
+        self._typical = float(np.median(recent)) if len(self.distances) >= self._quorum else None
 
     # -- one upload -----------------------------------------------------------------------------
     def weight(self, cid: int, claimed: int) -> int:
@@ -133,21 +138,25 @@ class InfluenceGuard:
                           f"{max(typical, 1e-12):.3g} is the limit")
 
     def settle(self) -> None:
-        """The round (or async upload) is over: its distances join the history, in client order."""
-        self.distances.extend(d for _, d in sorted(self._pending))
+        """The round (or async upload) is over: its distances join their sites' histories."""
+        for cid, distance in sorted(self._pending):
+            self.distances.setdefault(cid, deque(maxlen=_PER_SITE)).append(distance)
         self._pending.clear()
 
     # -- checkpointing --------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"claimed": {str(k): v for k, v in self.claimed.items()}, "distances": list(self.distances),
-                "clipped": self.clipped}
+        return {"claimed": {str(k): v for k, v in self.claimed.items()},
+                "distances": {str(k): list(v) for k, v in self.distances.items()}, "clipped": self.clipped}
 
     def load_state(self, state: Any) -> None:
         if not isinstance(state, dict):
             return
         self.claimed = {int(k): int(v) for k, v in dict(state.get("claimed", {})).items()}
         self.distances.clear()
-        self.distances.extend(float(d) for d in state.get("distances", []))
+        distances = state.get("distances", {})
+        if isinstance(distances, dict):  # an older checkpoint's list names no sites: calibrate again
+            for k, v in distances.items():
+                self.distances[int(k)] = deque((float(d) for d in v), maxlen=_PER_SITE)
         self.clipped = int(state.get("clipped", 0))
 
 

@@ -107,6 +107,35 @@ def test_one_site_of_four_cannot_move_the_bound():
     assert guard._typical == pytest.approx(1.0)
 
 
+def test_a_site_that_uploads_ten_times_as_often_holds_two_entries_of_the_history():
+    """Async: a fast site uploads many times between two honest uploads. A shared "last 2K
+    uploads" history filled with its distance 5 (here: 10 uploads against 3 x 2) and let it move
+    the model 5 x an honest step unclipped; per site it holds two entries, and the median stays
+    at the honest sites' 1. Nor does any one site set the bound before three sites have spoken."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=4)
+    ref = np.zeros(16, dtype=np.float32)
+
+    def upload(cid: int, distance: float) -> np.ndarray:  # one async upload: its own "round"
+        guard.begin_round({0, 1, 2, 3})
+        flat = np.full(16, distance / 4, dtype=np.float32)
+        guard.bound(cid, flat, ref)
+        guard.settle()
+        return flat
+
+    upload(3, 5.0)
+    upload(3, 5.0)
+    guard.begin_round({0, 1, 2, 3})
+    assert guard._typical is None  # one site's word is not the typical step
+    for _ in range(2):
+        for cid in range(3):
+            upload(cid, 1.0)
+        for _ in range(5):
+            fast = upload(3, 5.0)
+    assert np.linalg.norm(fast) == pytest.approx(1.0, rel=1e-6)  # clipped to the honest median
+    assert guard._typical == pytest.approx(1.0)
+    assert [len(guard.distances[c]) for c in range(4)] == [2, 2, 2, 2]
+
+
 def test_a_skewed_round_does_not_turn_the_honest_majority_away():
     """No direction rule: after a round one site pulled its way, the honest sites' corrections
     (pointing against that step) are taken, clipped at most, never refused."""
