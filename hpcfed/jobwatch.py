@@ -83,7 +83,7 @@ def hold_lifeline(rank: int) -> bool:
         fd = os.open(Path(folder) / f"rank{rank}", os.O_WRONLY | os.O_NONBLOCK)
     except OSError:  # ENXIO: nobody reads it; ENOENT: another node, or a finished launcher
         return False
-    os.dup2(fd, 0, inheritable=False)  # not passed to programs the rank runs
+    os.dup2(fd, 0, inheritable=False)  # programs the rank runs start with no stdin, not with this
     os.close(fd)
     return True
 

@@ -31,9 +31,9 @@ from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.registry import strategy_class, task_class
 from hpcfed.server.influence import InfluenceGuard, Refused
-from hpcfed.server.parking import Parking
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.outbox import ModelOutbox
+from hpcfed.server.parking import Parking
 from hpcfed.server.progress import Progress
 from hpcfed.store import atomic
 from hpcfed.store import checkpoint as ckpt_store
@@ -291,7 +291,7 @@ class Server:
                      want_state: bool, refused: set[int]) -> None:
         """Validate one upload of round `rnd` and fold it into the strategy at once: a streaming
         strategy (FedAvg's mean) adds it to its running sum and drops it, so rank 0 never holds the
-        K updates of a round together."""
+        K updates of a round together. (In a calibrating first round it is parked on disk instead.)"""
         if msg.header.get("round") != rnd:
             self._reject(msg.source, "stale update", f"for round {msg.header.get('round')!r} during round {rnd}")
             return
