@@ -204,8 +204,8 @@ class RankWatch:
         if self._epoll is not None:
             for fd, _ in self._epoll.poll(max(wait_s, 0)):
                 rank = self._ranks_by_fd[fd]
-                if fd in self._lifelines.values() and rank not in self.pids:
-                    self.pids[rank] = -1  # its pid file is not read yet: count it as started
+                # a lifeline closed before this rank's pid file was read: it had started all the same
+                self.pids.setdefault(rank, -1)
                 self._record(rank)
             return
         time.sleep(wait_s)

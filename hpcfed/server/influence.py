@@ -95,16 +95,19 @@ class InfluenceGuard:
         `calibrate` on the round's own distances, then `bound` the measured uploads."""
         return self.config.enabled and self.config.calibrate_first_round and self._typical is None
 
-    def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray) -> float:
+    def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray, norm: float | None = None) -> float:
         """Record how far the upload asked to move the model (it joins the history whatever is
         done with it) and return it. Raises `Refused` for a distance that is not finite, or beyond
-        ``reject_factor`` x the typical distance (x ``max(||θ_ref||, sqrt(P))`` with no history)."""
+        ``reject_factor`` x the typical distance (x ``max(||θ_ref||, sqrt(P))`` with no history;
+        `norm` is ``||θ_ref||`` where the caller has it already)."""
         distance = _distance(flat, reference)
         if not math.isfinite(distance):
             raise Refused(f"moves the model {distance:.3g} away (not a finite distance)")
         self._pending.append((cid, distance))
-        typical = self._typical if self._typical is not None else max(_norm(reference), math.sqrt(flat.size))
-        self._refuse_beyond(distance, typical)
+        if self._typical is not None:
+            self._refuse_beyond(distance, self._typical)
+        else:
+            self._refuse_beyond(distance, max(_norm(reference) if norm is None else norm, math.sqrt(flat.size)))
         return distance
 
     def calibrate(self) -> None:
@@ -118,13 +121,12 @@ class InfluenceGuard:
         `distance`, the upload was `measure`d already (a calibrated first round)."""
         if not self.config.enabled:
             return 0.0
+        norm = _norm(reference) if self._typical is None else None  # one pass, shared with `measure`
         if distance is None:
-            distance = self.measure(cid, flat, reference)
-        if self._typical is not None:
-            clip_at = self._typical
-            self._refuse_beyond(distance, clip_at)
-        else:  # uncalibrated first upload: the model's own size
-            clip_at = _norm(reference) or math.sqrt(flat.size)
+            distance = self.measure(cid, flat, reference, norm)
+        elif self._typical is not None:  # measured before the round calibrated: refuse on its median
+            self._refuse_beyond(distance, self._typical)
+        clip_at = self._typical if self._typical is not None else norm or math.sqrt(flat.size)
         limit = self.config.clip_factor * max(clip_at, 1e-12)
         if distance > limit:
             _scale_towards(flat, reference, limit / distance)

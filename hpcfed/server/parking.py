@@ -22,19 +22,24 @@ class Parking:
         self.folder = folder
         shutil.rmtree(folder, ignore_errors=True)  # what a crashed first round left
         folder.mkdir(parents=True)
-        self._shapes: dict[int, tuple[np.dtype, int]] = {}
+        self._parked: dict[int, tuple[np.dtype, int, float]] = {}  # cid -> dtype, size, distance
 
-    def park(self, cid: int, flat: np.ndarray) -> None:
+    def park(self, cid: int, flat: np.ndarray, distance: float) -> None:
+        """Keep client `cid`'s upload on disk, with the distance it was measured at."""
         try:
             flat.tofile(self._path(cid))
         except OSError as exc:  # rank 0's own fault, not the site's: it ends the run, named
             raise FederationError(f"cannot park client {cid}'s first-round upload in {self.folder}: {exc}; "
                                   f"free space there, or set influence.calibrate_first_round=false") from exc
-        self._shapes[cid] = (flat.dtype, flat.size)
+        self._parked[cid] = (flat.dtype, flat.size, distance)
 
-    def take(self, cid: int) -> np.ndarray:
-        """The upload parked for `cid`, read back into memory; its file is gone after this."""
-        dtype, size = self._shapes.pop(cid)
+    def clients(self) -> list[int]:
+        """The clients with an upload parked, in client order (the order they are folded in)."""
+        return sorted(self._parked)
+
+    def take(self, cid: int) -> tuple[np.ndarray, float]:
+        """The upload parked for `cid`, read back into memory, and its distance; the file is gone after this."""
+        dtype, size, distance = self._parked.pop(cid)
         path = self._path(cid)
         try:
             flat = np.fromfile(path, dtype=dtype)
@@ -44,7 +49,7 @@ class Parking:
         if flat.size != size:
             raise FederationError(f"{path}: client {cid}'s parked first-round upload has {flat.size} values, "
                                   f"{size} were written; did something else write to {self.folder}?")
-        return flat
+        return flat, distance
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

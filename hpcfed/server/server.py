@@ -74,7 +74,6 @@ class Server:
         self._requested: dict[int, int] = {}
         self._deferred: deque[Any] = deque()  # async: uploads that arrived during a checkpoint
         self._parking: Parking | None = None  # the first sync round's uploads, while it calibrates
-        self._measured: dict[int, float] = {}  # ... and the distance each asked for
         self.updates_accepted = 0
         self.round = -1
         self.last_checkpoint: Path | None = None
@@ -335,13 +334,12 @@ class Server:
         """First round: weigh and measure the upload now, bound and fold it once the round is in."""
         upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
         try:
-            self._measured[upd.client_id] = self.influence.measure(
-                upd.client_id, upd.flat, self.strategy.model_for(upd.client_id))
+            distance = self.influence.measure(upd.client_id, upd.flat, self.strategy.model_for(upd.client_id))
         except Refused as exc:
             self._reject(rank, "update out of range", str(exc))
             refused.add(upd.client_id)
             return
-        self._parking.park(upd.client_id, upd.flat)
+        self._parking.park(upd.client_id, upd.flat, distance)
         upd.flat = None
 
     def _fold_parked(self, got: dict[int, tuple[Update, dict | None]], refused: set[int]) -> None:
@@ -350,12 +348,11 @@ class Server:
         parking, self._parking = self._parking, None
         try:
             self.influence.calibrate()
-            for cid in sorted(self._measured):
+            for cid in parking.clients():
                 upd = got[cid][0]
-                upd.flat = parking.take(cid)  # a disk fault is rank 0's own: it ends the run
-                self._contained(cid + 1, self._fold_bounded, cid + 1, upd, self._measured[cid], refused)
+                upd.flat, distance = parking.take(cid)  # a disk fault is rank 0's own: it ends the run
+                self._contained(cid + 1, self._fold_bounded, cid + 1, upd, distance, refused)
         finally:
-            self._measured.clear()
             parking.close()
 
     def _fold_bounded(self, rank: int, upd: Update, distance: float, refused: set[int]) -> None:
