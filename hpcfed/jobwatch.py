@@ -160,8 +160,9 @@ class RankWatch:
             except OSError:
                 continue  # a temporary space without FIFOs: the pidfds still tell the order
             self._lifelines[rank], self._ranks_by_fd[fd] = fd, rank
-            # EPOLLHUP comes once the rank has opened it and closed it again, not before.
-            self._epoll.register(fd, select.EPOLLIN)
+            # Only its closing counts (EPOLLHUP, reported unasked, once the rank has opened it and
+            # closed it again): bytes a rank writes there are never read and end nothing.
+            self._epoll.register(fd, 0)
         return {LIFELINES_ENV: str(self._lifeline_dir)}
 
     @property

@@ -100,6 +100,28 @@ def test_a_rank_slow_to_finish_dying_is_still_named_first(tmp_path):
     assert not list(tmp_path.glob("*lifeline*"))
 
 
+def test_writing_to_a_lifeline_ends_nothing(tmp_path):
+    """A rank that writes to its descriptor 0 (a hostile plugin, a stray print to stdin) is not
+    taken for dead: only the lifeline's closing counts, so the rank is still watched and killed
+    with the job."""
+    watch = jobwatch.RankWatch(tmp_path, 2)
+    env = watch.open_lifelines()
+    ranks = [_fake_rank(tmp_path, 0, env=env), _fake_rank(tmp_path, 1, then="os.write(0, b'x' * 4096)", env=env)]
+    try:
+        _registered(tmp_path, 2)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            watch.update(0.1)
+        assert watch.ended == [] and watch.running() == [0, 1]
+        ranks[1].kill()
+        ranks[1].wait(timeout=30)
+        watch.update(0)
+        assert watch.ended == [1]
+    finally:
+        watch.close()
+        _reap(ranks)
+
+
 def test_without_a_launcher_a_rank_keeps_its_stdin(tmp_path, monkeypatch):
     monkeypatch.delenv(jobwatch.LIFELINES_ENV, raising=False)
     assert jobwatch.hold_lifeline(0) is False  # plain mpiexec or srun
