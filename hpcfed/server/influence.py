@@ -158,7 +158,10 @@ class InfluenceGuard:
         distances = state.get("distances", {})
         if isinstance(distances, dict):  # an older checkpoint's list names no sites: calibrate again
             for k, v in distances.items():
-                self.distances[int(k)] = deque((float(d) for d in v), maxlen=_PER_SITE)
+                # read from a verified checkpoint of ours; still, a NaN would disable every bound
+                kept = [float(d) for d in list(v)[-_PER_SITE:] if math.isfinite(float(d)) and float(d) >= 0]
+                if kept:
+                    self.distances[int(k)] = deque(kept, maxlen=_PER_SITE)
         self.clipped = int(state.get("clipped", 0))
 
 

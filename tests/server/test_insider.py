@@ -218,6 +218,34 @@ def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tm
         server.metrics.close()
 
 
+def test_hostile_first_round_uploads_are_refused_before_they_are_parked(tmp_path):
+    """While round 0 calibrates, what a hostile site sends is refused as it comes and never
+    reaches the disk or the median's say: x1e30 parameters (beyond 10 x sqrt(P)), a second
+    upload for the round, one for another round; the honest three are folded whole."""
+    server, chans = _in_process_federation(tmp_path, 5)
+    try:
+        step = np.full(SIZE, 0.5, dtype=np.float32)
+        head = {"num_examples": 10, "metrics": {}}
+        sends = [(1, {"round": 0, **head}, step * np.float32(1e30)), (1, {"round": 0, **head}, step),
+                 (1, {"round": 7, **head}, step), (2, {"round": 0, **head}, step),
+                 (3, {"round": 0, **head}, step), (4, {"round": 0, **head}, step)]
+        for rank, header, flat in sends:
+            chans[rank].send(0, P.UPDATE, header, {"params": flat})
+        server.strategy.begin_round(0)
+        server.influence.begin_round(server.live)
+        got: dict = {}
+        refused: set = set()
+        server._collect_uploads(0, time.monotonic(), False, got, refused)
+        server.strategy.end_round(0)
+        assert refused == {0}
+        assert server.rejected_by_rank.get(1, 0) == 3
+        assert {"update out of range", "duplicate update", "stale update"} <= set(server.rejected)
+        np.testing.assert_array_equal(server.strategy.global_flat, step)
+        assert not (tmp_path / "scratch").exists()
+    finally:
+        server.metrics.close()
+
+
 def test_influence_state_round_trips_for_resume():
     guard = InfluenceGuard(InfluenceConfig(), num_clients=2)
     guard.begin_round({0, 1})
@@ -227,6 +255,10 @@ def test_influence_state_round_trips_for_resume():
     twin = InfluenceGuard(InfluenceConfig(), num_clients=2)
     twin.load_state(guard.state())
     assert twin.state() == guard.state()
+    twin.load_state({**guard.state(), "distances": {"0": [float("nan"), 1.0], "1": [float("inf")], "2": [-3.0]}})
+    assert {k: list(v) for k, v in twin.distances.items()} == {0: [1.0]}  # a NaN would disable every bound
+    twin.load_state({**guard.state(), "distances": [1.0, 2.0]})  # an older checkpoint's list: calibrate again
+    assert twin.distances == {}
 
 
 def test_influence_config_is_validated():
