@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import select
 import shutil
 import signal
@@ -69,13 +70,15 @@ LIFELINES_ENV = "HPCFED_LIFELINES"
 
 
 def hold_lifeline(rank: int) -> bool:
-    """Hold this rank's lifeline (a FIFO the launcher reads) open as file descriptor 0.
+    """Hold this rank's lifeline (a FIFO the launcher reads) open in the highest descriptor slot
+    this process may use.
 
-    A dying process closes its descriptors in increasing order, so the launcher sees descriptor 0
-    close before the MPI launcher sees this rank's PMI socket or output close, and so before it
-    kills any other rank: the order in which lifelines close is the order in which ranks died,
-    however long each took to finish dying. Ranks never read stdin. False (and nothing changed)
-    when no launcher is reading, e.g. under plain mpiexec or srun, or on another node."""
+    Linux releases a dying process's files from the highest descriptor down (it queues each
+    release and runs the queue newest first), so the launcher sees the lifeline close before the
+    MPI launcher sees this rank's PMI socket or output pipes close, and so before it kills any
+    other rank: the order in which lifelines close is the order in which ranks died, however long
+    each took to finish dying. (Descriptor 0 would be released last of all.) False (and nothing
+    changed) when no launcher is reading, e.g. under plain mpiexec or srun, or on another node."""
     folder = os.environ.get(LIFELINES_ENV)
     if not folder:
         return False
@@ -83,9 +86,28 @@ def hold_lifeline(rank: int) -> bool:
         fd = os.open(Path(folder) / f"rank{rank}", os.O_WRONLY | os.O_NONBLOCK)
     except OSError:  # ENXIO: nobody reads it; ENOENT: another node, or a finished launcher
         return False
-    os.dup2(fd, 0, inheritable=False)  # programs the rank runs start with no stdin, not with this
-    os.close(fd)
+    slot = lifeline_slot()
+    if fd == slot:
+        os.set_inheritable(fd, False)
+        return True
+    try:
+        os.dup2(fd, slot, inheritable=False)  # programs the rank runs do not get it
+    except OSError:
+        return False  # no slot free up there: go without
+    finally:
+        os.close(fd)
     return True
+
+
+def lifeline_slot() -> int:
+    """The highest descriptor number this process may open (capped: the kernel sizes a process's
+    descriptor table to its highest slot in use, and a million slots cost 8 MiB)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = _MAX_LIFELINE_SLOT + 1 if soft == resource.RLIM_INFINITY else min(soft, _MAX_LIFELINE_SLOT + 1)
+    return limit - 1
+
+
+_MAX_LIFELINE_SLOT = 65535
 
 
 def exit_status(log_dir: Path, rank: int) -> int | None:

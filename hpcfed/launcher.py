@@ -173,7 +173,7 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     launched = time.time()
     watch = jobwatch.RankWatch(log_dir, np)
     env.update(watch.open_lifelines())
-    # No rank reads stdin (each holds its lifeline there), so mpiexec has nothing to forward.
+    # No rank reads stdin: mpiexec has nothing to forward (and leaves the terminal alone).
     try:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError:

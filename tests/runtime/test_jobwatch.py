@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -73,12 +74,12 @@ def test_the_order_of_ends_holds_when_the_watch_looks_late(tmp_path):
 
 def test_a_rank_slow_to_finish_dying_is_still_named_first(tmp_path):
     """Under load a SIGKILLed client can finish dying after the server that mpiexec killed because
-    of it. Its lifeline (descriptor 0, closed first of all) is what tells: here rank 2 closes it
+    of it. Its lifeline (released first of all its files) is what tells: here rank 2 closes it
     (as a dying process does first) but lingers while the server dies and is reaped."""
     watch = jobwatch.RankWatch(tmp_path, 3)
     env = watch.open_lifelines()
     ranks = [_fake_rank(tmp_path, 0, env=env), _fake_rank(tmp_path, 1, env=env),
-             _fake_rank(tmp_path, 2, then="time.sleep(1.5); os.close(0)", env=env)]
+             _fake_rank(tmp_path, 2, then="time.sleep(1.5); os.close(jobwatch.lifeline_slot())", env=env)]
     try:
         _registered(tmp_path, 3)
         watch.update(0)
@@ -100,13 +101,52 @@ def test_a_rank_slow_to_finish_dying_is_still_named_first(tmp_path):
     assert not list(tmp_path.glob("*lifeline*"))
 
 
+def test_a_killed_rank_releases_its_lifeline_before_its_pipes_and_sockets(tmp_path):
+    """What the lifelines rest on: the kernel releases a SIGKILLed process's files from the highest
+    descriptor down, so the lifeline closes before the pipes and the PMI socket through which the
+    MPI launcher learns of the death. (Held as descriptor 0, as first built, it closed last: the CI
+    failure of stop 18 named the server again.)"""
+    watch = jobwatch.RankWatch(tmp_path, 1)
+    env = watch.open_lifelines()
+    # A second reader of the lifeline, opened before the rank opens it (a FIFO reports the hang-up
+    # only to readers that were there when the writer came), in one epoll with the rank's pipes.
+    lifeline = os.open(Path(env[jobwatch.LIFELINES_ENV]) / "rank0", os.O_RDONLY | os.O_NONBLOCK)
+    pipe_read, pipe_write = os.pipe()  # stands in for the PMI socket, at a low descriptor
+    rank = subprocess.Popen([sys.executable, "-c", "from hpcfed import jobwatch; import time; "
+                             "assert jobwatch.hold_lifeline(0); print('held', flush=True); time.sleep(120)"],
+                            env={**os.environ, **env}, stdout=subprocess.PIPE, pass_fds=(pipe_write,))
+    os.close(pipe_write)
+    ends = select.epoll()
+    try:
+        assert rank.stdout.readline() == b"held\n"
+        names = {lifeline: "lifeline", pipe_read: "pipe", rank.stdout.fileno(): "stdout"}
+        for fd in names:
+            ends.register(fd, 0)
+        rank.kill()
+        order: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(order) < len(names) and time.monotonic() < deadline:
+            for fd, _ in ends.poll(1):
+                order.append(names[fd])
+                ends.unregister(fd)
+        assert order[0] == "lifeline" and sorted(order) == ["lifeline", "pipe", "stdout"], order
+    finally:
+        ends.close()
+        os.close(lifeline)
+        os.close(pipe_read)
+        rank.kill()
+        rank.wait(timeout=30)
+        rank.stdout.close()
+        watch.close()
+
+
 def test_writing_to_a_lifeline_ends_nothing(tmp_path):
-    """A rank that writes to its descriptor 0 (a hostile plugin, a stray print to stdin) is not
+    """A rank that writes to its lifeline (a hostile plugin, a stray write) is not
     taken for dead: only the lifeline's closing counts, so the rank is still watched and killed
     with the job."""
     watch = jobwatch.RankWatch(tmp_path, 2)
     env = watch.open_lifelines()
-    ranks = [_fake_rank(tmp_path, 0, env=env), _fake_rank(tmp_path, 1, then="os.write(0, b'x' * 4096)", env=env)]
+    ranks = [_fake_rank(tmp_path, 0, env=env), _fake_rank(tmp_path, 1, then="os.write(jobwatch.lifeline_slot(), b'x' * 4096)", env=env)]
     try:
         _registered(tmp_path, 2)
         deadline = time.monotonic() + 3
