@@ -124,8 +124,9 @@ class InfluenceConfig:
     max_weight_factor: float = 1.0  # weight cap, relative to the median claimed size
     clip_factor: float = 1.0  # distance cap, relative to the median recent distance
     reject_factor: float = 10.0  # refuse uploads farther than this x the median recent distance
-    # Bound the first synchronous round by its own median distance: its uploads are parked on rank
-    # 0's disk (K x model bytes, in out/scratch) until the round is in. False: clip to the model's norm.
+    # Bound the first uploads by their own median distance: they are parked on rank 0's disk (K x
+    # model bytes, in out/scratch) until the first sync round, or min(3, K) async sites, are in.
+    # False: clip them to the model's norm.
     calibrate_first_round: bool = True
 
     def validate(self) -> None:

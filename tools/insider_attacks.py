@@ -1,15 +1,17 @@
 """One malicious site among four, under the DEFAULT configuration: what does it cost the honest sites?
 
 Runs the quickstart (configs/quickstart.yaml, sync FedAvg) under real `mpiexec -n 5` with the last
-client playing each runtime attack (`hpcfed.client.attacks`), plus the async flood against FedAsync,
-and prints the honest sites' mean test accuracy beside the no-attack run of the same mode:
+client playing each runtime attack (`hpcfed.client.attacks`), plus, against FedAsync, a flood of
+unrequested updates and a sign-flipper that trains 4x as fast as the honest sites (so that it would
+make most of the uploads), and prints the honest sites' mean test accuracy beside the no-attack run
+of the same mode:
 
     python tools/insider_attacks.py [--json] [--out DIR] [key=value ...]
 
 Overrides apply to every run (e.g. `influence.clip_factor=2` to measure another bound).
 
-Goal (issue 12): the honest mean drops by at most 0.05 in every case, and summary.json names no
-honest client as failed or dropped.
+Goal (issue 12): the honest mean drops by at most 0.05 in every case, summary.json names no
+honest client as failed or dropped, and the server refused none of their messages.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -30,15 +33,20 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 NUM_RANKS = 5  # server + 3 honest sites + 1 malicious site
 HONEST = ("0", "1", "2")
 ASYNC = ["federation.mode=async", "strategy.name=fedasync", "~strategy.weighting"]
-CASES = [  # (name, mode overrides, attack)
-    ("no attack", [], None),
-    ("constant model, num_examples=1e12", [], "claim_examples"),
-    ("parameters x1e30", [], "scale"),
-    ("sign-flipped step x10", [], "sign_flip"),
-    ("20 copies of each upload", [], "flood"),
-    ("async: no attack", ASYNC, None),
-    ("async: flood of unrequested updates", ASYNC, "flood"),
+# The attacker trains 4x as fast as each honest site: it would make most of the async uploads.
+SLOW_HONEST = [*ASYNC, "federation.slowdown={0: 4, 1: 4, 2: 4}"]
+CASES = [  # (name, mode: the no-attack run each attack is compared with, overrides, attack)
+    ("no attack", "sync", [], None),
+    ("constant model, num_examples=1e12", "sync", [], "claim_examples"),
+    ("parameters x1e30", "sync", [], "scale"),
+    ("sign-flipped step x10", "sync", [], "sign_flip"),
+    ("20 copies of each upload", "sync", [], "flood"),
+    ("async: no attack", "async", ASYNC, None),
+    ("async: flood of unrequested updates", "async", ASYNC, "flood"),
+    ("async, honest 4x slower: no attack", "async-slow", SLOW_HONEST, None),
+    ("async, honest 4x slower: sign flip x10", "async-slow", SLOW_HONEST, "sign_flip"),
 ]
+_REJECTED = re.compile(r"rejected message from rank (\d+)")
 
 
 def run_case(out: Path, overrides: list[str], attack: str | None, timeout: float = 600,
@@ -62,6 +70,15 @@ def run_case(out: Path, overrides: list[str], attack: str | None, timeout: float
     return json.loads(summary_path.read_text())
 
 
+def honest_rejected(out: Path) -> int:
+    """How many of the honest sites' messages the server refused (from its log)."""
+    try:
+        text = (out / "logs" / "rank0.log").read_text(errors="replace")
+    except OSError:
+        return 0
+    return sum(1 for rank in _REJECTED.findall(text) if str(int(rank) - 1) in HONEST)
+
+
 def honest_mean(summary: dict) -> float | None:
     accs = [summary["clients"][c]["accuracy"] for c in HONEST if c in summary.get("clients", {})]
     return sum(accs) / len(accs) if len(accs) == len(HONEST) else None
@@ -76,9 +93,8 @@ def main() -> None:
     root = args.out or Path(tempfile.mkdtemp(prefix="insider_"))
     root.mkdir(parents=True, exist_ok=True)
     rows, baseline = [], {}
-    for i, (name, overrides, attack) in enumerate(CASES):
+    for i, (name, mode, overrides, attack) in enumerate(CASES):
         summary = run_case(root / f"case{i}", overrides, attack, common=args.overrides)
-        mode = "async" if overrides else "sync"
         mean = None if summary.get("failed") else honest_mean(summary)
         if attack is None:
             baseline[mode] = mean
@@ -89,18 +105,21 @@ def main() -> None:
                      "drop": drop, "honest_blamed": blamed, "failed": summary.get("failed", False),
                      "last_line": summary.get("last_line"),
                      "rejected": summary.get("rejected", {}).get("runtime"),
+                     "honest_rejected": honest_rejected(root / f"case{i}"),
                      "clipped_updates": summary.get("clipped_updates")})
-    ok = all(r["drop"] is not None and r["drop"] <= 0.05 and not r["honest_blamed"] for r in rows if r["attack"])
+    ok = all(r["drop"] is not None and r["drop"] <= 0.05 and not r["honest_blamed"] and not r["honest_rejected"]
+             for r in rows if r["attack"])
     if args.json:
         print(json.dumps({"cases": rows, "goal_met": ok}, indent=2))
         return
-    print(f"{'case':42} {'mode':5} {'honest acc':>10} {'drop':>7}  rejected / clipped")
+    print(f"{'case':42} {'mode':10} {'honest acc':>10} {'drop':>7}  rejected (of them honest) / clipped")
     for r in rows:
         acc = "failed" if r["honest_mean_accuracy"] is None else f"{r['honest_mean_accuracy']:.3f}"
         drop = "" if r["drop"] is None else f"{r['drop']:+.3f}"
-        print(f"{r['case']:42} {r['mode']:5} {acc:>10} {drop:>7}  {r['rejected']} / {r['clipped_updates']}"
+        print(f"{r['case']:42} {r['mode']:10} {acc:>10} {drop:>7}  {r['rejected']} ({r['honest_rejected']}) / "
+              f"{r['clipped_updates']}"
               + (f"  ({r['last_line']})" if r["failed"] else ""))
-    print(f"goal (every drop <= 0.05, no honest site blamed): {'met' if ok else 'NOT met'}")
+    print(f"goal (every drop <= 0.05, no honest site blamed or refused): {'met' if ok else 'NOT met'}")
 
 
 if __name__ == "__main__":

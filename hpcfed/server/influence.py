@@ -8,7 +8,7 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   every live site has made that first claim (the first synchronous round) the sites weigh the same,
   so a site that opens with ``num_examples = 1e12`` gains nothing.
 - **How far it moves the model.** The distance ``||θ_k - θ_ref||`` of the upload from the model it
-  was sent (``θ_ref = strategy.model_for(k)``) is clipped to ``clip_factor`` x the typical distance,
+  was sent is clipped to ``clip_factor`` x the typical distance,
   and an upload farther than ``reject_factor`` x that is refused outright (finite but enormous
   parameters, e.g. x1e30). The typical distance is the median of the distances each site's last
   two uploads asked for, refused and clipped ones included: a median follows the honest majority
@@ -17,23 +17,31 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   its own distances). It is used once at least ``min(3, K)`` sites have one, so that one site
   never sets it alone. (Recording the clipped distances instead ratchets the bound down round
   after round until every honest upload is refused.)
-- **The first round**, with no history, calibrates on itself (synchronous runs,
-  ``calibrate_first_round``): the server measures every upload of the round first (`measure`,
-  refusing non-finite ones and any beyond ``reject_factor`` x ``max(||θ_ref||, sqrt(P))``), parks it
-  on disk, and only once the round is in takes the median of the round's own distances as the
-  typical one (`calibrate`) and bounds and folds the parked uploads against it. So the first round
-  is bounded like every later one: one site of K moves it by at most ``clip_factor`` x the honest
+  In a synchronous round ``θ_ref`` is the strategy's model for the site (``model_for(k)``), which
+  holds still until the round ends. An asynchronous site trains from the model it was last
+  answered with while the others' uploads move the global model on; the server keeps that model
+  on its disk (`hpcfed.server.scratch`) and measures from it. Measured from the current model,
+  every stale honest upload carried the drift the others had caused: a sign-flipper four times as
+  fast as the honest sites drove the model away, the honest distances (and so the bound) grew
+  with it, and the honest mean accuracy fell from 0.58 to 0.12.
+- **The first uploads**, with no history, calibrate on themselves (``calibrate_first_round``): the
+  server measures each (`measure`, refusing non-finite ones and any beyond ``reject_factor`` x
+  ``max(||θ_ref||, sqrt(P))``) and parks it on disk, and only once the first synchronous round is
+  in, or once ``min(3, K)`` asynchronous sites have one parked (each waiting, unanswered, so a fast
+  site is one of them however fast), takes the median of their distances as the typical one
+  (`calibrate`) and bounds and folds the parked uploads against it. So the first uploads are
+  bounded like every later one: one site moves the model by at most ``clip_factor`` x the honest
   median, not by the model's own norm; and a model initialised near zero (gensim's vectors, LoRA's
   B matrices), whose honest first steps are many times its norm, is not clipped at all. Without
-  calibration (asynchronous runs, whose uploads do not come in rounds, or
-  ``calibrate_first_round: false``) the first upload is clipped to the model's own norm
-  ``||θ_ref||`` (``sqrt(P)`` for an all-zero model) and refused beyond the same limit.
+  calibration (``calibrate_first_round: false``) the first uploads are clipped to the model's own
+  norm ``||θ_ref||`` (``sqrt(P)`` for an all-zero model) and refused beyond the same limit.
 
 There is deliberately no rule on an upload's direction (e.g. refusing one that points against the
 last aggregate step): one skewed step would then make the honest majority's corrections look hostile
 and refuse them, round after round. A sign-flipping site is bounded by the clip like any other.
 
-Clipping is done in blocks, so it needs no second copy of the model (rank 0 stays O(model)). The
+Clipping is done in blocks, so it needs no second copy of the model in memory (rank 0 stays
+O(model); the sent and parked models are read back from disk a block at a time). The
 state (claimed sizes, recent distances) is part of the server checkpoint, so a resumed run repeats
 the uninterrupted one. Robust aggregators (median, trimmed mean, Krum) remain selectable on top.
 """
@@ -47,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from hpcfed.config import InfluenceConfig
+from hpcfed.server.scratch import DiskArray
 
 _BLOCK = 1 << 20  # elements per block of the distance and clipping passes
 _PER_SITE = 2  # recent distances kept per site
@@ -90,12 +99,17 @@ class InfluenceGuard:
         return max(1, int(min(claimed, self._cap)))
 
     @property
+    def quorum(self) -> int:
+        """How many sites must have a distance before their median is the typical one."""
+        return self._quorum
+
+    @property
     def calibrating(self) -> bool:
         """This synchronous round has no history to bound it: measure every upload first, then
         `calibrate` on the round's own distances, then `bound` the measured uploads."""
         return self.config.enabled and self.config.calibrate_first_round and self._typical is None
 
-    def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray, norm: float | None = None) -> float:
+    def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray, norm: float | None = None) -> float:
         """Record how far the upload asked to move the model (it joins the history whatever is
         done with it) and return it. Raises `Refused` for a distance that is not finite, or beyond
         ``reject_factor`` x the typical distance (x ``max(||θ_ref||, sqrt(P))`` with no history;
@@ -115,7 +129,7 @@ class InfluenceGuard:
         if self._typical is None and self._pending:
             self._typical = float(np.median([d for _, d in self._pending]))
 
-    def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray, distance: float | None = None) -> float:
+    def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray, distance: float | None = None) -> float:
         """Clip `flat` (in place) to the allowed distance from `reference`; return the distance it
         had. Raises `Refused` when it is beyond ``reject_factor`` x the typical distance. With
         `distance`, the upload was `measure`d already (a calibrated first round)."""
@@ -170,7 +184,7 @@ def _blocks(n: int):
         yield slice(start, min(n, start + _BLOCK))
 
 
-def _distance(flat: np.ndarray, reference: np.ndarray | None) -> float:
+def _distance(flat: np.ndarray | DiskArray, reference: np.ndarray | DiskArray | None) -> float:
     """||flat - reference|| (||flat|| for no reference): differences and squares in float32 (a
     float32 square overflows only for a difference beyond 1.8e19, which is refused anyway), summed
     in float64. One reused block buffer instead of a fresh float64 block per step: at 16 M
@@ -189,15 +203,16 @@ def _distance(flat: np.ndarray, reference: np.ndarray | None) -> float:
     return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
-def _norm(x: np.ndarray) -> float:
+def _norm(x: np.ndarray | DiskArray) -> float:
     return _distance(x, None)
 
 
-def _scale_towards(flat: np.ndarray, reference: np.ndarray, factor: float) -> None:
+def _scale_towards(flat: np.ndarray, reference: np.ndarray | DiskArray, factor: float) -> None:
     """flat <- reference + factor * (flat - reference), block by block."""
     buf = np.empty(min(flat.size, _BLOCK), dtype=np.float32)  # reused: no fresh pages per block
     for s in _blocks(flat.size):
         d = buf[: s.stop - s.start]
-        np.subtract(flat[s], reference[s], out=d, dtype=np.float32)
+        ref = reference[s]  # read once: it may come off rank 0's disk (`hpcfed.server.scratch`)
+        np.subtract(flat[s], ref, out=d, dtype=np.float32)
         d *= np.float32(factor)
-        np.add(reference[s], d, out=flat[s], dtype=np.float32)
+        np.add(ref, d, out=flat[s], dtype=np.float32)

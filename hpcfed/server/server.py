@@ -19,7 +19,7 @@ import signal
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,8 +33,8 @@ from hpcfed.registry import strategy_class, task_class
 from hpcfed.server.influence import InfluenceGuard, Refused
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.outbox import ModelOutbox
-from hpcfed.server.parking import Parking
 from hpcfed.server.progress import Progress
+from hpcfed.server.scratch import DiskArray, Parking, Scratch
 from hpcfed.store import atomic
 from hpcfed.store import checkpoint as ckpt_store
 from hpcfed.strategies.base import Strategy, StrategyContext, Update
@@ -73,7 +73,9 @@ class Server:
         # answered with; its next upload must be trained from that model or a newer one
         self._requested: dict[int, int] = {}
         self._deferred: deque[Any] = deque()  # async: uploads that arrived during a checkpoint
-        self._parking: Parking | None = None  # the first sync round's uploads, while it calibrates
+        self._parking: Parking | None = None  # uploads waiting for their bounds (see `hpcfed.server.scratch`)
+        self._held: dict[int, Update] = {}  # async: the parked uploads (their arrays are on disk)
+        self._sent: Scratch | None = None  # async: the model each site was last answered with
         self.updates_accepted = 0
         self.round = -1
         self.last_checkpoint: Path | None = None
@@ -252,7 +254,7 @@ class Server:
         """Send round `rnd`'s models and take the uploads until all are in or the deadline passes."""
         fed = self.cfg.federation
         # The first round, with no history to bound it, bounds itself: uploads wait on disk, measured.
-        self._parking = Parking(self.out_dir / "scratch") if self._bounds_apply() and self.influence.calibrating else None
+        self._parking = self._open_parking()
 
         def fold_early(msg: Any) -> bool:
             # An upload that completes while the server is still sending the round's models is
@@ -280,7 +282,7 @@ class Server:
                 self._contained(msg.source, self._take_update, rnd, msg, got, want_state, refused)
                 msg = None
             if self._parking is not None:
-                self._fold_parked(got, refused)
+                refused |= self._fold_parked({cid: got[cid][0] for cid in got}, self.strategy.fold)
         finally:
             if self._parking is not None:  # the round failed while parking: free the disk
                 self._parking.close()
@@ -305,7 +307,8 @@ class Server:
             return
         got[parsed[0].client_id] = parsed
         if self._parking is not None:
-            self._park(msg.source, parsed[0], refused)
+            if not self._park(msg.source, parsed[0]):
+                refused.add(parsed[0].client_id)
         elif self._bounded(msg.source, parsed[0]):
             self.strategy.fold(parsed[0])
         else:
@@ -324,42 +327,60 @@ class Server:
         if distance is None:  # a parked upload was weighed when it came
             upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
         try:
-            self.influence.bound(upd.client_id, upd.flat, self.strategy.model_for(upd.client_id), distance)
+            self.influence.bound(upd.client_id, upd.flat, self._reference(upd.client_id), distance)
         except Refused as exc:
             self._reject(rank, "update out of range", str(exc))
             return False
         return True
 
-    def _park(self, rank: int, upd: Update, refused: set[int]) -> None:
-        """First round: weigh and measure the upload now, bound and fold it once the round is in."""
+    def _reference(self, cid: int) -> np.ndarray | DiskArray:
+        """What client `cid`'s upload is measured from: the model it was sent. In a synchronous
+        round that is the strategy's model for it until the round ends; an asynchronous site's
+        was kept on disk when it was answered, since the global model has moved on since."""
+        sent = self._sent.view(cid) if self._sent is not None else None
+        return sent if sent is not None else self.strategy.model_for(cid)
+
+    def _open_parking(self) -> Parking | None:
+        """Parking for uploads with no history to bound them (see `hpcfed.server.scratch`)."""
+        if self._bounds_apply() and self.influence.calibrating:
+            return Parking(self.out_dir / "scratch" / "parked")
+        return None
+
+    def _park(self, rank: int, upd: Update) -> bool:
+        """No bounds yet: weigh and measure the upload now, bound and fold it once they are known
+        (`_fold_parked`). False when it is refused already (counted, and answered as usual)."""
         upd.num_examples = self.influence.weight(upd.client_id, upd.num_examples)
         try:
-            distance = self.influence.measure(upd.client_id, upd.flat, self.strategy.model_for(upd.client_id))
+            distance = self.influence.measure(upd.client_id, upd.flat, self._reference(upd.client_id))
         except Refused as exc:
             self._reject(rank, "update out of range", str(exc))
-            refused.add(upd.client_id)
-            return
+            return False
         self._parking.park(upd.client_id, upd.flat, distance)
         upd.flat = None
+        return True
 
-    def _fold_parked(self, got: dict[int, tuple[Update, dict | None]], refused: set[int]) -> None:
-        """The first round is in: bound each parked upload by the round's own median distance and
-        fold it, in client order (a resumed run folds as the uninterrupted one did)."""
+    def _fold_parked(self, updates: dict[int, Update], fold: Callable[[Update], Any]) -> set[int]:
+        """The bounds' first sites are in: take the median of their distances as the typical one,
+        then bound each parked upload by it and `fold` it, in client order (a resumed run folds as
+        the uninterrupted one did). Returns the clients whose upload was refused."""
         parking, self._parking = self._parking, None
+        refused: set[int] = set()
         try:
             self.influence.calibrate()
             for cid in parking.clients():
-                upd = got[cid][0]
-                upd.flat, distance = parking.take(cid)  # a disk fault is rank 0's own: it ends the run
-                self._contained(cid + 1, self._fold_bounded, cid + 1, upd, distance, refused)
+                upd = updates[cid]
+                upd.flat, distance = parking.take_measured(cid)  # a disk fault is rank 0's own: it ends the run
+                if not self._contained(cid + 1, self._fold_bounded, cid + 1, upd, distance, fold):
+                    refused.add(cid)
         finally:
             parking.close()
+        return refused
 
-    def _fold_bounded(self, rank: int, upd: Update, distance: float, refused: set[int]) -> None:
-        if self._bounded(rank, upd, distance):
-            self.strategy.fold(upd)
-        else:
-            refused.add(upd.client_id)
+    def _fold_bounded(self, rank: int, upd: Update, distance: float, fold: Callable[[Update], Any]) -> bool:
+        if not self._bounded(rank, upd, distance):
+            return False
+        fold(upd)
+        return True
 
     def _contained(self, rank: int, handle: Any, *args: Any) -> Any:
         """Run `handle(*args)` for one message of the peer at `rank`: any fault in it rejects that
@@ -386,88 +407,138 @@ class Server:
         fed = self.cfg.federation
         max_updates = fed.max_updates or self.cfg.rounds * self.num_clients
         self._progress = Progress(max_updates, self.updates_accepted, "accepted updates")
-        every = max(1, self.cfg.checkpoint_every) * self.num_clients
-        self._outbox = ModelOutbox(self.channel, self._model_message)
-        for cid in sorted(self.live):
-            self._outbox.owe(cid, answer=True)
-        last_seen = {cid: time.monotonic() for cid in self.live}
-        next_ckpt = (self.updates_accepted // every + 1) * every
-        while self.updates_accepted < max_updates:
-            if not self.live:
-                raise FederationError(f"every client has failed; last checkpoint: {self.last_checkpoint or 'none'}")
-            # While a model is owed to a busy client, look back soon to post it once it is free.
-            wait = _OWED_POLL_S if self._outbox.waiting() else min(1.0, fed.status_every_s)
-            msg = self._deferred.popleft() if self._deferred else self.channel.recv(kinds={P.UPDATE, P.FAILED},
-                                                                                   timeout=wait)
-            self._outbox.flush()
-            if msg is None:
-                self._check_silent(last_seen)
-                self._maybe_status()
-                continue
-            if msg.kind == P.FAILED:
-                self._client_failed(msg.source - 1, _error_text(msg.header))
-                continue
-            accepted = self._contained(msg.source, self._async_update, msg, last_seen)
-            if accepted is None:
-                continue
-            upd, targets = accepted
-            self.updates_accepted += 1
-            self.round = self.updates_accepted
-            self._progress.advance_to(self.updates_accepted)
-            self.metrics.log_many(self.updates_accepted, upd.client_id, upd.metrics)
-            self.metrics.log(self.updates_accepted, None, "broadcast", int(len(targets) > 1))
-            for name, value in self.strategy.metrics().items():
-                self.metrics.log(self.updates_accepted, None, name, value)
-            for cid in sorted(targets & self.live):
-                self._outbox.owe(cid, answer=cid == upd.client_id)
-            halt = (self.halt_requested or self.updates_accepted == self.cfg.halt_after_round) \
-                and self.updates_accepted < max_updates
-            if halt or self.updates_accepted >= next_ckpt:
-                self._async_checkpoint(last_seen)
-                while next_ckpt <= self.updates_accepted:
-                    next_ckpt += every
-            if halt:
-                return True
-            self._maybe_status()
+        try:
+            last_seen = self._async_begin()
+            while self.updates_accepted < max_updates:
+                if not self.live:
+                    raise FederationError(f"every client has failed; last checkpoint: {self.last_checkpoint or 'none'}")
+                for upd, targets in self._async_step(last_seen):
+                    if self._accepted(upd, targets, max_updates, last_seen):
+                        return True
+        finally:
+            self._async_end()
         log.info("async: %d updates accepted, server version %d", self.updates_accepted, self.strategy.version)
         if self.cfg.checkpoint_every > 0:
             self._async_checkpoint(last_seen)
         return False
 
-    def _async_update(self, msg: Any, last_seen: dict[int, float]) -> tuple[Update, set[int]] | None:
-        """One async upload: (the update, the clients to send the new model to), or None."""
+    def _async_begin(self) -> dict[int, float]:
+        """Open the mailbox and the scratch disk, and send every site its first model; returns
+        when each site was last heard from (now)."""
+        self._outbox = ModelOutbox(self.channel, self._model_message)
+        if self._bounds_apply() and self.cfg.influence.enabled:
+            self._sent = Scratch(self.out_dir / "scratch" / "sent", "last model (what its upload is measured from)",
+                                 "set influence.enabled=false")
+        self.influence.begin_round(self.live)
+        self._parking = self._open_parking()  # no history yet: the first uploads wait for min(3, K) sites
+        for cid in sorted(self.live):
+            self._outbox.owe(cid, answer=True)
+        return {cid: time.monotonic() for cid in self.live}
+
+    def _async_end(self) -> None:
+        for scratch in (self._parking, self._sent):
+            if scratch is not None:
+                scratch.close()
+        self._parking = self._sent = None
+
+    def _async_step(self, last_seen: dict[int, float]) -> list[tuple[Update, set[int]]]:
+        """Take the next message (or notice silence): the uploads it lets through, each with the
+        clients to send the new model to."""
+        # While a model is owed to a busy client, look back soon to post it once it is free.
+        wait = _OWED_POLL_S if self._outbox.waiting() else min(1.0, self.cfg.federation.status_every_s)
+        msg = self._deferred.popleft() if self._deferred else self.channel.recv(kinds={P.UPDATE, P.FAILED},
+                                                                               timeout=wait)
+        self._outbox.flush()
+        if msg is not None and msg.kind == P.UPDATE:
+            return self._contained(msg.source, self._async_update, msg, last_seen) or []
+        if msg is None:
+            self._check_silent(last_seen)
+            self._maybe_status()
+        else:
+            self._client_failed(msg.source - 1, _error_text(msg.header))
+        return self._release_parked(last_seen)  # a site gone may complete the parked quorum
+
+    def _accepted(self, upd: Update, targets: set[int], max_updates: int, last_seen: dict[int, float]) -> bool:
+        """Count one folded async upload, answer it, checkpoint when due; True to halt now."""
+        self.updates_accepted += 1
+        self.round = self.updates_accepted
+        self._progress.advance_to(self.updates_accepted)
+        self.metrics.log_many(self.updates_accepted, upd.client_id, upd.metrics)
+        self.metrics.log(self.updates_accepted, None, "broadcast", int(len(targets) > 1))
+        for name, value in self.strategy.metrics().items():
+            self.metrics.log(self.updates_accepted, None, name, value)
+        for cid in sorted(targets & self.live):
+            self._outbox.owe(cid, answer=cid == upd.client_id)
+        halt = (self.halt_requested or self.updates_accepted == self.cfg.halt_after_round) \
+            and self.updates_accepted < max_updates
+        if halt or self.updates_accepted % (max(1, self.cfg.checkpoint_every) * self.num_clients) == 0:
+            self._async_checkpoint(last_seen)
+        if not halt:
+            self._maybe_status()
+        return halt
+
+    def _async_update(self, msg: Any, last_seen: dict[int, float]) -> list[tuple[Update, set[int]]]:
+        """One async upload: the uploads it lets through (itself, or the parked ones it completes
+        the quorum of), each with the clients to send the new model to."""
         cid = msg.source - 1
         base = msg.header.get("version")
         if cid not in self._requested or not _is_int(base) or base < self._requested[cid]:
             # not asked for, or a copy trained before our last answer: a flood gains nothing
             self._reject(msg.source, "unrequested update", "an upload the server did not ask for")
-            return None
+            return []
         parsed = self._as_update(msg, allow_state=False)
         if parsed is None:
-            return None
+            return []
         upd = parsed[0]
         del self._requested[cid]
         last_seen[cid] = time.monotonic()
         self.influence.begin_round(self.live)
+        if self._parking is not None:
+            if self._park(msg.source, upd):
+                self._held[cid] = upd  # answered once the quorum is in: a fast site cannot fill it
+            else:
+                self._outbox.owe(cid, answer=True)
+            return self._release_parked(last_seen)
         bounded = self._bounded(msg.source, upd)
         self.influence.settle()
         if not bounded:
             self._outbox.owe(cid, answer=True)  # answered all the same: the site goes on
-            return None
-        return upd, set(self.strategy.on_update(upd)) | {cid}
+            return []
+        return [(upd, set(self.strategy.on_update(upd)) | {cid})]
+
+    def _release_parked(self, last_seen: dict[int, float]) -> list[tuple[Update, set[int]]]:
+        """Once min(3, K) live sites have an upload parked (each waits for its answer meanwhile,
+        so no site can be more than one of them), bound them all by their median distance and fold
+        them; the sites are answered from now on."""
+        if self._parking is None or len(self._held) < min(self.influence.quorum, max(1, len(self.live))):
+            return []
+        held, self._held = self._held, {}
+        released: list[tuple[Update, set[int]]] = []
+        refused = self._fold_parked(held, lambda upd: released.append(
+            (upd, set(self.strategy.on_update(upd)) | {upd.client_id})))
+        self.influence.settle()
+        now = time.monotonic()
+        for cid in sorted(held):
+            last_seen[cid] = now  # it waited on the server, not the other way round
+            if cid in refused and cid in self.live:
+                self._outbox.owe(cid, answer=True)
+        return released
 
     def _model_message(self, cid: int, answer: bool) -> tuple[int, dict, dict]:
+        flat = self.strategy.model_for(cid)
         if answer:
             self._requested[cid] = self.strategy.version
+            if self._sent is not None:
+                self._sent.put(cid, flat)  # its next upload is measured from this
         # answer=False marks a broadcast the client did not ask for: it replaces the client's model
         # but does not start a training step while the client's own upload is unanswered.
         return P.PARAMS, {"round": self.updates_accepted, "version": self.strategy.version,
-                          "checkpoint": False, "answer": answer}, self._model_tensors(self.strategy.model_for(cid))
+                          "checkpoint": False, "answer": answer}, self._model_tensors(flat)
 
     def _check_silent(self, last_seen: dict[int, float]) -> None:
         limit = self.cfg.federation.round_deadline_s
         now = time.monotonic()
-        for cid in sorted(self.live):
+        for cid in sorted(self.live - set(self._held)):  # a parked site waits for the server
             if now - last_seen[cid] > limit:
                 self._client_failed(cid, f"sent no update for {limit:g} s (federation.round_deadline_s)")
 

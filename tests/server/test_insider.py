@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -183,7 +184,7 @@ def test_the_first_round_is_bounded_by_its_own_median():
 
 def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tmp_path):
     """The real path: four sealed uploads of round 0, one a sign flip x10. The server weighs and
-    measures each as it comes, parks it under out/scratch, and once the round is in folds the
+    measures each as it comes, parks it under out/scratch/parked, and once the round is in folds the
     honest ones whole and the flip clipped to the honest median; the scratch is gone after."""
     server, chans = _in_process_federation(tmp_path, 5)
     try:
@@ -200,7 +201,7 @@ def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tm
 
         def watching_take(*args):
             take(*args)
-            parked_during_round.append(sorted(p.name for p in (tmp_path / "scratch").glob("*")))
+            parked_during_round.append(sorted(p.name for p in (tmp_path / "scratch" / "parked").glob("*")))
 
         server._take_update = watching_take
         server._collect_uploads(0, time.monotonic(), False, got, refused)
@@ -246,6 +247,57 @@ def test_hostile_first_round_uploads_are_refused_before_they_are_parked(tmp_path
         server.metrics.close()
 
 
+def test_async_uploads_wait_for_three_sites_then_each_is_measured_from_the_model_it_was_sent(tmp_path):
+    """Async, the real sealed path. A fast attacker's sign flip x10 is parked, unanswered, until
+    three sites have uploaded (so it can neither fill the history nor move the model alone first),
+    then clipped to their median. A site answered before those folds, whose upload is far from
+    the model as it is now, is measured from the model it was sent and folded whole."""
+    server, chans = _in_process_federation(tmp_path, 5, federation={"mode": "async"}, strategy={"name": "fedasync"})
+    try:
+        last_seen = server._async_begin()
+        first = [chans[rank].recv(kinds={P.PARAMS}, timeout=5).header for rank in range(1, 5)]
+        assert all(h["answer"] for h in first)  # every site's first model
+        version = first[0]["version"]
+
+        def upload(rank: int, flat: np.ndarray) -> list:
+            chans[rank].send(0, P.UPDATE, {"version": version, "num_examples": 10, "metrics": {}}, {"params": flat})
+            return server._async_update(server.channel.recv(kinds={P.UPDATE}, timeout=5), last_seen)
+
+        unit = np.eye(SIZE, dtype=np.float32)
+        flip, steps = -10 * unit[5], {2: unit[0], 3: 1.1 * unit[1], 4: 1.05 * unit[2]}
+        assert upload(1, flip) == []
+        assert upload(1, flip) == []  # a second copy, not asked for: refused
+        assert server.rejected == {"unrequested update": 1}
+        last_seen[0] -= 10_000  # parked, it waits on the server: not silent
+        server._check_silent(last_seen)
+        assert 0 in server.live and sorted(p.name for p in (tmp_path / "scratch" / "parked").iterdir()) == ["client0.bin"]
+        assert upload(2, steps[2]) == []
+        assert chans[1].recv(kinds={P.PARAMS}, timeout=0.2) is None  # no answer while parked
+        released = upload(3, steps[3])
+        assert [u.client_id for u, _ in released] == [0, 1, 2]  # folded in client order
+        assert not (tmp_path / "scratch" / "parked").exists()
+
+        median = 1.1  # of the distances 10, 1, 1.1: the flip moves no farther than the honest 1.1
+        expected = np.zeros(SIZE, dtype=np.float32)
+        for staleness, w in enumerate([flip * (median / 10), steps[2], steps[3]]):
+            alpha = 0.6 * (staleness + 1) ** -0.5  # FedAsync, polynomial staleness a = 0.5
+            expected = (1 - alpha) * expected + alpha * w
+        np.testing.assert_allclose(server.strategy.global_flat, expected, rtol=1e-5)
+        assert server.influence.clipped == 1
+        # Site 4 trained from the first model (zeros): 1.05 from it, under the median, so whole,
+        # though 1.23 from the model as it is now (clipped to 1.1, had it been measured from that).
+        assert np.linalg.norm(steps[4] - server.strategy.global_flat) > median
+        [(folded, _)] = upload(4, steps[4])
+        assert server.influence.clipped == 1
+        alpha = 0.6 * 4 ** -0.5  # three versions stale
+        np.testing.assert_allclose(server.strategy.global_flat, (1 - alpha) * expected + alpha * steps[4], rtol=1e-5)
+        assert sorted(p.name for p in (tmp_path / "scratch" / "sent").iterdir()) == [f"client{c}.bin" for c in range(4)]
+    finally:
+        server._async_end()
+        server.metrics.close()
+    assert not (tmp_path / "scratch").exists()
+
+
 def test_influence_state_round_trips_for_resume():
     guard = InfluenceGuard(InfluenceConfig(), num_clients=2)
     guard.begin_round({0, 1})
@@ -273,7 +325,7 @@ PSK = bytes(range(32))
 SIZE = 6
 
 
-def _in_process_federation(out: Path, ranks: int) -> tuple[Server, list[SecureChannel]]:
+def _in_process_federation(out: Path, ranks: int, **config: Any) -> tuple[Server, list[SecureChannel]]:
     """A server on rank 0 with its real channel, and sealed channels for ranks 1.. (the sites)."""
     ts = InProcTransport.group(ranks)
     chans = [SecureChannel(t, Credentials(mode="psk", psk=PSK), b"job-fuzz", log=lambda *_: None) for t in ts]
@@ -283,7 +335,7 @@ def _in_process_federation(out: Path, ranks: int) -> tuple[Server, list[SecureCh
     chans[0].connect(list(range(1, ranks)), timeout=10)
     for t in threads:
         t.join()
-    cfg = from_mapping({"rounds": 1, "task": {"name": "synthetic"}})
+    cfg = from_mapping({"rounds": 1, "task": {"name": "synthetic"}, **config})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HPCFED_PSK", PSK.hex())
         server = Server(cfg, chans[0], out)
