@@ -125,9 +125,11 @@ class InfluenceGuard:
         return distance
 
     def calibrate(self) -> None:
-        """The first synchronous round is in: its own median distance is the typical one."""
+        """The first uploads are in: the median of their distances is the typical one, one per
+        site (its latest: an async site whose upload was refused is answered and may try again,
+        and must not fill the median with its tries)."""
         if self._typical is None and self._pending:
-            self._typical = float(np.median([d for _, d in self._pending]))
+            self._typical = float(np.median(list(dict(self._pending).values())))
 
     def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray, distance: float | None = None) -> float:
         """Clip `flat` (in place) to the allowed distance from `reference`; return the distance it

@@ -182,6 +182,27 @@ def test_the_first_round_is_bounded_by_its_own_median():
     assert not InfluenceGuard(InfluenceConfig(calibrate_first_round=False), 2).calibrating
 
 
+def test_a_site_refused_again_and_again_has_one_say_in_the_first_median():
+    """Async, before the bounds calibrate, a refused site is answered and may upload again: six
+    tries just past the limit, then one just under it, must not make the typical distance its own
+    (the last would then be folded nearly whole, 9.9 x sqrt(P) away, instead of refused)."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    guard.begin_round({0, 1, 2})
+    ref = np.zeros(100, dtype=np.float32)
+    limit = 10 * math.sqrt(ref.size)  # 10 x max(norm, sqrt(P)), the model being all zeros
+    for _ in range(6):
+        with pytest.raises(Refused):
+            guard.measure(0, np.full(100, 1.01 * limit / 10, dtype=np.float32), ref)
+    near = np.full(100, 0.99 * limit / 10, dtype=np.float32)
+    distances = {0: guard.measure(0, near, ref)}
+    for cid, scale in ((1, 0.1), (2, 0.12)):
+        distances[cid] = guard.measure(cid, np.full(100, scale, dtype=np.float32), ref)
+    guard.calibrate()  # the median of 9.9, 1 and 1.2, not of the tries as well (10.1)
+    with pytest.raises(Refused, match="10 x the typical 1.2 is the limit"):
+        guard.bound(0, near, ref, distances[0])
+    guard.bound(1, np.full(100, 0.1, dtype=np.float32), ref, distances[1])
+
+
 def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tmp_path):
     """The real path: four sealed uploads of round 0, one a sign flip x10. The server weighs and
     measures each as it comes, parks it under out/scratch/parked, and once the round is in folds the
