@@ -105,8 +105,9 @@ class InfluenceGuard:
 
     @property
     def calibrating(self) -> bool:
-        """This synchronous round has no history to bound it: measure every upload first, then
-        `calibrate` on the round's own distances, then `bound` the measured uploads."""
+        """No history bounds the uploads yet (the first synchronous round; an asynchronous run
+        until min(3, K) sites are in): `measure` them first, then `calibrate` on their own
+        distances, then `bound` the measured uploads."""
         return self.config.enabled and self.config.calibrate_first_round and self._typical is None
 
     def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray, norm: float | None = None) -> float:

@@ -412,9 +412,11 @@ class Server:
             while self.updates_accepted < max_updates:
                 if not self.live:
                     raise FederationError(f"every client has failed; last checkpoint: {self.last_checkpoint or 'none'}")
-                for upd, targets in self._async_step(last_seen):
-                    if self._accepted(upd, targets, max_updates, last_seen):
-                        return True
+                accepted = self._async_step(last_seen)
+                for upd, targets in accepted:
+                    self._accepted(upd, targets)
+                if accepted and self._after_accepting(len(accepted), max_updates, last_seen):
+                    return True
         finally:
             self._async_end()
         log.info("async: %d updates accepted, server version %d", self.updates_accepted, self.strategy.version)
@@ -458,8 +460,8 @@ class Server:
             self._client_failed(msg.source - 1, _error_text(msg.header))
         return self._release_parked(last_seen)  # a site gone may complete the parked quorum
 
-    def _accepted(self, upd: Update, targets: set[int], max_updates: int, last_seen: dict[int, float]) -> bool:
-        """Count one folded async upload, answer it, checkpoint when due; True to halt now."""
+    def _accepted(self, upd: Update, targets: set[int]) -> None:
+        """Count one folded async upload, log it and answer it."""
         self.updates_accepted += 1
         self.round = self.updates_accepted
         self._progress.advance_to(self.updates_accepted)
@@ -469,9 +471,15 @@ class Server:
             self.metrics.log(self.updates_accepted, None, name, value)
         for cid in sorted(targets & self.live):
             self._outbox.owe(cid, answer=cid == upd.client_id)
-        halt = (self.halt_requested or self.updates_accepted == self.cfg.halt_after_round) \
-            and self.updates_accepted < max_updates
-        if halt or self.updates_accepted % (max(1, self.cfg.checkpoint_every) * self.num_clients) == 0:
+
+    def _after_accepting(self, count: int, max_updates: int, last_seen: dict[int, float]) -> bool:
+        """`count` uploads were just accepted (several when parked ones are released together):
+        checkpoint when one fell due among them; True to halt now."""
+        done, before = self.updates_accepted, self.updates_accepted - count
+        every = max(1, self.cfg.checkpoint_every) * self.num_clients
+        halt_at = self.cfg.halt_after_round
+        halt = (self.halt_requested or (halt_at is not None and before < halt_at <= done)) and done < max_updates
+        if halt or done // every > before // every:
             self._async_checkpoint(last_seen)
         if not halt:
             self._maybe_status()
