@@ -51,7 +51,7 @@ class Scratch:
     def __init__(self, folder: Path, what: str, fix: str) -> None:
         self.folder, self.what, self.fix = folder, what, fix
         shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
+        folder.mkdir(parents=True, mode=0o700)  # what is read back here bounds the sites' uploads
         self._arrays: dict[int, DiskArray] = {}
 
     def put(self, cid: int, flat: np.ndarray) -> None:

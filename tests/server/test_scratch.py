@@ -19,6 +19,7 @@ def test_arrays_come_back_exactly_whole_or_a_block_at_a_time(tmp_path):
     np.testing.assert_array_equal(view[2:5], second[2:5])
     np.testing.assert_array_equal(view[8:100], second[8:])  # a block past the end is cut, as numpy's
     assert sent.view(4) is None and sent.clients() == [3]
+    assert (tmp_path / "scratch" / "sent").stat().st_mode & 0o077 == 0  # no other user may rewrite a reference
     parked = Parking(tmp_path / "scratch" / "parked")
     parked.park(1, first, 2.5)
     flat, distance = parked.take_measured(1)
