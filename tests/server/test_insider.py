@@ -319,6 +319,43 @@ def test_async_uploads_wait_for_three_sites_then_each_is_measured_from_the_model
     assert not (tmp_path / "scratch").exists()
 
 
+def test_hostile_async_uploads_while_the_bounds_calibrate_are_refused_answered_and_never_parked(tmp_path):
+    """Before three sites are in, what one async site sends with hostile content is refused as it
+    comes: NaN, x1e30 (answered: the site goes on), a version older than its answer (header
+    values beyond int64 and the like: the fuzz test below). Nothing reaches the disk or the median,
+    and the honest three are then folded whole."""
+    server, chans = _in_process_federation(tmp_path, 5, federation={"mode": "async"}, strategy={"name": "fedasync"})
+    try:
+        last_seen = server._async_begin()
+        version = [chans[r].recv(kinds={P.PARAMS}, timeout=5).header for r in range(1, 5)][0]["version"]
+        step = np.full(SIZE, 0.5, dtype=np.float32)
+
+        def send(rank: int, flat: np.ndarray, **header) -> list:
+            chans[rank].send(0, P.UPDATE, {"version": version, "num_examples": 10, "metrics": {}, **header},
+                             {"params": flat})
+            msg = server.channel.recv(kinds={P.UPDATE}, timeout=2)
+            return [] if msg is None else server._contained(msg.source, server._async_update, msg, last_seen) or []
+
+        assert send(1, np.full(SIZE, np.nan, dtype=np.float32)) == []  # malformed: its request stands
+        assert send(1, step * np.float32(1e30)) == []  # well-formed, out of range: refused, answered
+        assert chans[1].recv(kinds={P.PARAMS}, timeout=5).header["answer"] is True
+        assert send(1, step, version=version - 1) == []  # trained from a model it was not sent
+        assert not list((tmp_path / "scratch" / "parked").iterdir())
+        assert server.rejected_by_rank.get(1, 0) >= 3 and server.rejected["update out of range"] == 1
+        assert send(2, step) == [] and send(3, step) == []
+        released = send(4, step)
+        assert [u.client_id for u, _ in released] == [1, 2, 3]
+        expected = np.zeros(SIZE, dtype=np.float32)
+        for staleness in range(3):  # each folded whole, FedAsync's polynomial staleness a = 0.5
+            alpha = 0.6 * (staleness + 1) ** -0.5
+            expected = (1 - alpha) * expected + alpha * step
+        np.testing.assert_allclose(server.strategy.global_flat, expected, rtol=1e-5)
+        assert server.influence.clipped == 0
+    finally:
+        server._async_end()
+        server.metrics.close()
+
+
 def test_influence_state_round_trips_for_resume():
     guard = InfluenceGuard(InfluenceConfig(), num_clients=2)
     guard.begin_round({0, 1})
