@@ -476,10 +476,10 @@ class Server:
         """`count` uploads were just accepted (several when parked ones are released together):
         checkpoint when one fell due among them; True to halt now."""
         done, before = self.updates_accepted, self.updates_accepted - count
-        every = max(1, self.cfg.checkpoint_every) * self.num_clients
+        every = self.cfg.checkpoint_every * self.num_clients  # 0: no checkpoint but a halt's
         halt_at = self.cfg.halt_after_round
         halt = (self.halt_requested or (halt_at is not None and before < halt_at <= done)) and done < max_updates
-        if halt or done // every > before // every:
+        if halt or (every > 0 and done // every > before // every):
             self._async_checkpoint(last_seen)
         if not halt:
             self._maybe_status()

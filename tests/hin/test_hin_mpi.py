@@ -34,6 +34,8 @@ def test_feddwa_federation_with_a_straggler(tmp_path: Path) -> None:
     events = _events(out)
     uploads = [e["client"] for e in events if e["name"] == "train_loss"]
     assert len(uploads) == 18 and uploads.count(2) < 6  # the slow site uploads less often
+    # checkpoint_every=0: no checkpoint (each one waits for every site, the straggler included)
+    assert not list((out / "checkpoints").glob("*.h5")) and not any(e["name"] == "checkpoint" for e in events)
     assert any(e["name"] == "val_micro_f1" for e in events)  # fit reports F1 in async mode
     assert any(e["name"] == "received_val_micro_f1" for e in events)  # best_val scores each received model
     assert {e["name"] for e in events} >= {"max_version_gap", "dwa_broadcast"}
