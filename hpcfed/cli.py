@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 # `hpcfed data NAME ...` -> function(argv) -> int
 DATA_COMMANDS: dict[str, str] = {

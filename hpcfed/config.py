@@ -14,9 +14,10 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -280,7 +281,7 @@ class Origin(str):
 
     overrides: dict[str, str]
 
-    def __new__(cls, source: str, overrides: dict[str, str] | None = None) -> "Origin":
+    def __new__(cls, source: str, overrides: dict[str, str] | None = None) -> Origin:
         obj = super().__new__(cls, source)
         obj.overrides = dict(overrides or {})
         return obj

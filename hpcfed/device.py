@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 log = logging.getLogger("hpcfed.device")
 

@@ -22,10 +22,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 
 # How Open MPI's mpiexec reports the first rank that ended badly.
 _OMPI_REPORT = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal")

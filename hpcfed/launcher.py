@@ -13,9 +13,9 @@ import json
 import logging
 import os
 import secrets
-import socket
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -286,7 +286,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         channel.close()
         jobwatch.write_exit(out_dir / "logs", rank, 0)
         return 0
-    except Exception as exc:  # noqa: BLE001 — any failure must end the whole job, not hang it
+    except Exception as exc:
         secondary = _is_mpi_error(exc)
         if secondary:  # a peer ended under us (killed, aborted): that peer is the story, not this rank
             reason = f"MPI error talking to another rank (did it end?): {_mpi_brief(exc)}"
@@ -298,7 +298,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
             reason = f"{type(exc).__name__}: {exc} (a bug: the traceback is in the log)"
         _abort(comm, out_dir, rank, 2 if isinstance(exc, ConfigError) else 1, reason, secondary=secondary)
-    except BaseException as exc:  # noqa: BLE001 — KeyboardInterrupt, SystemExit: still end the job
+    except BaseException as exc:
         log.error("rank %d stopped: %s", rank, type(exc).__name__)
         _abort(comm, out_dir, rank, 1, f"stopped by {type(exc).__name__}")
     return 1

@@ -7,8 +7,8 @@ operations with no Python loop over layers; the channel carries one flat buffer 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import ml_dtypes
 import numpy as np
@@ -63,7 +63,7 @@ class ParamLayout:
         object.__setattr__(self, "_slots", tuple(slots))
 
     @classmethod
-    def of(cls, params: Mapping[str, np.ndarray]) -> "ParamLayout":
+    def of(cls, params: Mapping[str, np.ndarray]) -> ParamLayout:
         names, shapes, offsets, dtypes, pos = [], [], [], [], 0
         for name, value in params.items():
             arr = np.asarray(value)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from hpcfed.comm.bench import main, run_bench  # noqa: E402
+from hpcfed.comm.bench import main, run_bench
 
 __all__ = ["run_bench"]
 

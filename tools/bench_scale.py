@@ -79,10 +79,10 @@ def run_one(k: int, p: int, rounds: int, timeout: float) -> dict:
 
 
 def channel_throughput() -> dict:
-    from hpcfed.comm.bench import run_bench
-
     import contextlib
     import io
+
+    from hpcfed.comm.bench import run_bench
 
     with contextlib.redirect_stdout(io.StringIO()):
         r = run_bench(quick=True)

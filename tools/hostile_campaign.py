@@ -56,8 +56,9 @@ import sys
 import tempfile
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -294,7 +295,7 @@ class Forger:
         b = bytearray(self.honest_bundle(rnd))
         hl = struct.unpack_from("<I", b, 8)[0]
         table = 32 + (hl + 7) // 8 * 8
-        header_text = lambda text: b.__setitem__(slice(32, 32 + hl), text.encode().ljust(hl, b" "))  # noqa: E731
+        header_text = lambda text: b.__setitem__(slice(32, 32 + hl), text.encode().ljust(hl, b" "))
         if name == "bundle_bad_magic":
             b[0:4] = b"PKL\x80"
         elif name == "bundle_lying_header_len":

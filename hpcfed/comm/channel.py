@@ -49,14 +49,16 @@ import struct
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping
+from typing import Any
 
 import numpy as np
 
 from hpcfed.comm import crypto, wire
+from hpcfed.comm.api import ChannelError, Message
 from hpcfed.comm.transport import Request, Transport
 
 VERSION = crypto.PROTOCOL_VERSION
@@ -124,14 +126,10 @@ def _free_refs() -> int:
 _FREE_REFS = _free_refs()
 
 
-class ChannelError(RuntimeError):
-    """The channel cannot go on with a peer (handshake failed, timeout, cut off); names the rank."""
-
-
 class Outgoing:
     """A message `SecureChannel.post`ed: `done()` once the peer has taken all of it."""
 
-    __slots__ = ("dest", "requests", "ring_slots", "posted_at")
+    __slots__ = ("dest", "posted_at", "requests", "ring_slots")
 
     def __init__(self, dest: int) -> None:
         self.dest = dest
@@ -144,15 +142,6 @@ class Outgoing:
         if not all(req.test() for req in self.requests):
             return False
         return all(ring.owner[slot] is not self for ring, slot in self.ring_slots)
-
-
-@dataclass
-class Message:
-    source: int
-    kind: int
-    header: dict
-    tensors: dict[str, np.ndarray]
-    nbytes: int  # bundle bytes (before encryption)
 
 
 @dataclass
@@ -179,8 +168,18 @@ class ChannelStats:
 
 
 class _Assembly:
-    __slots__ = ("msg_id", "kind", "total", "count", "next_index", "filled", "payload", "last_seq", "last_at",
-                 "opening")
+    __slots__ = (
+        "count",
+        "filled",
+        "kind",
+        "last_at",
+        "last_seq",
+        "msg_id",
+        "next_index",
+        "opening",
+        "payload",
+        "total",
+    )
 
     def __init__(self, msg_id: int, kind: int, total: int, count: int, payload: np.ndarray) -> None:
         self.msg_id, self.kind, self.total, self.count = msg_id, kind, total, count
@@ -190,8 +189,25 @@ class _Assembly:
 
 
 class _Peer:
-    __slots__ = ("rank", "role", "state", "hs", "tx", "rx", "send_seq", "last_seq", "next_msg_id",
-                 "asm", "rejects", "cut_off", "error", "identity", "skip_msg", "queued", "queued_bytes")
+    __slots__ = (
+        "asm",
+        "cut_off",
+        "error",
+        "hs",
+        "identity",
+        "last_seq",
+        "next_msg_id",
+        "queued",
+        "queued_bytes",
+        "rank",
+        "rejects",
+        "role",
+        "rx",
+        "send_seq",
+        "skip_msg",
+        "state",
+        "tx",
+    )
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -216,7 +232,7 @@ class _Peer:
 class _TxRing:
     """Shared memory this rank encrypts chunks into for one peer on the same node."""
 
-    __slots__ = ("name", "buf", "nslots", "slot_bytes", "free", "owner", "state")
+    __slots__ = ("buf", "free", "name", "nslots", "owner", "slot_bytes", "state")
 
     def __init__(self, name: str, buf: np.ndarray | None, nslots: int, slot_bytes: int, state: str) -> None:
         self.name, self.buf, self.nslots, self.slot_bytes = name, buf, nslots, slot_bytes
@@ -228,7 +244,7 @@ class _TxRing:
 class _RxRing:
     """A peer's shared memory that this rank decrypts chunks from."""
 
-    __slots__ = ("name", "buf", "nslots", "slot_bytes")
+    __slots__ = ("buf", "name", "nslots", "slot_bytes")
 
     def __init__(self, name: str, buf: np.ndarray, nslots: int, slot_bytes: int) -> None:
         self.name, self.buf, self.nslots, self.slot_bytes = name, buf, nslots, slot_bytes
@@ -240,9 +256,9 @@ _yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 class _Backoff:
     """Spin for `spin_s` (yielding the core each time), then sleep 10 us, 20 us, ... up to `max_s` between polls."""
 
-    __slots__ = ("spin_s", "max_s", "t0", "sleep", "stats")
+    __slots__ = ("max_s", "sleep", "spin_s", "stats", "t0")
 
-    def __init__(self, spin_s: float, max_s: float, stats: "ChannelStats | None" = None) -> None:
+    def __init__(self, spin_s: float, max_s: float, stats: ChannelStats | None = None) -> None:
         self.spin_s, self.max_s, self.stats = spin_s, max_s, stats
         self.reset()
 
@@ -505,7 +521,7 @@ class SecureChannel:
         self._send_sealed_message(peer, F_DATA, kind, enc)
         self.stats.messages_sent += 1
 
-    def post(self, dest: int, kind: int, header: dict, tensors: Mapping[str, Any] | None = None) -> "Outgoing":
+    def post(self, dest: int, kind: int, header: dict, tensors: Mapping[str, Any] | None = None) -> Outgoing:
         """Encrypt one message into buffers of its own and start sending it; return at once.
 
         `send` waits until the peer has taken a large message, and a peer busy computing takes
@@ -540,7 +556,7 @@ class SecureChannel:
         return memoryview(self._tx_slots[i])
 
     def _send_sealed_message(self, peer: _Peer, ftype: int, kind: int, enc: wire.Encoded | None,
-                             posted: "Outgoing | None" = None) -> None:
+                             posted: Outgoing | None = None) -> None:
         total = enc.total if enc is not None else 0
         chunk = self.chunk_bytes
         count = max(1, -(-total // chunk))
@@ -666,7 +682,7 @@ class SecureChannel:
         return frame
 
     def _post_chunks(self, peer: _Peer, kind: int, enc: wire.Encoded | None, total: int, count: int,
-                     msg_id: int, posted: "Outgoing") -> None:
+                     msg_id: int, posted: Outgoing) -> None:
         """Seal every chunk into a buffer of its own and start all their sends (see `post`)."""
         dest, chunk = peer.rank, self.chunk_bytes
         if count > 1 and self.crypto_threads > 1 and enc is not None:
@@ -681,7 +697,7 @@ class SecureChannel:
             self.stats.bytes_sent += len(frame)
 
     def _post_pipelined(self, peer: _Peer, kind: int, enc: wire.Encoded, total: int, count: int,
-                        msg_id: int, posted: "Outgoing") -> None:
+                        msg_id: int, posted: Outgoing) -> None:
         """`_post_chunks` with the sealing pool: every chunk has its own frame buffer; sequence
         numbers are taken in chunk order here and the sends start in chunk order (nothing else is
         sent in between: this never waits on MPI)."""
@@ -767,7 +783,7 @@ class SecureChannel:
             ring.state, ring.buf = "declined", None
 
     def _send_via_ring(self, peer: _Peer, ring: _TxRing, kind: int, enc: wire.Encoded, total: int,
-                       count: int, posted: "Outgoing | None" = None) -> None:
+                       count: int, posted: Outgoing | None = None) -> None:
         """Encrypt each chunk straight into a free slot of the shared ring and send only its
         56-byte header (+ slot number) through MPI: the receiver decrypts from the ring, so the
         bytes are never copied by MPI."""
@@ -974,7 +990,7 @@ class SecureChannel:
             self._on_frame(src, view)
         except ChannelError:
             raise
-        except Exception as exc:  # noqa: BLE001 — one peer's frame must never end this rank
+        except Exception as exc:
             self._drop_assembly(src)
             self._reject(src, "frame handling failed", f"{type(exc).__name__}: {str(exc)[:200]}")
         return True
@@ -1216,7 +1232,7 @@ class SecureChannel:
             return
         try:
             header, tensors = wire.decode(payload, self.limits)
-        except Exception as exc:  # noqa: BLE001 — WireError, or any bound decode missed: refuse, never crash
+        except Exception as exc:
             self._release(payload)
             self._reject(src, "malformed bundle", str(exc))
             return
@@ -1275,7 +1291,7 @@ class SecureChannel:
         for req, _ in self._background:
             try:
                 req.cancel()
-            except Exception:  # noqa: BLE001 — the peer may be gone; nothing left to do
+            except Exception:
                 pass
         self._background.clear()
         for ring in self._tx_rings.values():

@@ -49,7 +49,7 @@ def generate_identity(path: str | os.PathLike, *, overwrite: bool = False, comme
     return line
 
 
-def load_identity(path: str | os.PathLike) -> "crypto.Ed25519PrivateKey":
+def load_identity(path: str | os.PathLike) -> crypto.Ed25519PrivateKey:
     """Read a private key written by `generate_identity`; refuse one that others can read."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -63,7 +63,7 @@ def load_identity(path: str | os.PathLike) -> "crypto.Ed25519PrivateKey":
         raise ValueError(f"identity key {path} is not an hpcfed (Ed25519 PEM) private key: {exc}") from None
 
 
-def load_public_keys(path: str | os.PathLike) -> list["crypto.Ed25519PublicKey"]:
+def load_public_keys(path: str | os.PathLike) -> list[crypto.Ed25519PublicKey]:
     """Read an authorized-keys (or .pub) file: one ``hpcfed-ed25519 <base64> [comment]`` per line."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -86,7 +86,7 @@ def load_public_keys(path: str | os.PathLike) -> list["crypto.Ed25519PublicKey"]
     return keys
 
 
-def load_authorized_keys(path: str | os.PathLike) -> dict[int, "crypto.Ed25519PublicKey"]:
+def load_authorized_keys(path: str | os.PathLike) -> dict[int, crypto.Ed25519PublicKey]:
     """Read the server's authorized-keys file: {rank: key}; every line must carry ``rank=N``."""
     path = Path(path).expanduser()
     keys = load_public_keys(path)  # the format checks, with line numbers

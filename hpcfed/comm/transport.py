@@ -15,7 +15,8 @@ import os
 import secrets
 import threading
 from collections import deque
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -94,7 +95,7 @@ def _unlink(path: str) -> None:
 
 # -- MPI --------------------------------------------------------------------------------------------
 class _MPIRequest:
-    __slots__ = ("_req", "_done", "_is_send")
+    __slots__ = ("_done", "_is_send", "_req")
 
     def __init__(self, req: object, is_send: bool) -> None:
         self._req = req
@@ -233,7 +234,7 @@ class InProcTransport:
         self.size = hub.size
 
     @classmethod
-    def group(cls, size: int, tap: Tap | None = None) -> list["InProcTransport"]:
+    def group(cls, size: int, tap: Tap | None = None) -> list[InProcTransport]:
         hub = _Hub(size, tap)
         return [cls(hub, r) for r in range(size)]
 

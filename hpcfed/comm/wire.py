@@ -42,8 +42,9 @@ import json
 import math
 import struct
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -190,7 +191,7 @@ def _as_wire_array(name: Any, value: Any) -> np.ndarray:
         raise WireError(f"tensor name {name!r} is {type(name).__name__}; names must be str")
     try:
         arr = np.asarray(value)
-    except Exception as exc:  # noqa: BLE001 — whatever the object was, say which tensor
+    except Exception as exc:
         raise WireError(f"tensor {name!r} cannot be viewed as an array: {exc}") from None
     dt = arr.dtype
     if dt in _FAST:  # native little-endian whitelisted dtype: the common case
@@ -343,7 +344,7 @@ def decode(buf: bytes | bytearray | memoryview | np.ndarray,
         return _decode(buf, limits)
     except WireError:
         raise
-    except Exception as exc:  # noqa: BLE001 — a bound missed above must still be a refusal, not a crash
+    except Exception as exc:
         raise WireError(f"malformed bundle ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import re
 import tarfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 

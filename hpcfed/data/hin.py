@@ -74,7 +74,7 @@ class HIN:
         labelled = self.labels[self.labels >= 0]
         return int(labelled.max()) + 1 if labelled.size else 0
 
-    def with_relations(self, relations: dict[str, np.ndarray]) -> "HIN":
+    def with_relations(self, relations: dict[str, np.ndarray]) -> HIN:
         """The same node index, labels and splits with other relation instances (a site's view)."""
         return replace(self, relations=relations)
 

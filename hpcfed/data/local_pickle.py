@@ -10,8 +10,9 @@ file cannot run code.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Collection
 from pathlib import Path
-from typing import IO, Any, Collection
+from typing import IO, Any
 
 import numpy as np
 

@@ -15,7 +15,7 @@ stand-in for the NER tagger of the reference preprocessing, which is not part of
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -74,7 +74,7 @@ def message_attributes(messages: Messages) -> list[set[str]]:
     return attrs
 
 
-def incidence(attributes: Sequence[set[str]]) -> "scipy.sparse.csr_matrix":  # noqa: F821
+def incidence(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix:  # noqa: F821
     """Binary (messages × attributes) matrix T = [T_u | T_e | T_h] (namespaces keep them disjoint)."""
     import scipy.sparse as sp
 
@@ -88,7 +88,7 @@ def incidence(attributes: Sequence[set[str]]) -> "scipy.sparse.csr_matrix":  # n
     return sp.csr_matrix((data, (rows, cols)), shape=(len(attributes), max(len(vocab), 1)))
 
 
-def message_adjacency(attributes: Sequence[set[str]]) -> "scipy.sparse.csr_matrix":  # noqa: F821
+def message_adjacency(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix:  # noqa: F821
     """A = bool(T Tᵀ) as a sparse bool matrix (n, n), self-loops included (spec 1.1)."""
     t = incidence(attributes)
     a = (t @ t.T).astype(bool).tocsr()
@@ -96,7 +96,7 @@ def message_adjacency(attributes: Sequence[set[str]]) -> "scipy.sparse.csr_matri
     return a
 
 
-def edge_index(adjacency: "scipy.sparse.spmatrix") -> np.ndarray:  # noqa: F821
+def edge_index(adjacency: scipy.sparse.spmatrix) -> np.ndarray:  # noqa: F821
     """(2, E) int64 [source; target] of a sparse adjacency (symmetric here, so direction is moot)."""
     coo = adjacency.tocoo()
     return np.stack([coo.row, coo.col]).astype(np.int64)

@@ -31,9 +31,10 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -85,14 +86,14 @@ class Messages:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def take(self, index: Iterable[int]) -> "Messages":
+    def take(self, index: Iterable[int]) -> Messages:
         idx = list(index)
         return Messages([self.ids[i] for i in idx], [self.texts[i] for i in idx], self.times[idx],
                         [self.events[i] for i in idx], [self.users[i] for i in idx],
                         [self.mentions[i] for i in idx], [self.hashtags[i] for i in idx],
                         [self.entities[i] for i in idx], dict(self.has), self.source)
 
-    def sort_by_time(self) -> "Messages":
+    def sort_by_time(self) -> Messages:
         """Stable sort by creation time (spec 1.1 step 1: the graph and features follow this order)."""
         return self.take(np.argsort(self.times, kind="stable").tolist())
 

@@ -47,7 +47,7 @@ class Partition:
         return self.holds.shape[0]
 
     @classmethod
-    def from_owners(cls, owners: np.ndarray, num_sites: int) -> "Partition":
+    def from_owners(cls, owners: np.ndarray, num_sites: int) -> Partition:
         """One owner per target node (random / attribute / dirichlet / none): holds = home."""
         owners = np.asarray(owners, dtype=np.int64)
         return cls(holds=owners[None, :] == np.arange(num_sites)[:, None], home=owners)

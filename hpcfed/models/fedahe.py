@@ -25,7 +25,7 @@ meta-paths like ACM's PSP), over all N rows at once.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import scipy.sparse as sp

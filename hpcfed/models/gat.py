@@ -21,8 +21,8 @@ global model) with its weight ``α = min(exp(L_t^l − L_t^g), 1)``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import combinations
-from typing import Sequence
 
 import numpy as np
 import torch

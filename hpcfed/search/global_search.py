@@ -14,8 +14,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class GlobalSearch:
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, entity: str | None = None, mode: str = "joint",
-                    mappers_dir: str | Path | None = None, merge: str = "score") -> "GlobalSearch":
+                    mappers_dir: str | Path | None = None, merge: str = "score") -> GlobalSearch:
         exports = site_exports(folder)
         indexes = {site: SiteIndex.from_export(path, entity, site=site) for site, path in exports.items()}
         mappers = {}

@@ -21,9 +21,9 @@ A query that is itself in the corpus is excluded from the results (as gensim ``m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class SiteIndex:
         return int(self.raw.shape[1])
 
     @classmethod
-    def from_export(cls, path: str | Path, entity: str | None = None, site: str | None = None) -> "SiteIndex":
+    def from_export(cls, path: str | Path, entity: str | None = None, site: str | None = None) -> SiteIndex:
         es = read_export(path, entity)
         return cls(site if site is not None else str(es.attrs.get("site", Path(path).stem)), es.ids, es.vectors,
                    es.labels, es.attrs)

@@ -212,7 +212,7 @@ def run_live(args: Any) -> int:
                        sites=[str(s) for s in range(size - 1)]).serve(channel, args.timeout)
         channel.close()
         return 0
-    except BaseException as exc:  # noqa: BLE001 — one failed rank must end the job, not hang it
+    except BaseException as exc:
         text = str(exc) if isinstance(exc, (ValueError, TimeoutError)) else traceback.format_exc()
         print(f"hpcfed search: rank {rank} failed: {text}", file=sys.stderr, flush=True)
         if rank == 0 and channel is not None and isinstance(exc, ValueError) and _stop_sites(channel, size):
@@ -227,6 +227,6 @@ def _stop_sites(channel: Any, size: int) -> bool:
         for r in range(1, size):
             channel.send(r, STOP, {})
         channel.close()
-    except Exception:  # noqa: BLE001 — a broken channel: the caller aborts the job instead
+    except Exception:
         return False
     return True

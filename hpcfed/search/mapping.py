@@ -8,12 +8,12 @@ exchange; [RECON]) and every pair gets a mapper trained on the documents both ve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from hpcfed.models.mapper import MapperConfig, mean_cosine, save_mapper, mapper_path, train_mapper
+from hpcfed.models.mapper import MapperConfig, mapper_path, mean_cosine, save_mapper, train_mapper
 from hpcfed.search.global_search import site_exports
 from hpcfed.store.embeddings import read_export
 

@@ -13,7 +13,7 @@ group, Cora class) — a ground-truth check that the paper's sim_k lacks.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 

@@ -19,7 +19,7 @@ bracketed per-community term; a pair with an empty-volume side has ΔSE = 0 and 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -11,7 +11,8 @@ in between were never needed, and a busy client costs neither time nor memory.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class ModelOutbox:

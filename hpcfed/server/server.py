@@ -18,8 +18,9 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -390,7 +391,7 @@ class Server:
             return handle(*args)
         except FederationError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a peer's input must not end the server
+        except Exception as exc:
             self._reject(rank, "unhandled input", f"{type(exc).__name__}: {_short(str(exc))}")
             return None
 

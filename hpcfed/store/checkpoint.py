@@ -19,12 +19,12 @@ corrupt, truncated, forged or hostile.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def checkpoint_path(directory: str | Path, round: int) -> Path:
     return Path(directory) / f"ckpt-{round:06d}.h5"
 
 
-def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3, auth: "sealed.FileAuth | None" = None) -> Path:
+def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3, auth: sealed.FileAuth | None = None) -> Path:
     """Write `ckpt` atomically, tagged with `auth`, and keep only the newest `keep` checkpoints."""
     import h5py
 
@@ -89,7 +89,7 @@ def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3, auth: "sealed.F
     return final
 
 
-def load(path: str | Path, auth: "sealed.FileAuth | None" = None) -> Checkpoint:
+def load(path: str | Path, auth: sealed.FileAuth | None = None) -> Checkpoint:
     """Read, bound and verify one checkpoint; raises CheckpointError naming the file and the problem.
 
     With `auth` the tag must verify (a forged or foreign file is refused); without it only
@@ -127,7 +127,7 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def latest_valid(directory: str | Path, warn: Callable[[str], None] = print,
-                 auth: "sealed.FileAuth | None" = None) -> Checkpoint | None:
+                 auth: sealed.FileAuth | None = None) -> Checkpoint | None:
     """The newest checkpoint that verifies; corrupt, forged or hostile ones are reported and skipped."""
     for path in list_checkpoints(directory):
         try:
@@ -148,7 +148,7 @@ def _write_group(group: Any, header: dict[str, Any], arrays: Arrays) -> None:
         group.create_dataset(name.replace("/", "|"), data=arr)
 
 
-def _read_group(tree: "sealed.Tree", group: str) -> tuple[dict[str, Any], Arrays]:
+def _read_group(tree: sealed.Tree, group: str) -> tuple[dict[str, Any], Arrays]:
     if group not in tree.groups:
         raise CheckpointError(f"{tree.path}: group /{group} is missing")
     header = json.loads(tree.attrs.get(group, {}).get("header", "{}"))

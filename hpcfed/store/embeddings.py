@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -108,7 +109,7 @@ def _write_entity(path: Path, mode: str, entity: str, vectors: np.ndarray, ids: 
             g.attrs[key] = value
 
 
-def read_export(path: str | Path, entity: str | None = None, auth: "sealed.FileAuth | None" = None) -> EmbeddingSet:
+def read_export(path: str | Path, entity: str | None = None, auth: sealed.FileAuth | None = None) -> EmbeddingSet:
     """Read one entity (default: the only/first one) from an export, bounded and checked.
 
     `auth` defaults to the key in ``$HPCFED_STATE_KEY`` (see `export_auth`); with a key the file's tag must
@@ -146,7 +147,7 @@ def read_export(path: str | Path, entity: str | None = None, auth: "sealed.FileA
                         verified=tree.verified)
 
 
-def seal_export(path: str | Path, auth: "sealed.FileAuth") -> None:
+def seal_export(path: str | Path, auth: sealed.FileAuth) -> None:
     """Tag a finished export with the site's key (the site calls this after its task exported)."""
     path = Path(path)
     with atomic.atomic_path(path) as tmp:
@@ -154,7 +155,7 @@ def seal_export(path: str | Path, auth: "sealed.FileAuth") -> None:
         sealed.seal(tmp, auth)
 
 
-def export_auth(purpose: str = "embeddings") -> "sealed.FileAuth | None":
+def export_auth(purpose: str = "embeddings") -> sealed.FileAuth | None:
     """The key from ``$HPCFED_STATE_KEY`` (the PSK of the job that wrote the files), or None: readers
     then say 'not verified'. Not ``$HPCFED_PSK``: a reading job (live search) has a key of its own."""
     import os
@@ -167,7 +168,7 @@ def export_auth(purpose: str = "embeddings") -> "sealed.FileAuth | None":
     return sealed.FileAuth.from_psk(psk, purpose) if len(psk) >= 16 else None
 
 
-def read_frame(path: str | Path, entity: str | None = None) -> "pandas.DataFrame":
+def read_frame(path: str | Path, entity: str | None = None) -> pandas.DataFrame:
     """One entity of an export as a pandas DataFrame: index ``id``, an optional ``label`` column,
     then one float32 column per dimension (``dim_0`` ...); the group's attributes in ``df.attrs``.
     (``pd.read_hdf`` reads only PyTables' own layout, which these h5py files do not use.)"""

@@ -38,7 +38,7 @@ def _describe_shard(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _key(purpose: str) -> "sealed.FileAuth | None":
+def _key(purpose: str) -> sealed.FileAuth | None:
     return embeddings.export_auth(purpose)
 
 
@@ -78,7 +78,7 @@ def _describe_export(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _describe_tree(tree: "sealed.Tree") -> str:
+def _describe_tree(tree: sealed.Tree) -> str:
     lines = [f"{tree.path}: HDF5 file (not an hpcfed format)"]
     for name in sorted({*tree.groups, *tree.datasets} - {""}):
         if name in tree.datasets:

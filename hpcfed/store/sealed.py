@@ -55,7 +55,7 @@ class FileAuth:
     _public: Any = field(default=None, repr=False)
 
     @classmethod
-    def from_psk(cls, psk: bytes, purpose: str) -> "FileAuth":
+    def from_psk(cls, psk: bytes, purpose: str) -> FileAuth:
         from cryptography.hazmat.primitives import hashes
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -64,14 +64,14 @@ class FileAuth:
         return cls(purpose=purpose, alg="hmac-sha256", _key=key)
 
     @classmethod
-    def from_identity(cls, identity: Any, purpose: str) -> "FileAuth":
+    def from_identity(cls, identity: Any, purpose: str) -> FileAuth:
         return cls(purpose=purpose, alg="ed25519", _private=identity, _public=identity.public_key())
 
     @classmethod
-    def from_public_key(cls, public: Any, purpose: str) -> "FileAuth":
+    def from_public_key(cls, public: Any, purpose: str) -> FileAuth:
         return cls(purpose=purpose, alg="ed25519", _public=public)
 
-    def for_purpose(self, purpose: str) -> "FileAuth":
+    def for_purpose(self, purpose: str) -> FileAuth:
         """The same key material for another purpose (re-derived for HMAC)."""
         if self.alg == "ed25519":
             return FileAuth(purpose=purpose, alg=self.alg, _private=self._private, _public=self._public)

@@ -8,7 +8,7 @@ Gram matrix. These are the functions the strategies call and the unit tests chec
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -16,7 +16,7 @@ with raw λ values although skopt normalised the space to [0, 1], and EI uses ``
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

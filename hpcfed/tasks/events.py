@@ -313,7 +313,7 @@ class EventsTask(Task):
         if len(val) < 2 or len(val) < len(np.unique(self.labels[val])) or not np.isfinite(theta_g).all():
             self.last_lambda = 1.0
             return theta_l.copy()
-        f = lambda lam: self._score(merge(theta_l, theta_g, lam), val, round)  # noqa: E731
+        f = lambda lam: self._score(merge(theta_l, theta_g, lam), val, round)
         seed = 42 + self.site.client_id
         if c.reference_compat:
             s_l, s_g = f(1.0), f(0.0)

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import fnmatch
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import numpy as np
 

@@ -14,9 +14,9 @@ import time
 import zlib
 
 import numpy as np
+from comm_attacks import attacks
 from mpi4py import MPI
 
-from comm_attacks import attacks
 from hpcfed.comm.channel import HDR, SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.transport import MPITransport

@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
-
 from comm_attacks import ANY, attacks, seal
+
 from hpcfed.comm import crypto
 from hpcfed.comm.channel import HDR, ChannelError, SecureChannel
 from hpcfed.comm.crypto import Credentials
@@ -40,7 +40,7 @@ def _connect(chans: list[SecureChannel], timeout: float = 5.0, **kw) -> dict[int
     def client(r: int) -> None:
         try:
             chans[r].connect([0], timeout=timeout)
-        except BaseException as exc:  # noqa: BLE001 — reported to the test
+        except BaseException as exc:
             errors[r] = exc
 
     threads = [threading.Thread(target=client, args=(r,)) for r in range(1, len(chans))]

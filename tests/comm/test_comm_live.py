@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from comm_attacks import ANY
 from conftest import mpiexec
 

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_channel import _connect
 
 from hpcfed.comm import crypto
 from hpcfed.comm.channel import HDR, ChannelError, SecureChannel, default_crypto_threads
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import ConfigError, load
-
-from test_channel import _connect
 
 REPO = Path(__file__).resolve().parents[2]
 PSK = bytes(range(32))

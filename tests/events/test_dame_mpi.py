@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import h5py
-
 from conftest import run_cli
 
 OVERRIDES = [

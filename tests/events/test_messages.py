@@ -6,15 +6,27 @@ import json
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
-from hpcfed.data.message_graph import (edge_index, extract_entities, extract_hashtags, extract_mentions,
-                                       message_adjacency, message_attributes)
-from hpcfed.data.messages import (Messages, event_part, load_arabic, load_crisislext6, load_crisislext26, load_site,
-                                  read_messages)
+from hpcfed.data.message_graph import (
+    edge_index,
+    extract_entities,
+    extract_hashtags,
+    extract_mentions,
+    message_adjacency,
+    message_attributes,
+)
+from hpcfed.data.messages import (
+    Messages,
+    event_part,
+    load_arabic,
+    load_crisislext6,
+    load_crisislext26,
+    load_site,
+    read_messages,
+)
 from hpcfed.data.root import DataError
 from hpcfed.data.synthetic_messages import make_messages
-
-from conftest import run_cli
 
 GOOD_CSV = """id,text,time,user,mentions,hashtags,entities,event
 1,Flooding in #Calgary now @cbc,2013-06-21T10:00:00Z,alice,cbc,calgary,,flood
@@ -125,7 +137,7 @@ def test_extraction_from_text():
     assert extract_mentions(text) == ["cbc"]
     assert extract_hashtags(text) == ["abflood", "yyc"]
     ents = extract_entities(text)
-    assert "calgary" in ents and "high river" in ents and not any("rt" == e for e in ents)
+    assert "calgary" in ents and "high river" in ents and not any(e == "rt" for e in ents)
     msgs = Messages(["a", "b"], [text, "more #ABflood news"], np.zeros(2, "datetime64[s]"), ["e", "e"],
                     ["", ""], [[], []], [[], []], [[], []], {})
     a = message_adjacency(message_attributes(msgs)).toarray()

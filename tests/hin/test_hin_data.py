@@ -9,8 +9,14 @@ import pytest
 import scipy.sparse as sp
 
 from hpcfed.cli import main as cli_main
-from hpcfed.data.hin import (load_hin_file, metapath_adjacency, metapath_instances, row_normalize, save_hin,
-                             synthetic_hin)
+from hpcfed.data.hin import (
+    load_hin_file,
+    metapath_adjacency,
+    metapath_instances,
+    row_normalize,
+    save_hin,
+    synthetic_hin,
+)
 from hpcfed.data.hin_import import read_hin_folder
 from hpcfed.data.partition import Partition, assign_owners, make_partition, report, site_view
 from hpcfed.data.root import DataError

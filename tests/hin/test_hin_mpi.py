@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import h5py
-
 from conftest import run_cli
 
 SMALL = ["task.dim=16", "task.pref_dim=4", "checkpoint_every=0",

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hpcfed.config import ConfigError, build, from_mapping  # noqa: E402
-from hpcfed.store.embeddings import read_export  # noqa: E402
-from hpcfed.tasks.base import Site  # noqa: E402
-from hpcfed.tasks.hin import HINTask  # noqa: E402
+from hpcfed.config import ConfigError, build, from_mapping
+from hpcfed.store.embeddings import read_export
+from hpcfed.tasks.base import Site
+from hpcfed.tasks.hin import HINTask
 
 SMALL = {"dataset": "synthetic", "dim": 16, "pref_dim": 4, "lr": 0.01,
          "synthetic": {"papers_per_class": 30, "authors_per_class": 15, "train_per_class": 6, "val_per_class": 6}}

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from conftest import REPO, mpiexec
 
 QUICKSTART = "configs/quickstart.yaml"

@@ -10,12 +10,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-
 from conftest import REPO, run_cli
+
 from hpcfed.config import ConfigError, load
 from hpcfed.store import checkpoint as ck
-from hpcfed.store.sealed import FileAuth
 from hpcfed.store.embeddings import ExportError, read_export, write_export
+from hpcfed.store.sealed import FileAuth
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 

@@ -8,9 +8,9 @@ import signal
 import time
 
 import pytest
+from ops_helpers import checkpoints, job_pids, kill_all, output, start, wait_for
 
 from hpcfed.store import checkpoint as ck
-from ops_helpers import checkpoints, job_pids, kill_all, output, start, wait_for
 
 pytestmark = pytest.mark.mpi
 
@@ -25,7 +25,7 @@ def _ended_within(proc, seconds: float) -> float:
     t0 = time.monotonic()
     try:
         proc.wait(timeout=seconds)
-    except Exception:  # noqa: BLE001 — report the hang as a failure after cleaning up
+    except Exception:
         pass
     return time.monotonic() - t0
 
@@ -106,7 +106,6 @@ def test_async_federation_continues_without_a_hung_client_when_configured(tmp_pa
     import json
 
     import yaml
-
     from conftest import REPO
 
     cfg = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import h5py
 import pytest
-
 from conftest import REPO, run_cli
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from hpcfed.report import make_report, read_metrics
 
 

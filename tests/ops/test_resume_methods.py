@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from hpcfed.store import checkpoint as ck
 
 pytestmark = pytest.mark.mpi

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import h5py
 import pytest
-
 from conftest import run_cli
 
 COMMON = ["rounds=4", "checkpoint_every=1", "keep_checkpoints=3"]

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 from ops_helpers import checkpoints, final_state, kill_all, output, start, wait_for
 

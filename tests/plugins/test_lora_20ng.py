@@ -7,8 +7,8 @@ import importlib.util
 import json
 
 import pytest
-
 from conftest import run_cli
+
 from hpcfed.store import checkpoint as ck
 from hpcfed.store.embeddings import read_export
 

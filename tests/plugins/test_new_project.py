@@ -7,8 +7,8 @@ import json
 import sys
 
 import pytest
-
 from conftest import run_cli
+
 from hpcfed.config import build
 from hpcfed.registry import task_class
 from hpcfed.scaffold import write_project

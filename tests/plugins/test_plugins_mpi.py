@@ -9,9 +9,9 @@ from pathlib import Path
 
 import h5py
 import pytest
-
 from conftest import run_cli
 from plugin_source import plugin_root  # noqa: F401 (fixture)
+
 from hpcfed.store import checkpoint as ck
 from hpcfed.store import site_state
 from hpcfed.store.embeddings import read_export

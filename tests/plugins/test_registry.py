@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from plugin_source import plugin_path, plugin_root  # noqa: F401 (fixtures)
+
 from hpcfed.config import ConfigError
 from hpcfed.launcher import prepare_config
 from hpcfed.registry import plugin_names, strategy_class, task_class

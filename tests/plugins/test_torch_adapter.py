@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from plugin_source import plugin_path, plugin_root  # noqa: F401 (fixtures)
+
 from hpcfed.config import build
 from hpcfed.registry import task_class
 from hpcfed.store.embeddings import read_export

@@ -9,8 +9,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-
 from conftest import run_cli
+
 from hpcfed.store import checkpoint as ck
 from hpcfed.store import site_state
 from hpcfed.store.embeddings import read_export

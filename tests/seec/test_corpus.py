@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from hpcfed.data.corpus import (NEWSGROUP_FAMILIES, Document, clean_post, gensim_test_corpus, load_20newsgroups,
-                                load_corpus_file, split_documents)
+from hpcfed.data.corpus import (
+    NEWSGROUP_FAMILIES,
+    Document,
+    clean_post,
+    gensim_test_corpus,
+    load_20newsgroups,
+    load_corpus_file,
+    split_documents,
+)
 from hpcfed.data.root import DataError
 
 

@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcfed.models.mapper import (MapperConfig, cosine_loss, load_mapper, mean_cosine, save_mapper,
-                                  train_mapper)
+from hpcfed.models.mapper import MapperConfig, cosine_loss, load_mapper, mean_cosine, save_mapper, train_mapper
 from hpcfed.search.metrics import label_precision_at_k, mean_sim_k, sim_k
 
 

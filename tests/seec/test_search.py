@@ -12,7 +12,6 @@ from hpcfed.models.mapper import Mapper, MapperConfig, mapper_path, save_mapper
 from hpcfed.search.global_search import GlobalSearch
 from hpcfed.search.index import Hit, SiteIndex, merge_results
 from hpcfed.store.embeddings import export_path, write_export
-
 from tests.conftest import run_cli
 
 

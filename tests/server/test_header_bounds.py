@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hpcfed.server.server import HEADER_INT_MAX, _is_int, _is_number
 

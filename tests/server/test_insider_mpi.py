@@ -12,7 +12,6 @@ import json
 import re
 
 import pytest
-
 from conftest import REPO, run_cli
 
 pytestmark = pytest.mark.mpi

@@ -6,12 +6,12 @@ import json
 import h5py
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from hpcfed.store import checkpoint as ck
 from hpcfed.store import sealed
 from hpcfed.store.embeddings import ExportError, read_export, seal_export, write_export
 from hpcfed.store.sealed import FileAuth, SealError
-from conftest import run_cli
 
 PSK = bytes(32)  # the tests' job PSK (tests/conftest.py sets HPCFED_PSK to 64 zeros)
 KEY = FileAuth.from_psk(PSK, "checkpoint")
