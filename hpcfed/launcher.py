@@ -266,6 +266,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         comm.Barrier()
         channel = _open_channel(cfg, comm)
         device = _device(cfg, rank)
+        log.info("rank %d on %s uses %s", rank, socket.gethostname(), device)
         if rank == 0:
             from hpcfed.server.server import Server
 
