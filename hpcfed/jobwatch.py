@@ -3,9 +3,9 @@
 Each rank writes ``logs/rank<r>.pid`` (pid and host) when it starts and ``logs/rank<r>.exit`` (its
 exit status; for a failure also its one-line reason, and whether it only followed from another rank's
 end) just before it leaves. From those the launcher can say which rank failed and why, or which ended
-first without a word, tell a finished federation from a failed one, and make sure no rank outlives the job: MPI launchers kill
-the other ranks when one dies, but a rank stuck in ``MPI_Abort`` or left behind by a dead proxy
-would otherwise run on as an orphan.
+first without a word, tell a finished federation from a failed one, and make sure no rank outlives the
+job: MPI launchers kill the other ranks when one dies, but a rank stuck in ``MPI_Abort`` or left behind
+by a dead proxy would otherwise run on as an orphan.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TextIO
 
 # How Open MPI's mpiexec reports the first rank that ended badly.
 _OMPI_REPORT = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal")
@@ -254,7 +255,7 @@ class RankWatch:
         self._order.append(rank)
         self._wall_ends[rank] = time.time()
         for fd in (self._fds.get(rank), self._lifelines.get(rank)):
-            if fd is not None:
+            if fd is not None and self._epoll is not None:  # fds are only held with epoll
                 self._epoll.unregister(fd)  # ready for good now: do not report it again
 
     def running(self) -> list[int]:
@@ -287,7 +288,7 @@ class RankWatch:
             self._epoll.close()
 
 
-def follow(proc: subprocess.Popen, watch: RankWatch, *, finished: Callable[[], list[int] | None],
+def follow(proc: subprocess.Popen[bytes], watch: RankWatch, *, finished: Callable[[], list[int] | None],
            grace_s: float = 60.0) -> int:
     """Wait for `proc` (mpiexec, started with stdout and stderr piped) while following its ranks,
     passing its output through, and return its status.
@@ -321,7 +322,7 @@ def follow(proc: subprocess.Popen, watch: RankWatch, *, finished: Callable[[], l
         watch.close()
 
 
-def _relay(stream, sink, watch: RankWatch) -> threading.Thread:
+def _relay(stream: IO[bytes], sink: TextIO, watch: RankWatch) -> threading.Thread:
     """Copy `stream` to `sink` line by line, showing each line to `watch.scan`."""
 
     def run() -> None:

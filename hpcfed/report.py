@@ -136,7 +136,7 @@ def run_mode(metrics: Metrics, summary: dict[str, Any] | None) -> str | None:
     cfg = (summary or {}).get("config")
     fed = cfg.get("federation") if isinstance(cfg, dict) else None
     if isinstance(fed, dict) and fed.get("mode") in ("sync", "async"):
-        return fed["mode"]
+        return str(fed["mode"])
     if "round_time_s" in metrics.series:
         return "sync"
     if "broadcast" in metrics.series:
@@ -144,7 +144,8 @@ def run_mode(metrics: Metrics, summary: dict[str, Any] | None) -> str | None:
     return None
 
 
-X_LABELS = {"sync": "round (from 0)", "async": "accepted updates", None: "round (sync, from 0) / accepted updates (async)"}
+X_LABELS = {"sync": "round (from 0)", "async": "accepted updates",
+            None: "round (sync, from 0) / accepted updates (async)"}
 
 
 def single_valued(metrics: Metrics) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,10 +46,11 @@ def load_cora(data_root: str | Path | None = None) -> Graph:
     """Cora's citation graph and class labels from the Planetoid files."""
     folder = dataset_dir("graphs/cora", data_root)
 
-    def load(name: str):
+    def load(name: str) -> Any:  # a Planetoid object: a dict of lists or an array
         path = folder / f"ind.cora.{name}"
         if not path.is_file():
-            raise DataError(f"{path} is missing; the Planetoid Cora folder needs ind.cora.{{graph,ally,ty,test.index}}")
+            raise DataError(f"{path} is missing; the Planetoid Cora folder needs "
+                            f"ind.cora.{{graph,ally,ty,test.index}}")
         return load_pickle(path, _PLANETOID_GLOBALS, "a Planetoid Cora file")
 
     graph, ally, ty = load("graph"), load("ally"), load("ty")

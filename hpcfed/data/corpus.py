@@ -63,7 +63,8 @@ def tokenize(text: str) -> list[str]:
     """gensim ``simple_preprocess``: lower-case alphabetic tokens of 2..15 characters."""
     from gensim.utils import simple_preprocess
 
-    return simple_preprocess(text)
+    tokens: list[str] = simple_preprocess(text)
+    return tokens
 
 
 # -- 20 Newsgroups -----------------------------------------------------------------------------------
@@ -95,7 +96,10 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
                 continue
             if group not in NEWSGROUP_FAMILIES:
                 raise DataError(f"{path}: unknown newsgroup folder {group!r} in {member.name}")
-            with tar.extractfile(member) as fh:  # type: ignore[union-attr]
+            fh = tar.extractfile(member)
+            if fh is None:  # tarfile gives None only for links and folders, skipped above
+                raise DataError(f"{path}: cannot read {member.name} from the archive")
+            with fh:
                 raw = fh.read().decode("latin-1")
             text = clean_post(raw, remove, keep_subject)
             docs.append(Document(f"{split}/{group}/{name}", text, NEWSGROUPS.index(group), group))

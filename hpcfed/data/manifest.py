@@ -67,7 +67,8 @@ def verify(names: list[str] | None = None, root: Path | None = None) -> dict[str
         if digest == entry["digest"] and count == entry["files"]:
             out[name] = "ok"
         else:
-            out[name] = f"MISMATCH ({count} files, digest {digest[:12]}..., expected {entry['files']} files, {entry['digest'][:12]}...)"
+            out[name] = (f"MISMATCH ({count} files, digest {digest[:12]}..., "
+                         f"expected {entry['files']} files, {entry['digest'][:12]}...)")
     return out
 
 
@@ -80,7 +81,7 @@ def fetch(name: str, root: Path | None = None) -> Path:
     if not url:
         raise DataError(f"{name} has no direct download; get it from {entry.get('source')} "
                         f"(terms: {entry.get('terms')}) and place it at <data root>/{entry['path']}")
-    folder = (root or data_root()) / entry["path"]
+    folder: Path = (root or data_root()) / entry["path"]
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / Path(url).name
     urllib.request.urlretrieve(url, target)
@@ -91,7 +92,8 @@ def fetch(name: str, root: Path | None = None) -> Path:
 
 
 def verify_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="hpcfed data verify", description="check local datasets against data_manifest.yaml")
+    p = argparse.ArgumentParser(prog="hpcfed data verify",
+                                description="check local datasets against data_manifest.yaml")
     p.add_argument("names", nargs="*")
     p.add_argument("--root", default=None, help="data root (default $HPCFED_DATA, else ~/.cache/hpcfed/data)")
     p.add_argument("--allow-missing", action="store_true",

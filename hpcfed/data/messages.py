@@ -55,7 +55,7 @@ class LoadReport:
     num_rows: int = 0
     num_kept: int = 0
     skipped: list[str] = field(default_factory=list)
-    reasons: Counter = field(default_factory=Counter)  # field name -> skipped rows
+    reasons: Counter[str] = field(default_factory=Counter)  # field name -> skipped rows
 
     @property
     def num_skipped(self) -> int:
@@ -64,7 +64,8 @@ class LoadReport:
     def summary(self) -> str:
         text = f"{self.source}: kept {self.num_kept} of {self.num_rows} rows"
         if self.skipped:
-            text += f", skipped {self.num_skipped} (" + ", ".join(f"bad {k}: {v}" for k, v in self.reasons.most_common()) + ")"
+            reasons = ", ".join(f"bad {k}: {v}" for k, v in self.reasons.most_common())
+            text += f", skipped {self.num_skipped} ({reasons})"
         return text
 
 
@@ -388,7 +389,8 @@ def load_arabic(data_root: str | Path | None = None, *, on_error: str = "skip") 
     if table.ndim != 2 or table.shape[1] != 13:
         raise DataError(f"{path}: expected a (n, 13) object array, got shape {table.shape}")
     records = [{"id": row[0], "user": row[1], "text": row[2], "time": row[9], "event": row[4],
-                "mentions": [m.lstrip("@") for m in (row[5] or [])], "hashtags": [h.lstrip("#") for h in (row[6] or [])],
+                "mentions": [m.lstrip("@") for m in (row[5] or [])],
+                "hashtags": [h.lstrip("#") for h in (row[6] or [])],
                 "entities": [str(e) for e in (row[11] or [])]} for row in table]
     return from_records(records, str(path), on_error=on_error, first_row=0)
 
@@ -432,7 +434,8 @@ def load_site(name: str, data_root: str | Path | None = None) -> tuple[Messages,
     if m:
         msgs, report = load_site(m["base"], data_root)
         msgs = event_part(msgs, int(m["part"]), int(m["parts"]))
-        report.source += f" (events part {m['part']}/{m['parts']}: {len(set(msgs.events))} events, {len(msgs)} messages)"
+        report.source += (f" (events part {m['part']}/{m['parts']}: {len(set(msgs.events))} events, "
+                          f"{len(msgs)} messages)")
         return msgs, report
     if name in LOADERS:
         return LOADERS[name](data_root)

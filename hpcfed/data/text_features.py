@@ -88,7 +88,8 @@ def encode_texts(texts: Sequence[str], model: str = DEFAULT_TEXT_MODEL, batch_si
 
         dim = int(model.split(":", 1)[1])
         vec = HashingVectorizer(n_features=dim, alternate_sign=False, ngram_range=(1, 2), norm="l2")
-        return vec.transform(list(texts)).toarray().astype(np.float32)
+        features: np.ndarray = vec.transform(list(texts)).toarray().astype(np.float32)
+        return features
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network from a compute node
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
