@@ -10,7 +10,8 @@ up to ``--async-updates`` (default 2) x rounds x clients uploads; all use
 each fit). The target is the F1 that sync FedAvg **ends** with (mean over sites of each site's
 latest ``val_micro_f1``); the speedup is FedAvg's wall time to first reach it divided by
 FedDWA's, where a run's curve counts only once every site has reported (an async run whose
-straggler has not uploaded yet is not credited with the fast sites' mean). ``--json`` prints ``{"speedup": ..., "target_f1": ..., "runs": {...}}``.
+straggler has not uploaded yet is not credited with the fast sites' mean). ``--json`` prints
+``{"speedup": ..., "target_f1": ..., "runs": {...}}``.
 
 ``--repeats N`` runs the pair N times, alternating FedAvg and FedDWA so that a change in the
 machine's background load hits both, and reports the median of the N speedups (each against its

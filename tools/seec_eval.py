@@ -119,7 +119,8 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
     """
     central_search = GlobalSearch.from_folder(central, entity=entity)
     if len(central_search.indexes) != 1:
-        raise ValueError(f"{central}: the centralized run must have exactly one site, found {len(central_search.indexes)}")
+        raise ValueError(f"{central}: the centralized run must have exactly one site, "
+                         f"found {len(central_search.indexes)}")
     cidx: SiteIndex = next(iter(central_search.indexes.values()))
     fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge)
     central_lists, fed_lists, labels, fed_labels, central_labels = [], [], [], [], []
@@ -200,11 +201,11 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
     res: dict = {}
     timings = {}
     t = time.monotonic()
-    runner("configs/seec_20ng_joint.yaml", ov + ["method=centralized"], 1, out / "central")
+    runner("configs/seec_20ng_joint.yaml", [*ov, "method=centralized"], 1, out / "central")
     timings["central"] = time.monotonic() - t
     if "joint" in args.only:
         t = time.monotonic()
-        runner("configs/seec_20ng_joint.yaml", ov + ["method=joint"], args.sites, out / "joint")
+        runner("configs/seec_20ng_joint.yaml", [*ov, "method=joint"], args.sites, out / "joint")
         timings["joint"] = time.monotonic() - t
         res["joint"] = score(out / "central", out / "joint", mode="joint", k=args.k, max_queries=args.max_queries)
         print("joint:", res["joint"], flush=True)
@@ -213,7 +214,7 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
         from hpcfed.search.mapping import train_mappers
 
         t = time.monotonic()
-        runner("configs/seec_20ng_mapping.yaml", ov + ["method=mapping"], args.sites, out / "mapping")
+        runner("configs/seec_20ng_mapping.yaml", [*ov, "method=mapping"], args.sites, out / "mapping")
         mcfg = MapperConfig(lr=args.mapper_lr, epochs=args.mapper_epochs)
         res["mapper"] = train_mappers(out / "mapping", config=mcfg)
         timings["mapping"] = time.monotonic() - t
@@ -232,9 +233,9 @@ def experiment_node2vec(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     ov = list(args.overrides)
     res: dict = {}
-    runner("configs/seec_cora_node2vec.yaml", ov + ["method=centralized"], 1, out / "central")
+    runner("configs/seec_cora_node2vec.yaml", [*ov, "method=centralized"], 1, out / "central")
     for name, retain in (("no_retention", "false"), ("retention", "true")):
-        runner("configs/seec_cora_node2vec.yaml", ov + ["method=joint", f"task.retain_cross_site={retain}"],
+        runner("configs/seec_cora_node2vec.yaml", [*ov, "method=joint", f"task.retain_cross_site={retain}"],
                args.sites, out / name)
         res[name] = score(out / "central", out / name, mode="joint", k=args.k, max_queries=args.max_queries)
         print(f"{name}:", res[name], flush=True)
