@@ -69,7 +69,7 @@ def test_glecc_own_model_switch_skips_glecc_only_when_the_server_sends_the_own_m
 def test_attacks_change_uploads_or_labels(tmp_path):
     honest = make_task(tmp_path, cid=3, attack=None, sites=SMALL["sites"] + ["synthetic:0"])
     poisoned = make_task(tmp_path, cid=3, attack="model", sites=SMALL["sites"] + ["synthetic:0"])
-    h, p = ParamLayout.of(honest.get_parameters()), None
+    h = ParamLayout.of(honest.get_parameters())
     a = h.flatten(honest.get_parameters())
     b = h.flatten(poisoned.get_parameters())
     assert not np.allclose(a, b) and np.isfinite(b).all()

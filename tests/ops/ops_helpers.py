@@ -4,6 +4,7 @@ line, so a test only ever touches the processes it started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -65,10 +66,8 @@ def kill_all(out: Path, proc: subprocess.Popen | None = None) -> None:
     """kill -9 every process of the job at once (the whole job dies, as on a node failure)."""
     pids = job_pids(out)
     for pid in pids.values():
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     if proc is not None:
         try:
             proc.wait(timeout=30)
@@ -99,10 +98,8 @@ def checkpoints(out: Path) -> list[str]:
 def events(out: Path) -> list[dict]:
     rows = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
     return rows
 
 
