@@ -81,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `hpcfed` command: run the subcommand named in `argv`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in EXTRA_COMMANDS:
         return _guard(lambda: _load(EXTRA_COMMANDS[argv[0]])(argv[1:]))

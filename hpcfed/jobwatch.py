@@ -32,6 +32,7 @@ _OMPI_REPORT = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited o
 
 
 def write_pid(log_dir: Path, rank: int) -> None:
+    """Record that this rank started: its pid and host in logs/rank<r>.pid."""
     _write(log_dir / f"rank{rank}.pid", f"{os.getpid()} {socket.gethostname()}")
 
 
@@ -120,6 +121,8 @@ def exit_status(log_dir: Path, rank: int) -> int | None:
 
 @dataclass(frozen=True)
 class Failure:
+    """One rank's recorded failure: rank, exit code, one-line reason, when, and whether it was secondary."""
+
     rank: int
     code: int
     reason: str
@@ -189,6 +192,7 @@ class RankWatch:
 
     @property
     def ended(self) -> list[int]:
+        """The ranks seen to end, in the order they ended."""
         return list(self._order)
 
     def first_dead(self) -> int | None:
@@ -259,6 +263,7 @@ class RankWatch:
                 self._epoll.unregister(fd)  # ready for good now: do not report it again
 
     def running(self) -> list[int]:
+        """The ranks that started and have not been seen to end."""
         if self._epoll is not None:
             return sorted(r for r in self._fds if r not in self._wall_ends)
         return [r for r, pid in sorted(self.pids.items()) if pid > 0 and r not in self._wall_ends and alive(pid)]
@@ -338,6 +343,7 @@ def _relay(stream: IO[bytes], sink: TextIO, watch: RankWatch) -> threading.Threa
 
 
 def alive(pid: int) -> bool:
+    """True while process `pid` exists and is not a zombie (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -37,6 +37,7 @@ from hpcfed.tasks.hin_plots import convergence_curves, plot_convergence, time_to
 
 
 def run(config: str, method: str, out: Path, np_: int, overrides: list[str], metric: str) -> dict:
+    """Run one federation with `method`; its wall time, accepted updates, F1 scores and `metric` curve."""
     cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force",
            f"method={method}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -68,6 +69,7 @@ def compare(runs: dict[str, dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the FedAvg / FedDWA pair (`--repeats` times) and print the speedup; exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/fedahe_synthetic.yaml")
     p.add_argument("--np", type=int, default=4, help="MPI ranks (server + clients)")

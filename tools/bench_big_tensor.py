@@ -29,6 +29,7 @@ def _pattern(start: int, n: int) -> np.ndarray:
 
 
 def main() -> int:
+    """Send one tensor of `--gib` GiB from rank 0 to rank 1 and check every byte arrived; exit status."""
     from mpi4py import MPI
 
     from hpcfed.comm.channel import SecureChannel

@@ -37,6 +37,7 @@ METRICS = ("nmi", "ami", "ari")
 
 
 def run_one(config: str, out: Path, np_: int, overrides: list[str], timeout: float) -> dict | None:
+    """The run's summary.json, running the federation first if it has none; None if the run failed."""
     summary = out / "summary.json"
     if summary.is_file():
         return json.loads(summary.read_text())
@@ -54,16 +55,19 @@ def run_one(config: str, out: Path, np_: int, overrides: list[str], timeout: flo
 
 
 def site_values(summary: dict, sites: list[int]) -> dict[int, dict[str, float]]:
+    """Per site, its NMI / AMI / ARI from a run's summary."""
     return {s: {m: float(summary["clients"][str(s)][m]) for m in METRICS} for s in sites}
 
 
 def fmt(values: list[float]) -> str:
+    """mean ± std of `values` to 3 decimals (the value alone when there is one, – when none)."""
     if not values:
         return "–"
     return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
 def table_methods(results: dict[str, list[dict]], names: list[str], site_names: list[str], title: str) -> str:
+    """Markdown table: methods × sites, each metric as mean ± std over seeds, and the gain over Local."""
     sites = list(range(len(site_names)))
     head = "| method | " + " | ".join(f"{n} {m.upper()}" for n in site_names for m in METRICS)
     head += " | avg NMI | avg AMI | avg ARI | gain NMI | gain AMI | gain ARI |"
@@ -242,6 +246,7 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run (or reuse) every federation the tables need and write OUT/tables.md; exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/dame_crisis.yaml")
     p.add_argument("--out", default="runs/dame_tables")

@@ -173,6 +173,7 @@ class Forger:
         return out
 
     def honest_bundle(self, rnd: int) -> bytes:
+        """A well-formed UPDATE bundle (all-zero model) for round `rnd`."""
         from hpcfed.comm import wire
 
         return wire.encode(self._update_header(rnd), {"params": np.zeros(self.size, np.float32)})
@@ -206,6 +207,7 @@ class Forger:
                                                              count=-(-total // self.channel.chunk_bytes), total=total))
 
     def send_frame(self, name: str, frame: bytes | bytearray) -> None:
+        """Put a raw frame on the wire and count it under attack `name`."""
         self.transport.send_raw(frame)
         self.sent[name] += 1
 
@@ -290,6 +292,7 @@ class Forger:
 
     # -- bundles: authentic frames, malformed plaintext ----------------------------------------------
     def bundle_attack(self, name: str, rnd: int) -> bool:
+        """Send one authentic frame whose bundle is malformed as `name` says; False when used up."""
         from hpcfed.comm import wire
 
         b = bytearray(self.honest_bundle(rnd))
@@ -354,6 +357,7 @@ class Forger:
 
     # -- runtime messages: valid encryption, invalid content ----------------------------------------
     def runtime_attack(self, name: str, rnd: int, version: int) -> bool:
+        """Send one valid encrypted message with hostile content `name`; False when used up."""
         from hpcfed import protocol as P
 
         good = np.zeros(self.size, np.float32)
@@ -405,6 +409,7 @@ class Forger:
         return True
 
     def attack(self, name: str, rnd: int, version: int) -> bool:
+        """Send one crafted message of attack `name` (frame, bundle or runtime kind); False when used up."""
         if name in FRAME_ATTACKS:
             return self.frame_attack(name, rnd)
         if name in BUNDLE_ATTACKS:
@@ -515,6 +520,7 @@ def _num_clients(config: str, overrides: list[str]) -> int:
 
 def campaign(config: str, overrides: list[str], *, messages: int, out: Path, timeout: float = 300,
              log: Callable[[str], None] = lambda s: None, flood_mib: int = 0) -> dict[str, Any]:
+    """A clean run and the same run with a hostile client; what was sent, refused, and whether results match."""
     from hpcfed.config import load
 
     cfg = load(config, overrides)
@@ -592,6 +598,7 @@ def _server_rss_mib(summary: dict[str, Any]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the campaign (or, with --worker, be the hostile rank) and print the result; exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="key=value config overrides for both runs (e.g. rounds=4)")
     p.add_argument("--config", default="configs/quickstart.yaml")

@@ -29,6 +29,7 @@ SITES = 3
 
 
 def run(config: str, out: Path, np_: int, overrides: list[str]) -> dict:
+    """The run's summary.json, running the federation first if it has none."""
     summary = out / "summary.json"
     if not summary.exists():
         cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force",
@@ -39,11 +40,13 @@ def run(config: str, out: Path, np_: int, overrides: list[str]) -> dict:
 
 
 def traffic(summary: dict) -> int:
+    """Bytes the server sent and received over the whole run."""
     channel = summary["channel"]
     return int(channel["bytes_sent"]) + int(channel["bytes_received"])
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the LoRA comparisons and the traffic probes, write OUT/table.md and print it; exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/lora_20ng.yaml")
     ap.add_argument("--out", default="runs/lora_20ng_table")

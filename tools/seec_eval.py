@@ -100,6 +100,7 @@ def run_inprocess(config: str, overrides: list[str], num_clients: int, out: Path
 
 
 def run_mpi(config: str, overrides: list[str], num_clients: int, out: Path) -> dict:
+    """Run one federation under mpiexec (K clients + server) and return its summary."""
     cmd = [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--np", str(num_clients + 1), "--out", str(out),
            "--force"]
     print("  $", " ".join(cmd), flush=True)
@@ -195,6 +196,7 @@ def _runner(args: argparse.Namespace):
 
 
 def experiment_doc2vec(args: argparse.Namespace) -> dict:
+    """20NG doc2vec: centralized, joint and mapping runs, each scored against the centralized."""
     runner = _runner(args)
     out = Path(args.out)
     ov = list(args.overrides)
@@ -229,6 +231,7 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
 
 
 def experiment_node2vec(args: argparse.Namespace) -> dict:
+    """Cora node2vec: centralized, then joint runs with and without cross-site edges, scored."""
     runner = _runner(args)
     out = Path(args.out)
     ov = list(args.overrides)
@@ -243,6 +246,7 @@ def experiment_node2vec(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a SEEC experiment (results.json in --out), or score one run against the centralized; exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("doc2vec", "node2vec"):

@@ -22,11 +22,14 @@ from hpcfed.data.root import DataError, dataset_dir
 
 @dataclass
 class Graph:
+    """An undirected graph with class labels: node count, unique edges (u < v), a label per node."""
+
     num_nodes: int
     edges: np.ndarray  # (m, 2) int64, undirected, u < v, unique, no self-loops
     labels: np.ndarray  # (num_nodes,) int64, -1 = unknown
 
     def node_id(self, node: int) -> str:
+        """The id `node` is exported under: its index as a string."""
         return str(int(node))
 
 
@@ -80,6 +83,8 @@ def planted_graph(num_nodes: int = 120, num_classes: int = 4, p_in: float = 0.15
 
 @dataclass
 class SiteGraph:
+    """One site's share of a split graph: its own nodes, and the nodes and edges of its local graph."""
+
     own: np.ndarray  # this site's nodes (sorted)
     nodes: np.ndarray  # nodes of the local graph (own + retained foreign endpoints)
     edges: np.ndarray  # local edges (global node indices)

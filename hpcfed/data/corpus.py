@@ -53,6 +53,8 @@ _QUOTE_RE = re.compile(r"(writes in|writes:|wrote:|says:|said:|^In article|^Quot
 
 @dataclass(frozen=True)
 class Document:
+    """One text document: id, text, class label (-1 unlabelled) and, for 20NG, its newsgroup."""
+
     id: str
     text: str
     label: int = -1  # -1 = unlabelled
@@ -113,6 +115,7 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
 
 
 def check_remove(remove: Sequence[str], where: str = "remove") -> None:
+    """Raise ValueError naming the option `where` unless every part in `remove` is in REMOVABLE."""
     bad = [r for r in remove if r not in REMOVABLE]
     if bad:
         raise ValueError(f"{where}={list(remove)}: unknown part(s) {bad}; choose from {list(REMOVABLE)}")
@@ -219,5 +222,6 @@ def gensim_test_corpus(name: str = "lee_background.cor") -> list[Document]:
 
 
 def iter_tokens(docs: Iterable[Document]) -> Iterable[list[str]]:
+    """The tokens of each document in turn, one list per document, produced lazily."""
     for d in docs:
         yield tokenize(d.text)

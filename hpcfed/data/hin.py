@@ -78,10 +78,12 @@ class HIN:
 
     @property
     def num_targets(self) -> int:
+        """How many nodes of the target (labelled) type the graph has."""
         return self.counts[self.target]
 
     @property
     def num_classes(self) -> int:
+        """Number of classes: the largest label + 1 (0 when no node is labelled)."""
         labelled = self.labels[self.labels >= 0]
         return int(labelled.max()) + 1 if labelled.size else 0
 

@@ -36,10 +36,12 @@ _NOT_ENTITY = {"rt", "the", "a", "an", "i", "we", "you", "he", "she", "it", "the
 
 
 def extract_mentions(text: str) -> list[str]:
+    """The @names mentioned in `text`, lower-cased, without the @."""
     return [m.lower() for m in _MENTION.findall(text)]
 
 
 def extract_hashtags(text: str) -> list[str]:
+    """The #tags in `text`, lower-cased, without the #."""
     return [h.lower() for h in _HASHTAG.findall(text)]
 
 

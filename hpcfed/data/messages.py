@@ -59,9 +59,11 @@ class LoadReport:
 
     @property
     def num_skipped(self) -> int:
+        """How many rows were skipped."""
         return len(self.skipped)
 
     def summary(self) -> str:
+        """One line: rows kept of rows read, and the skipped rows counted by the field at fault."""
         text = f"{self.source}: kept {self.num_kept} of {self.num_rows} rows"
         if self.skipped:
             reasons = ", ".join(f"bad {k}: {v}" for k, v in self.reasons.most_common())
@@ -88,6 +90,7 @@ class Messages:
         return len(self.ids)
 
     def take(self, index: Iterable[int]) -> Messages:
+        """The messages at positions `index`, in that order, as a new Messages."""
         idx = list(index)
         return Messages([self.ids[i] for i in idx], [self.texts[i] for i in idx], self.times[idx],
                         [self.events[i] for i in idx], [self.users[i] for i in idx],
@@ -99,6 +102,7 @@ class Messages:
         return self.take(np.argsort(self.times, kind="stable").tolist())
 
     def to_frame(self) -> Any:
+        """The messages as a pandas DataFrame, one row each (times as datetime64[s])."""
         import pandas as pd
 
         return pd.DataFrame({"id": self.ids, "text": self.texts, "time": self.times.astype("datetime64[s]"),

@@ -192,6 +192,7 @@ class PartitionReport:
     covered: dict[str, int]  # instances held by at least one site
 
     def lines(self) -> list[str]:
+        """The report as printable lines: one per site, then the instances some site holds."""
         out = []
         for s in range(len(self.nodes)):
             kept = ", ".join(f"{mp} {self.instances[mp][s]}/{self.total_instances[mp]} "

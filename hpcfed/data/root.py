@@ -16,6 +16,7 @@ class DataError(ValueError):
 
 
 def data_root(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The data root: `explicit`, else $HPCFED_DATA, else ~/.cache/hpcfed/data."""
     if explicit:
         return Path(explicit).expanduser()
     env = os.environ.get("HPCFED_DATA")

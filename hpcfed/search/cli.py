@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    """`hpcfed search query|live|train-mappers ...`: print the results as JSON; exit status."""
     args = _parser().parse_args(argv)
     if args.action == "train-mappers":
         from hpcfed.models.mapper import MapperConfig

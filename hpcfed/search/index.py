@@ -33,6 +33,8 @@ from hpcfed.store.embeddings import read_export
 
 @dataclass(frozen=True)
 class Hit:
+    """One search result: the site that returned it, the document id, its score and label (-1 unknown)."""
+
     site: str
     id: str
     score: float
@@ -68,10 +70,12 @@ class SiteIndex:
 
     @property
     def dim(self) -> int:
+        """Length of this site's vectors."""
         return int(self.raw.shape[1])
 
     @classmethod
     def from_export(cls, path: str | Path, entity: str | None = None, site: str | None = None) -> SiteIndex:
+        """The index over one embedding export (site name from the file unless given)."""
         es = read_export(path, entity)
         return cls(site if site is not None else str(es.attrs.get("site", Path(path).stem)), es.ids, es.vectors,
                    es.labels, es.attrs)
@@ -121,6 +125,7 @@ class SiteIndex:
 
     def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
              standardize: bool = False) -> list[list[Hit]]:
+        """Per query, the top-k as Hits, best first (excluded documents left out)."""
         idx, scores = self.topk(queries, k, exclude, standardize=standardize)
         return [[Hit(self.site, self.ids[i], float(sc), int(self.labels[i])) for i, sc in zip(ri, rs)
                  if np.isfinite(sc)] for ri, rs in zip(idx, scores)]
