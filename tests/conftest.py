@@ -24,6 +24,7 @@ def shared_data() -> Path:
 
 
 def mpiexec() -> str:
+    """Path of mpiexec (or mpirun); skips the test when there is none."""
     exe = shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:
         pytest.skip("no mpiexec on PATH (pip install mpich)")

@@ -64,6 +64,7 @@ def test_glecc_weight_gradient_follows_detach_switch():
 
 
 def toy(lam: float) -> float:
+    """A smooth objective on [0.6, 1] whose maximum is at λ = 0.8."""
     return 0.5 + 0.2 * math.exp(-((lam - 0.8) / 0.08) ** 2)
 
 

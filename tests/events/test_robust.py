@@ -11,6 +11,7 @@ from hpcfed.strategies.base import StrategyContext, Update
 
 
 def run(name: str, vectors: list[np.ndarray], **options) -> np.ndarray:
+    """The model after one round of strategy `name` over `vectors` (one client each)."""
     cls = strategy_class(name)
     logs: list[str] = []
     s = cls(build(cls.Config, options), StrategyContext(num_clients=len(vectors), seed=0, log=logs.append))

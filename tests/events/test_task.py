@@ -19,6 +19,7 @@ SMALL = dict(sites=["synthetic:0", "synthetic:2", "synthetic:4"], text_model="ha
 
 
 def make_task(tmp_path: Path, cid: int = 0, attack: str | None = None, **extra) -> EventsTask:
+    """An EventsTask for client `cid` of four on the small synthetic sites."""
     cfg = build(EventsTask.Config, {**SMALL, **extra}, prefix="task.")
     site = Site(client_id=cid, num_clients=4, seed=0, out_dir=tmp_path, attack=attack)
     return EventsTask(cfg, site)

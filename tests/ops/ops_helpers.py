@@ -77,6 +77,7 @@ def kill_all(out: Path, proc: subprocess.Popen | None = None) -> None:
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.05):
+    """Poll `predicate` until it is truthy and return its value; AssertionError naming `what` on timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -89,6 +90,7 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 
 def checkpoints(out: Path) -> list[str]:
+    """The checkpoint file names in OUT/checkpoints, oldest first (none yet: empty)."""
     try:
         return sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("ckpt-"))
     except FileNotFoundError:
@@ -96,6 +98,7 @@ def checkpoints(out: Path) -> list[str]:
 
 
 def events(out: Path) -> list[dict]:
+    """The records of OUT/metrics.jsonl, skipping lines that are not complete JSON yet."""
     rows = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):

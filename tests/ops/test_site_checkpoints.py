@@ -32,6 +32,7 @@ def _global(out: Path, name: str = "ckpt-000003.h5") -> bytes:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """An uninterrupted run, and a twin killed before a manifest commit then resumed."""
     base = tmp_path_factory.mktemp("sitecks")
     full, killed = base / "full", base / "killed"
     _run(full)

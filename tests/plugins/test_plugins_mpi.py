@@ -47,6 +47,7 @@ def _final(out: Path) -> tuple[bytes, bytes, dict]:
 
 @pytest.fixture(scope="module")
 def runs(plugin_root, tmp_path_factory) -> dict[str, Path]:
+    """A plugin federation run through, and its twin halted after round 0 then resumed."""
     base = tmp_path_factory.mktemp("pluginruns")
     config = base / "plugins.yaml"
     config.write_text(CONFIG)
