@@ -40,7 +40,8 @@ USER_ERROR_EXIT = 2
 
 def _load(spec: str) -> Callable[[list[str]], int]:
     module, attr = spec.split(":")
-    return getattr(importlib.import_module(module), attr)
+    command: Callable[[list[str]], int] = getattr(importlib.import_module(module), attr)
+    return command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a federation (rank 0 = server, ranks 1..K = clients)")
     run.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
     run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 task.lr=0.01 method=fedavg")
-    run.add_argument("--np", type=int, default=None, help="outside MPI: relaunch under `mpiexec -n NP` (server + NP-1 clients)")
+    run.add_argument("--np", type=int, default=None,
+                     help="outside MPI: relaunch under `mpiexec -n NP` (server + NP-1 clients)")
     run.add_argument("--out", default=None, help="output directory (default runs/<config name>)")
     run.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in OUT")
     run.add_argument("--force", action="store_true",
@@ -79,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `hpcfed` command: run the subcommand named in `argv`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in EXTRA_COMMANDS:
         return _guard(lambda: _load(EXTRA_COMMANDS[argv[0]])(argv[1:]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
-from typing import Any
+from collections.abc import Mapping
 
 _INTS = ("peak_rss_bytes", "bytes_sent", "bytes_received", "messages_sent", "messages_received",
          "polls", "idle_sleeps")  # polls: Iprobe calls; idle_sleeps: back-off sleeps (a waiting rank sleeps)
@@ -25,18 +25,18 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def rank_cost(stats: Any) -> dict[str, Any]:
+def rank_cost(stats: object) -> dict[str, float]:
     """This rank's cost so far, from its channel's `ChannelStats`."""
     return {"peak_rss_bytes": peak_rss_bytes(),
             **{k: int(getattr(stats, k, 0)) for k in _INTS if k != "peak_rss_bytes"},
             **{k: float(getattr(stats, k, 0.0)) for k in _FLOATS}}
 
 
-def parse_cost(value: Any) -> dict[str, Any] | None:
+def parse_cost(value: object) -> dict[str, float] | None:
     """A peer's reported cost if it is well formed, else None (the caller rejects the message)."""
     if not isinstance(value, dict) or set(value) != set(_INTS) | set(_FLOATS):
         return None
-    out: dict[str, Any] = {}
+    out: dict[str, float] = {}
     for k in _INTS:
         v = value[k]
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _MAX_INT:
@@ -44,13 +44,14 @@ def parse_cost(value: Any) -> dict[str, Any] | None:
         out[k] = v
     for k in _FLOATS:
         v = value[k]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not 0 <= v <= _MAX_SECONDS:
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                or not 0 <= v <= _MAX_SECONDS):
             return None
         out[k] = float(v)
     return out
 
 
-def brief(cost: dict[str, Any]) -> str:
+def brief(cost: Mapping[str, float]) -> str:
     """One line for logs: peak RSS, bytes out/in, AES-GCM seconds."""
     return (f"peak RSS {cost['peak_rss_bytes'] / 2**20:.0f} MiB, sent {cost['bytes_sent'] / 1e6:.1f} MB, "
             f"received {cost['bytes_received'] / 1e6:.1f} MB, seal {cost['seal_s']:.2f} s, open {cost['open_s']:.2f} s")

@@ -109,7 +109,8 @@ def select_device(rank: int, preference: str, *, env: Mapping[str, str] | None =
             f"(--gpus-per-task=1 or --gres=gpu:N), install a CUDA build of torch, or set device=auto")
     if explicit is not None:
         if explicit >= count:
-            raise ValueError(f"rank {rank}: device={preference} but only {count} GPU(s) are visible (cuda:0..cuda:{count - 1})")
+            raise ValueError(f"rank {rank}: device={preference} but only {count} GPU(s) are visible "
+                             f"(cuda:0..cuda:{count - 1})")
         return f"cuda:{explicit}"
     device = f"cuda:{gpu_for(local_rank(rank, env), count)}"
     log.debug("rank %d -> %s (%d GPUs visible)", rank, device, count)

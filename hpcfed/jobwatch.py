@@ -3,9 +3,9 @@
 Each rank writes ``logs/rank<r>.pid`` (pid and host) when it starts and ``logs/rank<r>.exit`` (its
 exit status; for a failure also its one-line reason, and whether it only followed from another rank's
 end) just before it leaves. From those the launcher can say which rank failed and why, or which ended
-first without a word, tell a finished federation from a failed one, and make sure no rank outlives the job: MPI launchers kill
-the other ranks when one dies, but a rank stuck in ``MPI_Abort`` or left behind by a dead proxy
-would otherwise run on as an orphan.
+first without a word, tell a finished federation from a failed one, and make sure no rank outlives the
+job: MPI launchers kill the other ranks when one dies, but a rank stuck in ``MPI_Abort`` or left behind
+by a dead proxy would otherwise run on as an orphan.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TextIO
 
 # How Open MPI's mpiexec reports the first rank that ended badly.
 _OMPI_REPORT = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal")
 
 
 def write_pid(log_dir: Path, rank: int) -> None:
+    """Record that this rank started: its pid and host in logs/rank<r>.pid."""
     _write(log_dir / f"rank{rank}.pid", f"{os.getpid()} {socket.gethostname()}")
 
 
@@ -119,6 +121,8 @@ def exit_status(log_dir: Path, rank: int) -> int | None:
 
 @dataclass(frozen=True)
 class Failure:
+    """One rank's recorded failure: rank, exit code, one-line reason, when, and whether it was secondary."""
+
     rank: int
     code: int
     reason: str
@@ -188,6 +192,7 @@ class RankWatch:
 
     @property
     def ended(self) -> list[int]:
+        """The ranks seen to end, in the order they ended."""
         return list(self._order)
 
     def first_dead(self) -> int | None:
@@ -254,10 +259,11 @@ class RankWatch:
         self._order.append(rank)
         self._wall_ends[rank] = time.time()
         for fd in (self._fds.get(rank), self._lifelines.get(rank)):
-            if fd is not None:
+            if fd is not None and self._epoll is not None:  # fds are only held with epoll
                 self._epoll.unregister(fd)  # ready for good now: do not report it again
 
     def running(self) -> list[int]:
+        """The ranks that started and have not been seen to end."""
         if self._epoll is not None:
             return sorted(r for r in self._fds if r not in self._wall_ends)
         return [r for r, pid in sorted(self.pids.items()) if pid > 0 and r not in self._wall_ends and alive(pid)]
@@ -287,7 +293,7 @@ class RankWatch:
             self._epoll.close()
 
 
-def follow(proc: subprocess.Popen, watch: RankWatch, *, finished: Callable[[], list[int] | None],
+def follow(proc: subprocess.Popen[bytes], watch: RankWatch, *, finished: Callable[[], list[int] | None],
            grace_s: float = 60.0) -> int:
     """Wait for `proc` (mpiexec, started with stdout and stderr piped) while following its ranks,
     passing its output through, and return its status.
@@ -321,7 +327,7 @@ def follow(proc: subprocess.Popen, watch: RankWatch, *, finished: Callable[[], l
         watch.close()
 
 
-def _relay(stream, sink, watch: RankWatch) -> threading.Thread:
+def _relay(stream: IO[bytes], sink: TextIO, watch: RankWatch) -> threading.Thread:
     """Copy `stream` to `sink` line by line, showing each line to `watch.scan`."""
 
     def run() -> None:
@@ -337,6 +343,7 @@ def _relay(stream, sink, watch: RankWatch) -> threading.Thread:
 
 
 def alive(pid: int) -> bool:
+    """True while process `pid` exists and is not a zombie (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -8,7 +8,7 @@ operations with no Python loop over layers; the channel carries one flat buffer 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -30,6 +30,7 @@ def wire_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def is_float(dtype: np.dtype) -> bool:
+    """True for floating-point dtypes, bfloat16 included (numpy does not count it as kind "f")."""
     return np.dtype(dtype).kind == "f" or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
 
 
@@ -49,12 +50,15 @@ class ParamLayout:
     offsets: tuple[int, ...]
     size: int
     dtypes: tuple[np.dtype, ...] = ()  # per parameter; empty = all float32
+    # Derived in __post_init__: values per dtype group, and each parameter's start inside its group.
+    _groups: dict[np.dtype, int] = field(init=False, repr=False, compare=False)
+    _slots: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.dtypes:
             object.__setattr__(self, "dtypes", (FLOAT32,) * len(self.names))
         groups: dict[np.dtype, int] = {}
-        slots = []
+        slots: list[int] = []
         for shape, dt in zip(self.shapes, self.dtypes):
             at = groups.get(dt, 0)
             slots.append(at)
@@ -64,7 +68,12 @@ class ParamLayout:
 
     @classmethod
     def of(cls, params: Mapping[str, np.ndarray]) -> ParamLayout:
-        names, shapes, offsets, dtypes, pos = [], [], [], [], 0
+        """The layout of `params`, in their order (each dtype as it will cross the channel)."""
+        names: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        offsets: list[int] = []
+        dtypes: list[np.dtype] = []
+        pos = 0
         for name, value in params.items():
             arr = np.asarray(value)
             names.append(name)
@@ -78,24 +87,24 @@ class ParamLayout:
     @property
     def groups(self) -> dict[str, int]:
         """dtype name -> number of values of that dtype, in the order of first appearance."""
-        return {dt.name: n for dt, n in self._groups.items()}  # type: ignore[attr-defined]
+        return {dt.name: n for dt, n in self._groups.items()}
 
     @property
     def nbytes(self) -> int:
         """Bytes of one model in its own dtypes (what crosses the channel)."""
-        return sum(dt.itemsize * n for dt, n in self._groups.items())  # type: ignore[attr-defined]
+        return sum(dt.itemsize * n for dt, n in self._groups.items())
 
-    def describe(self) -> list[list]:
+    def describe(self) -> list[list[object]]:
         """[[name, shape, dtype name], ...]: what server and client compare at setup."""
         return [[n, list(s), dt.name] for n, s, dt in zip(self.names, self.shapes, self.dtypes)]
 
     def pack(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One flat buffer per dtype group (dtype name -> array), each parameter in its dtype."""
         self.check(params)
-        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:  # type: ignore[attr-defined]
+        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:
             return {"float32": self.flatten(params)}
-        out = {dt.name: np.empty(n, dtype=dt) for dt, n in self._groups.items()}  # type: ignore[attr-defined]
-        for name, shape, dt, slot in zip(self.names, self.shapes, self.dtypes, self._slots):  # type: ignore[attr-defined]
+        out = {dt.name: np.empty(n, dtype=dt) for dt, n in self._groups.items()}
+        for name, shape, dt, slot in zip(self.names, self.shapes, self.dtypes, self._slots):
             n = int(np.prod(shape, dtype=np.int64))
             out[dt.name][slot: slot + n] = np.asarray(params[name]).reshape(-1).astype(dt, copy=False)
         return out
@@ -105,17 +114,17 @@ class ParamLayout:
         Integers are rounded to nearest and clipped to their dtype's range; bools are >= 0.5."""
         if flat.shape != (self.size,):
             raise ValueError(f"flat parameter vector has shape {flat.shape}, expected ({self.size},)")
-        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:  # type: ignore[attr-defined]
+        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:
             return {"float32": flat}
-        out = {dt.name: np.empty(n, dtype=dt) for dt, n in self._groups.items()}  # type: ignore[attr-defined]
-        for shape, offset, dt, slot in zip(self.shapes, self.offsets, self.dtypes, self._slots):  # type: ignore[attr-defined]
+        out = {dt.name: np.empty(n, dtype=dt) for dt, n in self._groups.items()}
+        for shape, offset, dt, slot in zip(self.shapes, self.offsets, self.dtypes, self._slots):
             n = int(np.prod(shape, dtype=np.int64))
             out[dt.name][slot: slot + n] = _cast(flat[offset: offset + n], dt)
         return out
 
     def check_packed(self, groups: Mapping[str, np.ndarray]) -> str | None:
         """Why `groups` (dtype name -> array) is not this layout's wire form, or None if it is."""
-        want = self._groups  # type: ignore[attr-defined]
+        want = self._groups
         if set(groups) != {dt.name for dt in want}:
             return f"dtype groups {sorted(groups)}, expected {sorted(dt.name for dt in want)}"
         for dt, n in want.items():
@@ -132,17 +141,17 @@ class ParamLayout:
     def unpack(self, groups: Mapping[str, np.ndarray]) -> Params:
         """Views of the wire buffers shaped as the parameters, each in its dtype (call `check_packed` first)."""
         out: Params = {}
-        for name, shape, dt, slot in zip(self.names, self.shapes, self.dtypes, self._slots):  # type: ignore[attr-defined]
+        for name, shape, dt, slot in zip(self.names, self.shapes, self.dtypes, self._slots):
             n = int(np.prod(shape, dtype=np.int64))
             out[name] = groups[dt.name][slot: slot + n].reshape(shape)
         return out
 
     def unpack_flat(self, groups: Mapping[str, np.ndarray]) -> np.ndarray:
         """The float32 aggregation vector of a packed model (the buffer itself for an all-fp32 one)."""
-        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:  # type: ignore[attr-defined]
+        if len(self._groups) == 1 and self.dtypes[0] == FLOAT32:
             return groups["float32"]
         flat = np.empty(self.size, dtype=np.float32)
-        for shape, offset, dt, slot in zip(self.shapes, self.offsets, self.dtypes, self._slots):  # type: ignore[attr-defined]
+        for shape, offset, dt, slot in zip(self.shapes, self.offsets, self.dtypes, self._slots):
             n = int(np.prod(shape, dtype=np.int64))
             flat[offset: offset + n] = groups[dt.name][slot: slot + n]
         return flat
@@ -186,7 +195,8 @@ def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return values >= 0.5
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
-        return np.clip(np.rint(values), info.min, info.max).astype(dtype)
+        clipped: np.ndarray = np.clip(np.rint(values), info.min, info.max)
+        return clipped.astype(dtype)
     return values.astype(dtype)
 
 

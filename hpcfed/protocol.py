@@ -7,6 +7,11 @@ wrong dtype or a wrong shape is rejected and counted like a forged one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+_T = TypeVar("_T")  # whatever a bundle's tensors are (numpy arrays on the wire)
+
 SETUP = 1  # client -> server: task setup payload ("setup/*"), client 0's initial model ("init/*")
 SETUP_REPLY = 2  # server -> client: task reply ("setup/*"), layout, start round, the shard to resume from
 PARAMS = 3  # server -> client: the model for a round (sync) or version (async), see `params_tensors`
@@ -33,27 +38,29 @@ def params_key(dtype_name: str) -> str:
     return PARAMS_KEY if dtype_name == "float32" else f"{PARAMS_KEY}:{dtype_name}"
 
 
-def params_tensors(groups: dict) -> dict:
+def params_tensors(groups: Mapping[str, _T]) -> dict[str, _T]:
     """A packed model (dtype name -> flat buffer, `ParamLayout.pack`) as bundle tensors."""
     return {params_key(name): buf for name, buf in groups.items()}
 
 
-def params_groups(tensors: dict, dtype_names) -> dict:
+def params_groups(tensors: Mapping[str, _T], dtype_names: Iterable[str]) -> dict[str, _T]:
     """The packed model inside `tensors` for the layout's dtype groups (missing groups are absent)."""
     return {name: tensors[params_key(name)] for name in dtype_names if params_key(name) in tensors}
 
 
 def is_params_key(name: str) -> bool:
+    """True for the name of a model's flat buffer (any dtype), as `params_key` makes them."""
     return name == PARAMS_KEY or name.startswith(PARAMS_KEY + ":")
 
 
-def split_prefixed(tensors: dict, prefix: str) -> dict:
+def split_prefixed(tensors: Mapping[str, _T], prefix: str) -> dict[str, _T]:
     """The tensors whose names start with `prefix`, with the prefix removed."""
     n = len(prefix)
     return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def prefixed(tensors: dict, prefix: str) -> dict:
+def prefixed(tensors: Mapping[str, _T], prefix: str) -> dict[str, _T]:
+    """The same tensors with `prefix` put before each name (undone by `split_prefixed`)."""
     return {prefix + k: v for k, v in tensors.items()}
 
 

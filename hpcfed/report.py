@@ -46,6 +46,8 @@ class Series:
 
 @dataclass
 class Metrics:
+    """What metrics.jsonl holds: numeric series by name and client, events, and the lines skipped."""
+
     path: Path
     series: dict[str, dict[int, Series]]  # name -> client (-1 = server) -> series
     events: list[dict[str, Any]]  # non-numeric records and EVENT_NAMES, in file order
@@ -136,7 +138,7 @@ def run_mode(metrics: Metrics, summary: dict[str, Any] | None) -> str | None:
     cfg = (summary or {}).get("config")
     fed = cfg.get("federation") if isinstance(cfg, dict) else None
     if isinstance(fed, dict) and fed.get("mode") in ("sync", "async"):
-        return fed["mode"]
+        return str(fed["mode"])
     if "round_time_s" in metrics.series:
         return "sync"
     if "broadcast" in metrics.series:
@@ -144,7 +146,8 @@ def run_mode(metrics: Metrics, summary: dict[str, Any] | None) -> str | None:
     return None
 
 
-X_LABELS = {"sync": "round (from 0)", "async": "accepted updates", None: "round (sync, from 0) / accepted updates (async)"}
+X_LABELS = {"sync": "round (from 0)", "async": "accepted updates",
+            None: "round (sync, from 0) / accepted updates (async)"}
 
 
 def single_valued(metrics: Metrics) -> list[str]:
@@ -214,6 +217,7 @@ def _lower_is_better(name: str) -> bool:
 
 
 def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary: dict[str, Any] | None) -> str:
+    """The text of report.md: run settings, final metrics per site, plots and events."""
     lines = [f"# hpcfed run report: `{run_dir.name}`", ""]
     lines.append(f"Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} from `{metrics.path.name}` "
                  f"({metrics.num_records} records).")
@@ -363,6 +367,7 @@ def make_report(run_dir: str | Path, *, out: str | Path | None = None, tensorboa
 
 
 def main(argv: list[str]) -> int:
+    """`hpcfed report DIR`: write report.md and the plots of a run; exit status."""
     p = argparse.ArgumentParser(prog="hpcfed report", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", help="run directory (the --out of `hpcfed run`) holding metrics.jsonl")
     p.add_argument("--out", default=None, help="where to write report.md and report/*.png (default: DIR)")

@@ -36,6 +36,7 @@ def write_project(target: str | Path, template: str = "torch") -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
+    """`hpcfed new DIR [--template T]`: write a small runnable federated project; exit status."""
     p = argparse.ArgumentParser(prog="hpcfed new", description="Write a small runnable federated project.")
     p.add_argument("dir", help="new project folder (must not exist or be empty)")
     p.add_argument("--template", choices=TEMPLATES, default="torch",

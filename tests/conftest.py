@@ -24,6 +24,7 @@ def shared_data() -> Path:
 
 
 def mpiexec() -> str:
+    """Path of mpiexec (or mpirun); skips the test when there is none."""
     exe = shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:
         pytest.skip("no mpiexec on PATH (pip install mpich)")
@@ -41,6 +42,7 @@ def run_cli(args: list[str], *, np: int | None = None, timeout: float = 300, env
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc

@@ -10,7 +10,8 @@ up to ``--async-updates`` (default 2) x rounds x clients uploads; all use
 each fit). The target is the F1 that sync FedAvg **ends** with (mean over sites of each site's
 latest ``val_micro_f1``); the speedup is FedAvg's wall time to first reach it divided by
 FedDWA's, where a run's curve counts only once every site has reported (an async run whose
-straggler has not uploaded yet is not credited with the fast sites' mean). ``--json`` prints ``{"speedup": ..., "target_f1": ..., "runs": {...}}``.
+straggler has not uploaded yet is not credited with the fast sites' mean). ``--json`` prints
+``{"speedup": ..., "target_f1": ..., "runs": {...}}``.
 
 ``--repeats N`` runs the pair N times, alternating FedAvg and FedDWA so that a change in the
 machine's background load hits both, and reports the median of the N speedups (each against its
@@ -36,6 +37,7 @@ from hpcfed.tasks.hin_plots import convergence_curves, plot_convergence, time_to
 
 
 def run(config: str, method: str, out: Path, np_: int, overrides: list[str], metric: str) -> dict:
+    """Run one federation with `method`; its wall time, accepted updates, F1 scores and `metric` curve."""
     cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force",
            f"method={method}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -67,6 +69,7 @@ def compare(runs: dict[str, dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the FedAvg / FedDWA pair (`--repeats` times) and print the speedup; exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/fedahe_synthetic.yaml")
     p.add_argument("--np", type=int, default=4, help="MPI ranks (server + clients)")

@@ -29,6 +29,7 @@ def _pattern(start: int, n: int) -> np.ndarray:
 
 
 def main() -> int:
+    """Send one tensor of `--gib` GiB from rank 0 to rank 1 and check every byte arrived; exit status."""
     from mpi4py import MPI
 
     from hpcfed.comm.channel import SecureChannel
@@ -77,7 +78,8 @@ def main() -> int:
             comm.send(True, dest=0, tag=76)
             got = msg.tensors["big"] if msg is not None else None
             good = got is not None and got.dtype == np.uint8 and got.shape == (nbytes,) and all(
-                np.array_equal(got[at:at + step], _pattern(at, min(step, nbytes - at))) for at in range(0, nbytes, step))
+                np.array_equal(got[at:at + step], _pattern(at, min(step, nbytes - at)))
+                for at in range(0, nbytes, step))
             del msg, got
             comm.send(bool(good), dest=0, tag=77)
     if rank == 0:

@@ -39,6 +39,7 @@ CLIENT_MODEL_COPIES = 4  # the task's model, its get_parameters copy, the receiv
 
 
 def parse_count(text: str) -> int:
+    """A count written as 1000, 16M or 1.5G, as an int."""
     text = text.strip().upper()
     if text and text[-1] in _SUFFIX:
         return int(float(text[:-1]) * _SUFFIX[text[-1]])
@@ -46,6 +47,7 @@ def parse_count(text: str) -> int:
 
 
 def client_memory_bytes(k: int, p: int) -> int:
+    """Estimated memory of K client ranks holding models of P float32 parameters."""
     return k * (CLIENT_MODEL_COPIES * 4 * p + CLIENT_OVERHEAD_BYTES)
 
 
@@ -79,6 +81,7 @@ def run_one(k: int, p: int, rounds: int, timeout: float) -> dict:
 
 
 def channel_throughput() -> dict:
+    """The secure channel's, AES-GCM's and raw MPI's throughput in GB/s (quick bench)."""
     import contextlib
     import io
 
@@ -90,6 +93,7 @@ def channel_throughput() -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Save round time and rank 0 peak RSS against K, one line per P, to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,6 +126,7 @@ def _fmt(p: int) -> str:
 
 
 def table(result: dict) -> str:
+    """The results as text: the channel line, then one Markdown row per (K, P)."""
     tp = result["throughput"]
     lines = [f"channel: secure {tp['secure_gbps']:.2f} GB/s one way (one-core AES-GCM {tp['aes_gcm_gbps']:.2f}, "
              f"raw MPI {tp['raw_mpi_gbps']:.2f}); load average {result['load_average_before']} before, "
@@ -139,6 +144,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the (K, P) grid, print the table or JSON and save the plot; exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="numbers of clients")

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
+    """Run quickstart for each K and print the checkpoint and shard sizes; exit status."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])

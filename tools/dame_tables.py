@@ -7,9 +7,10 @@ Every run is a real federation (`hpcfed run CONFIG --np K method=M seed=S`); a r
 ``summary.json`` already exists is reused, so the script can be stopped and restarted. Table 2, twice:
 in the paper's layout (one "NMI / AMI / ARI" cell per site, means over seeds, the average and the gain
 over Local) and with mean ± std for every number; between them DAMe minus Local and minus FedAvg on
-each site (the issue's "beats both on every site"). Table 3: DAMe and FedAvg with a fourth, malicious client (``attack=model|data``), NMI on the
-honest sites next to the clean runs. Ablation: DAMe without BOLA, SEGA or GLECC. Then the wall time of
-each run (``wall_time_s`` in ``summary.json``). Writes ``OUT/tables.md`` and prints it.
+each site (the issue's "beats both on every site"). Table 3: DAMe and FedAvg with a fourth, malicious
+client (``attack=model|data``), NMI on the honest sites next to the clean runs. Ablation: DAMe without
+BOLA, SEGA or GLECC. Then the wall time of each run (``wall_time_s`` in ``summary.json``). Writes
+``OUT/tables.md`` and prints it.
 
 ``--sweep KEY=V1,V2,...`` instead runs every method at each value of one config key, e.g. the data-size
 sweep ``--sweep task.max_messages_per_site=200,500,1000 --methods local fedavg dame``: runs go to
@@ -36,6 +37,7 @@ METRICS = ("nmi", "ami", "ari")
 
 
 def run_one(config: str, out: Path, np_: int, overrides: list[str], timeout: float) -> dict | None:
+    """The run's summary.json, running the federation first if it has none; None if the run failed."""
     summary = out / "summary.json"
     if summary.is_file():
         return json.loads(summary.read_text())
@@ -53,16 +55,19 @@ def run_one(config: str, out: Path, np_: int, overrides: list[str], timeout: flo
 
 
 def site_values(summary: dict, sites: list[int]) -> dict[int, dict[str, float]]:
+    """Per site, its NMI / AMI / ARI from a run's summary."""
     return {s: {m: float(summary["clients"][str(s)][m]) for m in METRICS} for s in sites}
 
 
 def fmt(values: list[float]) -> str:
+    """mean ± std of `values` to 3 decimals (the value alone when there is one, – when none)."""
     if not values:
         return "–"
     return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
 def table_methods(results: dict[str, list[dict]], names: list[str], site_names: list[str], title: str) -> str:
+    """Markdown table: methods × sites, each metric as mean ± std over seeds, and the gain over Local."""
     sites = list(range(len(site_names)))
     head = "| method | " + " | ".join(f"{n} {m.upper()}" for n in site_names for m in METRICS)
     head += " | avg NMI | avg AMI | avg ARI | gain NMI | gain AMI | gain ARI |"
@@ -100,7 +105,8 @@ def table_paper(results: dict[str, list[dict]], names: list[str], site_names: li
         runs = results.get(name) or []
         if not runs:
             continue
-        cells = [cell({m: mean(runs, s, m) for m in METRICS}) for s in sites] + [cell({m: mean(runs, None, m) for m in METRICS})]
+        cells = [cell({m: mean(runs, s, m) for m in METRICS}) for s in sites]
+        cells.append(cell({m: mean(runs, None, m) for m in METRICS}))
         gain = "–" if not local or name == "local" else " / ".join(
             f"{mean(runs, None, m) - mean(local, None, m):+.3f}" for m in METRICS)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {gain} |")
@@ -152,8 +158,8 @@ def sweep(args: argparse.Namespace) -> int:
                 if args.tables_only:
                     s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
                 else:
-                    s = run_one(args.config, d, k + 1, [f"method={method}", f"seed={seed}", *args.set, f"{key}={level}"],
-                                args.timeout)
+                    s = run_one(args.config, d, k + 1,
+                                [f"method={method}", f"seed={seed}", *args.set, f"{key}={level}"], args.timeout)
                 if s:
                     runs.setdefault(level, {}).setdefault(method, {})[seed] = s
 
@@ -161,8 +167,8 @@ def sweep(args: argparse.Namespace) -> int:
         c = s["clients"]
         return float(c[str(site)][m]) if site is not None else float(np.mean([float(c[str(i)][m]) for i in sites]))
 
-    names = list(args.sites) + ["avg"]
-    idx: list[int | None] = list(sites) + [None]
+    names = [*args.sites, "avg"]
+    idx: list[int | None] = [*sites, None]
     parts = [f"Sweep of `{key}` over {levels}: `{args.config}` {' '.join(args.set)}; methods {args.methods}; "
              f"seeds {args.seeds}. Metrics on each site's test split (k-means, k = number of events); "
              "mean ± sample sd (ddof = 1) over seeds.", ""]
@@ -193,15 +199,19 @@ def sweep(args: argparse.Namespace) -> int:
                 cells = [_msd([val(r, s, metric) for r in by_seed.values()]) for s in idx]
                 gain = "–"
                 if local and method != "local":
-                    gain = f"{np.mean([val(r, None, metric) for r in by_seed.values()]) - np.mean([val(r, None, metric) for r in local.values()]):+.3f}"
+                    diff = (np.mean([val(r, None, metric) for r in by_seed.values()])
+                            - np.mean([val(r, None, metric) for r in local.values()]))
+                    gain = f"{diff:+.3f}"
                 parts.append(f"| {level} | {method} (n={len(by_seed)}) | " + " | ".join(cells) + f" | {gain} |")
 
     # each method (DAMe first) minus each baseline, paired by seed
     targets = sorted((m for m in args.methods if m not in ("local", "fedavg")), key=lambda m: m != "dame")
     for target, metric in ((t, m) for t in targets for m in ("nmi", "ami")):
         M = metric.upper()
-        parts += ["", f"### {target} minus each baseline, {M}, paired by seed: mean ± sd (seeds with a positive difference)",
-                  "", f"| {short} | baseline | " + " | ".join(names) + " | per-seed avg | sites won |", "|" + "---|" * (k + 5)]
+        parts += ["", f"### {target} minus each baseline, {M}, paired by seed: "
+                      "mean ± sd (seeds with a positive difference)",
+                  "", f"| {short} | baseline | " + " | ".join(names) + " | per-seed avg | sites won |",
+                  "|" + "---|" * (k + 5)]
         for level in levels:
             mine = runs.get(level, {}).get(target)
             for base in ("local", "fedavg"):
@@ -236,6 +246,7 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run (or reuse) every federation the tables need and write OUT/tables.md; exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/dame_crisis.yaml")
     p.add_argument("--out", default="runs/dame_tables")
@@ -264,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         for method in dict.fromkeys(args.methods + (args.attack_methods if args.attacks else [])):
             d = out / method / f"seed{seed}"
             s = (json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None) \
-                if args.tables_only else run_one(args.config, d, k + 1, [f"method={method}", f"seed={seed}", *args.set], args.timeout)
+                if args.tables_only else run_one(args.config, d, k + 1, [f"method={method}", f"seed={seed}", *args.set],
+                                                 args.timeout)
             if s:
                 clean.setdefault(method, []).append(site_values(s, sites))
                 walls.setdefault(method, []).append(float(s.get("wall_time_s", float("nan"))))
@@ -272,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.attack_methods:
                 d = out / f"{method}-attack-{attack}" / f"seed{seed}"
                 s = (json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None) \
-                    if args.tables_only else run_one(args.config, d, k + 2,
-                                                     [f"method={method}", f"seed={seed}", f"attack={attack}", *args.set],
-                                                     args.timeout)
+                    if args.tables_only else run_one(
+                        args.config, d, k + 2, [f"method={method}", f"seed={seed}", f"attack={attack}", *args.set],
+                        args.timeout)
                 if s:
                     attacked.setdefault((method, attack), []).append(site_values(s, sites))
                     walls.setdefault(f"{method} attack={attack}", []).append(float(s.get("wall_time_s", float("nan"))))
@@ -285,21 +297,25 @@ def main(argv: list[str] | None = None) -> int:
     parts.append("")
     parts.append(table_per_site_gain(clean, args.sites))
     parts.append("")
-    parts.append(table_methods(clean, MAIN_METHODS, args.sites, "Table 2 (shape): methods × sites, mean ± std over seeds"))
+    parts.append(table_methods(clean, MAIN_METHODS, args.sites,
+                               "Table 2 (shape): methods × sites, mean ± std over seeds"))
     parts.append("")
-    parts.append(table_methods(clean, ["local"] + ABLATIONS, args.sites, "Ablation: DAMe without one component"))
+    parts.append(table_methods(clean, ["local", *ABLATIONS], args.sites, "Ablation: DAMe without one component"))
     if attacked:
         parts += ["", "### Table 3 (shape): injection attacks, NMI on the honest sites", "",
                   "| method | site | clean | model poisoning | data poisoning |", "|---|---|---|---|---|"]
+        def col(runs: list[dict] | None, site: int | None) -> str:
+            if not runs:
+                return "–"
+            vals = [r[site]["nmi"] if site is not None else np.mean([r[i]["nmi"] for i in sites]) for r in runs]
+            return fmt(vals)
+
         for method in args.attack_methods:
-            rows = [(name, s) for s, name in enumerate(args.sites)] + [("average", None)]
+            rows: list[tuple[str, int | None]] = [(name, s) for s, name in enumerate(args.sites)]
+            rows.append(("average", None))
             for name, s in rows:
-                def col(runs: list[dict] | None) -> str:
-                    if not runs:
-                        return "–"
-                    vals = [r[s]["nmi"] if s is not None else np.mean([r[i]["nmi"] for i in sites]) for r in runs]
-                    return fmt(vals)
-                lines = [col(clean.get(method)), col(attacked.get((method, "model"))), col(attacked.get((method, "data")))]
+                lines = [col(clean.get(method), s), col(attacked.get((method, "model")), s),
+                         col(attacked.get((method, "data")), s)]
                 parts.append(f"| {method} | {name} | " + " | ".join(lines) + " |")
         parts += ["", "| method | Δ mean NMI, model poisoning | Δ mean NMI, data poisoning |", "|---|---|---|"]
         for method in args.attack_methods:

@@ -173,6 +173,7 @@ class Forger:
         return out
 
     def honest_bundle(self, rnd: int) -> bytes:
+        """A well-formed UPDATE bundle (all-zero model) for round `rnd`."""
         from hpcfed.comm import wire
 
         return wire.encode(self._update_header(rnd), {"params": np.zeros(self.size, np.float32)})
@@ -206,6 +207,7 @@ class Forger:
                                                              count=-(-total // self.channel.chunk_bytes), total=total))
 
     def send_frame(self, name: str, frame: bytes | bytearray) -> None:
+        """Put a raw frame on the wire and count it under attack `name`."""
         self.transport.send_raw(frame)
         self.sent[name] += 1
 
@@ -290,6 +292,7 @@ class Forger:
 
     # -- bundles: authentic frames, malformed plaintext ----------------------------------------------
     def bundle_attack(self, name: str, rnd: int) -> bool:
+        """Send one authentic frame whose bundle is malformed as `name` says; False when used up."""
         from hpcfed.comm import wire
 
         b = bytearray(self.honest_bundle(rnd))
@@ -354,6 +357,7 @@ class Forger:
 
     # -- runtime messages: valid encryption, invalid content ----------------------------------------
     def runtime_attack(self, name: str, rnd: int, version: int) -> bool:
+        """Send one valid encrypted message with hostile content `name`; False when used up."""
         from hpcfed import protocol as P
 
         good = np.zeros(self.size, np.float32)
@@ -405,6 +409,7 @@ class Forger:
         return True
 
     def attack(self, name: str, rnd: int, version: int) -> bool:
+        """Send one crafted message of attack `name` (frame, bundle or runtime kind); False when used up."""
         if name in FRAME_ATTACKS:
             return self.frame_attack(name, rnd)
         if name in BUNDLE_ATTACKS:
@@ -515,6 +520,7 @@ def _num_clients(config: str, overrides: list[str]) -> int:
 
 def campaign(config: str, overrides: list[str], *, messages: int, out: Path, timeout: float = 300,
              log: Callable[[str], None] = lambda s: None, flood_mib: int = 0) -> dict[str, Any]:
+    """A clean run and the same run with a hostile client; what was sent, refused, and whether results match."""
     from hpcfed.config import load
 
     cfg = load(config, overrides)
@@ -549,7 +555,8 @@ def campaign(config: str, overrides: list[str], *, messages: int, out: Path, tim
         except (OSError, json.JSONDecodeError):
             return {}
 
-    s_base, s_atk, hostile = read(base_out / "summary.json"), read(atk_out / "summary.json"), read(atk_out / "hostile.json")
+    s_base, s_atk = read(base_out / "summary.json"), read(atk_out / "summary.json")
+    hostile = read(atk_out / "hostile.json")
     rejected = s_atk.get("rejected", {"runtime": {}, "channel": {}})
     n_rejected = sum(rejected.get("runtime", {}).values()) + sum(rejected.get("channel", {}).values())
     base_rejected = s_base.get("rejected", {"runtime": {}, "channel": {}})
@@ -569,7 +576,8 @@ def campaign(config: str, overrides: list[str], *, messages: int, out: Path, tim
         "rounds_attacked": hostile.get("rounds_attacked", 0),
         "by_attack": hostile.get("by_attack", {}),
         "rejected_by_server": {"channel": rejected.get("channel", {}), "runtime": rejected.get("runtime", {})},
-        "baseline_rejected": sum(base_rejected.get("runtime", {}).values()) + sum(base_rejected.get("channel", {}).values()),
+        "baseline_rejected": (sum(base_rejected.get("runtime", {}).values())
+                              + sum(base_rejected.get("channel", {}).values())),
         "final_metrics": {"baseline": s_base.get("clients"), "attacked": s_atk.get("clients")},
         "hostile_site_final_metrics_equal": (s_base.get("clients") or {}).get(hostile_cid)
         == (s_atk.get("clients") or {}).get(hostile_cid),
@@ -590,6 +598,7 @@ def _server_rss_mib(summary: dict[str, Any]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the campaign (or, with --worker, be the hostile rank) and print the result; exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="key=value config overrides for both runs (e.g. rounds=4)")
     p.add_argument("--config", default="configs/quickstart.yaml")

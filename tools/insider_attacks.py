@@ -80,11 +80,13 @@ def honest_rejected(out: Path) -> int:
 
 
 def honest_mean(summary: dict) -> float | None:
+    """Mean accuracy of the honest sites, or None unless every one of them reported."""
     accs = [summary["clients"][c]["accuracy"] for c in HONEST if c in summary.get("clients", {})]
     return sum(accs) / len(accs) if len(accs) == len(HONEST) else None
 
 
 def main() -> None:
+    """Run every attack case against its baseline and print the table (or JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")

@@ -29,20 +29,24 @@ SITES = 3
 
 
 def run(config: str, out: Path, np_: int, overrides: list[str]) -> dict:
+    """The run's summary.json, running the federation first if it has none."""
     summary = out / "summary.json"
     if not summary.exists():
-        cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force", *overrides]
+        cmd = [sys.executable, "-m", "hpcfed", "run", config, "--np", str(np_), "--out", str(out), "--force",
+               *overrides]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     return json.loads(summary.read_text())
 
 
 def traffic(summary: dict) -> int:
+    """Bytes the server sent and received over the whole run."""
     channel = summary["channel"]
     return int(channel["bytes_sent"]) + int(channel["bytes_received"])
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the LoRA comparisons and the traffic probes, write OUT/table.md and print it; exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/lora_20ng.yaml")
     ap.add_argument("--out", default="runs/lora_20ng_table")
@@ -63,10 +67,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = fed["config"]["task"]["options"]
     lines = [f"Federated LoRA fine-tuning, 20 Newsgroups, {SITES} label-skewed sites "
-             f"(Dirichlet {cfg.get('label_skew', 0.5)}), {fed['rounds']} rounds; options {json.dumps(cfg, sort_keys=True)}", "",
+             f"(Dirichlet {cfg.get('label_skew', 0.5)}), {fed['rounds']} rounds; "
+             f"options {json.dumps(cfg, sort_keys=True)}", "",
              "Accuracy on each site's own test posts (its label mix) and on one balanced sample of the test split:", "",
-             "| site | federated | federated, local heads | local-only | centralized | fed. - local | fed. local heads - local "
-             "| federated (balanced) | fed. local heads (balanced) | local-only (balanced) |",
+             "| site | federated | federated, local heads | local-only | centralized | fed. - local "
+             "| fed. local heads - local | federated (balanced) | fed. local heads (balanced) "
+             "| local-only (balanced) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for k in range(SITES):
@@ -76,13 +82,15 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {f['accuracy'] - lo['accuracy']:+.3f} | {fp['accuracy'] - lo['accuracy']:+.3f} "
                      f"| {f.get('global_accuracy', nan):.3f} | {fp.get('global_accuracy', nan):.3f} "
                      f"| {lo.get('global_accuracy', nan):.3f} |")
-    lines += ["", f"centralized on the global test: {central['clients']['0'].get('global_accuracy', float('nan')):.3f}", "",
+    central_global = central["clients"]["0"].get("global_accuracy", nan)
+    lines += ["", f"centralized on the global test: {central_global:.3f}", "",
               "| exchange | bytes per round (server, sent + received) | ratio |", "|---|---|---|",
               f"| LoRA adapters + head | {per_round['lora']:,} | 1 |",
-              f"| full model (share=all) | {per_round['full']:,} | {per_round['full'] / max(per_round['lora'], 1):.1f}x |",
+              f"| full model (share=all) | {per_round['full']:,} "
+              f"| {per_round['full'] / max(per_round['lora'], 1):.1f}x |",
               "", "wall time (s): " + ", ".join(f"{n} {s['wall_time_s']:.0f}" for n, s in
-                                               (("federated", fed), ("federated, local heads", fedper), ("local", local),
-                                                ("centralized", central)))]
+                                               (("federated", fed), ("federated, local heads", fedper),
+                                                ("local", local), ("centralized", central)))]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)

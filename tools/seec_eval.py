@@ -100,6 +100,7 @@ def run_inprocess(config: str, overrides: list[str], num_clients: int, out: Path
 
 
 def run_mpi(config: str, overrides: list[str], num_clients: int, out: Path) -> dict:
+    """Run one federation under mpiexec (K clients + server) and return its summary."""
     cmd = [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--np", str(num_clients + 1), "--out", str(out),
            "--force"]
     print("  $", " ".join(cmd), flush=True)
@@ -119,7 +120,8 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
     """
     central_search = GlobalSearch.from_folder(central, entity=entity)
     if len(central_search.indexes) != 1:
-        raise ValueError(f"{central}: the centralized run must have exactly one site, found {len(central_search.indexes)}")
+        raise ValueError(f"{central}: the centralized run must have exactly one site, "
+                         f"found {len(central_search.indexes)}")
     cidx: SiteIndex = next(iter(central_search.indexes.values()))
     fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge)
     central_lists, fed_lists, labels, fed_labels, central_labels = [], [], [], [], []
@@ -194,17 +196,18 @@ def _runner(args: argparse.Namespace):
 
 
 def experiment_doc2vec(args: argparse.Namespace) -> dict:
+    """20NG doc2vec: centralized, joint and mapping runs, each scored against the centralized."""
     runner = _runner(args)
     out = Path(args.out)
     ov = list(args.overrides)
     res: dict = {}
     timings = {}
     t = time.monotonic()
-    runner("configs/seec_20ng_joint.yaml", ov + ["method=centralized"], 1, out / "central")
+    runner("configs/seec_20ng_joint.yaml", [*ov, "method=centralized"], 1, out / "central")
     timings["central"] = time.monotonic() - t
     if "joint" in args.only:
         t = time.monotonic()
-        runner("configs/seec_20ng_joint.yaml", ov + ["method=joint"], args.sites, out / "joint")
+        runner("configs/seec_20ng_joint.yaml", [*ov, "method=joint"], args.sites, out / "joint")
         timings["joint"] = time.monotonic() - t
         res["joint"] = score(out / "central", out / "joint", mode="joint", k=args.k, max_queries=args.max_queries)
         print("joint:", res["joint"], flush=True)
@@ -213,7 +216,7 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
         from hpcfed.search.mapping import train_mappers
 
         t = time.monotonic()
-        runner("configs/seec_20ng_mapping.yaml", ov + ["method=mapping"], args.sites, out / "mapping")
+        runner("configs/seec_20ng_mapping.yaml", [*ov, "method=mapping"], args.sites, out / "mapping")
         mcfg = MapperConfig(lr=args.mapper_lr, epochs=args.mapper_epochs)
         res["mapper"] = train_mappers(out / "mapping", config=mcfg)
         timings["mapping"] = time.monotonic() - t
@@ -228,13 +231,14 @@ def experiment_doc2vec(args: argparse.Namespace) -> dict:
 
 
 def experiment_node2vec(args: argparse.Namespace) -> dict:
+    """Cora node2vec: centralized, then joint runs with and without cross-site edges, scored."""
     runner = _runner(args)
     out = Path(args.out)
     ov = list(args.overrides)
     res: dict = {}
-    runner("configs/seec_cora_node2vec.yaml", ov + ["method=centralized"], 1, out / "central")
+    runner("configs/seec_cora_node2vec.yaml", [*ov, "method=centralized"], 1, out / "central")
     for name, retain in (("no_retention", "false"), ("retention", "true")):
-        runner("configs/seec_cora_node2vec.yaml", ov + ["method=joint", f"task.retain_cross_site={retain}"],
+        runner("configs/seec_cora_node2vec.yaml", [*ov, "method=joint", f"task.retain_cross_site={retain}"],
                args.sites, out / name)
         res[name] = score(out / "central", out / name, mode="joint", k=args.k, max_queries=args.max_queries)
         print(f"{name}:", res[name], flush=True)
@@ -242,6 +246,7 @@ def experiment_node2vec(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a SEEC experiment (results.json in --out), or score one run against the centralized; exit status."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("doc2vec", "node2vec"):

@@ -25,7 +25,8 @@ def tamper(attack: str, trained: Params, received: Params, num_examples: int) ->
     if attack == "claim_examples":
         return {k: np.full_like(v, 0.5) if _is_float(v) else v for k, v in trained.items()}, 10**12, 1
     if attack == "scale":
-        return {k: (v * np.float32(1e30)).astype(v.dtype) if _is_float(v) else v for k, v in trained.items()}, num_examples, 1
+        return {k: (v * np.float32(1e30)).astype(v.dtype) if _is_float(v) else v
+                for k, v in trained.items()}, num_examples, 1
     if attack == "sign_flip":
         return {k: (received[k] - 10 * (v - received[k])).astype(v.dtype) if _is_float(v) else v
                 for k, v in trained.items()}, num_examples, 1

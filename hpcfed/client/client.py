@@ -16,10 +16,11 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.client import attacks
+from hpcfed.comm.api import Channel, Message
 from hpcfed.config import Config, build
 from hpcfed.cost import rank_cost
 from hpcfed.errors import FederationError
-from hpcfed.params import ParamLayout
+from hpcfed.params import ParamLayout, Params
 from hpcfed.registry import task_class
 from hpcfed.tasks.base import Site, Task
 
@@ -27,7 +28,10 @@ log = logging.getLogger("hpcfed.client")
 
 
 class Client:
-    def __init__(self, cfg: Config, channel: Any, out_dir: Path, device: str = "cpu", resume: bool = False) -> None:
+    """One client site (rank 1..K): trains the task on the server's models and uploads the results."""
+
+    def __init__(self, cfg: Config, channel: Channel, out_dir: Path, device: str = "cpu",
+                 resume: bool = False) -> None:
         self.cfg = cfg
         self.channel = channel
         self.client_id = channel.rank - 1
@@ -48,7 +52,8 @@ class Client:
         # unanswered only replaces the model (newest wins); training waits for the answer, else
         # every broadcast would start a second training chain from a model lacking our last step.
         self._awaiting_answer = False
-        self._held: Any = None
+        self._held: Message | None = None
+        self._received: Params = {}  # the model as the server sent it (the runtime attacks tamper from it)
         from hpcfed.credentials import state_file_auth
         from hpcfed.store import site_state
 
@@ -59,6 +64,7 @@ class Client:
         self.state_auth = state_file_auth(cfg.security, self.client_id + 1, "site-shard")
 
     def run(self) -> None:
+        """Take part in the federation until the server says STOP (or stops answering: FederationError)."""
         self._setup()
         try:
             while True:
@@ -73,10 +79,10 @@ class Client:
                 if msg.kind == P.FINAL:
                     self._final(msg)
                     continue
-                msg = self._answered_model(msg)
-                if msg is None:
+                model = self._answered_model(msg)
+                if model is None:
                     continue
-                self._train_and_upload(msg)
+                self._train_and_upload(model)
                 self._awaiting_answer = self.cfg.federation.mode == "async"
         except _Stopped:
             return
@@ -93,7 +99,8 @@ class Client:
 
             setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
         self.channel.send(0, P.SETUP, setup_header, out)
-        reply = self._wait({P.SETUP_REPLY, P.STOP}, self.cfg.federation.setup_timeout_s + self.cfg.federation.client_timeout_s)
+        reply = self._wait({P.SETUP_REPLY, P.STOP},
+                           self.cfg.federation.setup_timeout_s + self.cfg.federation.client_timeout_s)
         if reply.kind == P.STOP:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
@@ -106,14 +113,16 @@ class Client:
         if reply.header.get("resumed") and isinstance(shard, dict):
             from hpcfed.store import site_state
 
+            shard_round: Any = shard.get("round")  # from the server: int() refuses a non-number, caught below
             try:
-                state = site_state.load_shard(self.state_dir, int(shard.get("round")), str(shard.get("digest")),
+                state = site_state.load_shard(self.state_dir, int(shard_round), str(shard.get("digest")),
                                               self.client_id, self.state_auth)
             except (site_state.ShardError, TypeError, ValueError) as exc:
-                raise FederationError(f"client {self.client_id} (rank {self.client_id + 1}): cannot resume: {exc}") from None
+                raise FederationError(
+                    f"client {self.client_id} (rank {self.client_id + 1}): cannot resume: {exc}") from None
             self.task.load_state_dict(state)
 
-    def _train_and_upload(self, msg: Any) -> None:
+    def _train_and_upload(self, msg: Message) -> None:
         rnd = int(msg.header["round"])
         self._load(msg)
         t0 = time.monotonic()
@@ -129,7 +138,7 @@ class Client:
         params, num_examples, copies = self.task.get_parameters(), int(result.num_examples), 1
         if self.site.attack in attacks.RUNTIME_ATTACKS:
             params, num_examples, copies = attacks.tamper(self.site.attack, params, self._received, num_examples)
-        tensors = P.params_tensors(self.layout.pack(params))
+        tensors = P.params_tensors(self._layout.pack(params))
         header: dict[str, Any] = {"round": rnd, "version": msg.header.get("version", 0),
                                   "client_version": self.client_version, "num_examples": num_examples,
                                   "metrics": {k: _json_number(v) for k, v in metrics.items()}}
@@ -139,7 +148,7 @@ class Client:
         for _ in range(copies):
             self.channel.send(0, P.UPDATE, header, tensors)
 
-    def _write_shard(self, rnd: Any) -> dict[str, Any]:
+    def _write_shard(self, rnd: object) -> dict[str, Any]:
         from hpcfed.store import site_state
 
         if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
@@ -148,7 +157,7 @@ class Client:
                                               self.state_auth, keep=self.cfg.keep_checkpoints)
         return {"round": rnd, "digest": digest, "path": str(path)}
 
-    def _final(self, msg: Any) -> None:
+    def _final(self, msg: Message) -> None:
         self._load(msg)
         metrics = self.task.evaluate(int(msg.header.get("round", 0)), final=True)
         path = self.task.export_embeddings(self.site.out_dir)
@@ -162,17 +171,17 @@ class Client:
                                         "cost": rank_cost(self.channel.stats),
                                         "export": str(path) if path else None})
 
-    def _load(self, msg: Any) -> None:
-        groups = P.params_groups(msg.tensors, self.layout.groups)
-        wrong = self.layout.check_packed(groups)
+    def _load(self, msg: Message) -> None:
+        groups = P.params_groups(msg.tensors, self._layout.groups)
+        wrong = self._layout.check_packed(groups)
         if wrong:
             raise FederationError(f"client {self.client_id}: the server sent a model of the wrong form ({wrong})")
-        params = {k: np.array(v) for k, v in self.layout.unpack(groups).items()}
+        params = {k: np.array(v) for k, v in self._layout.unpack(groups).items()}
         if self.site.attack in attacks.RUNTIME_ATTACKS:
             self._received = {k: v.copy() for k, v in params.items()}
         self.task.set_parameters(params)
 
-    def _skip_stale(self, msg: Any) -> Any:
+    def _skip_stale(self, msg: Message) -> Message:
         """Work only on the newest instruction: a straggler (or an async client behind broadcasts)
         skips queued models it has been overtaken on, and goes straight to FINAL/STOP if queued."""
         for kind in (P.STOP, P.FINAL):
@@ -187,7 +196,7 @@ class Client:
         newest.header["answer"] = answered
         return newest
 
-    def _answered_model(self, msg: Any) -> Any | None:
+    def _answered_model(self, msg: Message) -> Message | None:
         """The newest model to train on, or None while our async upload is still unanswered."""
         if self._held is not None and self._held.header.get("version", 0) > msg.header.get("version", 0):
             msg.header, msg.tensors = {**self._held.header, "answer": _is_answer(msg)}, self._held.tensors
@@ -202,7 +211,14 @@ class Client:
         if self.channel.recv(source=0, kinds={P.STOP}, timeout=seconds) is not None:
             raise _Stopped
 
-    def _wait(self, kinds: set[int], timeout: float | None = None) -> Any:
+    @property
+    def _layout(self) -> ParamLayout:
+        """The model's layout, known once the setup exchange is done."""
+        if self.layout is None:
+            raise FederationError(f"client {self.client_id}: the model's layout is used before the setup exchange")
+        return self.layout
+
+    def _wait(self, kinds: set[int], timeout: float | None = None) -> Message:
         timeout = timeout or self.cfg.federation.client_timeout_s
         msg = self.channel.recv(source=0, kinds=kinds, timeout=timeout)
         if msg is None:
@@ -212,7 +228,7 @@ class Client:
         return msg
 
 
-def _is_answer(msg: Any) -> bool:
+def _is_answer(msg: Message) -> bool:
     # Sync models and the server's reply to our own upload carry answer=True (or no flag at all).
     return bool(msg.header.get("answer", True))
 
@@ -221,7 +237,7 @@ class _Stopped(Exception):
     """The server ended the federation while this client was busy."""
 
 
-def _json_number(v: Any) -> Any:
+def _json_number(v: Any) -> float | None:
     try:
         f = float(v)
     except (TypeError, ValueError):

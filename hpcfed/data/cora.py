@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,11 +22,14 @@ from hpcfed.data.root import DataError, dataset_dir
 
 @dataclass
 class Graph:
+    """An undirected graph with class labels: node count, unique edges (u < v), a label per node."""
+
     num_nodes: int
     edges: np.ndarray  # (m, 2) int64, undirected, u < v, unique, no self-loops
     labels: np.ndarray  # (num_nodes,) int64, -1 = unknown
 
     def node_id(self, node: int) -> str:
+        """The id `node` is exported under: its index as a string."""
         return str(int(node))
 
 
@@ -45,10 +49,11 @@ def load_cora(data_root: str | Path | None = None) -> Graph:
     """Cora's citation graph and class labels from the Planetoid files."""
     folder = dataset_dir("graphs/cora", data_root)
 
-    def load(name: str):
+    def load(name: str) -> Any:  # a Planetoid object: a dict of lists or an array
         path = folder / f"ind.cora.{name}"
         if not path.is_file():
-            raise DataError(f"{path} is missing; the Planetoid Cora folder needs ind.cora.{{graph,ally,ty,test.index}}")
+            raise DataError(f"{path} is missing; the Planetoid Cora folder needs "
+                            f"ind.cora.{{graph,ally,ty,test.index}}")
         return load_pickle(path, _PLANETOID_GLOBALS, "a Planetoid Cora file")
 
     graph, ally, ty = load("graph"), load("ally"), load("ty")
@@ -78,6 +83,8 @@ def planted_graph(num_nodes: int = 120, num_classes: int = 4, p_in: float = 0.15
 
 @dataclass
 class SiteGraph:
+    """One site's share of a split graph: its own nodes, and the nodes and edges of its local graph."""
+
     own: np.ndarray  # this site's nodes (sorted)
     nodes: np.ndarray  # nodes of the local graph (own + retained foreign endpoints)
     edges: np.ndarray  # local edges (global node indices)

@@ -53,6 +53,8 @@ _QUOTE_RE = re.compile(r"(writes in|writes:|wrote:|says:|said:|^In article|^Quot
 
 @dataclass(frozen=True)
 class Document:
+    """One text document: id, text, class label (-1 unlabelled) and, for 20NG, its newsgroup."""
+
     id: str
     text: str
     label: int = -1  # -1 = unlabelled
@@ -63,7 +65,8 @@ def tokenize(text: str) -> list[str]:
     """gensim ``simple_preprocess``: lower-case alphabetic tokens of 2..15 characters."""
     from gensim.utils import simple_preprocess
 
-    return simple_preprocess(text)
+    tokens: list[str] = simple_preprocess(text)
+    return tokens
 
 
 # -- 20 Newsgroups -----------------------------------------------------------------------------------
@@ -95,7 +98,10 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
                 continue
             if group not in NEWSGROUP_FAMILIES:
                 raise DataError(f"{path}: unknown newsgroup folder {group!r} in {member.name}")
-            with tar.extractfile(member) as fh:  # type: ignore[union-attr]
+            fh = tar.extractfile(member)
+            if fh is None:  # tarfile gives None only for links and folders, skipped above
+                raise DataError(f"{path}: cannot read {member.name} from the archive")
+            with fh:
                 raw = fh.read().decode("latin-1")
             text = clean_post(raw, remove, keep_subject)
             docs.append(Document(f"{split}/{group}/{name}", text, NEWSGROUPS.index(group), group))
@@ -109,6 +115,7 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
 
 
 def check_remove(remove: Sequence[str], where: str = "remove") -> None:
+    """Raise ValueError naming the option `where` unless every part in `remove` is in REMOVABLE."""
     bad = [r for r in remove if r not in REMOVABLE]
     if bad:
         raise ValueError(f"{where}={list(remove)}: unknown part(s) {bad}; choose from {list(REMOVABLE)}")
@@ -215,5 +222,6 @@ def gensim_test_corpus(name: str = "lee_background.cor") -> list[Document]:
 
 
 def iter_tokens(docs: Iterable[Document]) -> Iterable[list[str]]:
+    """The tokens of each document in turn, one list per document, produced lazily."""
     for d in docs:
         yield tokenize(d.text)

@@ -29,8 +29,9 @@ model input ``A_i^π``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import scipy.sparse as sp
@@ -40,8 +41,18 @@ from hpcfed.data.root import DataError, dataset_dir
 FORMAT = "hpcfed-hin"
 FORMAT_VERSION = 1
 
+
+class HecoSpec(TypedDict):
+    """One HeCo release's layout: node counts per type letter, edge files, meta-paths, feature file."""
+
+    types: dict[str, int]
+    edges: dict[str, str]
+    metapaths: list[str]
+    features: str | None
+
+
 # HeCo release layout: edge files, type letters, default meta-paths, node counts per type.
-HECO = {
+HECO: dict[str, HecoSpec] = {
     "hin/acm": {"types": {"P": 4019, "A": 7167, "S": 60}, "edges": {"PA": "pa.txt", "PS": "ps.txt"},
                 "metapaths": ["PAP", "PSP"], "features": "p_feat.npz"},
     "hin/aminer": {"types": {"P": 6564, "A": 13329, "R": 35890}, "edges": {"PA": "pa.txt", "PR": "pr.txt"},
@@ -67,10 +78,12 @@ class HIN:
 
     @property
     def num_targets(self) -> int:
+        """How many nodes of the target (labelled) type the graph has."""
         return self.counts[self.target]
 
     @property
     def num_classes(self) -> int:
+        """Number of classes: the largest label + 1 (0 when no node is labelled)."""
         labelled = self.labels[self.labels >= 0]
         return int(labelled.max()) + 1 if labelled.size else 0
 
@@ -109,7 +122,7 @@ def parse_metapath(metapath: str, hin: HIN) -> list[tuple[str, bool]]:
     if metapath[0] != hin.target:
         raise ValueError(f"meta-path {metapath!r} must start at the target type {hin.target!r}")
     hops = []
-    for a, b in zip(metapath, metapath[1:]):
+    for a, b in pairwise(metapath):
         if a + b in hin.relations:
             hops.append((a + b, False))
         elif b + a in hin.relations:
@@ -226,7 +239,8 @@ def save_hin(hin: HIN, path: str | Path) -> Path:
             arrays["features"] = np.asarray(hin.features, dtype=np.float32)
     tmp = path.with_name(path.name + ".tmp.npz")
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(tmp, **arrays)
+    # numpy's stub matches **arrays against its `allow_pickle: bool` too; no key here has that name
+    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]
     tmp.replace(path)
     return path
 
@@ -242,7 +256,8 @@ def load_hin_file(path: str | Path) -> HIN:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
     with z:
         if "format" not in z.files or str(z["format"]) != FORMAT:
-            raise DataError(f"{path}: not an hpcfed HIN file (no format={FORMAT!r}); write it with `hpcfed data import-hin`")
+            raise DataError(f"{path}: not an hpcfed HIN file (no format={FORMAT!r}); "
+                            f"write it with `hpcfed data import-hin`")
         if int(z["format_version"]) > FORMAT_VERSION:
             raise DataError(f"{path}: HIN format version {int(z['format_version'])} is newer than this hpcfed reads")
         counts = {str(t): int(c) for t, c in zip(z["types"], z["counts"])}
@@ -280,7 +295,8 @@ def load_dataset(dataset: str, data_root: str | Path | None = None, **synthetic:
                     f"written by `hpcfed data import-hin`")
 
 
-def stratified_split(labels: np.ndarray, train_fraction: float, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
+def stratified_split(labels: np.ndarray, train_fraction: float, val_fraction: float,
+                     seed: int) -> dict[str, np.ndarray]:
     """Per class: `train_fraction` of the labelled nodes to train, `val_fraction` to val, the rest to test."""
     if not (0 < train_fraction < 1 and 0 <= val_fraction < 1 and train_fraction + val_fraction < 1):
         raise ValueError("train/val fractions must be in (0, 1) and sum to less than 1")
@@ -288,8 +304,8 @@ def stratified_split(labels: np.ndarray, train_fraction: float, val_fraction: fl
     out: dict[str, list[int]] = {"train": [], "val": [], "test": []}
     for c in np.unique(labels[labels >= 0]):
         members = rng.permutation(np.flatnonzero(labels == c))
-        n_tr = max(1, int(round(train_fraction * len(members))))
-        n_va = int(round(val_fraction * len(members)))
+        n_tr = max(1, round(train_fraction * len(members)))
+        n_va = round(val_fraction * len(members))
         out["train"] += members[:n_tr].tolist()
         out["val"] += members[n_tr:n_tr + n_va].tolist()
         out["test"] += members[n_tr + n_va:].tolist()

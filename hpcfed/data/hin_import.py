@@ -204,6 +204,7 @@ def _sorted_labels(values: set[str]) -> list[str]:
 
 
 def import_main(argv: list[str]) -> int:
+    """`hpcfed data import-hin FOLDER --out FILE`: check the CSV tables, write the HIN file; exit status."""
     p = argparse.ArgumentParser(prog="hpcfed data import-hin",
                                 description="Validate a HIN given as CSV tables and write the project's HIN file.")
     p.add_argument("folder", help="folder with nodes_<T>.csv, edges_<XY>.csv, labels.csv [features.csv, splits.csv]")

@@ -24,6 +24,7 @@ MANIFEST = Path(__file__).resolve().parents[2] / "data_manifest.yaml"
 
 
 def load_manifest(path: Path = MANIFEST) -> dict[str, dict[str, Any]]:
+    """The `datasets:` mapping of data_manifest.yaml (name -> entry); DataError if absent or malformed."""
     if not path.is_file():
         raise DataError(f"{path} not found; it ships with the hpcfed source tree")
     data = load_yaml(path.read_text(), str(path)) or {}
@@ -34,6 +35,7 @@ def load_manifest(path: Path = MANIFEST) -> dict[str, dict[str, Any]]:
 
 
 def file_sha256(path: Path) -> str:
+    """SHA-256 hex digest of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -67,11 +69,13 @@ def verify(names: list[str] | None = None, root: Path | None = None) -> dict[str
         if digest == entry["digest"] and count == entry["files"]:
             out[name] = "ok"
         else:
-            out[name] = f"MISMATCH ({count} files, digest {digest[:12]}..., expected {entry['files']} files, {entry['digest'][:12]}...)"
+            out[name] = (f"MISMATCH ({count} files, digest {digest[:12]}..., "
+                         f"expected {entry['files']} files, {entry['digest'][:12]}...)")
     return out
 
 
 def fetch(name: str, root: Path | None = None) -> Path:
+    """Download dataset `name` into the data root (unpacking a tarball); returns its folder."""
     manifest = load_manifest()
     if name not in manifest:
         raise DataError(f"unknown dataset {name!r}; data_manifest.yaml lists: {', '.join(sorted(manifest))}")
@@ -80,7 +84,7 @@ def fetch(name: str, root: Path | None = None) -> Path:
     if not url:
         raise DataError(f"{name} has no direct download; get it from {entry.get('source')} "
                         f"(terms: {entry.get('terms')}) and place it at <data root>/{entry['path']}")
-    folder = (root or data_root()) / entry["path"]
+    folder: Path = (root or data_root()) / entry["path"]
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / Path(url).name
     urllib.request.urlretrieve(url, target)
@@ -91,7 +95,9 @@ def fetch(name: str, root: Path | None = None) -> Path:
 
 
 def verify_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="hpcfed data verify", description="check local datasets against data_manifest.yaml")
+    """`hpcfed data verify [NAMES]`: compare local datasets with the manifest's digests; exit status."""
+    p = argparse.ArgumentParser(prog="hpcfed data verify",
+                                description="check local datasets against data_manifest.yaml")
     p.add_argument("names", nargs="*")
     p.add_argument("--root", default=None, help="data root (default $HPCFED_DATA, else ~/.cache/hpcfed/data)")
     p.add_argument("--allow-missing", action="store_true",
@@ -123,6 +129,7 @@ def _root_origin(explicit: str | None) -> str:
 
 
 def fetch_main(argv: list[str]) -> int:
+    """`hpcfed data fetch NAME`: download a dataset, then verify it; exit status."""
     p = argparse.ArgumentParser(prog="hpcfed data fetch", description="download a dataset into the data root")
     p.add_argument("name")
     p.add_argument("--root", default=None)

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hpcfed.data.messages import Messages
+
+if TYPE_CHECKING:  # scipy is imported where it is used, to keep `import hpcfed.data` light
+    import scipy.sparse
 
 _MENTION = re.compile(r"@(\w+)")
 _HASHTAG = re.compile(r"#(\w+)")
@@ -32,10 +36,12 @@ _NOT_ENTITY = {"rt", "the", "a", "an", "i", "we", "you", "he", "she", "it", "the
 
 
 def extract_mentions(text: str) -> list[str]:
+    """The @names mentioned in `text`, lower-cased, without the @."""
     return [m.lower() for m in _MENTION.findall(text)]
 
 
 def extract_hashtags(text: str) -> list[str]:
+    """The #tags in `text`, lower-cased, without the #."""
     return [h.lower() for h in _HASHTAG.findall(text)]
 
 
@@ -74,7 +80,7 @@ def message_attributes(messages: Messages) -> list[set[str]]:
     return attrs
 
 
-def incidence(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix:  # noqa: F821
+def incidence(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix:
     """Binary (messages × attributes) matrix T = [T_u | T_e | T_h] (namespaces keep them disjoint)."""
     import scipy.sparse as sp
 
@@ -88,7 +94,7 @@ def incidence(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix:  # noq
     return sp.csr_matrix((data, (rows, cols)), shape=(len(attributes), max(len(vocab), 1)))
 
 
-def message_adjacency(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix:  # noqa: F821
+def message_adjacency(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix:
     """A = bool(T Tᵀ) as a sparse bool matrix (n, n), self-loops included (spec 1.1)."""
     t = incidence(attributes)
     a = (t @ t.T).astype(bool).tocsr()
@@ -96,7 +102,7 @@ def message_adjacency(attributes: Sequence[set[str]]) -> scipy.sparse.csr_matrix
     return a
 
 
-def edge_index(adjacency: scipy.sparse.spmatrix) -> np.ndarray:  # noqa: F821
+def edge_index(adjacency: scipy.sparse.spmatrix) -> np.ndarray:
     """(2, E) int64 [source; target] of a sparse adjacency (symmetric here, so direction is moot)."""
     coo = adjacency.tocoo()
     return np.stack([coo.row, coo.col]).astype(np.int64)

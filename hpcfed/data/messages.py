@@ -55,16 +55,19 @@ class LoadReport:
     num_rows: int = 0
     num_kept: int = 0
     skipped: list[str] = field(default_factory=list)
-    reasons: Counter = field(default_factory=Counter)  # field name -> skipped rows
+    reasons: Counter[str] = field(default_factory=Counter)  # field name -> skipped rows
 
     @property
     def num_skipped(self) -> int:
+        """How many rows were skipped."""
         return len(self.skipped)
 
     def summary(self) -> str:
+        """One line: rows kept of rows read, and the skipped rows counted by the field at fault."""
         text = f"{self.source}: kept {self.num_kept} of {self.num_rows} rows"
         if self.skipped:
-            text += f", skipped {self.num_skipped} (" + ", ".join(f"bad {k}: {v}" for k, v in self.reasons.most_common()) + ")"
+            reasons = ", ".join(f"bad {k}: {v}" for k, v in self.reasons.most_common())
+            text += f", skipped {self.num_skipped} ({reasons})"
         return text
 
 
@@ -87,6 +90,7 @@ class Messages:
         return len(self.ids)
 
     def take(self, index: Iterable[int]) -> Messages:
+        """The messages at positions `index`, in that order, as a new Messages."""
         idx = list(index)
         return Messages([self.ids[i] for i in idx], [self.texts[i] for i in idx], self.times[idx],
                         [self.events[i] for i in idx], [self.users[i] for i in idx],
@@ -98,6 +102,7 @@ class Messages:
         return self.take(np.argsort(self.times, kind="stable").tolist())
 
     def to_frame(self) -> Any:
+        """The messages as a pandas DataFrame, one row each (times as datetime64[s])."""
         import pandas as pd
 
         return pd.DataFrame({"id": self.ids, "text": self.texts, "time": self.times.astype("datetime64[s]"),
@@ -388,7 +393,8 @@ def load_arabic(data_root: str | Path | None = None, *, on_error: str = "skip") 
     if table.ndim != 2 or table.shape[1] != 13:
         raise DataError(f"{path}: expected a (n, 13) object array, got shape {table.shape}")
     records = [{"id": row[0], "user": row[1], "text": row[2], "time": row[9], "event": row[4],
-                "mentions": [m.lstrip("@") for m in (row[5] or [])], "hashtags": [h.lstrip("#") for h in (row[6] or [])],
+                "mentions": [m.lstrip("@") for m in (row[5] or [])],
+                "hashtags": [h.lstrip("#") for h in (row[6] or [])],
                 "entities": [str(e) for e in (row[11] or [])]} for row in table]
     return from_records(records, str(path), on_error=on_error, first_row=0)
 
@@ -432,7 +438,8 @@ def load_site(name: str, data_root: str | Path | None = None) -> tuple[Messages,
     if m:
         msgs, report = load_site(m["base"], data_root)
         msgs = event_part(msgs, int(m["part"]), int(m["parts"]))
-        report.source += f" (events part {m['part']}/{m['parts']}: {len(set(msgs.events))} events, {len(msgs)} messages)"
+        report.source += (f" (events part {m['part']}/{m['parts']}: {len(set(msgs.events))} events, "
+                          f"{len(msgs)} messages)")
         return msgs, report
     if name in LOADERS:
         return LOADERS[name](data_root)

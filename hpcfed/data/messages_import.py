@@ -18,6 +18,7 @@ from hpcfed.data.root import DataError
 
 
 def main(argv: list[str]) -> int:
+    """`hpcfed data import-messages INPUT --out FILE`: check messages, write Parquet or JSONL; exit status."""
     p = argparse.ArgumentParser(prog="hpcfed data import-messages",
                                 description="Validate social messages (id, text, time, event, user, mentions, "
                                             "hashtags, entities) and write Parquet or JSONL.")

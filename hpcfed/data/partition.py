@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sp
 
 from hpcfed.data.hin import HIN, metapath_adjacency
 
@@ -44,7 +45,8 @@ class Partition:
 
     @property
     def num_sites(self) -> int:
-        return self.holds.shape[0]
+        """How many sites the partition spreads the target nodes over."""
+        return int(self.holds.shape[0])
 
     @classmethod
     def from_owners(cls, owners: np.ndarray, num_sites: int) -> Partition:
@@ -134,14 +136,16 @@ def assign_owners(hin: HIN, num_sites: int, scheme: str, seed: int, *, attribute
 
 def _attribute_groups(hin: HIN, attribute: str | None) -> np.ndarray:
     if attribute is None:
-        raise ValueError("partition=attribute needs partition_attribute (an attr/NAME of the HIN or a node type letter)")
+        raise ValueError("partition=attribute needs partition_attribute "
+                         "(an attr/NAME of the HIN or a node type letter)")
     if attribute in hin.attributes:
         return np.asarray(hin.attributes[attribute]).astype(str)
     if attribute in hin.counts and attribute != hin.target:
         try:
             edges, tcol = _target_edges(hin, attribute)
         except ValueError:
-            raise ValueError(f"partition attribute {attribute!r}: no relation between {hin.target} and {attribute}") from None
+            raise ValueError(f"partition attribute {attribute!r}: "
+                             f"no relation between {hin.target} and {attribute}") from None
         ocol = 1 - tcol
         first = np.full(hin.num_targets, -1, dtype=np.int64)
         order = np.lexsort((edges[:, ocol], edges[:, tcol]))
@@ -150,7 +154,8 @@ def _attribute_groups(hin: HIN, attribute: str | None) -> np.ndarray:
         first[t[keep]] = o[keep]
         return first.astype(str)
     raise ValueError(f"partition attribute {attribute!r} is neither a node attribute "
-                     f"({', '.join(sorted(hin.attributes)) or 'none'}) nor a node type ({', '.join(sorted(hin.counts))})")
+                     f"({', '.join(sorted(hin.attributes)) or 'none'}) "
+                     f"nor a node type ({', '.join(sorted(hin.counts))})")
 
 
 def site_view(hin: HIN, partition: Partition | np.ndarray, site: int) -> HIN:
@@ -170,8 +175,10 @@ def site_view(hin: HIN, partition: Partition | np.ndarray, site: int) -> HIN:
 
 def _holds(partition: Partition | np.ndarray, site: int) -> np.ndarray:
     if isinstance(partition, Partition):
-        return partition.holds[site]
-    return np.asarray(partition) == site
+        row: np.ndarray = partition.holds[site]
+        return row
+    mask: np.ndarray = np.asarray(partition) == site
+    return mask
 
 
 @dataclass
@@ -185,6 +192,7 @@ class PartitionReport:
     covered: dict[str, int]  # instances held by at least one site
 
     def lines(self) -> list[str]:
+        """The report as printable lines: one per site, then the instances some site holds."""
         out = []
         for s in range(len(self.nodes)):
             kept = ", ".join(f"{mp} {self.instances[mp][s]}/{self.total_instances[mp]} "
@@ -198,9 +206,10 @@ class PartitionReport:
         return out
 
 
-def report(hin: HIN, partition: Partition | np.ndarray, num_sites: int, train: np.ndarray | None = None) -> PartitionReport:
+def report(hin: HIN, partition: Partition | np.ndarray, num_sites: int,
+           train: np.ndarray | None = None) -> PartitionReport:
     """Count what each site keeps; instances = node pairs i != j joined by the meta-path."""
-    def pairs(h: HIN, mp: str):
+    def pairs(h: HIN, mp: str) -> sp.csr_matrix:
         adj = metapath_adjacency(h, mp, self_loops=False)
         adj.setdiag(0)
         adj.eliminate_zeros()

@@ -15,7 +15,8 @@ class DataError(ValueError):
     """A dataset is missing or malformed; the message names the file, row or column."""
 
 
-def data_root(explicit: str | os.PathLike | None = None) -> Path:
+def data_root(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The data root: `explicit`, else $HPCFED_DATA, else ~/.cache/hpcfed/data."""
     if explicit:
         return Path(explicit).expanduser()
     env = os.environ.get("HPCFED_DATA")
@@ -24,7 +25,7 @@ def data_root(explicit: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "hpcfed" / "data"
 
 
-def dataset_dir(name: str, explicit: str | os.PathLike | None = None) -> Path:
+def dataset_dir(name: str, explicit: str | os.PathLike[str] | None = None) -> Path:
     """Folder of dataset `name` (e.g. ``hin/acm``) under the data root, or a DataError saying how to get it."""
     path = data_root(explicit) / name
     if not path.exists():

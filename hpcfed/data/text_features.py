@@ -48,6 +48,7 @@ def temporal_features(times: np.ndarray) -> np.ndarray:
 
 
 def cache_dir() -> Path:
+    """Folder for cached features: $HPCFED_CACHE, else ~/.cache/hpcfed."""
     root = os.environ.get("HPCFED_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "hpcfed"
 
@@ -65,6 +66,7 @@ def resolve_model(name: str) -> str:
 
 
 def feature_key(model: str, texts: Sequence[str], times: np.ndarray) -> str:
+    """A 32-hex-digit key of (model, texts, times): the cache name of features for exactly these inputs."""
     h = hashlib.sha256()
     h.update(f"sbert-v1|{model}|{len(texts)}|".encode())
     for t in texts:
@@ -88,7 +90,8 @@ def encode_texts(texts: Sequence[str], model: str = DEFAULT_TEXT_MODEL, batch_si
 
         dim = int(model.split(":", 1)[1])
         vec = HashingVectorizer(n_features=dim, alternate_sign=False, ngram_range=(1, 2), norm="l2")
-        return vec.transform(list(texts)).toarray().astype(np.float32)
+        features: np.ndarray = vec.transform(list(texts)).toarray().astype(np.float32)
+        return features
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network from a compute node
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer

@@ -39,13 +39,15 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--mappers", default=None, help="folder of mappers (default RUN/mappers)")
         q.add_argument("--compact", action="store_true", help="one-line JSON")
         if name == "live":
-            q.add_argument("--config", default=None, help="YAML whose security: section to use (default: psk from $HPCFED_PSK)")
+            q.add_argument("--config", default=None,
+                           help="YAML whose security: section to use (default: psk from $HPCFED_PSK)")
             q.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any rank")
     t = sub.add_parser("train-mappers", help="fit m_{i->j} for every pair of sites of a method=mapping run")
     t.add_argument("exports")
     t.add_argument("--out", default=None, help="folder for the mappers (default RUN/mappers)")
     t.add_argument("--lr", type=float, default=1e-4,
-                   help="Adam learning rate (paper: 1e-5, which under-fits in 20 epochs; 1e-4 is best on held-out public vectors)")
+                   help="Adam learning rate (paper: 1e-5, which under-fits in 20 epochs; "
+                        "1e-4 is best on held-out public vectors)")
     t.add_argument("--epochs", type=int, default=20)
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--hidden", type=int, default=1200)
@@ -58,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    """`hpcfed search query|live|train-mappers ...`: print the results as JSON; exit status."""
     args = _parser().parse_args(argv)
     if args.action == "train-mappers":
         from hpcfed.models.mapper import MapperConfig

@@ -54,6 +54,8 @@ def map_query(mode: str, home: str, site: str, vectors: np.ndarray,
 
 
 class GlobalSearch:
+    """Search over every site's index at once, merging the sites' top-k lists (offline form)."""
+
     def __init__(self, indexes: Mapping[str, SiteIndex], mode: str = "joint",
                  mappers: Mapping[tuple[str, str], Mapper] | None = None, merge: str = "score") -> None:
         if mode not in MODES:
@@ -68,6 +70,7 @@ class GlobalSearch:
     @classmethod
     def from_folder(cls, folder: str | Path, *, entity: str | None = None, mode: str = "joint",
                     mappers_dir: str | Path | None = None, merge: str = "score") -> GlobalSearch:
+        """A search over the site exports in `folder` (and, for mode=mapping, its mappers)."""
         exports = site_exports(folder)
         indexes = {site: SiteIndex.from_export(path, entity, site=site) for site, path in exports.items()}
         mappers = {}
@@ -80,6 +83,7 @@ class GlobalSearch:
         return cls(indexes, mode, mappers, merge)
 
     def home_of(self, doc_id: str) -> str:
+        """The site whose export holds `doc_id`; ValueError if none does."""
         for site, index in self.indexes.items():
             if doc_id in index.position:
                 return site
@@ -95,5 +99,6 @@ class GlobalSearch:
         return [merge_results([lists[i] for lists in per_site], k, self.merge, home) for i in range(len(vectors))]
 
     def search_id(self, doc_id: str, k: int) -> list[Hit]:
+        """The merged top-k for document `doc_id`, asked from its home site (itself left out)."""
         home = self.home_of(doc_id)
         return self.search(home, self.indexes[home].vector_of(doc_id)[None], k, [doc_id])[0]

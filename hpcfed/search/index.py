@@ -21,9 +21,10 @@ A query that is itself in the corpus is excluded from the results (as gensim ``m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,26 +33,31 @@ from hpcfed.store.embeddings import read_export
 
 @dataclass(frozen=True)
 class Hit:
+    """One search result: the site that returned it, the document id, its score and label (-1 unknown)."""
+
     site: str
     id: str
     score: float
     label: int = -1
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, str | float | int]:
+        """The hit as JSON-ready values (score rounded to 6 decimals)."""
         return {"site": self.site, "id": self.id, "score": round(float(self.score), 6), "label": int(self.label)}
 
 
 def normalize_rows(x: np.ndarray) -> np.ndarray:
+    """`x` as float32 with every row scaled to unit L2 length."""
     x = np.asarray(x, dtype=np.float32)
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
-    return x / np.maximum(norms, 1e-12)  # a zero vector stays zero (cosine 0 with everything)
+    unit: np.ndarray = x / np.maximum(norms, 1e-12)
+    return unit  # a zero vector stays zero (cosine 0 with everything)
 
 
 class SiteIndex:
     """Cosine top-k over one site's vectors (rows L2-normalised once, queries in batches)."""
 
     def __init__(self, site: str, ids: Sequence[str], vectors: np.ndarray, labels: np.ndarray | None = None,
-                 attrs: dict | None = None) -> None:
+                 attrs: Mapping[str, Any] | None = None) -> None:
         if len(ids) != len(vectors):
             raise ValueError(f"site {site}: {len(ids)} ids for {len(vectors)} vectors")
         self.site = str(site)
@@ -64,18 +70,22 @@ class SiteIndex:
 
     @property
     def dim(self) -> int:
+        """Length of this site's vectors."""
         return int(self.raw.shape[1])
 
     @classmethod
     def from_export(cls, path: str | Path, entity: str | None = None, site: str | None = None) -> SiteIndex:
+        """The index over one embedding export (site name from the file unless given)."""
         es = read_export(path, entity)
         return cls(site if site is not None else str(es.attrs.get("site", Path(path).stem)), es.ids, es.vectors,
                    es.labels, es.attrs)
 
     def vector_of(self, doc_id: str) -> np.ndarray:
+        """The raw (not normalised) vector of document `doc_id`; ValueError if this site lacks it."""
         if doc_id not in self.position:
             raise ValueError(f"id {doc_id!r} is not in site {self.site}'s export")
-        return self.raw[self.position[doc_id]]
+        vector: np.ndarray = self.raw[self.position[doc_id]]
+        return vector
 
     def topk(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
              block: int = 1024, standardize: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -115,6 +125,7 @@ class SiteIndex:
 
     def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
              standardize: bool = False) -> list[list[Hit]]:
+        """Per query, the top-k as Hits, best first (excluded documents left out)."""
         idx, scores = self.topk(queries, k, exclude, standardize=standardize)
         return [[Hit(self.site, self.ids[i], float(sc), int(self.labels[i])) for i, sc in zip(ri, rs)
                  if np.isfinite(sc)] for ri, rs in zip(idx, scores)]
@@ -137,7 +148,8 @@ MERGE_HELP = ("score: by cosine over all sites (spec 4.4); interleave: rank by r
               "zscore: by each site's standardized cosine (sites in different vector spaces)")
 
 
-def merge_results(per_site: Sequence[Sequence[Hit]], k: int, how: str = "score", home: str | None = None) -> list[Hit]:
+def merge_results(per_site: Sequence[Sequence[Hit]], k: int, how: str = "score",
+                  home: str | None = None) -> list[Hit]:
     """Merge the sites' lists and keep k.
 
     ``score`` (spec §4.4): score descending, ties by id (then site); ``zscore`` is the same over
@@ -150,7 +162,8 @@ def merge_results(per_site: Sequence[Sequence[Hit]], k: int, how: str = "score",
         return merged[:k]
     if how != "interleave":
         raise ValueError(f"merge={how!r}; choose one of: {', '.join(MERGES)}")
-    lists = sorted((hits for hits in per_site if hits), key=lambda hits: (hits[0].site != home, _site_key(hits[0].site)))
+    lists = sorted((hits for hits in per_site if hits),
+                   key=lambda hits: (hits[0].site != home, _site_key(hits[0].site)))
     out: list[Hit] = []
     for rank in range(max((len(hits) for hits in lists), default=0)):
         out += [hits[rank] for hits in lists if rank < len(hits)]

@@ -32,7 +32,7 @@ def train_mappers(folder: str | Path, out_dir: str | Path | None = None, config:
     exports = site_exports(folder)
     if len(exports) < 2:
         raise ValueError(f"{folder}: mapping needs at least two sites' exports, found {len(exports)}")
-    out = Path(out_dir) if out_dir else (Path(folder) / "mappers" if not Path(folder).name == "embeddings"
+    out = Path(out_dir) if out_dir else (Path(folder) / "mappers" if Path(folder).name != "embeddings"
                                          else Path(folder).parent / "mappers")
     public = {}
     for site, path in exports.items():
@@ -67,7 +67,7 @@ def train_mappers(folder: str | Path, out_dir: str | Path | None = None, config:
 
 def _holdout_mask(n: int, share: float, seed: int) -> np.ndarray:
     held = np.zeros(n, dtype=bool)
-    count = int(round(n * share))
+    count = round(n * share)
     if count and n - count < 1:
         raise ValueError(f"holdout {share} leaves no public document to train on ({n} in common)")
     held[np.random.default_rng(seed).permutation(n)[:count]] = True

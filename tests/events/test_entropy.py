@@ -12,6 +12,7 @@ from hpcfed.strategies.sega import client_similarity, dispatch_weights, similari
 
 
 def graph(k: int, edges: dict[tuple[int, int], float]) -> np.ndarray:
+    """Symmetric (k, k) weight matrix with the given edge weights, zero elsewhere."""
     w = np.zeros((k, k))
     for (i, j), v in edges.items():
         w[i, j] = w[j, i] = v

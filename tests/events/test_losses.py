@@ -64,6 +64,7 @@ def test_glecc_weight_gradient_follows_detach_switch():
 
 
 def toy(lam: float) -> float:
+    """A smooth objective on [0.6, 1] whose maximum is at λ = 0.8."""
     return 0.5 + 0.2 * math.exp(-((lam - 0.8) / 0.08) ** 2)
 
 
@@ -71,17 +72,17 @@ def test_bola_merge_and_toy_optimum():
     assert merge(np.array([2.0], np.float32), np.array([0.0], np.float32), 0.75)[0] == pytest.approx(1.5)
     lam, history = bola(toy, lo=0.6, hi=1.0, n_init=5, n_calls=20, seed=42)
     assert abs(lam - 0.8) < 0.03
-    assert len(history) == 20 and all(0.6 <= l <= 1.0 for l, _ in history)
+    assert len(history) == 20 and all(0.6 <= lam_i <= 1.0 for lam_i, _ in history)
 
 
 def test_bola_alpha_one_calls_nothing():
     calls = []
-    lam, history = bola(lambda l: calls.append(l) or 0.0, lo=1.0, hi=1.0)
+    lam, history = bola(lambda lam_i: calls.append(lam_i) or 0.0, lo=1.0, hi=1.0)
     assert lam == 1.0 and calls == [] and history == []
 
 
 def test_bola_nan_objective_is_guarded():
-    lam, history = bola(lambda l: float("nan"), lo=0.6, hi=1.0, n_init=2, n_calls=3)
+    lam, history = bola(lambda lam_i: float("nan"), lo=0.6, hi=1.0, n_init=2, n_calls=3)
     assert 0.6 <= lam <= 1.0 and all(y == 0.0 for _, y in history)
 
 

@@ -11,6 +11,7 @@ from hpcfed.strategies.base import StrategyContext, Update
 
 
 def run(name: str, vectors: list[np.ndarray], **options) -> np.ndarray:
+    """The model after one round of strategy `name` over `vectors` (one client each)."""
     cls = strategy_class(name)
     logs: list[str] = []
     s = cls(build(cls.Config, options), StrategyContext(num_clients=len(vectors), seed=0, log=logs.append))
@@ -24,7 +25,7 @@ POISON = np.array([100.0, -100.0, 100.0])
 
 
 def test_median_trimmed_krum_resist_one_poisoned_client():
-    vectors = HONEST + [POISON]
+    vectors = [*HONEST, POISON]
     assert run("median", vectors) == pytest.approx([1.0, 2.0, 3.1])
     assert run("trimmed_mean", vectors, trim_ratio=0.2) == pytest.approx([1.0666667, 1.9666667, 3.1])
     krum = run("krum", vectors, num_byzantine=1)
@@ -33,7 +34,7 @@ def test_median_trimmed_krum_resist_one_poisoned_client():
 
 
 def test_non_finite_uploads_are_rejected_and_krum_checks_its_minimum():
-    vectors = HONEST + [np.array([np.nan, 0.0, 0.0])]
+    vectors = [*HONEST, np.array([np.nan, 0.0, 0.0])]
     assert np.isfinite(run("median", vectors)).all()
     with pytest.raises(ValueError, match="at least num_byzantine"):
         run("krum", HONEST[:3], num_byzantine=1)

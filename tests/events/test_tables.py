@@ -71,6 +71,7 @@ def test_sweep_tables_levels_test_sizes_and_paired_gains(tmp_path, capsys):
     # NMI table: site A of DAMe over seeds 0.60, 0.64 -> mean .620, sample sd .028; avg gain over Local
     assert "| 200 | dame (n=2) | 0.620 ± 0.028 | 0.550 ± 0.000 | 0.585 ± 0.014 | +0.030 |" in text
     # paired DAMe − Local: site A +0.10, +0.12; site B −0.05 twice; avg +0.025, +0.035
-    assert "| 1000 | local | +0.110 ± 0.014 (2/2) | -0.050 ± 0.000 (0/2) | +0.030 ± 0.007 (2/2) | +0.025, +0.035 | 1 of 2 |" in text
+    assert ("| 1000 | local | +0.110 ± 0.014 (2/2) | -0.050 ± 0.000 (0/2) | +0.030 ± 0.007 (2/2) "
+            "| +0.025, +0.035 | 1 of 2 |") in text
     assert "| 200 | fedavg | " in text and "2 of 2 |" in text
     assert "-attack-" not in "".join(p.name for p in root.rglob("*"))  # a sweep runs no attacks

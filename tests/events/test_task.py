@@ -19,6 +19,7 @@ SMALL = dict(sites=["synthetic:0", "synthetic:2", "synthetic:4"], text_model="ha
 
 
 def make_task(tmp_path: Path, cid: int = 0, attack: str | None = None, **extra) -> EventsTask:
+    """An EventsTask for client `cid` of four on the small synthetic sites."""
     cfg = build(EventsTask.Config, {**SMALL, **extra}, prefix="task.")
     site = Site(client_id=cid, num_clients=4, seed=0, out_dir=tmp_path, attack=attack)
     return EventsTask(cfg, site)
@@ -69,7 +70,7 @@ def test_glecc_own_model_switch_skips_glecc_only_when_the_server_sends_the_own_m
 def test_attacks_change_uploads_or_labels(tmp_path):
     honest = make_task(tmp_path, cid=3, attack=None, sites=SMALL["sites"] + ["synthetic:0"])
     poisoned = make_task(tmp_path, cid=3, attack="model", sites=SMALL["sites"] + ["synthetic:0"])
-    h, p = ParamLayout.of(honest.get_parameters()), None
+    h = ParamLayout.of(honest.get_parameters())
     a = h.flatten(honest.get_parameters())
     b = h.flatten(poisoned.get_parameters())
     assert not np.allclose(a, b) and np.isfinite(b).all()

@@ -104,7 +104,8 @@ def test_model_is_invariant_to_the_order_of_meta_paths() -> None:
     state = model.state_dict()
     for name in ("ws", "wc"):  # move meta-path 0's weights to slot 1 and back
         for suffix in ("weight", "bias"):
-            state[f"{name}.0.{suffix}"], state[f"{name}.1.{suffix}"] = state[f"{name}.1.{suffix}"], state[f"{name}.0.{suffix}"]
+            a, b = f"{name}.0.{suffix}", f"{name}.1.{suffix}"
+            state[a], state[b] = state[b], state[a]
     swapped.load_state_dict(state)
     e2, delta2 = swapped.embed(inputs[::-1], nodes, None, np.random.default_rng(0), return_attention=True)
     assert torch.allclose(delta2, delta.flip(1), atol=1e-6)

@@ -150,7 +150,8 @@ def test_by_type_partition_holds_the_papers_of_each_sites_authors(tmp_path: Path
     held = sorted(tuple(np.flatnonzero(part.holds[s]).tolist()) for s in range(3))
     assert held == [(0, 1), (1, 2), (3, 4)]  # p1 (alice and bob) is held by two sites
     site_of = {p: int(np.flatnonzero(part.holds[:, p])[0]) for p in (0, 2, 3)}  # alice's, bob's, carol's site
-    assert part.home.tolist() == [site_of[0], site_of[0], site_of[2], site_of[3], site_of[3]]  # p1: first listed = alice
+    # p1's home is its first listed author, alice
+    assert part.home.tolist() == [site_of[0], site_of[0], site_of[2], site_of[3], site_of[3]]
     alice = site_of[0]
     view = site_view(hin, part, alice)
     assert sorted(map(tuple, view.relations["PA"].tolist())) == [(0, 0), (1, 0), (1, 1)]  # p1's full author list

@@ -67,11 +67,12 @@ def test_results_table_gives_mean_and_sd_over_seeds(tmp_path: Path) -> None:
         run = tmp_path / f"{method}{seed}"
         run.mkdir()
         cfg = {"method": method, "seed": seed,
-               "task": {"options": {"dataset": "hin/acm", "split": "frac:0.3", "partition": "by_type", "partition_type": "A"}}}
+               "task": {"options": {"dataset": "hin/acm", "split": "frac:0.3", "partition": "by_type",
+                                    "partition_type": "A"}}}
         (run / "summary.json").write_text(json.dumps({"micro_f1": micro, "macro_f1": 0.5, "config": cfg}))
         dirs.append(run)
     lines = results_table(dirs).splitlines()
     assert lines[2].startswith("| hin/acm | frac:0.3 | by_type A | feddwa | 0,1 | 0.850 ± 0.071 | 0.500 ± 0.000 |")
     assert lines[3].startswith("| hin/acm | frac:0.3 | by_type A | local | 0 | 0.700 | 0.500 |")
-    with pytest.raises(ValueError, match="summary.json does not exist"):
+    with pytest.raises(ValueError, match=r"summary\.json does not exist"):
         results_table([tmp_path / "nope"])

@@ -4,6 +4,7 @@ line, so a test only ever touches the processes it started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -65,10 +66,8 @@ def kill_all(out: Path, proc: subprocess.Popen | None = None) -> None:
     """kill -9 every process of the job at once (the whole job dies, as on a node failure)."""
     pids = job_pids(out)
     for pid in pids.values():
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     if proc is not None:
         try:
             proc.wait(timeout=30)
@@ -78,6 +77,7 @@ def kill_all(out: Path, proc: subprocess.Popen | None = None) -> None:
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.05):
+    """Poll `predicate` until it is truthy and return its value; AssertionError naming `what` on timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -90,6 +90,7 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 
 def checkpoints(out: Path) -> list[str]:
+    """The checkpoint file names in OUT/checkpoints, oldest first (none yet: empty)."""
     try:
         return sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("ckpt-"))
     except FileNotFoundError:
@@ -97,12 +98,11 @@ def checkpoints(out: Path) -> list[str]:
 
 
 def events(out: Path) -> list[dict]:
+    """The records of OUT/metrics.jsonl, skipping lines that are not complete JSON yet."""
     rows = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
     return rows
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -18,15 +19,14 @@ SLOW = ["rounds=8", "checkpoint_every=1", "federation.slowdown={0: 20, 1: 20}"]
 
 
 def _ranks(out, n: int = 3) -> dict[str, int]:
-    return wait_for(lambda: (p := job_pids(out)) and all(f"rank{r}" in p for r in range(n)) and p, 60, "the rank processes")
+    return wait_for(lambda: (p := job_pids(out)) and all(f"rank{r}" in p for r in range(n)) and p, 60,
+                    "the rank processes")
 
 
 def _ended_within(proc, seconds: float) -> float:
     t0 = time.monotonic()
-    try:
+    with contextlib.suppress(Exception):
         proc.wait(timeout=seconds)
-    except Exception:
-        pass
     return time.monotonic() - t0
 
 
@@ -66,10 +66,8 @@ def test_hung_client_ends_sync_job_within_deadline_naming_rank(tmp_path):
         took = _ended_within(proc, deadline + 90)
     finally:
         if "rank2" in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pids["rank2"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         kill_all(out, proc)
     text = output(proc)
     assert took < deadline + 90, f"the job hung {took:.0f} s on a silent client"
@@ -119,7 +117,8 @@ def test_async_federation_continues_without_a_hung_client_when_configured(tmp_pa
     proc = start(out, [], config=str(path))
     pids = {}
     try:
-        wait_for(lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count('"fit_time_s"') >= 2,
+        wait_for(lambda: (out / "metrics.jsonl").exists()
+                 and (out / "metrics.jsonl").read_text().count('"fit_time_s"') >= 2,
                  180, "the first updates", proc)
         pids = _ranks(out)
         os.kill(pids["rank2"], signal.SIGSTOP)
@@ -128,10 +127,8 @@ def test_async_federation_continues_without_a_hung_client_when_configured(tmp_pa
         rc = proc.wait(timeout=60)
     finally:
         for pid in pids.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         kill_all(out, proc)
     text = output(proc)
     assert rc == 0, text[-3000:]

@@ -20,7 +20,8 @@ def test_thousand_crafted_messages_are_all_rejected_and_change_nothing(tmp_path)
         cwd=REPO, capture_output=True, text=True, timeout=400)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    logs = "".join((tmp_path / f).read_text()[-3000:] for f in ("baseline.log", "attacked.log") if (tmp_path / f).exists())
+    logs = "".join((tmp_path / f).read_text()[-3000:] for f in ("baseline.log", "attacked.log")
+                   if (tmp_path / f).exists())
     assert result["sent"] >= 1000, logs
     assert result["accepted"] == 0, result["rejected_by_server"]
     assert result["server_alive"] is True, logs
@@ -58,7 +59,8 @@ def test_two_gib_flood_of_unsolicited_and_oversize_messages_leaves_server_memory
         cwd=REPO, capture_output=True, text=True, timeout=500)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    logs = "".join((tmp_path / f).read_text()[-3000:] for f in ("baseline.log", "attacked.log") if (tmp_path / f).exists())
+    logs = "".join((tmp_path / f).read_text()[-3000:] for f in ("baseline.log", "attacked.log")
+                   if (tmp_path / f).exists())
     by_attack = result["by_attack"]
     assert by_attack["flood_unsolicited_kind"] == 24 and by_attack["flood_declared_8gib"] == 4, by_attack
     assert by_attack["flood_oversize_update"] >= 1, by_attack

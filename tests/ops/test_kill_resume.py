@@ -41,6 +41,7 @@ def _rounds_logged_once(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[dict, dict]:
+    """Final metrics and strategy state of an uninterrupted run, the twin to match."""
     out = tmp_path_factory.mktemp("ref") / "run"
     proc = start(out, COMMON)
     try:

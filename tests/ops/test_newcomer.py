@@ -54,11 +54,13 @@ def test_console_numbers_rounds_like_the_files_and_ends_with_figures_and_where_r
                    if e["name"] == "checkpoint"]
     assert ckpt_rounds == [0, 1]
     done, note, results = lines[-3:]
-    assert done.startswith("done: final test metrics, mean over 2 sites: accuracy=") and "(on each site's test split)" in done
+    assert done.startswith("done: final test metrics, mean over 2 sites: accuracy=")
+    assert "(on each site's test split)" in done
     accuracy = json.loads((finished / "summary.json").read_text())["mean"]["accuracy"]
     assert f"accuracy={accuracy:.4f}" in done
     assert note.startswith("note: val_accuracy is on each site's validation split, label-skewed like its training data")
-    assert results == (f"results: {finished}/summary.json (final metrics per site), {finished}/metrics.jsonl (per round), "
+    assert results == (f"results: {finished}/summary.json (final metrics per site), "
+                       f"{finished}/metrics.jsonl (per round), "
                        f"{finished}/embeddings/ (2 site exports), {finished}/checkpoints/ckpt-000001.h5 (newest "
                        f"checkpoint); plots: hpcfed report {finished}")
 
@@ -68,8 +70,10 @@ def test_rerun_into_a_finished_run_is_refused_and_changes_nothing(finished):
     before = _fingerprint(finished)
     proc = run_cli(["run", QUICKSTART, *SMALL, "--np", "3", "--out", str(finished)], check=False, timeout=120)
     _one_line_error(proc, f"--out {finished} already holds a run (summary.json, metrics.jsonl, checkpoints/, "
-                          f"embeddings/); continue it with --resume, overwrite it with --force, or choose another --out")
-    both = run_cli(["run", QUICKSTART, "--np", "3", "--out", str(finished), "--resume", "--force"], check=False, timeout=120)
+                          f"embeddings/); continue it with --resume, overwrite it with --force, "
+                          f"or choose another --out")
+    both = run_cli(["run", QUICKSTART, "--np", "3", "--out", str(finished), "--resume", "--force"],
+                   check=False, timeout=120)
     _one_line_error(both, "--resume continues the run in --out and --force overwrites it: choose one")
     assert _fingerprint(finished) == before
 
@@ -126,7 +130,8 @@ def test_out_naming_a_file_and_bare_overrides_are_one_line_errors(tmp_path):
     _one_line_error(bare, "override 'rounds' must look like key=value")
     after = run_cli(["run", QUICKSTART, "--np", "3", "rounds", "--out", str(tmp_path / "o")], check=False, timeout=120)
     _one_line_error(after, "override 'rounds' must look like key=value")
-    negative = run_cli(["run", QUICKSTART, "rounds=-3", "--np", "3", "--out", str(tmp_path / "o")], check=False, timeout=120)
+    negative = run_cli(["run", QUICKSTART, "rounds=-3", "--np", "3", "--out", str(tmp_path / "o")],
+                       check=False, timeout=120)
     _one_line_error(negative, "command line (rounds=-3): rounds must be >= 1, got -3")
     tag = run_cli(["run", QUICKSTART, "x=!!python/object/apply:os.system ['touch pwned']", "--np", "3",
                    "--out", str(tmp_path / "o")], check=False, timeout=120)

@@ -95,7 +95,8 @@ def test_report_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         make_report(tmp_path / "nope")
     (tmp_path / "metrics.jsonl").write_text('{"a": 1}\n[1, 2]\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl holds no metric records; first problem: line 1: no metric name"):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl holds no metric records; "
+                                         r"first problem: line 1: no metric name"):
         make_report(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"round": "x", "client": 0, "name": "loss", "value": 1}\n')
     with pytest.raises(ValueError, match="line 1: key 'round' must be a number"):

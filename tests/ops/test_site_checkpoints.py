@@ -32,6 +32,7 @@ def _global(out: Path, name: str = "ckpt-000003.h5") -> bytes:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """An uninterrupted run, and a twin killed before a manifest commit then resumed."""
     base = tmp_path_factory.mktemp("sitecks")
     full, killed = base / "full", base / "killed"
     _run(full)
@@ -55,14 +56,20 @@ def test_kill_between_the_two_phases_loses_only_the_uncommitted_round(runs):
     assert a["clients"] == b["clients"]
 
 
+def _dataset_names(f: h5py.File) -> list[str]:
+    """The paths of every dataset in an open HDF5 file."""
+    names: list[str] = []
+    f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    return names
+
+
 def test_rank0_files_hold_no_site_state_and_sites_prune_in_step(runs):
     out = runs["full"]
     written = [p for p in out.rglob("*.h5") if "sites" not in p.parts and "embeddings" not in p.parts]
     assert written
     for path in written:
-        names: list[str] = []
         with h5py.File(path, "r") as f:
-            f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+            names = _dataset_names(f)
             state_bytes = sum(f[n].nbytes for n in names)
         assert names and all(n.startswith("strategy/") for n in names), (path, names)
         assert not any(part in n for n in names for part in ("opt", "rng", "local", "personal")), names

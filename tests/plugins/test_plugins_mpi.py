@@ -10,12 +10,15 @@ from pathlib import Path
 import h5py
 import pytest
 from conftest import run_cli
-from plugin_source import plugin_root  # noqa: F401 (fixture)
 
 from hpcfed.store import checkpoint as ck
 from hpcfed.store import site_state
 from hpcfed.store.embeddings import read_export
 from hpcfed.store.sealed import FileAuth
+
+# The `plugin_root` / `plugin_path` fixtures: pytest loads them from the helper module by name (a
+# conftest.py here would displace tests/conftest.py, which test modules import as `conftest`).
+pytest_plugins = ["plugin_source"]
 
 pytestmark = pytest.mark.mpi
 
@@ -44,6 +47,7 @@ def _final(out: Path) -> tuple[bytes, bytes, dict]:
 
 @pytest.fixture(scope="module")
 def runs(plugin_root, tmp_path_factory) -> dict[str, Path]:
+    """A plugin federation run through, and its twin halted after round 0 then resumed."""
     base = tmp_path_factory.mktemp("pluginruns")
     config = base / "plugins.yaml"
     config.write_text(CONFIG)

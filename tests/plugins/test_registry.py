@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from plugin_source import plugin_path, plugin_root  # noqa: F401 (fixtures)
 
 from hpcfed.config import ConfigError
 from hpcfed.launcher import prepare_config
 from hpcfed.registry import plugin_names, strategy_class, task_class
 from hpcfed.strategies.base import Strategy
 from hpcfed.tasks.base import Task
+
+# The `plugin_root` / `plugin_path` fixtures: pytest loads them from the helper module by name (a
+# conftest.py here would displace tests/conftest.py, which test modules import as `conftest`).
+pytest_plugins = ["plugin_source"]
 
 
 def _config(tmp_path: Path, text: str) -> str:
@@ -31,7 +34,7 @@ def test_entry_points_from_an_installed_package(plugin_path):
     assert plugin_names("hpcfed.tasks")["blobs"] == "myplug.task:BlobTask"
     assert task_class("blobs").__name__ == "BlobTask"
     assert strategy_class("fedavgm").__name__ == "FedAvgM"
-    with pytest.raises(ValueError, match="entry point 'broken'.*cannot import module 'myplug.nowhere'"):
+    with pytest.raises(ValueError, match=r"entry point 'broken'.*cannot import module 'myplug\.nowhere'"):
         task_class("broken")
 
 
@@ -58,12 +61,13 @@ def test_bad_task_paths_are_one_line_errors(plugin_path, name, message):
 
 
 def test_task_as_strategy_is_refused(plugin_path):
-    with pytest.raises(ValueError, match="not a subclass of hpcfed.strategies.base.Strategy"):
+    with pytest.raises(ValueError, match=r"not a subclass of hpcfed\.strategies\.base\.Strategy"):
         strategy_class("myplug.task:BlobTask")
 
 
 def test_plugin_options_validated_like_builtins(plugin_path, tmp_path):
-    good = _config(tmp_path, "task: {name: 'myplug.task:BlobTask', classes: 3}\nstrategy: {name: fedavgm, momentum: 0.5}\n")
+    good = _config(tmp_path, "task: {name: 'myplug.task:BlobTask', classes: 3}\n"
+                             "strategy: {name: fedavgm, momentum: 0.5}\n")
     cfg = prepare_config(good, [])
     assert cfg.task.options == {"classes": 3}
     cases = [
@@ -90,7 +94,7 @@ def test_module_next_to_the_config_is_found(tmp_path):
     try:
         cfg = prepare_config(path, [])
         assert task_class(cfg.task.name, cfg.source).__name__ == "SyntheticTask"
-        with pytest.raises(ConfigError, match="task.nonsense: unknown key"):
+        with pytest.raises(ConfigError, match=r"task\.nonsense: unknown key"):
             prepare_config(path, ["task.nonsense=1"])
     finally:
         import sys

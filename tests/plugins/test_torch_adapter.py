@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from plugin_source import plugin_path, plugin_root  # noqa: F401 (fixtures)
 
 from hpcfed.config import build
 from hpcfed.registry import task_class
 from hpcfed.store.embeddings import read_export
 from hpcfed.tasks.base import Site
+
+# The `plugin_root` / `plugin_path` fixtures: pytest loads them from the helper module by name (a
+# conftest.py here would displace tests/conftest.py, which test modules import as `conftest`).
+pytest_plugins = ["plugin_source"]
 
 
 def _task(plugin_path, tmp_path, client_id=0, **options):

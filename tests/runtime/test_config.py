@@ -79,7 +79,8 @@ def test_yaml_alias_bomb_is_refused_before_it_is_built(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(BOMB)
     assert path.stat().st_size < 600
-    with pytest.raises(ConfigError, match=r"bomb\.yaml: YAML expands to more than 1,000,000 values through its aliases"):
+    with pytest.raises(ConfigError,
+                       match=r"bomb\.yaml: YAML expands to more than 1,000,000 values through its aliases"):
         load(path)
     with pytest.raises(ConfigError, match=r"command line \(task\.x=.*\): YAML expands to more than"):
         from_mapping({}, ["task.x=" + "{" + BOMB.replace("\n", ", ").rstrip(", ") + "}"])
@@ -103,7 +104,8 @@ def test_nothing_is_expanded_by_data_manifest_either(tmp_path):
 @pytest.mark.parametrize("override, match", [
     ("rounds=-3", r"^command line \(rounds=-3\): rounds must be >= 1, got -3$"),
     ("rounds=0", r"rounds must be >= 1, got 0"),
-    ("federation.quorum=1.5", r"^command line \(federation\.quorum=1\.5\): federation\.quorum must be a fraction in \(0, 1\]"),
+    ("federation.quorum=1.5",
+     r"^command line \(federation\.quorum=1\.5\): federation\.quorum must be a fraction in \(0, 1\]"),
     ("federation.round_deadline_s=0", r"federation\.round_deadline_s must be > 0"),
     ("keep_checkpoints=0", r"keep_checkpoints must be >= 1"),
     ("comm.chunk_bytes=-1", r"comm\.chunk_bytes must be >= 1"),
@@ -150,7 +152,8 @@ def test_resume_compatibility_names_what_differs():
     from hpcfed.config import check_resume_compatible
 
     saved = load(REPO / "configs" / "quickstart.yaml").to_dict()
-    check_resume_compatible(saved, load(REPO / "configs" / "quickstart.yaml", ["rounds=20", "federation.round_deadline_s=5"]))
+    check_resume_compatible(saved, load(REPO / "configs" / "quickstart.yaml",
+                                        ["rounds=20", "federation.round_deadline_s=5"]))
     with pytest.raises(ConfigError, match=r"^--resume: ck\.h5 was written by a different run configuration "
                                           r"\(strategy\.name: 'fedavg' in the checkpoint, 'median' now; "
                                           r"strategy\.weighting: 'num_examples' in the checkpoint, None now\)"):

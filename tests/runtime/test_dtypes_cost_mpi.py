@@ -16,6 +16,7 @@ COMMON = ["rounds=2", "checkpoint_every=0", "eval_every=1", f"task.ballast={BALL
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """summary.json of the same quickstart federation in float32 and in bfloat16."""
     out = {}
     for dtype in ("float32", "bfloat16"):
         d = tmp_path_factory.mktemp(dtype)

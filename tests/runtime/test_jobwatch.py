@@ -146,7 +146,8 @@ def test_writing_to_a_lifeline_ends_nothing(tmp_path):
     with the job."""
     watch = jobwatch.RankWatch(tmp_path, 2)
     env = watch.open_lifelines()
-    ranks = [_fake_rank(tmp_path, 0, env=env), _fake_rank(tmp_path, 1, then="os.write(jobwatch.lifeline_slot(), b'x' * 4096)", env=env)]
+    ranks = [_fake_rank(tmp_path, 0, env=env),
+             _fake_rank(tmp_path, 1, then="os.write(jobwatch.lifeline_slot(), b'x' * 4096)", env=env)]
     try:
         _registered(tmp_path, 2)
         deadline = time.monotonic() + 3

@@ -66,7 +66,8 @@ POST = ("From: bob@x.org\nSubject: Re: Orbit question\nLines: 6\n\n"
 
 @pytest.mark.parametrize("remove, keep_subject, want", [
     ((), False, POST),
-    (("headers",), False, "In article <1@x> ann writes:\n> old text\n| more quoted\nnew text here\n\n-- \nBob, Houston\n"),
+    (("headers",), False, "In article <1@x> ann writes:\n> old text\n| more quoted\n"
+                          "new text here\n\n-- \nBob, Houston\n"),
     (("headers",), True, "Re: Orbit question\nIn article <1@x> ann writes:\n> old text\n| more quoted\n"
                          "new text here\n\n-- \nBob, Houston\n"),
     (("headers", "quotes"), False, "new text here\n\n-- \nBob, Houston\n"),

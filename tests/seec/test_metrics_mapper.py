@@ -74,7 +74,8 @@ def test_train_mappers_reports_held_out_cosine(tmp_path) -> None:
     public = rng.normal(size=(200, 8)).astype(np.float32)
     ids = [f"p{i}" for i in range(200)]
     for site, vectors in ((0, public), (1, public @ r.T)):
-        write_export(export_path(tmp_path, site), vectors.astype(np.float32), ids, entity="public", model="t", site=site)
+        write_export(export_path(tmp_path, site), vectors.astype(np.float32), ids, entity="public", model="t",
+                     site=site)
     cfg = MapperConfig(hidden=64, lr=1e-3, epochs=40)
     report = train_mappers(tmp_path, tmp_path / "mappers", cfg, holdout=0.2)
     for pair in ("0->1", "1->0"):

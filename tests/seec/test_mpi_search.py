@@ -23,6 +23,7 @@ SMALL = ["task.dataset=gensim", "task.max_docs=80", "task.vector_size=16", "task
 
 @pytest.fixture(scope="module")
 def joint_run(tmp_path_factory) -> Path:
+    """A small joint doc2vec federation under mpiexec (3 ranks), run once per module."""
     out = tmp_path_factory.mktemp("seec") / "joint"
     run_cli(["run", "configs/seec_20ng_joint.yaml", *SMALL, "--np", "3", "--out", str(out)], timeout=240)
     return out

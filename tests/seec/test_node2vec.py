@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 
@@ -17,7 +19,7 @@ def test_walks_follow_edges() -> None:
     edges = {tuple(e) for e in g.edges} | {tuple(e[::-1]) for e in g.edges}
     for w in walks:
         w = w[w >= 0]
-        assert all((int(a), int(b)) in edges for a, b in zip(w[:-1], w[1:]))
+        assert all((int(a), int(b)) in edges for a, b in pairwise(w))
 
 
 def test_small_q_walks_outward_and_isolated_nodes_stop() -> None:

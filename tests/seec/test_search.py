@@ -109,9 +109,11 @@ def test_search_cli_offline_json(tmp_path: Path) -> None:
 def test_eval_tool_scores_a_federation_against_the_central_run(tmp_path: Path) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("seec_eval", Path(__file__).resolve().parents[2] / "tools" / "seec_eval.py")
+    spec = importlib.util.spec_from_file_location("seec_eval",
+                                                  Path(__file__).resolve().parents[2] / "tools" / "seec_eval.py")
+    assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)  # type: ignore[union-attr]
+    spec.loader.exec_module(tool)
     rng = np.random.default_rng(0)
     vectors = rng.normal(size=(40, 5)).astype(np.float32)
     ids = [f"d{i}" for i in range(40)]
@@ -132,6 +134,7 @@ def test_eval_tool_scores_a_federation_against_the_central_run(tmp_path: Path) -
     assert 0.0 < inter["sim_10"] < 1.0 and inter["cross_site_sim_10"] == 1.0
     summary = json.loads((tmp_path / "fed" / "summary.json").read_text())
     assert summary["sim_10"] == 1.0 and summary["sim_10_joint_interleave"] == inter["sim_10"]
-    write_export(export_path(tmp_path / "fed", 1), -vectors[25:], ids[25:], labels[25:], entity="doc", model="t", site=1)
+    write_export(export_path(tmp_path / "fed", 1), -vectors[25:], ids[25:], labels[25:], entity="doc", model="t",
+                 site=1)
     flipped = tool.score(tmp_path / "central", tmp_path / "fed", mode="joint", k=10)
     assert flipped["sim_10"] < 1.0 and flipped["cross_site_sim_10"] < 1.0
