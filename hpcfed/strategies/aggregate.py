@@ -137,19 +137,3 @@ def krum(vectors: Sequence[np.ndarray] | np.ndarray, num_byzantine: int, multi: 
     chosen = np.argsort(scores, kind="stable")[: max(1, multi)]
     return x[chosen].mean(axis=0, dtype=np.float64).astype(np.float32)
 
-
-ROBUST_RULES = ("mean", "median", "trimmed_mean", "krum")
-
-
-def robust_aggregate(vectors: Sequence[np.ndarray], weights: Sequence[float] | None, rule: str,
-                     trim_ratio: float = 0.1, num_byzantine: int = 1) -> np.ndarray:
-    """Dispatch on a rule name from the config (`ROBUST_RULES`)."""
-    if rule == "mean":
-        return weighted_mean(vectors, weights)
-    if rule == "median":
-        return coordinate_median(vectors)
-    if rule == "trimmed_mean":
-        return trimmed_mean(vectors, trim_ratio)
-    if rule == "krum":
-        return krum(vectors, num_byzantine)
-    raise ValueError(f"unknown aggregation rule {rule!r}; choose one of: {', '.join(ROBUST_RULES)}")

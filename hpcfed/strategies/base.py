@@ -1,17 +1,23 @@
-"""The `Strategy` protocol: how the server turns client updates into models to dispatch.
+"""The strategy bases: how the server turns client updates into models to dispatch.
 
 A strategy is a small stateful object on rank 0. The math lives in `hpcfed.strategies.aggregate`
 (pure functions over flat float32 vectors); a strategy file holds only its state and its rule.
 
-Synchronous strategies implement `aggregate(round, updates)`; asynchronous ones set
-``synchronous = False`` and implement `on_update(update) -> client ids to answer`. Either way
-`model_for(client_id)` says what a client receives, so personalised dispatch (SEGA, Local-only)
-is a strategy decision, not a runtime one.
+A strategy subclasses exactly one of two bases, and that choice is the federation's mode (the run
+config derives ``federation.mode`` from it, `hpcfed.registry.resolve`):
+
+- `SyncStrategy` (``synchronous = True``): implements `aggregate(round, updates)`; the server runs
+  rounds;
+- `AsyncStrategy` (``synchronous = False``): implements `on_update(update) -> client ids to answer`;
+  the server folds each upload as it comes.
+
+Either way `model_for(client_id)` says what a client receives, so personalised dispatch (SEGA,
+Local-only) is a strategy decision, not a runtime one.
 """
 
 from __future__ import annotations
 
-from abc import ABC
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -45,10 +51,12 @@ class StrategyContext:
 
 
 class Strategy(ABC):
-    """Server-side aggregation rule. Subclasses define a nested keyword-only ``Config`` dataclass."""
+    """What every server-side rule shares. Subclass `SyncStrategy` or `AsyncStrategy`, never this
+    directly; define a nested keyword-only ``Config`` dataclass."""
 
     name: ClassVar[str] = ""
-    synchronous: ClassVar[bool] = True
+    # Set by the base a strategy subclasses, never by the strategy: the run's mode follows from it.
+    synchronous: ClassVar[bool]
     # Does one site's upload reach another site's model? Then the server bounds its influence
     # (`hpcfed.server.influence`); a strategy that keeps every site to itself says False.
     shares_updates: ClassVar[bool] = True
@@ -58,6 +66,8 @@ class Strategy(ABC):
         pass
 
     def __init__(self, config: Any, context: StrategyContext) -> None:
+        if not isinstance(self, (SyncStrategy, AsyncStrategy)):
+            raise TypeError(neither_base(type(self)))
         self.config = config
         self.context = context
         self.layout: ParamLayout | None = None
@@ -78,34 +88,6 @@ class Strategy(ABC):
         """Flat model a client evaluates and exports at the end (default: what `model_for` gives)."""
         return self.model_for(client_id)
 
-    # -- synchronous --------------------------------------------------------------------------
-    # The server calls begin_round, then fold(update) for each update as it arrives, then end_round.
-    # By default fold keeps the update and end_round hands them all to `aggregate` (strategies that
-    # need every update at once: median, trimmed mean, Krum, SEGA: rank 0 holds K models). A
-    # streaming strategy (FedAvg's mean) overrides the three, folds each update into an accumulator
-    # and sets ``update.flat = None``, so rank 0 holds one update at a time whatever K is.
-    def begin_round(self, round: int) -> None:
-        """A synchronous round starts; no update has arrived yet."""
-        self._held: list[Update] = []
-
-    def fold(self, update: Update) -> None:
-        """Take one validated update as it arrives (default: keep it for `end_round`)."""
-        self._held.append(update)
-
-    def end_round(self, round: int) -> None:
-        """Every update of the round that will come has come: aggregate them."""
-        held, self._held = sorted(self._held, key=lambda u: u.client_id), []
-        self.aggregate(round, held)
-
-    def aggregate(self, round: int, updates: list[Update]) -> None:
-        """Fold one round's updates (sorted by client id) into the state."""
-        raise NotImplementedError(f"strategy {self.name!r} is asynchronous; use federation.mode=async")
-
-    # -- asynchronous -------------------------------------------------------------------------
-    def on_update(self, update: Update) -> list[int]:
-        """Fold one upload into the state; return the client ids to send `model_for` to now."""
-        raise NotImplementedError(f"strategy {self.name!r} is synchronous; use federation.mode=sync")
-
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """JSON-able scalars + named arrays that restore this strategy exactly."""
@@ -120,3 +102,68 @@ class Strategy(ABC):
     def metrics(self) -> dict[str, float]:
         """Extra numbers to log after an aggregation (e.g. number of SEGA clusters)."""
         return {}
+
+
+def neither_base(cls: type) -> str:
+    """The one-line refusal of a strategy class that subclasses neither base."""
+    return (f"strategy class {cls.__module__}.{cls.__qualname__} subclasses Strategy but neither SyncStrategy "
+            f"nor AsyncStrategy; subclass hpcfed.strategies.base.SyncStrategy (implement aggregate) or "
+            f"AsyncStrategy (implement on_update): the base decides the federation's mode")
+
+
+class SyncStrategy(Strategy):
+    """A rule for synchronous rounds: the server collects a round's updates, then `aggregate` folds them.
+
+    The server calls begin_round, then fold(update) for each update as it arrives, then end_round.
+    By default fold keeps the update and end_round hands them all to `aggregate` (strategies that
+    need every update at once: median, trimmed mean, Krum, SEGA: rank 0 holds K models). A
+    streaming strategy (FedAvg's mean) overrides the three, folds each update into an accumulator
+    and sets ``update.flat = None``, so rank 0 holds one update at a time whatever K is.
+    """
+
+    synchronous: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_mode(cls, SyncStrategy)
+
+    def begin_round(self, round: int) -> None:
+        """A synchronous round starts; no update has arrived yet."""
+        self._held: list[Update] = []
+
+    def fold(self, update: Update) -> None:
+        """Take one validated update as it arrives (default: keep it for `end_round`)."""
+        self._held.append(update)
+
+    def end_round(self, round: int) -> None:
+        """Every update of the round that will come has come: aggregate them."""
+        held, self._held = sorted(self._held, key=lambda u: u.client_id), []
+        self.aggregate(round, held)
+
+    @abstractmethod
+    def aggregate(self, round: int, updates: list[Update]) -> None:
+        """Fold one round's updates (sorted by client id) into the state."""
+
+
+class AsyncStrategy(Strategy):
+    """A rule for an asynchronous federation: each upload is folded as it comes (`on_update`)."""
+
+    synchronous: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_mode(cls, AsyncStrategy)
+
+    @abstractmethod
+    def on_update(self, update: Update) -> list[int]:
+        """Fold one upload into the state; return the client ids to send `model_for` to now."""
+
+
+def _check_mode(cls: type[Strategy], base: type[Strategy]) -> None:
+    """A strategy is one of the two kinds, and its `synchronous` is its base's."""
+    if issubclass(cls, SyncStrategy) and issubclass(cls, AsyncStrategy):
+        raise TypeError(f"strategy class {cls.__qualname__} subclasses both SyncStrategy and AsyncStrategy; "
+                        f"choose one (the base decides the federation's mode)")
+    if cls.synchronous is not base.synchronous:
+        raise TypeError(f"strategy class {cls.__qualname__} sets synchronous = {cls.synchronous!r} but subclasses "
+                        f"{base.__name__}; remove the line (the base sets it) or subclass the other base")

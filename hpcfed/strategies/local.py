@@ -13,12 +13,11 @@ from typing import Any
 import numpy as np
 
 from hpcfed.params import Params
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.base import SyncStrategy, Update
 
 
-class Local(Strategy):
+class Local(SyncStrategy):
     name = "local"
-    synchronous = True
     shares_updates = False  # a site's upload is its own next model: nothing to bound
 
     def initialize(self, initial: Params) -> None:

@@ -10,7 +10,7 @@ Each round the server
        sim_mode="node_mean" (reference code, default): sim(u,v) = (1/N) Σ_n cos(H_u[n], H_v[n])
        sim_mode="pooled"    (paper eq. 9):            sim(u,v) = cos(mean_n H_u[n], mean_n H_v[n])
 
-3. partitions it by greedy 2DSE minimisation (`hpcfed.server.entropy`, eq. 10–11);
+3. partitions it by greedy 2DSE minimisation (`hpcfed.strategies.entropy`, eq. 10–11);
 4. gives each client u in cluster C the softmax-weighted model (eq. 12–13)::
 
        s_uv = 1 if v == u else max(sim(u,v), 0),   α_uv = exp(s_uv) / Σ_{v'∈C} exp(s_uv'),
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from hpcfed.params import Params
-from hpcfed.server.entropy import minimize_2dse
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.entropy import minimize_2dse
+from hpcfed.strategies.base import SyncStrategy, Update
 
 
 def client_similarity(outputs: Sequence[np.ndarray], mode: str = "node_mean") -> np.ndarray:
@@ -95,9 +95,8 @@ def erdos_renyi(num_nodes: int, edge_prob: float, seed: int) -> np.ndarray:
     return np.stack([np.concatenate([src, dst]), np.concatenate([dst, src])]).astype(np.int64)
 
 
-class Sega(Strategy):
+class Sega(SyncStrategy):
     name = "sega"
-    synchronous = True
 
     @dataclass(kw_only=True)
     class Config:
