@@ -57,7 +57,9 @@ def _positive(obj: Any, *names: str) -> None:
 class FederationConfig:
     """How the server drives clients."""
 
-    mode: Literal["sync", "async"] = "sync"
+    # Not a setting: the strategy's base decides it (`Config.mode`). `hpcfed.registry.resolve` fills
+    # it in; a config that still gives it must agree with the strategy, or is refused with the fix.
+    mode: Literal["sync", "async"] | None = None
     num_clients: int | None = None  # default: MPI world size - 1; must match it when given
     quorum: float = 1.0  # fraction of clients whose update closes a sync round
     round_deadline_s: float = 600.0  # a sync round closes at the deadline if the quorum is met
@@ -173,6 +175,14 @@ class Config:
     def validate(self) -> None:
         _at_least(self, 1, "rounds", "keep_checkpoints", "threads_per_rank")
         _at_least(self, 0, "eval_every", "checkpoint_every", "halt_after_round")
+
+    @property
+    def mode(self) -> Literal["sync", "async"]:
+        """"sync" or "async": what the strategy is (`SyncStrategy`/`AsyncStrategy`), once resolved."""
+        if self.federation.mode is None:
+            raise ConfigError("the run's mode is not known until its strategy is looked up: "
+                              "pass the config through hpcfed.registry.resolve first")
+        return self.federation.mode
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)
@@ -479,7 +489,8 @@ def to_plain(obj: Any) -> Any:
 # What a checkpoint's state depends on: resuming it under a config that changes any of these would
 # load state of another shape or meaning (e.g. FedAvg's checkpoint into FedDWA). Everything else --
 # rounds, timeouts, checkpointing, security, comm, device -- may change between attempts.
-RESUME_MUST_MATCH = ("seed", "method", "federation.mode", "strategy", "task")
+# (The mode follows from the strategy, so "strategy" covers it.)
+RESUME_MUST_MATCH = ("seed", "method", "strategy", "task")
 
 
 def check_resume_compatible(saved: Mapping[str, Any], current: Config, where: str = "the checkpoint") -> None:

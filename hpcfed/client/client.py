@@ -77,7 +77,7 @@ class Client:
                 if msg is None:
                     continue
                 self._train_and_upload(msg)
-                self._awaiting_answer = self.cfg.federation.mode == "async"
+                self._awaiting_answer = self.cfg.mode == "async"
         except _Stopped:
             return
 
@@ -123,7 +123,7 @@ class Client:
             self._straggle((self.slowdown - 1.0) * (time.monotonic() - t0))
         metrics = dict(result.metrics)
         metrics["fit_time_s"] = time.monotonic() - t0
-        if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.federation.mode == "sync":
+        if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.mode == "sync":
             metrics.update(self.task.evaluate(rnd))
         self.client_version += 1
         params, num_examples, copies = self.task.get_parameters(), int(result.num_examples), 1

@@ -66,8 +66,9 @@ class Strategy(ABC):
         pass
 
     def __init__(self, config: Any, context: StrategyContext) -> None:
-        if not isinstance(self, (SyncStrategy, AsyncStrategy)):
-            raise TypeError(neither_base(type(self)))
+        problem = kind_problem(type(self))
+        if problem:
+            raise TypeError(problem)
         self.config = config
         self.context = context
         self.layout: ParamLayout | None = None
@@ -104,11 +105,23 @@ class Strategy(ABC):
         return {}
 
 
-def neither_base(cls: type) -> str:
-    """The one-line refusal of a strategy class that subclasses neither base."""
-    return (f"strategy class {cls.__module__}.{cls.__qualname__} subclasses Strategy but neither SyncStrategy "
-            f"nor AsyncStrategy; subclass hpcfed.strategies.base.SyncStrategy (implement aggregate) or "
-            f"AsyncStrategy (implement on_update): the base decides the federation's mode")
+def kind_problem(cls: type) -> str | None:
+    """Why strategy class `cls` is neither plainly a `SyncStrategy` nor an `AsyncStrategy` (one
+    line naming the fix), or None. The registry refuses such a class at lookup, `Strategy` when built."""
+    mro = getattr(cls, "__mro__", ())
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if SyncStrategy in mro and AsyncStrategy in mro:
+        return (f"strategy class {name} subclasses both SyncStrategy and AsyncStrategy; choose one "
+                f"(the base decides the federation's mode)")
+    if SyncStrategy not in mro and AsyncStrategy not in mro:
+        return (f"strategy class {name} subclasses Strategy but neither SyncStrategy nor AsyncStrategy; "
+                f"subclass hpcfed.strategies.base.SyncStrategy (implement aggregate) or AsyncStrategy "
+                f"(implement on_update): the base decides the federation's mode")
+    base = SyncStrategy if SyncStrategy in mro else AsyncStrategy
+    if getattr(cls, "synchronous", None) is not base.synchronous:
+        return (f"strategy class {name} sets synchronous = {getattr(cls, 'synchronous', None)!r} but subclasses "
+                f"{base.__name__}; remove the line (the base sets it) or subclass the other base")
+    return None
 
 
 class SyncStrategy(Strategy):
@@ -122,10 +135,6 @@ class SyncStrategy(Strategy):
     """
 
     synchronous: ClassVar[bool] = True
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        _check_mode(cls, SyncStrategy)
 
     def begin_round(self, round: int) -> None:
         """A synchronous round starts; no update has arrived yet."""
@@ -150,20 +159,7 @@ class AsyncStrategy(Strategy):
 
     synchronous: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        _check_mode(cls, AsyncStrategy)
-
     @abstractmethod
     def on_update(self, update: Update) -> list[int]:
         """Fold one upload into the state; return the client ids to send `model_for` to now."""
 
-
-def _check_mode(cls: type[Strategy], base: type[Strategy]) -> None:
-    """A strategy is one of the two kinds, and its `synchronous` is its base's."""
-    if issubclass(cls, SyncStrategy) and issubclass(cls, AsyncStrategy):
-        raise TypeError(f"strategy class {cls.__qualname__} subclasses both SyncStrategy and AsyncStrategy; "
-                        f"choose one (the base decides the federation's mode)")
-    if cls.synchronous is not base.synchronous:
-        raise TypeError(f"strategy class {cls.__qualname__} sets synchronous = {cls.synchronous!r} but subclasses "
-                        f"{base.__name__}; remove the line (the base sets it) or subclass the other base")

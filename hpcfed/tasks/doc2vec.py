@@ -23,6 +23,7 @@ ids, labels; entity ``public``: inferred public-corpus vectors in mapping mode) 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -32,12 +33,20 @@ import numpy as np
 from hpcfed.models import doc2vec as g
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
-from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 
-METHODS = ("joint", "centralized", "mapping", "nomapping")
+
+def gensim_method(method: str) -> MethodPreset:
+    """method=joint|centralized|mapping|nomapping -> task.mode, FedAvg with an unweighted mean (§4.2)."""
+    return MethodPreset(strategy="fedavg", strategy_defaults={"weighting": "uniform"}, task_options={"mode": method},
+                        num_clients=1 if method == "centralized" else None)
+
+
 # Independent training shares no arrays, but the runtime's protocol carries a model every round:
 # the sites exchange this one constant instead (FedAvg of a constant is that constant).
 INDEPENDENT_PLACEHOLDER = "independent_training_shares_nothing"
+
+
 
 
 def model_path(out_dir: str | Path, client_id: int) -> Path:
@@ -216,6 +225,7 @@ class GensimJointTask(Task):
 
 class Doc2VecTask(GensimJointTask):
     name = "doc2vec"
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {method: gensim_method(method) for method in ("joint", "centralized", "mapping", "nomapping")}
     kind = "doc2vec"
     entity = "doc"
 
@@ -320,12 +330,6 @@ class Doc2VecTask(GensimJointTask):
             counts.update(d.words)
         return counts
 
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r} for task doc2vec; choose one of: {', '.join(METHODS)}")
-        apply_gensim_method(method, run_config)
-
     # the inferred vectors belong to one model: any change of the model drops them
     def set_parameters(self, params: Params) -> None:
         self._inferred = None
@@ -380,12 +384,3 @@ class Doc2VecTask(GensimJointTask):
         g.save_model(model_path(out_dir, cid), self.model, self.settings, site=cid)
         return path
 
-
-def apply_gensim_method(method: str, run_config: Any) -> None:
-    """method=joint|centralized|mapping|nomapping -> task.mode, FedAvg with an unweighted mean (§4.2)."""
-    run_config.task.options["mode"] = method
-    if run_config.strategy.name != "fedavg":
-        run_config.strategy.name, run_config.strategy.options = "fedavg", {}
-    run_config.strategy.options.setdefault("weighting", "uniform")
-    if method == "centralized":
-        run_config.federation.num_clients = 1

@@ -14,7 +14,7 @@ Evaluation (spec 1.7): embed a split, k-means with k = number of distinct events
 (``random_state=0, n_init=10``), report NMI, AMI (arithmetic) and ARI. ``evaluate(final=True)`` first
 applies one last BOLA merge of the received final model (spec 1.6 [RECON]) and scores the test split.
 
-Baselines through the same task (`apply_method`): Local, FedAvg, FedProx (client-side proximal term
+Baselines through the same task (``method=``, `EventsTask.METHODS`): Local, FedAvg, FedProx (client-side proximal term
 ``μ/2·||θ − θ^g||²``), Ditto (a personal model trained with ``λ/2·||v − θ^g||²`` beside the shared one,
 which is what is uploaded), and the ablations without BOLA, SEGA or GLECC. Attacks on the last client
 (`Site.attack`): ``model`` uploads scaled or random parameters, ``data`` trains on randomly relabelled
@@ -24,19 +24,27 @@ messages (a cyclic relabelling would be a no-op for a clustering loss).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks import torch_state
-from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 
 log = logging.getLogger("hpcfed.tasks.events")
 
-METHODS = ("dame", "local", "fedavg", "fedprox", "ditto", "dame-no-bola", "dame-no-sega", "dame-no-glecc")
+
+def _method(strategy: str, *, bola: bool = False, glecc: bool = False, ditto: bool = False,
+            prox: bool = False) -> MethodPreset:
+    """A row of `METHODS`: the switches it sets; FedProx keeps a configured prox_mu (default 0.01)."""
+    if prox:
+        return MethodPreset(strategy=strategy, task_options={"bola": bola, "glecc": glecc, "ditto": ditto},
+                            task_defaults={"prox_mu": 0.01})
+    return MethodPreset(strategy=strategy, task_options={"bola": bola, "glecc": glecc, "prox_mu": 0.0, "ditto": ditto})
 
 
 def kmeans_metrics(embeddings: np.ndarray, labels: np.ndarray, seed: int = 0) -> dict[str, float]:
@@ -69,6 +77,16 @@ def _site_key(name: str, attacker_id: int | None = None) -> int:
 
 class EventsTask(Task):
     name = "events"
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {
+        "dame": _method("sega", bola=True, glecc=True),
+        "local": _method("local"),
+        "fedavg": _method("fedavg"),
+        "fedprox": _method("fedavg", prox=True),
+        "ditto": _method("fedavg", ditto=True),
+        "dame-no-bola": _method("sega", glecc=True),
+        "dame-no-sega": _method("fedavg", bola=True, glecc=True),
+        "dame-no-glecc": _method("sega", bola=True),
+    }
 
     @dataclass(kw_only=True)
     class Config:
@@ -245,23 +263,6 @@ class EventsTask(Task):
                 model.eval()
                 outs.append(model(xs, ei_t)[: len(seeds)].numpy().astype(np.float64))
         return outs
-
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        from hpcfed.config import ComponentConfig
-
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-        strategy = {"dame": "sega", "dame-no-bola": "sega", "dame-no-glecc": "sega", "dame-no-sega": "fedavg",
-                    "local": "local", "fedavg": "fedavg", "fedprox": "fedavg", "ditto": "fedavg"}[method]
-        if run_config.strategy.name != strategy:
-            # the configured strategy's options belong to it; the method's strategy starts from defaults
-            run_config.strategy = ComponentConfig(name=strategy, options={})
-        opts = run_config.task.options
-        opts["bola"] = method in ("dame", "dame-no-sega", "dame-no-glecc")
-        opts["glecc"] = method in ("dame", "dame-no-sega", "dame-no-bola")
-        opts["prox_mu"] = float(opts.get("prox_mu") or 0.01) if method == "fedprox" else 0.0
-        opts["ditto"] = method == "ditto"
 
     # ------------------------------------------------------------------------------------------
     # parameters

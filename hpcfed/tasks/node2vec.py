@@ -13,23 +13,23 @@ Methods: ``joint`` (default) and ``centralized`` (one site, the whole graph; run
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from hpcfed.models import doc2vec as g
 from hpcfed.models.node2vec import walk_corpus
 from hpcfed.store.embeddings import export_path, write_export
-from hpcfed.tasks.base import Site
-from hpcfed.tasks.doc2vec import GensimJointTask, _rng_seed, apply_gensim_method, model_path, validate_shared
-
-METHODS = ("joint", "centralized")
+from hpcfed.tasks.base import MethodPreset, Site
+from hpcfed.tasks.doc2vec import GensimJointTask, _rng_seed, gensim_method, model_path, validate_shared
 
 
 class Node2VecTask(GensimJointTask):
     name = "node2vec"
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {method: gensim_method(method) for method in ("joint", "centralized")}
     kind = "word2vec"
     entity = "node"
 
@@ -96,12 +96,6 @@ class Node2VecTask(GensimJointTask):
         for walk in self.corpus:
             counts.update(walk)
         return counts
-
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r} for task node2vec; choose one of: {', '.join(METHODS)}")
-        apply_gensim_method(method, run_config)
 
     # -- evaluation and export ---------------------------------------------------------------------
     def node_vectors(self) -> tuple[list[str], np.ndarray, np.ndarray]:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
+from hpcfed.config import ConfigError, from_mapping
 from hpcfed.data.cora import load_cora, planted_graph, split_graph
 from hpcfed.models.node2vec import biased_walks, csr
+from hpcfed.registry import resolve
 from hpcfed.tasks.base import Site
 from hpcfed.tasks.node2vec import Node2VecTask
 
@@ -17,7 +21,7 @@ def test_walks_follow_edges() -> None:
     edges = {tuple(e) for e in g.edges} | {tuple(e[::-1]) for e in g.edges}
     for w in walks:
         w = w[w >= 0]
-        assert all((int(a), int(b)) in edges for a, b in zip(w[:-1], w[1:]))
+        assert all((int(a), int(b)) in edges for a, b in itertools.pairwise(w))
 
 
 def test_small_q_walks_outward_and_isolated_nodes_stop() -> None:
@@ -68,8 +72,8 @@ def test_node2vec_task_joint_round(retain: bool) -> None:
 
 
 def test_unknown_method_is_rejected() -> None:
-    with pytest.raises(ValueError, match="joint, centralized"):
-        Node2VecTask.apply_method("mapping", None)
+    with pytest.raises(ConfigError, match="joint, centralized"):
+        resolve(from_mapping({"task": {"name": "node2vec"}, "method": "mapping"}))
 
 
 @pytest.mark.realdata
