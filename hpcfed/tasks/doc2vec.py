@@ -85,6 +85,26 @@ def bundle_counts(tensors: dict[str, np.ndarray], where: str) -> dict[str, int]:
     return g.decode_counts(words, tensors["counts"], where)
 
 
+@dataclass(kw_only=True)
+class GensimJointOptions(g.GensimSettings):
+    """The options every gensim joint task has: the model's `GensimSettings` (declared there, once)
+    and the federation's schedule. The task's class decides the model's kind, and skip-gram is
+    fixed, so neither is an option; a task hides the other settings it fixes the same way."""
+
+    kind: str = field(default="doc2vec", init=False)  # GensimJointTask.kind
+    sg: int = field(default=1, init=False)
+    local_epochs: int = 1
+    total_epochs: int = 40  # the decay spans all rounds: set rounds = total_epochs / local_epochs
+    rounds_per_epoch: int = 1  # > 1: a round trains 1/n of the corpus (local_epochs must be 1)
+    federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
+    # mean: FedAvg of the arrays (spec §4.2); sum: the server's mean becomes the sum of the sites'
+    # updates (FedAvg with server learning rate K; needs strategy.weighting=uniform), see scale_update
+    update: Literal["mean", "sum"] = "mean"
+    vocab_merge: Literal["sum", "reference_compat"] = "sum"
+    model_seed: int = 0
+    eval_k: int = 10
+
+
 def validate_shared(config: Any, *, positive: tuple[str, ...] = ()) -> None:
     """The checks of the options every gensim joint task has (plus its own `positive` ints)."""
     for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "rounds_per_epoch", *positive):
@@ -118,7 +138,12 @@ class GensimJointTask(Task):
 
     # -- subclass hooks -------------------------------------------------------------------------
     def _settings(self) -> g.GensimSettings:
-        raise NotImplementedError
+        return self.settings_of(self.config)
+
+    @classmethod
+    def settings_of(cls, config: GensimJointOptions) -> g.GensimSettings:
+        """The model's settings in a task config (this task's kind of model)."""
+        return config.model_settings(cls.kind)
 
     def _mode(self) -> str:
         return getattr(self.config, "mode", "joint")
@@ -146,10 +171,6 @@ class GensimJointTask(Task):
         init = g.initial_arrays(vocab, settings, seed=config.model_seed)
         params = {name: init[name] for name in config.federated_arrays}
         return {cid: ({"vocab_size": len(vocab)}, reply) for cid in payloads}, params
-
-    @classmethod
-    def settings_of(cls, config: Any) -> g.GensimSettings:
-        raise NotImplementedError
 
     def on_setup(self, reply: Bundle) -> None:
         if self.independent:
@@ -230,7 +251,7 @@ class Doc2VecTask(GensimJointTask):
     entity = "doc"
 
     @dataclass(kw_only=True)
-    class Config:
+    class Config(GensimJointOptions):
         mode: Literal["joint", "centralized", "mapping", "nomapping"] = "joint"
         dataset: Literal["20newsgroups", "file", "gensim"] = "20newsgroups"
         subset: Literal["train", "test", "all"] = "train"  # 20NG posts the sites own
@@ -242,28 +263,10 @@ class Doc2VecTask(GensimJointTask):
         keep_subject: bool = False  # put the Subject: line back in front of the body
         public_corpus: str = "20newsgroups:test"  # mapping: "20newsgroups:test" | "file:PATH" | "gensim:NAME"
         public_max_docs: int | None = None
-        vector_size: int = 50
-        dm: int = 1
-        window: int = 5
-        negative: int = 5
-        sample: float = 1e-3
-        min_count: int = 2
-        alpha: float = 0.025
-        min_alpha: float = 0.0001
-        infer_epochs: int = 40
         # trained: gensim's document vectors (dv) as training left them; inferred: every document
         # re-vectorised with the final model (infer_vector, seed 0), as the paper's "vectorize"
         doc_vectors: Literal["trained", "inferred"] = "trained"
-        local_epochs: int = 1
-        total_epochs: int = 40  # the decay spans all rounds: set rounds = total_epochs / local_epochs
-        rounds_per_epoch: int = 1  # > 1: a round trains 1/n of the corpus (local_epochs must be 1)
-        federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
-        # mean: FedAvg of the arrays (spec §4.2); sum: the server's mean becomes the sum of the sites'
-        # updates (FedAvg with server learning rate K; needs strategy.weighting=uniform), see scale_update
-        update: Literal["mean", "sum"] = "mean"
-        vocab_merge: Literal["sum", "reference_compat"] = "sum"
-        model_seed: int = 0
-        eval_k: int = 10
+        # the model's settings (vector_size 50, dm 1, min_count 2, ...) and the schedule: GensimJointOptions
 
         def validate(self) -> None:
             validate_shared(self, positive=("infer_epochs",))
@@ -314,15 +317,6 @@ class Doc2VecTask(GensimJointTask):
         if kind in ("file", "gensim"):
             return self._load(kind, arg or None, "all", max_docs)
         raise ValueError(f"task.public_corpus={spec!r}; use 20newsgroups:test, file:PATH or gensim:NAME")
-
-    def _settings(self) -> g.GensimSettings:
-        return self.settings_of(self.config)
-
-    @classmethod
-    def settings_of(cls, config: Any) -> g.GensimSettings:
-        return g.GensimSettings(kind="doc2vec", vector_size=config.vector_size, dm=config.dm, window=config.window,
-                                negative=config.negative, sample=config.sample, min_count=config.min_count,
-                                alpha=config.alpha, min_alpha=config.min_alpha, infer_epochs=config.infer_epochs)
 
     def _local_counts(self) -> Counter[str]:
         counts: Counter[str] = Counter()

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -24,7 +24,14 @@ from hpcfed.models import doc2vec as g
 from hpcfed.models.node2vec import walk_corpus
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks.base import MethodPreset, Site
-from hpcfed.tasks.doc2vec import GensimJointTask, _rng_seed, gensim_method, model_path, validate_shared
+from hpcfed.tasks.doc2vec import (
+    GensimJointOptions,
+    GensimJointTask,
+    _rng_seed,
+    gensim_method,
+    model_path,
+    validate_shared,
+)
 
 
 class Node2VecTask(GensimJointTask):
@@ -34,7 +41,7 @@ class Node2VecTask(GensimJointTask):
     entity = "node"
 
     @dataclass(kw_only=True)
-    class Config:
+    class Config(GensimJointOptions):
         mode: Literal["joint", "centralized"] = "joint"
         dataset: Literal["cora", "planted"] = "cora"
         planted_nodes: int = 120  # dataset=planted: a small graph with communities (tests, demos)
@@ -43,21 +50,11 @@ class Node2VecTask(GensimJointTask):
         q: float = 0.1
         walk_length: int = 20
         num_walks: int = 20
+        # the model's settings and the schedule are doc2vec's (GensimJointOptions), but for these
         vector_size: int = 124
-        window: int = 5
-        negative: int = 5
-        sample: float = 1e-3
         min_count: int = 1
-        alpha: float = 0.025
-        min_alpha: float = 0.0001
-        local_epochs: int = 1
-        total_epochs: int = 40
-        rounds_per_epoch: int = 1  # as doc2vec's: > 1, a round trains 1/n of the walks
-        federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
-        update: Literal["mean", "sum"] = "mean"  # as doc2vec's: sum = FedAvg with server learning rate K
-        vocab_merge: Literal["sum", "reference_compat"] = "sum"
-        model_seed: int = 0
-        eval_k: int = 10
+        dm: int = field(default=1, init=False)  # doc2vec only
+        infer_epochs: int = field(default=40, init=False)  # doc2vec only
 
         def validate(self) -> None:
             validate_shared(self, positive=("walk_length", "num_walks"))
@@ -81,15 +78,6 @@ class Node2VecTask(GensimJointTask):
         self.corpus = walk_corpus(self.graph.num_nodes, part.edges, part.nodes, num_walks=config.num_walks,
                                   walk_length=config.walk_length, p=config.p, q=config.q,
                                   seed=_rng_seed(site.seed, site.client_id, 7), node_id=self.graph.node_id)
-
-    def _settings(self) -> g.GensimSettings:
-        return self.settings_of(self.config)
-
-    @classmethod
-    def settings_of(cls, config: Any) -> g.GensimSettings:
-        return g.GensimSettings(kind="word2vec", vector_size=config.vector_size, sg=1, window=config.window,
-                                negative=config.negative, sample=config.sample, min_count=config.min_count,
-                                alpha=config.alpha, min_alpha=config.min_alpha)
 
     def _local_counts(self) -> Counter[str]:
         counts: Counter[str] = Counter()
