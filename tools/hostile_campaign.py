@@ -549,7 +549,8 @@ def campaign(config: str, overrides: list[str], *, messages: int, out: Path, tim
         except (OSError, json.JSONDecodeError):
             return {}
 
-    s_base, s_atk, hostile = read(base_out / "summary.json"), read(atk_out / "summary.json"), read(atk_out / "hostile.json")
+    s_base, s_atk = read(base_out / "summary.json"), read(atk_out / "summary.json")
+    hostile = read(atk_out / "hostile.json")
     rejected = s_atk.get("rejected", {"runtime": {}, "channel": {}})
     n_rejected = sum(rejected.get("runtime", {}).values()) + sum(rejected.get("channel", {}).values())
     base_rejected = s_base.get("rejected", {"runtime": {}, "channel": {}})
@@ -569,7 +570,8 @@ def campaign(config: str, overrides: list[str], *, messages: int, out: Path, tim
         "rounds_attacked": hostile.get("rounds_attacked", 0),
         "by_attack": hostile.get("by_attack", {}),
         "rejected_by_server": {"channel": rejected.get("channel", {}), "runtime": rejected.get("runtime", {})},
-        "baseline_rejected": sum(base_rejected.get("runtime", {}).values()) + sum(base_rejected.get("channel", {}).values()),
+        "baseline_rejected": sum(base_rejected.get("runtime", {}).values())
+        + sum(base_rejected.get("channel", {}).values()),
         "final_metrics": {"baseline": s_base.get("clients"), "attacked": s_atk.get("clients")},
         "hostile_site_final_metrics_equal": (s_base.get("clients") or {}).get(hostile_cid)
         == (s_atk.get("clients") or {}).get(hostile_cid),

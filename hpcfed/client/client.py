@@ -93,7 +93,8 @@ class Client:
 
             setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
         self.channel.send(0, P.SETUP, setup_header, out)
-        reply = self._wait({P.SETUP_REPLY, P.STOP}, self.cfg.federation.setup_timeout_s + self.cfg.federation.client_timeout_s)
+        fed = self.cfg.federation
+        reply = self._wait({P.SETUP_REPLY, P.STOP}, fed.setup_timeout_s + fed.client_timeout_s)
         if reply.kind == P.STOP:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
@@ -110,7 +111,8 @@ class Client:
                 state = site_state.load_shard(self.state_dir, int(shard.get("round")), str(shard.get("digest")),
                                               self.client_id, self.state_auth)
             except (site_state.ShardError, TypeError, ValueError) as exc:
-                raise FederationError(f"client {self.client_id} (rank {self.client_id + 1}): cannot resume: {exc}") from None
+                raise FederationError(f"client {self.client_id} (rank {self.client_id + 1}): "
+                                      f"cannot resume: {exc}") from None
             self.task.load_state_dict(state)
 
     def _train_and_upload(self, msg: Any) -> None:

@@ -69,5 +69,6 @@ class FedAvg(SyncStrategy):
                 mean.add(vector, self._weight(u))
             mean.result(out=self.global_flat)
         else:
-            self.global_flat[:] = robust_rule(self.config.rule, [vector for _, vector in held], trim_ratio=self.config.trim_ratio,
-                                              num_byzantine=self.config.num_byzantine)
+            c = self.config
+            self.global_flat[:] = robust_rule(c.rule, [vector for _, vector in held], trim_ratio=c.trim_ratio,
+                                              num_byzantine=c.num_byzantine)

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from hpcfed.params import Params
-from hpcfed.strategies.entropy import minimize_2dse
 from hpcfed.strategies.base import SyncStrategy, Update
+from hpcfed.strategies.entropy import minimize_2dse
 
 
 def client_similarity(outputs: Sequence[np.ndarray], mode: str = "node_mean") -> np.ndarray:
@@ -64,7 +64,8 @@ def client_similarity(outputs: Sequence[np.ndarray], mode: str = "node_mean") ->
         for u in range(k):
             for v in range(u + 1, k):
                 with np.errstate(invalid="ignore", divide="ignore"):
-                    sim[u, v] = sim[v, u] = float(pooled[u] @ pooled[v] / (np.linalg.norm(pooled[u]) * np.linalg.norm(pooled[v])))
+                    norms = np.linalg.norm(pooled[u]) * np.linalg.norm(pooled[v])
+                    sim[u, v] = sim[v, u] = float(pooled[u] @ pooled[v] / norms)
     else:
         raise ValueError(f"sim_mode={mode!r}; choose node_mean or pooled")
     np.fill_diagonal(sim, 1.0)
@@ -80,8 +81,12 @@ def similarity_graph(sim: np.ndarray) -> np.ndarray:
 
 def dispatch_weights(sim: np.ndarray, cluster: Sequence[int], client: int) -> dict[int, float]:
     """Softmax weights α_uv (eq. 12–13) of `client` over the members of its `cluster`."""
-    s = np.array([1.0 if v == client else (sim[client, v] if np.isfinite(sim[client, v]) and sim[client, v] > 0 else 0.0)
-                  for v in cluster])
+    def score(v: int) -> float:
+        if v == client:
+            return 1.0
+        return float(sim[client, v]) if np.isfinite(sim[client, v]) and sim[client, v] > 0 else 0.0
+
+    s = np.array([score(v) for v in cluster])
     e = np.exp(s - s.max())
     return {int(v): float(a) for v, a in zip(cluster, e / e.sum())}
 
@@ -172,8 +177,10 @@ class Sega(SyncStrategy):
                 alpha = dispatch_weights(sim, part, pos)
                 w = np.array([alpha[v] for v in part], dtype=np.float32)
                 self.service[ids[pos]] = w @ stacked[part]
-        self.partition = [[ids[p] for p in part] for part in parts] + [[u.client_id] for u in updates if u.client_id not in good_ids]
-        self.similarity = {f"{ids[a]}-{ids[b]}": float(sim[a, b]) for a in range(len(ids)) for b in range(a + 1, len(ids))}
+        alone = [[u.client_id] for u in updates if u.client_id not in good_ids]
+        self.partition = [[ids[p] for p in part] for part in parts] + alone
+        self.similarity = {f"{ids[a]}-{ids[b]}": float(sim[a, b])
+                           for a in range(len(ids)) for b in range(a + 1, len(ids))}
         self.global_flat[:] = stacked.mean(axis=0)  # informational only; clients get `service`
         self.version += 1
 

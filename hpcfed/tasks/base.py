@@ -99,6 +99,7 @@ class Task(ABC):
 
     def on_setup(self, reply: Bundle) -> None:
         """Receive the server's setup answer (default: ignore)."""
+        return None
 
     @classmethod
     def server_setup(cls, config: Any, payloads: dict[int, Bundle]) -> tuple[dict[int, Bundle], Params | None]:
@@ -135,4 +136,5 @@ class Task(ABC):
         return EMPTY_BUNDLE
 
     def load_state_dict(self, state: Bundle) -> None:
-        """Restore what `state_dict` returned."""
+        """Restore what `state_dict` returned (default: nothing to restore)."""
+        return None

@@ -164,7 +164,8 @@ class GensimJointTask(Task):
     def server_setup(cls, config: Any, payloads: dict[int, Bundle]) -> tuple[dict[int, Bundle], Params | None]:
         if getattr(config, "mode", "joint") in ("mapping", "nomapping"):
             return {cid: ({}, {}) for cid in payloads}, {INDEPENDENT_PLACEHOLDER: np.zeros(1, dtype=np.float32)}
-        counts = {cid: bundle_counts(tensors, f"setup payload of client {cid}") for cid, (_, tensors) in payloads.items()}
+        counts = {cid: bundle_counts(tensors, f"setup payload of client {cid}")
+                  for cid, (_, tensors) in payloads.items()}
         settings = cls.settings_of(config)
         vocab = g.order_vocab(g.merge_counts(counts, config.vocab_merge), settings.min_count)
         reply = counts_bundle(dict(vocab))
@@ -175,7 +176,7 @@ class GensimJointTask(Task):
     def on_setup(self, reply: Bundle) -> None:
         if self.independent:
             return
-        header, tensors = reply
+        _, tensors = reply
         counts = bundle_counts(tensors, "the server's vocabulary reply")
         if not counts:
             raise ValueError("the server sent no vocabulary; is every site running the same task config?")
@@ -246,7 +247,8 @@ class GensimJointTask(Task):
 
 class Doc2VecTask(GensimJointTask):
     name = "doc2vec"
-    METHODS: ClassVar[Mapping[str, MethodPreset]] = {method: gensim_method(method) for method in ("joint", "centralized", "mapping", "nomapping")}
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {
+        method: gensim_method(method) for method in ("joint", "centralized", "mapping", "nomapping")}
     kind = "doc2vec"
     entity = "doc"
 

@@ -139,7 +139,8 @@ class EventsTask(Task):
                 raise ValueError("sites must name at least one dataset")
             if len(self.fanouts) != 2:
                 raise ValueError(f"fanouts must give one fan-out per GAT layer (2), got {self.fanouts}")
-            if not (0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1):
+            fractions = (self.val_fraction, self.test_fraction)
+            if not (all(0 < f < 1 for f in fractions) and sum(fractions) < 1):
                 raise ValueError("val_fraction and test_fraction must be in (0, 1) with a sum below 1")
             if not 0.0 <= self.bola_alpha <= 1.0:
                 raise ValueError(f"bola_alpha must be in [0, 1], got {self.bola_alpha}")
@@ -322,7 +323,8 @@ class EventsTask(Task):
             def f_pair(w: float, local_best: bool) -> float:
                 return f(w) if local_best else f(1.0 - w)
 
-            lam, _ = bola_reference(f_pair, s_l, s_g, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls, seed=seed)
+            lam, _ = bola_reference(f_pair, s_l, s_g, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls,
+                                    seed=seed)
         else:
             lam, _ = bola(f, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls, seed=seed)
         self.last_lambda = float(lam)
@@ -360,8 +362,9 @@ class EventsTask(Task):
         self._load_flat(self.global_model, theta_g)
         self.global_model.eval()
         use_glecc = c.glecc and round >= 1
-        if use_glecc and not c.glecc_own_model and self.local_flat is not None and np.array_equal(self.local_flat, theta_g):
-            use_glecc = False  # θ^g is this client's own last upload: nothing global to align with
+        if use_glecc and not c.glecc_own_model:
+            # θ^g is this client's own last upload: nothing global to align with
+            use_glecc = not (self.local_flat is not None and np.array_equal(self.local_flat, theta_g))
         gen = torch.Generator().manual_seed(int(_rng(self.site.seed, 31, self.site.client_id, round).integers(2**62)))
         rng = _rng(self.site.seed, 37, self.site.client_id, round)
         global_params = [p.detach().clone() for p in self.global_model.parameters()]

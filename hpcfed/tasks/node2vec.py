@@ -36,7 +36,8 @@ from hpcfed.tasks.doc2vec import (
 
 class Node2VecTask(GensimJointTask):
     name = "node2vec"
-    METHODS: ClassVar[Mapping[str, MethodPreset]] = {method: gensim_method(method) for method in ("joint", "centralized")}
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {
+        method: gensim_method(method) for method in ("joint", "centralized")}
     kind = "word2vec"
     entity = "node"
 
@@ -67,10 +68,9 @@ class Node2VecTask(GensimJointTask):
 
         self.graph = load_cora(site.data_root) if config.dataset == "cora" else \
             planted_graph(config.planted_nodes, seed=site.seed)
-        if config.mode == "centralized":
-            if site.num_clients != 1:
-                raise ValueError(f"method=centralized trains one model on the whole graph: run it with one client "
-                                 f"(--np 2), not {site.num_clients}")
+        if config.mode == "centralized" and site.num_clients != 1:
+            raise ValueError(f"method=centralized trains one model on the whole graph: run it with one client "
+                             f"(--np 2), not {site.num_clients}")
         part = split_graph(self.graph, site.num_clients, site.client_id,
                            retain_cross_site=config.retain_cross_site, seed=site.seed)
         self.own = part.own
@@ -103,7 +103,8 @@ class Node2VecTask(GensimJointTask):
         if len(ids) > 1:
             index = SiteIndex(str(self.site.client_id), ids, vectors, labels)
             hits = index.hits(vectors, k, exclude=ids)
-            out[f"local_label_precision_at_{k}"] = label_precision_at_k(list(labels), [[h.label for h in r] for r in hits], k)
+            found = [[h.label for h in r] for r in hits]
+            out[f"local_label_precision_at_{k}"] = label_precision_at_k(list(labels), found, k)
         return out
 
     def export_embeddings(self, out_dir: Path) -> Path:
