@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from hpcfed.errors import ConfigError
-from hpcfed.safe_yaml import MAX_YAML_BYTES, load_yaml
+# ConfigError and load_yaml are re-exported: callers take them with the config
+from hpcfed.errors import ConfigError as ConfigError
+from hpcfed.safe_yaml import MAX_YAML_BYTES
+from hpcfed.safe_yaml import load_yaml as load_yaml
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from hpcfed.config import ComponentConfig, Config, ConfigError, build, locate
 
@@ -137,12 +137,14 @@ def _add_config_folder(module_name: str, config_path: str | None) -> None:
 
 def task_class(name: str, config_path: str | None = None) -> type[Task]:
     """The Task class `name` stands for; `config_path` is the config file (its folder may hold the module)."""
-    return _resolve(TASKS, TASK_GROUP, "task", name, config_path)
+    cls: type[Task] = _resolve(TASKS, TASK_GROUP, "task", name, config_path)  # checked by _check_kind
+    return cls
 
 
 def strategy_class(name: str, config_path: str | None = None) -> type[Strategy]:
     """The Strategy class `name` stands for; see `task_class`."""
-    return _resolve(STRATEGIES, STRATEGY_GROUP, "strategy", name, config_path)
+    cls: type[Strategy] = _resolve(STRATEGIES, STRATEGY_GROUP, "strategy", name, config_path)  # checked by _check_kind
+    return cls
 
 
 class Components(NamedTuple):
@@ -191,7 +193,7 @@ def apply_method(cfg: Config, task_cls: type[Task]) -> None:
 
 def derive_mode(cfg: Config, strategy_cls: type[Strategy]) -> None:
     """Set ``federation.mode`` from the strategy's base; a config that gives another one is refused."""
-    mode = "sync" if strategy_cls.synchronous else "async"
+    mode: Literal["sync", "async"] = "sync" if strategy_cls.synchronous else "async"
     given = cfg.federation.mode
     if given is not None and given != mode:
         kind, other = ("synchronous", "an asynchronous one (fedasync, feddwa)") if mode == "sync" else \

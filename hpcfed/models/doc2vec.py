@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcfed.store.models import ModelFileError, read_model_file, write_model_file
+from hpcfed.config import build
+from hpcfed.store.models import read_model_file, write_model_file
 
 VOCAB_MODES = ("sum", "reference_compat")
 MODEL_FORMAT = "hpcfed-gensim"
@@ -293,10 +294,7 @@ def load_model(path: str | Path) -> tuple[Any, GensimSettings]:
                              required=("words", "counts", "wv", "syn1neg"),
                              missing_hint="the run writes models/site<k>.h5 at the end")
     values = {k.split(".", 1)[1]: v for k, v in stored.attrs.items() if k.startswith("settings.")}
-    try:
-        settings = GensimSettings(**values)
-    except TypeError as exc:
-        raise ModelFileError(f"{path}: its settings are not a gensim model's ({exc}); write it again") from None
+    settings = build(GensimSettings, values, where=str(path), prefix="settings.")  # names a bad key
     words = [str(w) for w in stored.arrays["words"].reshape(-1)]
     vocab = list(zip(words, (int(c) for c in stored.arrays["counts"])))
     model = site_model(vocab, settings, seed=0, tagged_docs=[] if settings.kind == "doc2vec" else None)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcfed.config import build
 from hpcfed.store.models import AttrValue, read_model_file, write_model_file
 
 MAPPER_FORMAT = "hpcfed-mapper"
@@ -145,11 +146,11 @@ def load_mapper(path: str | Path) -> Mapper:
     """Read a mapper written by `save_mapper`, bounded; raises ValueError naming the file."""
     stored = read_model_file(path, MAPPER_FORMAT, what="mapper file", required=(*WEIGHTS, "loss_history"),
                              missing_hint="train it with `hpcfed search train-mappers`")
-    try:
-        cfg = MapperConfig(**{k.split(".", 1)[1]: v for k, v in stored.attrs.items() if k.startswith("config.")})
-        src, dst = str(stored.attrs["src"]), str(stored.attrs["dst"])
-    except (TypeError, KeyError) as exc:
-        raise ValueError(f"{path}: its attributes are not a mapper's ({exc}); retrain it") from None
+    values = {k.split(".", 1)[1]: v for k, v in stored.attrs.items() if k.startswith("config.")}
+    cfg = build(MapperConfig, values, where=str(path), prefix="config.")  # names a bad key
+    if "src" not in stored.attrs or "dst" not in stored.attrs:
+        raise ValueError(f"{path}: attributes src and dst are missing; retrain the mapper")
+    src, dst = str(stored.attrs["src"]), str(stored.attrs["dst"])
     arrays = {n: np.asarray(stored.arrays[n], dtype=np.float32) for n in WEIGHTS}
     history = [float(v) for v in np.asarray(stored.arrays["loss_history"]).reshape(-1)]
     if arrays["w1"].shape[0] != arrays["w2"].shape[1] or not all(np.isfinite(a).all() for a in arrays.values()):

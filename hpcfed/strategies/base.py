@@ -38,6 +38,13 @@ class Update:
     client_version: int = 0  # the client's own counter (FedDWA's v)
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def vector(self) -> np.ndarray:
+        """The uploaded vector; an update a streaming strategy has folded has none left."""
+        if self.flat is None:
+            raise ValueError(f"client {self.client_id}'s update was folded already; its vector is gone")
+        return self.flat
+
 
 @dataclass(kw_only=True)
 class StrategyContext:
@@ -61,6 +68,9 @@ class Strategy(ABC):
     # (`hpcfed.server.influence`); a strategy that keeps every site to itself says False.
     shares_updates: ClassVar[bool] = True
 
+    layout: ParamLayout  # the model's parameter layout; set by `initialize`
+    global_flat: np.ndarray  # the global model, float32 (layout.size,); set by `initialize` / `load_state_dict`
+
     @dataclass(kw_only=True)
     class Config:
         pass
@@ -71,8 +81,6 @@ class Strategy(ABC):
             raise TypeError(problem)
         self.config = config
         self.context = context
-        self.layout: ParamLayout | None = None
-        self.global_flat: np.ndarray | None = None
         self.version = 1  # bumped on every accepted aggregation (FedDWA: "initialised to 1")
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -82,7 +90,6 @@ class Strategy(ABC):
 
     def model_for(self, client_id: int) -> np.ndarray:
         """Flat model to send to `client_id` now (default: the global model)."""
-        assert self.global_flat is not None, "initialize() first"
         return self.global_flat
 
     def final_model_for(self, client_id: int) -> np.ndarray:
@@ -92,7 +99,6 @@ class Strategy(ABC):
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """JSON-able scalars + named arrays that restore this strategy exactly."""
-        assert self.global_flat is not None
         return {"version": self.version}, {"global": self.global_flat}
 
     def load_state_dict(self, state: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:

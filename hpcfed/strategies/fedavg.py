@@ -45,7 +45,7 @@ class FedAvg(SyncStrategy):
     def fold(self, update: Update) -> None:
         if self._mean is None:
             return super().fold(update)
-        self._mean.add(update.flat, self._weight(update))
+        self._mean.add(update.vector, self._weight(update))
         update.flat = None  # the runtime holds no reference: the received message can be freed
 
     def end_round(self, round: int) -> None:
@@ -61,14 +61,12 @@ class FedAvg(SyncStrategy):
     def aggregate(self, round: int, updates: list[Update]) -> None:
         if not updates:
             return
-        assert self.global_flat is not None and self.layout is not None, "initialize() first"
-        held = [(u, u.flat) for u in updates if u.flat is not None]  # `fold` kept every one whole
         if self.config.rule == "mean":
             mean = RunningMean(self.layout.size)
-            for u, vector in held:
-                mean.add(vector, self._weight(u))
+            for u in updates:
+                mean.add(u.vector, self._weight(u))
             mean.result(out=self.global_flat)
         else:
             c = self.config
-            self.global_flat[:] = robust_rule(c.rule, [vector for _, vector in held], trim_ratio=c.trim_ratio,
+            self.global_flat[:] = robust_rule(c.rule, [u.vector for u in updates], trim_ratio=c.trim_ratio,
                                               num_byzantine=c.num_byzantine)

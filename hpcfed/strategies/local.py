@@ -22,14 +22,15 @@ class Local(SyncStrategy):
 
     def initialize(self, initial: Params) -> None:
         super().initialize(initial)
-        self.per_client = np.tile(self.global_flat, (self.context.num_clients, 1))
+        self.per_client: np.ndarray = np.tile(self.global_flat, (self.context.num_clients, 1))
 
     def aggregate(self, round: int, updates: list[Update]) -> None:
         for u in updates:
             self.per_client[u.client_id] = u.flat
 
     def model_for(self, client_id: int) -> np.ndarray:
-        return self.per_client[client_id]
+        mine: np.ndarray = self.per_client[client_id]
+        return mine
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header, arrays = super().state_dict()

@@ -50,15 +50,14 @@ class _Robust(SyncStrategy):
     def _finite(self, updates: list[Update]) -> list[np.ndarray]:
         kept = []
         for u in updates:
-            if u.flat is not None and np.isfinite(u.flat).all():
-                kept.append(u.flat)
+            if np.isfinite(u.vector).all():
+                kept.append(u.vector)
             else:
                 self.context.log(f"{self.name}: rejected client {u.client_id}'s upload (NaN/Inf)")
         return kept
 
     def aggregate(self, round: int, updates: list[Update]) -> None:
         vectors = self._finite(updates)
-        assert self.global_flat is not None, "initialize() first"
         if vectors:
             self.global_flat[:] = robust_rule(self.name, vectors, **asdict(self.config))
             self.version += 1

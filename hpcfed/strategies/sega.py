@@ -130,7 +130,7 @@ class Sega(SyncStrategy):
         if context.num_clients == 2:
             context.log("sega: with 2 clients 2DSE never merges (ΔSE = 0, spec 1.9): every client gets its own "
                         "model back, so DAMe reduces to local training + BOLA/GLECC")
-        self.service: np.ndarray | None = None  # (K, P) personalised models, by client id
+        self.service: np.ndarray  # (K, P) personalised models, by client id; set by `initialize`
         self.partition: list[list[int]] = [[k] for k in range(context.num_clients)]
         self._probe: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -153,25 +153,26 @@ class Sega(SyncStrategy):
         n = x.shape[0]
         seeds = np.sort(rng.choice(n, size=max(1, int(self.config.probe_sample * n)), replace=False))
         params = [self.layout.unflatten(np.asarray(f, dtype=np.float32)) for f in flats]
-        return self.context.task_cls.probe_outputs(self.context.task_config, params, x, edge_index, seeds,
-                                                   int(rng.integers(2**31)))
+        outputs: list[np.ndarray] = self.context.task_cls.probe_outputs(
+            self.context.task_config, params, x, edge_index, seeds, int(rng.integers(2**31)))
+        return outputs
 
     def aggregate(self, round: int, updates: list[Update]) -> None:
         if not updates:
             return
-        good = [u for u in updates if np.isfinite(u.flat).all()]
+        good = [u for u in updates if np.isfinite(u.vector).all()]
         good_ids = {u.client_id for u in good}
         for u in updates:
             if u.client_id not in good_ids:
                 self.context.log(f"sega: client {u.client_id} uploaded non-finite parameters; it keeps its own model")
-                self.service[u.client_id] = u.flat
+                self.service[u.client_id] = u.vector
         if not good:
             return
-        outputs = self.probe_outputs(round, [u.flat for u in good])
+        outputs = self.probe_outputs(round, [u.vector for u in good])
         sim = client_similarity(outputs, self.config.sim_mode)
         parts = minimize_2dse(similarity_graph(sim))
         ids = [u.client_id for u in good]
-        stacked = np.stack([u.flat for u in good])
+        stacked = np.stack([u.vector for u in good])
         for part in parts:
             for pos in part:
                 alpha = dispatch_weights(sim, part, pos)
@@ -185,8 +186,8 @@ class Sega(SyncStrategy):
         self.version += 1
 
     def model_for(self, client_id: int) -> np.ndarray:
-        assert self.service is not None, "initialize() first"
-        return self.service[client_id]
+        personal: np.ndarray = self.service[client_id]
+        return personal
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header, arrays = super().state_dict()

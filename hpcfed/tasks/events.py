@@ -298,12 +298,11 @@ class EventsTask(Task):
         h = self._embed(self.scratch, nodes, _rng(self.site.seed, 29, self.site.client_id, round))
         return kmeans_metrics(h, self.labels[nodes])["nmi"]
 
-    def _local_aggregate(self, round: int) -> np.ndarray:
+    def _local_aggregate(self, round: int, theta_g: np.ndarray) -> np.ndarray:
         """θ̃ = λ*θ^l + (1−λ*)θ^g (eq. 2–3), or θ^g where BOLA does not apply (spec 1.5 edge cases)."""
         from hpcfed.tasks.bola import bola, bola_reference, merge
 
         c = self.config
-        theta_g = self.received
         if not c.bola or self.local_flat is None or round == 0:
             self.last_lambda = 0.0 if self.local_flat is None or not c.bola else 1.0
             return theta_g.copy()
@@ -315,7 +314,10 @@ class EventsTask(Task):
         if len(val) < 2 or len(val) < len(np.unique(self.labels[val])) or not np.isfinite(theta_g).all():
             self.last_lambda = 1.0
             return theta_l.copy()
-        f = lambda lam: self._score(merge(theta_l, theta_g, lam), val, round)
+
+        def f(lam: float) -> float:
+            return self._score(merge(theta_l, theta_g, lam), val, round)
+
         seed = 42 + self.site.client_id
         if c.reference_compat:
             s_l, s_g = f(1.0), f(0.0)
@@ -356,7 +358,7 @@ class EventsTask(Task):
         if c.ditto:
             start = theta_g.copy()  # Ditto: the shared model restarts from the global one
         else:
-            start = self._local_aggregate(round)
+            start = self._local_aggregate(round, theta_g)
         self.received_used = True
         self._load_flat(self.model, start)
         self._load_flat(self.global_model, theta_g)
@@ -371,7 +373,7 @@ class EventsTask(Task):
         labels_all = torch.from_numpy(self.train_labels)
         stats = {"loss": 0.0, "triplet": 0.0, "glecc": 0.0, "alpha": 0.0}
         steps = 0
-        models = [(self.model, self.optimizer, c.prox_mu)]
+        models: list[tuple[Any, Any, float]] = [(self.model, self.optimizer, c.prox_mu)]
         if c.ditto:
             models.append((self.personal, self.personal_optimizer, c.ditto_mu))
         for _ in range(c.local_epochs):
@@ -419,7 +421,7 @@ class EventsTask(Task):
         if self.config.ditto:
             return self.personal
         if self.received is not None and not self.received_used:
-            flat = self._local_aggregate(getattr(self, "_round", 0) + 1)
+            flat = self._local_aggregate(getattr(self, "_round", 0) + 1, self.received)
             self.received_used = True
             self._load_flat(self.model, flat)
         return self.model

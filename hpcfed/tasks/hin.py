@@ -242,7 +242,7 @@ class HINTask(Task):
         return FitResult(num_examples=int(count), metrics=metrics)
 
     def _num_batches(self) -> int:
-        return -(-len(self.nodes["train"]) // self.config.batch_size)
+        return -(-len(self.nodes["train"]) // int(self.config.batch_size))
 
     def embed(self, nodes: np.ndarray, chunk: int = 2048) -> np.ndarray:
         """e_i (eq 7) for `nodes`, with a fixed neighbour sample so evaluations are repeatable."""
@@ -276,9 +276,9 @@ class HINTask(Task):
             logits = self.model.classifier(torch.as_tensor(emb))
             y = self.labels[torch.as_tensor(nodes)]
             loss = float(torch.nn.functional.cross_entropy(logits, y))
-        pred, y = logits.argmax(1).numpy(), y.numpy()
-        return {"loss": loss, "micro_f1": float(f1_score(y, pred, average="micro")),
-                "macro_f1": float(f1_score(y, pred, average="macro", zero_division=0))}
+        pred, truth = logits.argmax(1).numpy(), y.numpy()
+        return {"loss": loss, "micro_f1": float(f1_score(truth, pred, average="micro")),
+                "macro_f1": float(f1_score(truth, pred, average="macro", zero_division=0))}
 
     def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
         if not final:
