@@ -20,6 +20,7 @@ the strategy's base, and both components' options are validated.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -182,11 +183,12 @@ def apply_method(cfg: Config, task_cls: type[Task]) -> None:
                           f"choose one of: {', '.join(task_cls.METHODS)}")
     if cfg.strategy.name != preset.strategy:  # the configured options belong to the other strategy
         cfg.strategy = ComponentConfig(name=preset.strategy, options={})
+    # copies: a run's config never shares a value with the table
     for key, value in preset.strategy_defaults.items():
-        cfg.strategy.options.setdefault(key, value)
-    cfg.task.options.update(preset.task_options)
+        cfg.strategy.options.setdefault(key, copy.deepcopy(value))
+    cfg.task.options.update(copy.deepcopy(dict(preset.task_options)))
     for key, value in preset.task_defaults.items():
-        cfg.task.options.setdefault(key, value)
+        cfg.task.options.setdefault(key, copy.deepcopy(value))
     if preset.num_clients is not None:
         cfg.federation.num_clients = preset.num_clients
 
