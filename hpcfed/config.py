@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
+# ConfigError and load_yaml are re-exported: callers take them with the config
+from hpcfed.errors import ConfigError as ConfigError
+from hpcfed.safe_yaml import MAX_YAML_BYTES
+from hpcfed.safe_yaml import load_yaml as load_yaml
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or malformed; the message names the key."""
 
 
 class InvalidValue(ValueError):
@@ -57,7 +56,9 @@ def _positive(obj: Any, *names: str) -> None:
 class FederationConfig:
     """How the server drives clients."""
 
-    mode: Literal["sync", "async"] = "sync"
+    # Not a setting: the strategy's base decides it (`Config.mode`). `hpcfed.registry.resolve` fills
+    # it in; a config that still gives it must agree with the strategy, or is refused with the fix.
+    mode: Literal["sync", "async"] | None = None
     num_clients: int | None = None  # default: MPI world size - 1; must match it when given
     quorum: float = 1.0  # fraction of clients whose update closes a sync round
     round_deadline_s: float = 600.0  # a sync round closes at the deadline if the quorum is met
@@ -135,7 +136,8 @@ class InfluenceConfig:
             if not getattr(self, name) >= 1.0:
                 raise InvalidValue(name, f"must be >= 1, got {getattr(self, name)!r}")
         if not self.reject_factor > self.clip_factor:
-            raise InvalidValue("reject_factor", f"must be > clip_factor ({self.clip_factor}), got {self.reject_factor!r}")
+            raise InvalidValue("reject_factor",
+                               f"must be > clip_factor ({self.clip_factor}), got {self.reject_factor!r}")
 
 
 @dataclass(kw_only=True)
@@ -174,6 +176,14 @@ class Config:
         _at_least(self, 1, "rounds", "keep_checkpoints", "threads_per_rank")
         _at_least(self, 0, "eval_every", "checkpoint_every", "halt_after_round")
 
+    @property
+    def mode(self) -> Literal["sync", "async"]:
+        """"sync" or "async": what the strategy is (`SyncStrategy`/`AsyncStrategy`), once resolved."""
+        if self.federation.mode is None:
+            raise ConfigError("the run's mode is not known until its strategy is looked up: "
+                              "pass the config through hpcfed.registry.resolve first")
+        return self.federation.mode
+
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)
 
@@ -200,79 +210,6 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
     return from_mapping(raw, overrides, source=str(path))
-
-
-# A YAML document is parsed into a node graph in which an alias is one shared node; building Python
-# objects from it and then copying them (JSON, dataclasses) expands every alias. Nested aliases grow
-# exponentially ("billion laughs": 589 bytes -> 3 GB), so the expanded size is counted on the graph,
-# before anything is built.
-MAX_YAML_BYTES = 16 << 20
-MAX_YAML_NODES = 1_000_000  # scalars + collections after expanding every alias
-MAX_YAML_ALIASES = 10_000
-
-
-def load_yaml(text: str, where: str) -> Any:
-    """`yaml.safe_load` that refuses alias bombs, recursive aliases and over-deep nesting with a
-    one-line `ConfigError` naming `where` (a file, or a command-line override)."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_expansion(node, where)
-        return loader.construct_document(node)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: YAML nested too deeply") from None
-    finally:
-        loader.dispose()
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """One line: what is wrong and where (PyYAML's own message spans several lines)."""
-    if isinstance(exc, yaml.MarkedYAMLError):
-        mark = exc.problem_mark
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        what = " ".join(x for x in (exc.context, exc.problem) if x)
-        return f"{what}{where}"
-    return " ".join(str(exc).split())
-
-
-def _check_expansion(root: yaml.Node, where: str) -> None:
-    sizes: dict[int, int] = {}  # id(node) -> its expanded size
-    seen_anchors = 0
-    on_path: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        key = id(node)
-        if children_done:
-            on_path.discard(key)
-            kids = _children(node)
-            sizes[key] = 1 + sum(sizes[id(k)] for k in kids)
-            if sizes[key] > MAX_YAML_NODES:
-                raise ConfigError(f"{where}: YAML expands to more than {MAX_YAML_NODES:,} values through its "
-                                  f"aliases (*name); refusing it (an alias bomb?)")
-            continue
-        if key in sizes:
-            seen_anchors += 1  # a node reached again: an alias
-            if seen_anchors > MAX_YAML_ALIASES:
-                raise ConfigError(f"{where}: YAML uses more than {MAX_YAML_ALIASES:,} aliases (*name); refusing it")
-            continue
-        if key in on_path:
-            raise ConfigError(f"{where}: YAML alias refers to a collection that contains it (recursive alias)")
-        on_path.add(key)
-        stack.append((node, True))
-        stack.extend((k, False) for k in _children(node))
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.MappingNode):
-        return [x for pair in node.value for x in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
 
 
 class Origin(str):
@@ -358,7 +295,8 @@ def _apply_override(data: dict[str, Any], item: str) -> str:
             raise ConfigError(f"command line ({item}): {part!r} is not a section")
         node = nxt
     node[parts[-1]] = value
-    return ".".join(p for i, p in enumerate(parts) if not (i == 1 and p == "options" and parts[0] in ("task", "strategy")))
+    component = parts[0] in ("task", "strategy")
+    return ".".join(p for i, p in enumerate(parts) if not (component and i == 1 and p == "options"))
 
 
 def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
@@ -366,7 +304,8 @@ def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{_loc(where, prefix.rstrip('.') or cls.__name__)} must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{_loc(where, prefix.rstrip('.') or cls.__name__)} must be a mapping, "
+                          f"got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -411,7 +350,8 @@ def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
         return value
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{_loc(where, key)} = {value!r} is not allowed; choose one of: {', '.join(map(str, args))}")
+            choices = ", ".join(map(str, args))
+            raise ConfigError(f"{_loc(where, key)} = {value!r} is not allowed; choose one of: {choices}")
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -479,7 +419,8 @@ def to_plain(obj: Any) -> Any:
 # What a checkpoint's state depends on: resuming it under a config that changes any of these would
 # load state of another shape or meaning (e.g. FedAvg's checkpoint into FedDWA). Everything else --
 # rounds, timeouts, checkpointing, security, comm, device -- may change between attempts.
-RESUME_MUST_MATCH = ("seed", "method", "federation.mode", "strategy", "task")
+# (The mode follows from the strategy, so "strategy" covers it.)
+RESUME_MUST_MATCH = ("seed", "method", "strategy", "task")
 
 
 def check_resume_compatible(saved: Mapping[str, Any], current: Config, where: str = "the checkpoint") -> None:

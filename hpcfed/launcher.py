@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 from hpcfed import jobwatch
-from hpcfed.config import Config, ConfigError, build, check_resume_compatible, load, locate
+from hpcfed.config import Config, ConfigError, check_resume_compatible, load
 from hpcfed.errors import FederationError
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
@@ -37,28 +37,12 @@ def under_mpi() -> bool:
 
 
 def prepare_config(path: str, overrides: list[str]) -> Config:
-    """Load the config and apply the task's ``method=`` translation (identical on every rank)."""
-    from hpcfed.registry import strategy_class, task_class
+    """Load the config and resolve it (method preset, components, mode; identical on every rank)."""
+    from hpcfed.registry import resolve
 
     cfg = load(path, overrides)
-    task_cls = _component(task_class, cfg.task.name, "task.name", cfg.source)
-    if cfg.method:
-        try:
-            task_cls.apply_method(cfg.method, cfg)
-        except ValueError as exc:
-            raise ConfigError(f"{locate(cfg.source, 'method')} = {cfg.method!r}: {exc}") from None
-    # Validate the components' own options here, once, before any rank is started.
-    strategy_cls = _component(strategy_class, cfg.strategy.name, "strategy.name", cfg.source)
-    build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
-    build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
+    resolve(cfg)  # validate the components' options here, once, before any rank is started
     return cfg
-
-
-def _component(resolve, name: str, key: str, source: str):
-    try:
-        return resolve(name, source)
-    except ValueError as exc:
-        raise ConfigError(f"{locate(source, key)}: {exc}") from None
 
 
 def run_command(config: str, overrides: list[str], *, np: int | None, out: str | None, resume: bool,
@@ -339,7 +323,8 @@ def _check_world(cfg: Config, size: int) -> None:
         raise ConfigError(f"this rank sees an MPI world of 1 but Slurm started {ntasks} tasks: plain `srun` "
                           f"started separate programs; use `srun --mpi=pmi2` or `mpiexec -n $SLURM_NTASKS`")
     if size < 2:
-        raise ConfigError("the MPI world has 1 rank; a federation needs a server and at least one client (mpiexec -n 3)")
+        raise ConfigError("the MPI world has 1 rank; a federation needs a server and at least one client "
+                          "(mpiexec -n 3)")
     want = cfg.federation.num_clients
     if want is not None and want != size - 1:
         raise ConfigError(f"{cfg.source}: federation.num_clients={want} but the job has {size - 1} client ranks "
@@ -422,7 +407,8 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
         note = ""
     note = note or "the val_* figures of the round lines are on each site's validation split"
     lines.append(f"note: {note}")
-    where = [f"{out_dir / 'summary.json'} (final metrics per site)", f"{out_dir / 'metrics.jsonl'} (per {'round' if cfg.federation.mode == 'sync' else 'accepted update'})"]
+    step = "round" if cfg.mode == "sync" else "accepted update"
+    where = [f"{out_dir / 'summary.json'} (final metrics per site)", f"{out_dir / 'metrics.jsonl'} (per {step})"]
     exports = sorted((out_dir / "embeddings").glob("*.h5"))
     if exports:
         where.append(f"{out_dir / 'embeddings'}/ ({len(exports)} site export{'s' if len(exports) != 1 else ''})")

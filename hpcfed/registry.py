@@ -9,19 +9,32 @@
   (``task.py`` next to ``config.yaml``, as `hpcfed new` writes it), the folder is put on sys.path
   first, so a project runs from anywhere without installing it.
 
-A plugin class must subclass `Task` / `Strategy`; its options are validated through its own nested
-``Config`` dataclass exactly like a built-in's. Entries are import paths so that `import hpcfed` and
-the CLI's help stay fast (torch, gensim, PyG load only when used).
+A plugin class must subclass `Task` / `SyncStrategy` or `AsyncStrategy`; its options are validated
+through its own nested ``Config`` dataclass exactly like a built-in's. Entries are import paths so
+that `import hpcfed` and the CLI's help stay fast (torch, gensim, PyG load only when used).
+
+`resolve` makes a loaded config ready to run, the same way on every rank: the task's ``method=``
+preset is applied (`apply_method`), the classes are looked up, ``federation.mode`` is derived from
+the strategy's base, and both components' options are validated.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
+import inspect
 import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+from hpcfed.config import ComponentConfig, Config, ConfigError, build, locate
+
+if TYPE_CHECKING:
+    from hpcfed.strategies.base import Strategy
+    from hpcfed.tasks.base import Task
 
 TASKS: dict[str, str] = {
     "synthetic": "hpcfed.tasks.synthetic:SyntheticTask",
@@ -47,7 +60,8 @@ STRATEGIES: dict[str, str] = {
 TASK_GROUP = "hpcfed.tasks"
 STRATEGY_GROUP = "hpcfed.strategies"
 
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+_IMPORT_PATH = re.compile(rf"^{_DOTTED}:{_DOTTED}$")
 
 
 def plugin_names(group: str) -> dict[str, str]:
@@ -57,7 +71,8 @@ def plugin_names(group: str) -> dict[str, str]:
 
 def _resolve(table: dict[str, str], group: str, kind: str, name: str, config_path: str | None) -> Any:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{kind} name is missing; give a built-in name, an installed plugin name or package.module:Class")
+        raise ValueError(f"{kind} name is missing; give a built-in name, an installed plugin name or "
+                         f"package.module:Class")
     if ":" in name:
         return _import_class(name, kind, config_path)
     if name in table:
@@ -93,14 +108,18 @@ def _import_class(path: str, kind: str, config_path: str | None, origin: str | N
 
 
 def _check_kind(obj: Any, kind: str, where: str) -> None:
-    import dataclasses
+    from hpcfed.strategies.base import Strategy, kind_problem
+    from hpcfed.tasks.base import Task
 
-    if kind == "task":
-        from hpcfed.tasks.base import Task as base
-    else:
-        from hpcfed.strategies.base import Strategy as base
+    base: type = Task if kind == "task" else Strategy
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise ValueError(f"{where} is {obj!r}, not a subclass of {base.__module__}.{base.__name__}")
+    problem = kind_problem(obj) if base is Strategy else None
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        raise ValueError(f"{where}: {obj.__name__} does not implement {missing}; define it in the class")
     if not dataclasses.is_dataclass(getattr(obj, "Config", None)):
         raise ValueError(f"{where}: {obj.__name__}.Config must be a @dataclass(kw_only=True) of its options")
 
@@ -117,11 +136,78 @@ def _add_config_folder(module_name: str, config_path: str | None) -> None:
             sys.path.insert(0, text)
 
 
-def task_class(name: str, config_path: str | None = None) -> Any:
+def task_class(name: str, config_path: str | None = None) -> type[Task]:
     """The Task class `name` stands for; `config_path` is the config file (its folder may hold the module)."""
-    return _resolve(TASKS, TASK_GROUP, "task", name, config_path)
+    cls: type[Task] = _resolve(TASKS, TASK_GROUP, "task", name, config_path)  # checked by _check_kind
+    return cls
 
 
-def strategy_class(name: str, config_path: str | None = None) -> Any:
+def strategy_class(name: str, config_path: str | None = None) -> type[Strategy]:
     """The Strategy class `name` stands for; see `task_class`."""
-    return _resolve(STRATEGIES, STRATEGY_GROUP, "strategy", name, config_path)
+    cls: type[Strategy] = _resolve(STRATEGIES, STRATEGY_GROUP, "strategy", name, config_path)  # checked by _check_kind
+    return cls
+
+
+class Components(NamedTuple):
+    """The classes a resolved config names."""
+
+    task: type[Task]
+    strategy: type[Strategy]
+
+
+def resolve(cfg: Config) -> Components:
+    """Make a loaded config ready to run (every rank does the same): apply its ``method=`` preset,
+    look up the task and strategy, derive ``federation.mode`` from the strategy, and validate both
+    components' options. Raises a one-line `ConfigError` naming the key and the fix; calling it
+    again on the result changes nothing."""
+    task_cls = _component(task_class, cfg.task.name, "task.name", cfg.source)
+    apply_method(cfg, task_cls)
+    strategy_cls = _component(strategy_class, cfg.strategy.name, "strategy.name", cfg.source)
+    derive_mode(cfg, strategy_cls)
+    build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
+    build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
+    return Components(task_cls, strategy_cls)
+
+
+def apply_method(cfg: Config, task_cls: type[Task]) -> None:
+    """Apply the task's preset for ``cfg.method`` (`Task.METHODS`) to `cfg`: the one place where a
+    method edits the run config, before anything is validated."""
+    if not cfg.method:
+        return
+    where = f"{locate(cfg.source, 'method')} = {cfg.method!r}"
+    if not task_cls.METHODS:
+        raise ConfigError(f"{where}: task {cfg.task.name!r} defines no methods; remove method={cfg.method}")
+    preset = task_cls.METHODS.get(cfg.method)
+    if preset is None:
+        raise ConfigError(f"{where}: unknown method for task {cfg.task.name!r}; "
+                          f"choose one of: {', '.join(task_cls.METHODS)}")
+    if cfg.strategy.name != preset.strategy:  # the configured options belong to the other strategy
+        cfg.strategy = ComponentConfig(name=preset.strategy, options={})
+    # copies: a run's config never shares a value with the table
+    for key, value in preset.strategy_defaults.items():
+        cfg.strategy.options.setdefault(key, copy.deepcopy(value))
+    cfg.task.options.update(copy.deepcopy(dict(preset.task_options)))
+    for key, value in preset.task_defaults.items():
+        cfg.task.options.setdefault(key, copy.deepcopy(value))
+    if preset.num_clients is not None:
+        cfg.federation.num_clients = preset.num_clients
+
+
+def derive_mode(cfg: Config, strategy_cls: type[Strategy]) -> None:
+    """Set ``federation.mode`` from the strategy's base; a config that gives another one is refused."""
+    mode: Literal["sync", "async"] = "sync" if strategy_cls.synchronous else "async"
+    given = cfg.federation.mode
+    if given is not None and given != mode:
+        kind, other = ("synchronous", "an asynchronous one (fedasync, feddwa)") if mode == "sync" else \
+            ("asynchronous", "a synchronous one (fedavg, local, ...)")
+        raise ConfigError(f"{locate(cfg.source, 'federation.mode')} = {given!r} disagrees with strategy "
+                          f"{cfg.strategy.name!r}, which is {kind}: the mode follows from the strategy; remove "
+                          f"federation.mode, or choose {other}")
+    cfg.federation.mode = mode
+
+
+def _component(resolve_name: Any, name: str, key: str, source: str) -> Any:
+    try:
+        return resolve_name(name, source)
+    except ValueError as exc:
+        raise ConfigError(f"{locate(source, key)}: {exc}") from None

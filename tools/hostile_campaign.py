@@ -430,7 +430,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     cfg = launcher.prepare_config(args.config, args.overrides)
     out_dir = Path(args.out)
-    if cfg.federation.mode != "sync":
+    if cfg.mode != "sync":
         raise SystemExit("the campaign compares against a baseline bit for bit: use a sync config")
     plan = _plan(args.messages, cfg.rounds)
     report: dict[str, Any] = {"rank": None, "sent": 0, "by_attack": {}, "rounds_attacked": 0,
@@ -521,11 +521,11 @@ def _num_clients(config: str, overrides: list[str]) -> int:
 def campaign(config: str, overrides: list[str], *, messages: int, out: Path, timeout: float = 300,
              log: Callable[[str], None] = lambda s: None, flood_mib: int = 0) -> dict[str, Any]:
     """A clean run and the same run with a hostile client; what was sent, refused, and whether results match."""
-    from hpcfed.config import load
+    from hpcfed.launcher import prepare_config
 
-    cfg = load(config, overrides)
-    if cfg.federation.mode != "sync":
-        raise ValueError(f"{config}: the campaign needs federation.mode=sync (its result is compared bit for bit)")
+    cfg = prepare_config(config, overrides)
+    if cfg.mode != "sync":
+        raise ValueError(f"{config}: the campaign needs a synchronous strategy (its result is compared bit for bit)")
     honest = _num_clients(config, overrides)
     world = honest + 2  # server + honest clients + the hostile client
     overrides = [o for o in overrides if not o.startswith("federation.num_clients=")]

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 NUM_RANKS = 5  # server + 3 honest sites + 1 malicious site
 HONEST = ("0", "1", "2")
-ASYNC = ["federation.mode=async", "strategy.name=fedasync", "~strategy.weighting"]
+ASYNC = ["strategy.name=fedasync", "~strategy.weighting"]  # an asynchronous strategy: an async run
 # The attacker trains 4x as fast as each honest site: it would make most of the async uploads.
 SLOW_HONEST = [*ASYNC, "federation.slowdown={0: 4, 1: 4, 2: 4}"]
 CASES = [  # (name, mode: the no-attack run each attack is compared with, overrides, attack)

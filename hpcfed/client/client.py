@@ -83,7 +83,7 @@ class Client:
                 if model is None:
                     continue
                 self._train_and_upload(model)
-                self._awaiting_answer = self.cfg.federation.mode == "async"
+                self._awaiting_answer = self.cfg.mode == "async"
         except _Stopped:
             return
 
@@ -99,8 +99,8 @@ class Client:
 
             setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
         self.channel.send(0, P.SETUP, setup_header, out)
-        reply = self._wait({P.SETUP_REPLY, P.STOP},
-                           self.cfg.federation.setup_timeout_s + self.cfg.federation.client_timeout_s)
+        fed = self.cfg.federation
+        reply = self._wait({P.SETUP_REPLY, P.STOP}, fed.setup_timeout_s + fed.client_timeout_s)
         if reply.kind == P.STOP:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
@@ -132,7 +132,7 @@ class Client:
             self._straggle((self.slowdown - 1.0) * (time.monotonic() - t0))
         metrics = dict(result.metrics)
         metrics["fit_time_s"] = time.monotonic() - t0
-        if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.federation.mode == "sync":
+        if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.mode == "sync":
             metrics.update(self.task.evaluate(rnd))
         self.client_version += 1
         params, num_examples, copies = self.task.get_parameters(), int(result.num_examples), 1

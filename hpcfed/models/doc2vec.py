@@ -19,21 +19,26 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcfed.store.atomic import atomic_path
+from hpcfed.config import build
+from hpcfed.store.models import read_model_file, write_model_file
 
 VOCAB_MODES = ("sum", "reference_compat")
+MODEL_FORMAT = "hpcfed-gensim"
 FEDERATED_ARRAYS = ("wv", "syn1neg")
 
 
 @dataclass(kw_only=True)
 class GensimSettings:
-    """Hyperparameters shared by the server skeleton and every site (must be identical everywhere)."""
+    """Hyperparameters shared by the server skeleton and every site (must be identical everywhere).
+
+    Declared once, here: the gensim tasks' configs extend this class (`hpcfed.tasks.doc2vec`), and
+    model files store it (`save_model`)."""
 
     kind: str = "doc2vec"  # doc2vec (PV-DM) | word2vec (node2vec walks)
     vector_size: int = 50
@@ -46,6 +51,11 @@ class GensimSettings:
     alpha: float = 0.025
     min_alpha: float = 0.0001
     infer_epochs: int = 40
+
+    def model_settings(self, kind: str) -> GensimSettings:
+        """Only the model's settings, for a `kind` model (a task config carries more options)."""
+        values = {f.name: getattr(self, f.name) for f in fields(GensimSettings) if f.name != "kind"}
+        return GensimSettings(kind=kind, **values)
 
     def gensim_kwargs(self, seed: int) -> dict[str, Any]:
         kw: dict[str, Any] = dict(vector_size=self.vector_size, window=self.window, negative=self.negative,
@@ -270,40 +280,23 @@ def infer_many(model: Any, token_lists: Sequence[Sequence[str]], settings: Gensi
 # -- storage (HDF5, no pickle) --------------------------------------------------------------------------------
 def save_model(path: str | Path, model: Any, settings: GensimSettings, *, site: int | str = "") -> Path:
     """Write what inference needs (vocabulary with counts, wv, syn1neg, settings) to HDF5 atomically."""
-    import h5py
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     words = list(model.wv.index_to_key)
     counts = np.array([model.wv.get_vecattr(w, "count") for w in words], dtype=np.int64)
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        f.attrs["format"] = "hpcfed-gensim"
-        f.attrs["site"] = str(site)
-        for key, value in settings.__dict__.items():
-            f.attrs[f"settings.{key}"] = value
-        f.create_dataset("words", data=np.array(words, dtype=object), dtype=h5py.string_dtype("utf-8"))
-        f.create_dataset("counts", data=counts)
-        f.create_dataset("wv", data=model.wv.vectors, compression="gzip")
-        f.create_dataset("syn1neg", data=model.syn1neg, compression="gzip")
-    return path
+    attrs = {"site": str(site), **{f"settings.{key}": value for key, value in asdict(settings).items()}}
+    return write_model_file(path, MODEL_FORMAT, attrs, {"counts": counts, "wv": model.wv.vectors,
+                                                       "syn1neg": model.syn1neg},
+                            strings={"words": words}, compress=("wv", "syn1neg"))
 
 
 def load_model(path: str | Path) -> tuple[Any, GensimSettings]:
     """Rebuild a model written by `save_model` (for `infer`); raises ValueError naming the file."""
-    import h5py
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"model file {path} does not exist; the run writes models/site<k>.h5 at the end")
-    with h5py.File(path, "r") as f:
-        if f.attrs.get("format") != "hpcfed-gensim":
-            raise ValueError(f"{path} is not an hpcfed gensim model file")
-        values = {k.split(".", 1)[1]: (v.item() if hasattr(v, "item") else v)
-                  for k, v in f.attrs.items() if k.startswith("settings.")}
-        settings = GensimSettings(**values)
-        words = [w.decode() if isinstance(w, bytes) else str(w) for w in f["words"][:]]
-        vocab = list(zip(words, (int(c) for c in f["counts"][:])))
-        arrays = {"wv": f["wv"][:], "syn1neg": f["syn1neg"][:]}
+    stored = read_model_file(path, MODEL_FORMAT, what="gensim model file",
+                             required=("words", "counts", "wv", "syn1neg"),
+                             missing_hint="the run writes models/site<k>.h5 at the end")
+    values = {k.split(".", 1)[1]: v for k, v in stored.attrs.items() if k.startswith("settings.")}
+    settings = build(GensimSettings, values, where=str(path), prefix="settings.")  # names a bad key
+    words = [str(w) for w in stored.arrays["words"].reshape(-1)]
+    vocab = list(zip(words, (int(c) for c in stored.arrays["counts"])))
     model = site_model(vocab, settings, seed=0, tagged_docs=[] if settings.kind == "doc2vec" else None)
-    set_arrays(model, arrays)
+    set_arrays(model, {"wv": stored.arrays["wv"], "syn1neg": stored.arrays["syn1neg"]})
     return model, settings

@@ -20,7 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from hpcfed.store.atomic import atomic_path
+from hpcfed.config import build
+from hpcfed.store.models import AttrValue, read_model_file, write_model_file
+
+MAPPER_FORMAT = "hpcfed-mapper"
+WEIGHTS = ("w1", "b1", "w2", "b2")
 
 
 @dataclass(kw_only=True)
@@ -87,7 +91,8 @@ def train_mapper(x_src: np.ndarray, y_dst: np.ndarray, config: MapperConfig | No
     x = torch.as_tensor(np.asarray(x_src, dtype=np.float32))
     y = torch.as_tensor(np.asarray(y_dst, dtype=np.float32))
     if x.ndim != 2 or y.ndim != 2 or len(x) != len(y) or len(x) == 0:
-        raise ValueError(f"mapper {src}->{dst}: need paired non-empty (n, d) arrays, got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise ValueError(f"mapper {src}->{dst}: need paired non-empty (n, d) arrays, got {tuple(x.shape)} and "
+                         f"{tuple(y.shape)}")
     gen = torch.Generator().manual_seed(config.seed)
     torch.manual_seed(config.seed)
     model = build_mapper(x.shape[1], y.shape[1], config.hidden, config.dropout)
@@ -129,35 +134,25 @@ def mapper_path(folder: str | Path, src: str, dst: str) -> Path:
 
 
 def save_mapper(path: str | Path, mapper: Mapper) -> Path:
-    import h5py
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        f.attrs["format"] = "hpcfed-mapper"
-        f.attrs["src"], f.attrs["dst"] = mapper.src, mapper.dst
-        for key, value in asdict(mapper.config).items():
-            f.attrs[f"config.{key}"] = value
-        for name in ("w1", "b1", "w2", "b2"):
-            f.create_dataset(name, data=getattr(mapper, name))
-        f.create_dataset("loss_history", data=np.asarray(mapper.history, dtype=np.float64))
-    return path
+    """Write a trained mapper (weights, loss history, settings) to HDF5 atomically."""
+    attrs: dict[str, AttrValue] = {"src": mapper.src, "dst": mapper.dst}
+    attrs.update({f"config.{key}": value for key, value in asdict(mapper.config).items()})
+    arrays = {name: getattr(mapper, name) for name in WEIGHTS}
+    arrays["loss_history"] = np.asarray(mapper.history, dtype=np.float64)
+    return write_model_file(path, MAPPER_FORMAT, attrs, arrays)
 
 
 def load_mapper(path: str | Path) -> Mapper:
-    import h5py
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"mapper file {path} does not exist; train it with `hpcfed search train-mappers`")
-    with h5py.File(path, "r") as f:
-        if f.attrs.get("format") != "hpcfed-mapper":
-            raise ValueError(f"{path} is not an hpcfed mapper file")
-        cfg = MapperConfig(**{k.split(".", 1)[1]: (v.item() if hasattr(v, "item") else v)
-                              for k, v in f.attrs.items() if k.startswith("config.")})
-        arrays = {n: np.asarray(f[n][:], dtype=np.float32) for n in ("w1", "b1", "w2", "b2")}
-        history = [float(v) for v in f["loss_history"][:]]
-        src, dst = str(f.attrs["src"]), str(f.attrs["dst"])
+    """Read a mapper written by `save_mapper`, bounded; raises ValueError naming the file."""
+    stored = read_model_file(path, MAPPER_FORMAT, what="mapper file", required=(*WEIGHTS, "loss_history"),
+                             missing_hint="train it with `hpcfed search train-mappers`")
+    values = {k.split(".", 1)[1]: v for k, v in stored.attrs.items() if k.startswith("config.")}
+    cfg = build(MapperConfig, values, where=str(path), prefix="config.")  # names a bad key
+    if "src" not in stored.attrs or "dst" not in stored.attrs:
+        raise ValueError(f"{path}: attributes src and dst are missing; retrain the mapper")
+    src, dst = str(stored.attrs["src"]), str(stored.attrs["dst"])
+    arrays = {n: np.asarray(stored.arrays[n], dtype=np.float32) for n in WEIGHTS}
+    history = [float(v) for v in np.asarray(stored.arrays["loss_history"]).reshape(-1)]
     if arrays["w1"].shape[0] != arrays["w2"].shape[1] or not all(np.isfinite(a).all() for a in arrays.values()):
         raise ValueError(f"{path}: mapper weights are inconsistent or not finite; retrain it")
     return Mapper(src, dst, history=history, config=cfg, **arrays)

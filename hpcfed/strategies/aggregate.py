@@ -13,13 +13,13 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def stack(vectors: Sequence[np.ndarray]) -> np.ndarray:
+def stack(vectors: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
     if len(vectors) == 0:
         raise ValueError("cannot aggregate zero updates")
     return np.stack([np.asarray(v, dtype=np.float32) for v in vectors])
 
 
-def weighted_mean(vectors: Sequence[np.ndarray] | np.ndarray, weights: Sequence[float] | None = None,
+def weighted_mean(vectors: Sequence[np.ndarray] | np.ndarray, weights: Sequence[float] | np.ndarray | None = None,
                   out: np.ndarray | None = None) -> np.ndarray:
     """Σ w_i x_i / Σ w_i, accumulated in place into `out` (float32) without a K-fold copy."""
     n = len(vectors)
@@ -90,7 +90,8 @@ class RunningMean:
 
 def coordinate_median(vectors: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
     """Element-wise median (Yin et al. 2018)."""
-    return np.median(stack(vectors), axis=0).astype(np.float32)
+    median: np.ndarray = np.median(stack(vectors), axis=0).astype(np.float32)
+    return median
 
 
 def trimmed_mean(vectors: Sequence[np.ndarray] | np.ndarray, trim_ratio: float = 0.1) -> np.ndarray:
@@ -100,10 +101,9 @@ def trimmed_mean(vectors: Sequence[np.ndarray] | np.ndarray, trim_ratio: float =
     k = int(np.floor(trim_ratio * n))
     if not 0 <= trim_ratio < 0.5:
         raise ValueError(f"trim_ratio must be in [0, 0.5), got {trim_ratio}")
-    if k == 0:
-        return x.mean(axis=0, dtype=np.float64).astype(np.float32)
-    part = np.partition(x, (k, n - k - 1), axis=0)[k : n - k]
-    return part.mean(axis=0, dtype=np.float64).astype(np.float32)
+    kept = x if k == 0 else np.partition(x, (k, n - k - 1), axis=0)[k : n - k]
+    mean: np.ndarray = kept.mean(axis=0, dtype=np.float64).astype(np.float32)
+    return mean
 
 
 def pairwise_sq_distances(x: np.ndarray) -> np.ndarray:
@@ -111,7 +111,7 @@ def pairwise_sq_distances(x: np.ndarray) -> np.ndarray:
     x64 = x.astype(np.float64)
     sq = np.einsum("ij,ij->i", x64, x64)
     gram = x64 @ x64.T
-    d = sq[:, None] + sq[None, :] - 2.0 * gram
+    d: np.ndarray = sq[:, None] + sq[None, :] - 2.0 * gram
     np.maximum(d, 0.0, out=d)
     np.fill_diagonal(d, 0.0)
     return d
@@ -127,7 +127,8 @@ def krum_scores(vectors: Sequence[np.ndarray] | np.ndarray, num_byzantine: int) 
     d = pairwise_sq_distances(x)
     np.fill_diagonal(d, np.inf)
     nearest = np.sort(d, axis=1)[:, :m]
-    return nearest.sum(axis=1)
+    scores: np.ndarray = nearest.sum(axis=1)
+    return scores
 
 
 def krum(vectors: Sequence[np.ndarray] | np.ndarray, num_byzantine: int, multi: int = 1) -> np.ndarray:
@@ -135,21 +136,6 @@ def krum(vectors: Sequence[np.ndarray] | np.ndarray, num_byzantine: int, multi: 
     x = stack(vectors)
     scores = krum_scores(x, num_byzantine)
     chosen = np.argsort(scores, kind="stable")[: max(1, multi)]
-    return x[chosen].mean(axis=0, dtype=np.float64).astype(np.float32)
+    mean: np.ndarray = x[chosen].mean(axis=0, dtype=np.float64).astype(np.float32)
+    return mean
 
-
-ROBUST_RULES = ("mean", "median", "trimmed_mean", "krum")
-
-
-def robust_aggregate(vectors: Sequence[np.ndarray], weights: Sequence[float] | None, rule: str,
-                     trim_ratio: float = 0.1, num_byzantine: int = 1) -> np.ndarray:
-    """Dispatch on a rule name from the config (`ROBUST_RULES`)."""
-    if rule == "mean":
-        return weighted_mean(vectors, weights)
-    if rule == "median":
-        return coordinate_median(vectors)
-    if rule == "trimmed_mean":
-        return trimmed_mean(vectors, trim_ratio)
-    if rule == "krum":
-        return krum(vectors, num_byzantine)
-    raise ValueError(f"unknown aggregation rule {rule!r}; choose one of: {', '.join(ROBUST_RULES)}")

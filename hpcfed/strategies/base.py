@@ -1,17 +1,23 @@
-"""The `Strategy` protocol: how the server turns client updates into models to dispatch.
+"""The strategy bases: how the server turns client updates into models to dispatch.
 
 A strategy is a small stateful object on rank 0. The math lives in `hpcfed.strategies.aggregate`
 (pure functions over flat float32 vectors); a strategy file holds only its state and its rule.
 
-Synchronous strategies implement `aggregate(round, updates)`; asynchronous ones set
-``synchronous = False`` and implement `on_update(update) -> client ids to answer`. Either way
-`model_for(client_id)` says what a client receives, so personalised dispatch (SEGA, Local-only)
-is a strategy decision, not a runtime one.
+A strategy subclasses exactly one of two bases, and that choice is the federation's mode (the run
+config derives ``federation.mode`` from it, `hpcfed.registry.resolve`):
+
+- `SyncStrategy` (``synchronous = True``): implements `aggregate(round, updates)`; the server runs
+  rounds;
+- `AsyncStrategy` (``synchronous = False``): implements `on_update(update) -> client ids to answer`;
+  the server folds each upload as it comes.
+
+Either way `model_for(client_id)` says what a client receives, so personalised dispatch (SEGA,
+Local-only) is a strategy decision, not a runtime one.
 """
 
 from __future__ import annotations
 
-from abc import ABC
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -32,6 +38,13 @@ class Update:
     client_version: int = 0  # the client's own counter (FedDWA's v)
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def vector(self) -> np.ndarray:
+        """The uploaded vector; an update a streaming strategy has folded has none left."""
+        if self.flat is None:
+            raise ValueError(f"client {self.client_id}'s update was folded already; its vector is gone")
+        return self.flat
+
 
 @dataclass(kw_only=True)
 class StrategyContext:
@@ -45,23 +58,29 @@ class StrategyContext:
 
 
 class Strategy(ABC):
-    """Server-side aggregation rule. Subclasses define a nested keyword-only ``Config`` dataclass."""
+    """What every server-side rule shares. Subclass `SyncStrategy` or `AsyncStrategy`, never this
+    directly; define a nested keyword-only ``Config`` dataclass."""
 
     name: ClassVar[str] = ""
-    synchronous: ClassVar[bool] = True
+    # Set by the base a strategy subclasses, never by the strategy: the run's mode follows from it.
+    synchronous: ClassVar[bool]
     # Does one site's upload reach another site's model? Then the server bounds its influence
     # (`hpcfed.server.influence`); a strategy that keeps every site to itself says False.
     shares_updates: ClassVar[bool] = True
+
+    layout: ParamLayout  # the model's parameter layout; set by `initialize`
+    global_flat: np.ndarray  # the global model, float32 (layout.size,); set by `initialize` / `load_state_dict`
 
     @dataclass(kw_only=True)
     class Config:
         pass
 
     def __init__(self, config: Any, context: StrategyContext) -> None:
+        problem = kind_problem(type(self))
+        if problem:
+            raise TypeError(problem)
         self.config = config
         self.context = context
-        self.layout: ParamLayout | None = None
-        self.global_flat: np.ndarray | None = None
         self.version = 1  # bumped on every accepted aggregation (FedDWA: "initialised to 1")
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -71,19 +90,58 @@ class Strategy(ABC):
 
     def model_for(self, client_id: int) -> np.ndarray:
         """Flat model to send to `client_id` now (default: the global model)."""
-        assert self.global_flat is not None, "initialize() first"
         return self.global_flat
 
     def final_model_for(self, client_id: int) -> np.ndarray:
         """Flat model a client evaluates and exports at the end (default: what `model_for` gives)."""
         return self.model_for(client_id)
 
-    # -- synchronous --------------------------------------------------------------------------
-    # The server calls begin_round, then fold(update) for each update as it arrives, then end_round.
-    # By default fold keeps the update and end_round hands them all to `aggregate` (strategies that
-    # need every update at once: median, trimmed mean, Krum, SEGA: rank 0 holds K models). A
-    # streaming strategy (FedAvg's mean) overrides the three, folds each update into an accumulator
-    # and sets ``update.flat = None``, so rank 0 holds one update at a time whatever K is.
+    # -- checkpointing ------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """JSON-able scalars + named arrays that restore this strategy exactly."""
+        return {"version": self.version}, {"global": self.global_flat}
+
+    def load_state_dict(self, state: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
+        header, arrays = state
+        self.version = int(header["version"])
+        self.global_flat = np.array(arrays["global"], dtype=np.float32)
+
+    def metrics(self) -> dict[str, float]:
+        """Extra numbers to log after an aggregation (e.g. number of SEGA clusters)."""
+        return {}
+
+
+def kind_problem(cls: type) -> str | None:
+    """Why strategy class `cls` is neither plainly a `SyncStrategy` nor an `AsyncStrategy` (one
+    line naming the fix), or None. The registry refuses such a class at lookup, `Strategy` when built."""
+    mro = getattr(cls, "__mro__", ())
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if SyncStrategy in mro and AsyncStrategy in mro:
+        return (f"strategy class {name} subclasses both SyncStrategy and AsyncStrategy; choose one "
+                f"(the base decides the federation's mode)")
+    if SyncStrategy not in mro and AsyncStrategy not in mro:
+        return (f"strategy class {name} subclasses Strategy but neither SyncStrategy nor AsyncStrategy; "
+                f"subclass hpcfed.strategies.base.SyncStrategy (implement aggregate) or AsyncStrategy "
+                f"(implement on_update): the base decides the federation's mode")
+    base = SyncStrategy if SyncStrategy in mro else AsyncStrategy
+    if getattr(cls, "synchronous", None) is not base.synchronous:
+        return (f"strategy class {name} sets synchronous = {getattr(cls, 'synchronous', None)!r} but subclasses "
+                f"{base.__name__}; remove the line (the base sets it) or subclass the other base")
+    return None
+
+
+class SyncStrategy(Strategy):
+    """A rule for synchronous rounds: the server collects a round's updates, then `aggregate` folds them.
+
+    The server calls begin_round, then fold(update) for each update as it arrives, then end_round.
+    By default fold keeps the update and end_round hands them all to `aggregate` (strategies that
+    need every update at once: median, trimmed mean, Krum, SEGA: rank 0 holds K models). A
+    streaming strategy (FedAvg's mean) overrides the three, folds each update into an accumulator
+    and sets ``update.flat = None``, so rank 0 holds one update at a time whatever K is.
+    """
+
+    synchronous: ClassVar[bool] = True
+
     def begin_round(self, round: int) -> None:
         """A synchronous round starts; no update has arrived yet."""
         self._held: list[Update] = []
@@ -97,26 +155,17 @@ class Strategy(ABC):
         held, self._held = sorted(self._held, key=lambda u: u.client_id), []
         self.aggregate(round, held)
 
+    @abstractmethod
     def aggregate(self, round: int, updates: list[Update]) -> None:
         """Fold one round's updates (sorted by client id) into the state."""
-        raise NotImplementedError(f"strategy {self.name!r} is asynchronous; use federation.mode=async")
 
-    # -- asynchronous -------------------------------------------------------------------------
+
+class AsyncStrategy(Strategy):
+    """A rule for an asynchronous federation: each upload is folded as it comes (`on_update`)."""
+
+    synchronous: ClassVar[bool] = False
+
+    @abstractmethod
     def on_update(self, update: Update) -> list[int]:
         """Fold one upload into the state; return the client ids to send `model_for` to now."""
-        raise NotImplementedError(f"strategy {self.name!r} is synchronous; use federation.mode=sync")
 
-    # -- checkpointing ------------------------------------------------------------------------
-    def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """JSON-able scalars + named arrays that restore this strategy exactly."""
-        assert self.global_flat is not None
-        return {"version": self.version}, {"global": self.global_flat}
-
-    def load_state_dict(self, state: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
-        header, arrays = state
-        self.version = int(header["version"])
-        self.global_flat = np.array(arrays["global"], dtype=np.float32)
-
-    def metrics(self) -> dict[str, float]:
-        """Extra numbers to log after an aggregation (e.g. number of SEGA clusters)."""
-        return {}

@@ -20,7 +20,7 @@ from typing import Literal
 
 import numpy as np
 
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.base import AsyncStrategy, Update
 
 
 def staleness_factor(staleness: int, kind: str, a: float, b: int) -> float:
@@ -35,9 +35,8 @@ def staleness_factor(staleness: int, kind: str, a: float, b: int) -> float:
     raise ValueError(f"unknown staleness function {kind!r}; choose constant, polynomial or hinge")
 
 
-class FedAsync(Strategy):
+class FedAsync(AsyncStrategy):
     name = "fedasync"
-    synchronous = False
 
     @dataclass(kw_only=True)
     class Config:

@@ -1,6 +1,7 @@
 """FedAvg (McMahan et al. 2017), synchronous: the global model is the example-weighted mean of the
 round's updates, θ = Σ_k n_k θ_k / Σ_k n_k. With ``rule`` it becomes a robust aggregate
-(coordinate median, trimmed mean, Krum) from `hpcfed.strategies.aggregate`.
+(coordinate median, trimmed mean, Krum), computed by `hpcfed.strategies.robust.robust_rule`, the
+rules' one home (the ``median``/``trimmed_mean``/``krum`` strategies use it too).
 
 Memory on rank 0: the mean streams: each update is folded into a float64 running sum
 (`RunningMean`) as it arrives and freed, so rank 0 holds the float32 global model, the float64 sum
@@ -13,13 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcfed.strategies.aggregate import ROBUST_RULES, RunningMean, robust_aggregate
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.aggregate import RunningMean
+from hpcfed.strategies.base import SyncStrategy, Update
+from hpcfed.strategies.robust import RULES, robust_rule
+
+MEAN_OR_ROBUST = ("mean", *RULES)
 
 
-class FedAvg(Strategy):
+class FedAvg(SyncStrategy):
     name = "fedavg"
-    synchronous = True
 
     @dataclass(kw_only=True)
     class Config:
@@ -31,8 +34,8 @@ class FedAvg(Strategy):
         def validate(self) -> None:
             if self.weighting not in ("num_examples", "uniform"):
                 raise ValueError(f"weighting={self.weighting!r}; choose num_examples or uniform")
-            if self.rule not in ROBUST_RULES:
-                raise ValueError(f"rule={self.rule!r}; choose one of: {', '.join(ROBUST_RULES)}")
+            if self.rule not in MEAN_OR_ROBUST:
+                raise ValueError(f"rule={self.rule!r}; choose one of: {', '.join(MEAN_OR_ROBUST)}")
 
     # -- streaming mean: fold each update on arrival ---------------------------------------------
     def begin_round(self, round: int) -> None:
@@ -42,7 +45,7 @@ class FedAvg(Strategy):
     def fold(self, update: Update) -> None:
         if self._mean is None:
             return super().fold(update)
-        self._mean.add(update.flat, self._weight(update))
+        self._mean.add(update.vector, self._weight(update))
         update.flat = None  # the runtime holds no reference: the received message can be freed
 
     def end_round(self, round: int) -> None:
@@ -58,15 +61,12 @@ class FedAvg(Strategy):
     def aggregate(self, round: int, updates: list[Update]) -> None:
         if not updates:
             return
-        vectors = [u.flat for u in updates]
-        weights = None
-        if self.config.weighting == "num_examples" and sum(u.num_examples for u in updates) > 0:
-            weights = [u.num_examples for u in updates]
         if self.config.rule == "mean":
             mean = RunningMean(self.layout.size)
             for u in updates:
-                mean.add(u.flat, self._weight(u))
+                mean.add(u.vector, self._weight(u))
             mean.result(out=self.global_flat)
         else:
-            self.global_flat[:] = robust_aggregate(vectors, weights, self.config.rule,
-                                                   self.config.trim_ratio, self.config.num_byzantine)
+            c = self.config
+            self.global_flat[:] = robust_rule(c.rule, [u.vector for u in updates], trim_ratio=c.trim_ratio,
+                                              num_byzantine=c.num_byzantine)

@@ -28,7 +28,7 @@ import numpy as np
 
 from hpcfed.params import Params
 from hpcfed.strategies.aggregate import weighted_mean
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.base import AsyncStrategy, Update
 
 
 def dwa_weights(gaps: np.ndarray, a: float) -> np.ndarray:
@@ -39,9 +39,8 @@ def dwa_weights(gaps: np.ndarray, a: float) -> np.ndarray:
     return (gaps + 1.0) ** (-a)
 
 
-class FedDWA(Strategy):
+class FedDWA(AsyncStrategy):
     name = "feddwa"
-    synchronous = False
 
     @dataclass(kw_only=True)
     class Config:

@@ -13,24 +13,24 @@ from typing import Any
 import numpy as np
 
 from hpcfed.params import Params
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.base import SyncStrategy, Update
 
 
-class Local(Strategy):
+class Local(SyncStrategy):
     name = "local"
-    synchronous = True
     shares_updates = False  # a site's upload is its own next model: nothing to bound
 
     def initialize(self, initial: Params) -> None:
         super().initialize(initial)
-        self.per_client = np.tile(self.global_flat, (self.context.num_clients, 1))
+        self.per_client: np.ndarray = np.tile(self.global_flat, (self.context.num_clients, 1))
 
     def aggregate(self, round: int, updates: list[Update]) -> None:
         for u in updates:
             self.per_client[u.client_id] = u.flat
 
     def model_for(self, client_id: int) -> np.ndarray:
-        return self.per_client[client_id]
+        mine: np.ndarray = self.per_client[client_id]
+        return mine
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header, arrays = super().state_dict()

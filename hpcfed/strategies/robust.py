@@ -1,6 +1,7 @@
 """Robust FedAvg variants against a poisoning site: coordinate median, trimmed mean, Krum.
 
-Thin strategies over the pure rules in `hpcfed.strategies.aggregate`:
+Thin strategies over the pure rules in `hpcfed.strategies.aggregate`, dispatched by `robust_rule`
+(which FedAvg's ``rule`` option uses too, so each rule has one home):
 
 - ``median``: θ = coordinate-wise median of the uploads (Yin et al. 2018);
 - ``trimmed_mean``: per coordinate, drop the ``trim_ratio``·K largest and smallest values, average the rest;
@@ -16,22 +17,41 @@ Krum adds a K x K Gram matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from hpcfed.strategies.aggregate import coordinate_median, krum, trimmed_mean
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.base import SyncStrategy, Update
+
+RULES = ("median", "trimmed_mean", "krum")
 
 
-class _Robust(Strategy):
-    synchronous = True
+def robust_rule(rule: str, vectors: Sequence[np.ndarray], *, trim_ratio: float = 0.1, num_byzantine: int = 1,
+                multi: int = 1) -> np.ndarray:
+    """The one home of the robust rules: `rule` (one of `RULES`) over a round's uploads. The
+    strategies below and FedAvg's ``rule`` option both aggregate through it."""
+    if rule == "median":
+        return coordinate_median(vectors)
+    if rule == "trimmed_mean":
+        return trimmed_mean(vectors, trim_ratio)
+    if rule == "krum":
+        if len(vectors) < num_byzantine + 3:
+            raise ValueError(f"krum needs at least num_byzantine + 3 = {num_byzantine + 3} clients, "
+                             f"got {len(vectors)}; lower strategy.num_byzantine or use median")
+        return krum(vectors, num_byzantine, multi)
+    raise ValueError(f"unknown robust rule {rule!r}; choose one of: {', '.join(RULES)}")
+
+
+class _Robust(SyncStrategy):
+    """A robust rule as a strategy: non-finite uploads are dropped (logged), the rule takes the rest."""
 
     def _finite(self, updates: list[Update]) -> list[np.ndarray]:
         kept = []
         for u in updates:
-            if np.isfinite(u.flat).all():
-                kept.append(u.flat)
+            if np.isfinite(u.vector).all():
+                kept.append(u.vector)
             else:
                 self.context.log(f"{self.name}: rejected client {u.client_id}'s upload (NaN/Inf)")
         return kept
@@ -39,11 +59,8 @@ class _Robust(Strategy):
     def aggregate(self, round: int, updates: list[Update]) -> None:
         vectors = self._finite(updates)
         if vectors:
-            self.global_flat[:] = self._rule(vectors)
+            self.global_flat[:] = robust_rule(self.name, vectors, **asdict(self.config))
             self.version += 1
-
-    def _rule(self, vectors: list[np.ndarray]) -> np.ndarray:
-        raise NotImplementedError
 
 
 class Median(_Robust):
@@ -52,9 +69,6 @@ class Median(_Robust):
     @dataclass(kw_only=True)
     class Config:
         pass
-
-    def _rule(self, vectors: list[np.ndarray]) -> np.ndarray:
-        return coordinate_median(vectors)
 
 
 class TrimmedMean(_Robust):
@@ -68,9 +82,6 @@ class TrimmedMean(_Robust):
             if not 0.0 <= self.trim_ratio < 0.5:
                 raise ValueError(f"trim_ratio must be in [0, 0.5), got {self.trim_ratio}")
 
-    def _rule(self, vectors: list[np.ndarray]) -> np.ndarray:
-        return trimmed_mean(vectors, self.config.trim_ratio)
-
 
 class Krum(_Robust):
     name = "krum"
@@ -83,9 +94,3 @@ class Krum(_Robust):
         def validate(self) -> None:
             if self.num_byzantine < 0 or self.multi < 1:
                 raise ValueError(f"need num_byzantine >= 0 and multi >= 1, got {self.num_byzantine}, {self.multi}")
-
-    def _rule(self, vectors: list[np.ndarray]) -> np.ndarray:
-        if len(vectors) < self.config.num_byzantine + 3:
-            raise ValueError(f"krum needs at least num_byzantine + 3 = {self.config.num_byzantine + 3} clients, "
-                             f"got {len(vectors)}; lower strategy.num_byzantine or use median")
-        return krum(vectors, self.config.num_byzantine, self.config.multi)

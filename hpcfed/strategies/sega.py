@@ -10,7 +10,7 @@ Each round the server
        sim_mode="node_mean" (reference code, default): sim(u,v) = (1/N) Σ_n cos(H_u[n], H_v[n])
        sim_mode="pooled"    (paper eq. 9):            sim(u,v) = cos(mean_n H_u[n], mean_n H_v[n])
 
-3. partitions it by greedy 2DSE minimisation (`hpcfed.server.entropy`, eq. 10–11);
+3. partitions it by greedy 2DSE minimisation (`hpcfed.strategies.entropy`, eq. 10–11);
 4. gives each client u in cluster C the softmax-weighted model (eq. 12–13)::
 
        s_uv = 1 if v == u else max(sim(u,v), 0),   α_uv = exp(s_uv) / Σ_{v'∈C} exp(s_uv'),
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from hpcfed.params import Params
-from hpcfed.server.entropy import minimize_2dse
-from hpcfed.strategies.base import Strategy, Update
+from hpcfed.strategies.base import SyncStrategy, Update
+from hpcfed.strategies.entropy import minimize_2dse
 
 
 def client_similarity(outputs: Sequence[np.ndarray], mode: str = "node_mean") -> np.ndarray:
@@ -64,7 +64,8 @@ def client_similarity(outputs: Sequence[np.ndarray], mode: str = "node_mean") ->
         for u in range(k):
             for v in range(u + 1, k):
                 with np.errstate(invalid="ignore", divide="ignore"):
-                    sim[u, v] = sim[v, u] = float(pooled[u] @ pooled[v] / (np.linalg.norm(pooled[u]) * np.linalg.norm(pooled[v])))
+                    norms = np.linalg.norm(pooled[u]) * np.linalg.norm(pooled[v])
+                    sim[u, v] = sim[v, u] = float(pooled[u] @ pooled[v] / norms)
     else:
         raise ValueError(f"sim_mode={mode!r}; choose node_mean or pooled")
     np.fill_diagonal(sim, 1.0)
@@ -80,8 +81,12 @@ def similarity_graph(sim: np.ndarray) -> np.ndarray:
 
 def dispatch_weights(sim: np.ndarray, cluster: Sequence[int], client: int) -> dict[int, float]:
     """Softmax weights α_uv (eq. 12–13) of `client` over the members of its `cluster`."""
-    s = np.array([1.0 if v == client else (sim[client, v] if np.isfinite(sim[client, v]) and sim[client, v] > 0 else 0.0)
-                  for v in cluster])
+    def score(v: int) -> float:
+        if v == client:
+            return 1.0
+        return float(sim[client, v]) if np.isfinite(sim[client, v]) and sim[client, v] > 0 else 0.0
+
+    s = np.array([score(v) for v in cluster])
     e = np.exp(s - s.max())
     return {int(v): float(a) for v, a in zip(cluster, e / e.sum())}
 
@@ -95,9 +100,8 @@ def erdos_renyi(num_nodes: int, edge_prob: float, seed: int) -> np.ndarray:
     return np.stack([np.concatenate([src, dst]), np.concatenate([dst, src])]).astype(np.int64)
 
 
-class Sega(Strategy):
+class Sega(SyncStrategy):
     name = "sega"
-    synchronous = True
 
     @dataclass(kw_only=True)
     class Config:
@@ -126,7 +130,7 @@ class Sega(Strategy):
         if context.num_clients == 2:
             context.log("sega: with 2 clients 2DSE never merges (ΔSE = 0, spec 1.9): every client gets its own "
                         "model back, so DAMe reduces to local training + BOLA/GLECC")
-        self.service: np.ndarray | None = None  # (K, P) personalised models, by client id
+        self.service: np.ndarray  # (K, P) personalised models, by client id; set by `initialize`
         self.partition: list[list[int]] = [[k] for k in range(context.num_clients)]
         self._probe: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -149,38 +153,41 @@ class Sega(Strategy):
         n = x.shape[0]
         seeds = np.sort(rng.choice(n, size=max(1, int(self.config.probe_sample * n)), replace=False))
         params = [self.layout.unflatten(np.asarray(f, dtype=np.float32)) for f in flats]
-        return self.context.task_cls.probe_outputs(self.context.task_config, params, x, edge_index, seeds,
-                                                   int(rng.integers(2**31)))
+        outputs: list[np.ndarray] = self.context.task_cls.probe_outputs(
+            self.context.task_config, params, x, edge_index, seeds, int(rng.integers(2**31)))
+        return outputs
 
     def aggregate(self, round: int, updates: list[Update]) -> None:
         if not updates:
             return
-        good = [u for u in updates if np.isfinite(u.flat).all()]
+        good = [u for u in updates if np.isfinite(u.vector).all()]
         good_ids = {u.client_id for u in good}
         for u in updates:
             if u.client_id not in good_ids:
                 self.context.log(f"sega: client {u.client_id} uploaded non-finite parameters; it keeps its own model")
-                self.service[u.client_id] = u.flat
+                self.service[u.client_id] = u.vector
         if not good:
             return
-        outputs = self.probe_outputs(round, [u.flat for u in good])
+        outputs = self.probe_outputs(round, [u.vector for u in good])
         sim = client_similarity(outputs, self.config.sim_mode)
         parts = minimize_2dse(similarity_graph(sim))
         ids = [u.client_id for u in good]
-        stacked = np.stack([u.flat for u in good])
+        stacked = np.stack([u.vector for u in good])
         for part in parts:
             for pos in part:
                 alpha = dispatch_weights(sim, part, pos)
                 w = np.array([alpha[v] for v in part], dtype=np.float32)
                 self.service[ids[pos]] = w @ stacked[part]
-        self.partition = [[ids[p] for p in part] for part in parts] + [[u.client_id] for u in updates if u.client_id not in good_ids]
-        self.similarity = {f"{ids[a]}-{ids[b]}": float(sim[a, b]) for a in range(len(ids)) for b in range(a + 1, len(ids))}
+        alone = [[u.client_id] for u in updates if u.client_id not in good_ids]
+        self.partition = [[ids[p] for p in part] for part in parts] + alone
+        self.similarity = {f"{ids[a]}-{ids[b]}": float(sim[a, b])
+                           for a in range(len(ids)) for b in range(a + 1, len(ids))}
         self.global_flat[:] = stacked.mean(axis=0)  # informational only; clients get `service`
         self.version += 1
 
     def model_for(self, client_id: int) -> np.ndarray:
-        assert self.service is not None, "initialize() first"
-        return self.service[client_id]
+        personal: np.ndarray = self.service[client_id]
+        return personal
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header, arrays = super().state_dict()

@@ -20,8 +20,10 @@ repeats the uninterrupted one bit for bit.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -48,6 +50,27 @@ class Site:
     config_hash: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class MethodPreset:
+    """What ``method=NAME`` stands for: a strategy and the task options it implies (a row of a
+    task's `Task.METHODS`). `hpcfed.registry.apply_method` applies it to the run config before
+    anything is validated; the task itself never edits the run config.
+
+    A strategy other than the configured one starts from its own defaults (the configured options
+    belong to the other strategy); the configured strategy keeps its options.
+    """
+
+    strategy: str
+    strategy_defaults: Mapping[str, Any] = field(default_factory=dict)  # where the config leaves them out
+    task_options: Mapping[str, Any] = field(default_factory=dict)  # always, over the config's
+    task_defaults: Mapping[str, Any] = field(default_factory=dict)  # where the config leaves them out
+    num_clients: int | None = None  # 1 for a centralized method: `hpcfed run` without --np starts 2 ranks
+
+    def __post_init__(self) -> None:
+        for name in ("strategy_defaults", "task_options", "task_defaults"):  # a table row is read-only
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+
 @dataclass
 class FitResult:
     num_examples: int
@@ -58,6 +81,8 @@ class Task(ABC):
     """One site's learner. Subclasses define a nested keyword-only ``Config`` dataclass."""
 
     name: ClassVar[str] = ""
+    # ``method=NAME`` shortcuts (a run's whole federation in one word); empty: the task has none.
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = MappingProxyType({})
 
     @dataclass(kw_only=True)
     class Config:
@@ -74,6 +99,7 @@ class Task(ABC):
 
     def on_setup(self, reply: Bundle) -> None:
         """Receive the server's setup answer (default: ignore)."""
+        return None
 
     @classmethod
     def server_setup(cls, config: Any, payloads: dict[int, Bundle]) -> tuple[dict[int, Bundle], Params | None]:
@@ -82,14 +108,6 @@ class Task(ABC):
         When it returns None for the parameters, client 0's initial model is the global start.
         """
         return {cid: EMPTY_BUNDLE for cid in payloads}, None
-
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        """Translate ``method=NAME`` into strategy/task settings on `run_config` (mutated in place).
-
-        Raise ValueError naming the allowed methods for an unknown one.
-        """
-        raise ValueError(f"task {cls.name!r} defines no methods; remove method={method}")
 
     # -- learning -----------------------------------------------------------------------------
     @abstractmethod
@@ -118,4 +136,5 @@ class Task(ABC):
         return EMPTY_BUNDLE
 
     def load_state_dict(self, state: Bundle) -> None:
-        """Restore what `state_dict` returned."""
+        """Restore what `state_dict` returned (default: nothing to restore)."""
+        return None

@@ -23,6 +23,7 @@ ids, labels; entity ``public``: inferred public-corpus vectors in mapping mode) 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -32,12 +33,20 @@ import numpy as np
 from hpcfed.models import doc2vec as g
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
-from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 
-METHODS = ("joint", "centralized", "mapping", "nomapping")
+
+def gensim_method(method: str) -> MethodPreset:
+    """method=joint|centralized|mapping|nomapping -> task.mode, FedAvg with an unweighted mean (§4.2)."""
+    return MethodPreset(strategy="fedavg", strategy_defaults={"weighting": "uniform"}, task_options={"mode": method},
+                        num_clients=1 if method == "centralized" else None)
+
+
 # Independent training shares no arrays, but the runtime's protocol carries a model every round:
 # the sites exchange this one constant instead (FedAvg of a constant is that constant).
 INDEPENDENT_PLACEHOLDER = "independent_training_shares_nothing"
+
+
 
 
 def model_path(out_dir: str | Path, client_id: int) -> Path:
@@ -76,6 +85,26 @@ def bundle_counts(tensors: dict[str, np.ndarray], where: str) -> dict[str, int]:
     return g.decode_counts(words, tensors["counts"], where)
 
 
+@dataclass(kw_only=True)
+class GensimJointOptions(g.GensimSettings):
+    """The options every gensim joint task has: the model's `GensimSettings` (declared there, once)
+    and the federation's schedule. The task's class decides the model's kind, and skip-gram is
+    fixed, so neither is an option; a task hides the other settings it fixes the same way."""
+
+    kind: str = field(default="doc2vec", init=False)  # GensimJointTask.kind
+    sg: int = field(default=1, init=False)
+    local_epochs: int = 1
+    total_epochs: int = 40  # the decay spans all rounds: set rounds = total_epochs / local_epochs
+    rounds_per_epoch: int = 1  # > 1: a round trains 1/n of the corpus (local_epochs must be 1)
+    federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
+    # mean: FedAvg of the arrays (spec §4.2); sum: the server's mean becomes the sum of the sites'
+    # updates (FedAvg with server learning rate K; needs strategy.weighting=uniform), see scale_update
+    update: Literal["mean", "sum"] = "mean"
+    vocab_merge: Literal["sum", "reference_compat"] = "sum"
+    model_seed: int = 0
+    eval_k: int = 10
+
+
 def validate_shared(config: Any, *, positive: tuple[str, ...] = ()) -> None:
     """The checks of the options every gensim joint task has (plus its own `positive` ints)."""
     for key in ("vector_size", "local_epochs", "total_epochs", "min_count", "eval_k", "rounds_per_epoch", *positive):
@@ -109,7 +138,12 @@ class GensimJointTask(Task):
 
     # -- subclass hooks -------------------------------------------------------------------------
     def _settings(self) -> g.GensimSettings:
-        raise NotImplementedError
+        return self.settings_of(self.config)
+
+    @classmethod
+    def settings_of(cls, config: GensimJointOptions) -> g.GensimSettings:
+        """The model's settings in a task config (this task's kind of model)."""
+        return config.model_settings(cls.kind)
 
     def _mode(self) -> str:
         return getattr(self.config, "mode", "joint")
@@ -130,7 +164,8 @@ class GensimJointTask(Task):
     def server_setup(cls, config: Any, payloads: dict[int, Bundle]) -> tuple[dict[int, Bundle], Params | None]:
         if getattr(config, "mode", "joint") in ("mapping", "nomapping"):
             return {cid: ({}, {}) for cid in payloads}, {INDEPENDENT_PLACEHOLDER: np.zeros(1, dtype=np.float32)}
-        counts = {cid: bundle_counts(tensors, f"setup payload of client {cid}") for cid, (_, tensors) in payloads.items()}
+        counts = {cid: bundle_counts(tensors, f"setup payload of client {cid}")
+                  for cid, (_, tensors) in payloads.items()}
         settings = cls.settings_of(config)
         vocab = g.order_vocab(g.merge_counts(counts, config.vocab_merge), settings.min_count)
         reply = counts_bundle(dict(vocab))
@@ -138,14 +173,10 @@ class GensimJointTask(Task):
         params = {name: init[name] for name in config.federated_arrays}
         return {cid: ({"vocab_size": len(vocab)}, reply) for cid in payloads}, params
 
-    @classmethod
-    def settings_of(cls, config: Any) -> g.GensimSettings:
-        raise NotImplementedError
-
     def on_setup(self, reply: Bundle) -> None:
         if self.independent:
             return
-        header, tensors = reply
+        _, tensors = reply
         counts = bundle_counts(tensors, "the server's vocabulary reply")
         if not counts:
             raise ValueError("the server sent no vocabulary; is every site running the same task config?")
@@ -216,11 +247,13 @@ class GensimJointTask(Task):
 
 class Doc2VecTask(GensimJointTask):
     name = "doc2vec"
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {
+        method: gensim_method(method) for method in ("joint", "centralized", "mapping", "nomapping")}
     kind = "doc2vec"
     entity = "doc"
 
     @dataclass(kw_only=True)
-    class Config:
+    class Config(GensimJointOptions):
         mode: Literal["joint", "centralized", "mapping", "nomapping"] = "joint"
         dataset: Literal["20newsgroups", "file", "gensim"] = "20newsgroups"
         subset: Literal["train", "test", "all"] = "train"  # 20NG posts the sites own
@@ -232,28 +265,10 @@ class Doc2VecTask(GensimJointTask):
         keep_subject: bool = False  # put the Subject: line back in front of the body
         public_corpus: str = "20newsgroups:test"  # mapping: "20newsgroups:test" | "file:PATH" | "gensim:NAME"
         public_max_docs: int | None = None
-        vector_size: int = 50
-        dm: int = 1
-        window: int = 5
-        negative: int = 5
-        sample: float = 1e-3
-        min_count: int = 2
-        alpha: float = 0.025
-        min_alpha: float = 0.0001
-        infer_epochs: int = 40
         # trained: gensim's document vectors (dv) as training left them; inferred: every document
         # re-vectorised with the final model (infer_vector, seed 0), as the paper's "vectorize"
         doc_vectors: Literal["trained", "inferred"] = "trained"
-        local_epochs: int = 1
-        total_epochs: int = 40  # the decay spans all rounds: set rounds = total_epochs / local_epochs
-        rounds_per_epoch: int = 1  # > 1: a round trains 1/n of the corpus (local_epochs must be 1)
-        federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
-        # mean: FedAvg of the arrays (spec §4.2); sum: the server's mean becomes the sum of the sites'
-        # updates (FedAvg with server learning rate K; needs strategy.weighting=uniform), see scale_update
-        update: Literal["mean", "sum"] = "mean"
-        vocab_merge: Literal["sum", "reference_compat"] = "sum"
-        model_seed: int = 0
-        eval_k: int = 10
+        # the model's settings (vector_size 50, dm 1, min_count 2, ...) and the schedule: GensimJointOptions
 
         def validate(self) -> None:
             validate_shared(self, positive=("infer_epochs",))
@@ -305,26 +320,11 @@ class Doc2VecTask(GensimJointTask):
             return self._load(kind, arg or None, "all", max_docs)
         raise ValueError(f"task.public_corpus={spec!r}; use 20newsgroups:test, file:PATH or gensim:NAME")
 
-    def _settings(self) -> g.GensimSettings:
-        return self.settings_of(self.config)
-
-    @classmethod
-    def settings_of(cls, config: Any) -> g.GensimSettings:
-        return g.GensimSettings(kind="doc2vec", vector_size=config.vector_size, dm=config.dm, window=config.window,
-                                negative=config.negative, sample=config.sample, min_count=config.min_count,
-                                alpha=config.alpha, min_alpha=config.min_alpha, infer_epochs=config.infer_epochs)
-
     def _local_counts(self) -> Counter[str]:
         counts: Counter[str] = Counter()
         for d in self.corpus:
             counts.update(d.words)
         return counts
-
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r} for task doc2vec; choose one of: {', '.join(METHODS)}")
-        apply_gensim_method(method, run_config)
 
     # the inferred vectors belong to one model: any change of the model drops them
     def set_parameters(self, params: Params) -> None:
@@ -380,12 +380,3 @@ class Doc2VecTask(GensimJointTask):
         g.save_model(model_path(out_dir, cid), self.model, self.settings, site=cid)
         return path
 
-
-def apply_gensim_method(method: str, run_config: Any) -> None:
-    """method=joint|centralized|mapping|nomapping -> task.mode, FedAvg with an unweighted mean (§4.2)."""
-    run_config.task.options["mode"] = method
-    if run_config.strategy.name != "fedavg":
-        run_config.strategy.name, run_config.strategy.options = "fedavg", {}
-    run_config.strategy.options.setdefault("weighting", "uniform")
-    if method == "centralized":
-        run_config.federation.num_clients = 1

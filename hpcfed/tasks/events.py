@@ -14,7 +14,7 @@ Evaluation (spec 1.7): embed a split, k-means with k = number of distinct events
 (``random_state=0, n_init=10``), report NMI, AMI (arithmetic) and ARI. ``evaluate(final=True)`` first
 applies one last BOLA merge of the received final model (spec 1.6 [RECON]) and scores the test split.
 
-Baselines through the same task (`apply_method`): Local, FedAvg, FedProx (client-side proximal term
+Baselines through the same task (``method=``, `EventsTask.METHODS`): Local, FedAvg, FedProx (client-side proximal term
 ``μ/2·||θ − θ^g||²``), Ditto (a personal model trained with ``λ/2·||v − θ^g||²`` beside the shared one,
 which is what is uploaded), and the ablations without BOLA, SEGA or GLECC. Attacks on the last client
 (`Site.attack`): ``model`` uploads scaled or random parameters, ``data`` trains on randomly relabelled
@@ -24,19 +24,27 @@ messages (a cyclic relabelling would be a no-op for a clustering loss).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks import torch_state
-from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 
 log = logging.getLogger("hpcfed.tasks.events")
 
-METHODS = ("dame", "local", "fedavg", "fedprox", "ditto", "dame-no-bola", "dame-no-sega", "dame-no-glecc")
+
+def _method(strategy: str, *, bola: bool = False, glecc: bool = False, ditto: bool = False,
+            prox: bool = False) -> MethodPreset:
+    """A row of `METHODS`: the switches it sets; FedProx keeps a configured prox_mu (default 0.01)."""
+    if prox:
+        return MethodPreset(strategy=strategy, task_options={"bola": bola, "glecc": glecc, "ditto": ditto},
+                            task_defaults={"prox_mu": 0.01})
+    return MethodPreset(strategy=strategy, task_options={"bola": bola, "glecc": glecc, "prox_mu": 0.0, "ditto": ditto})
 
 
 def kmeans_metrics(embeddings: np.ndarray, labels: np.ndarray, seed: int = 0) -> dict[str, float]:
@@ -69,6 +77,16 @@ def _site_key(name: str, attacker_id: int | None = None) -> int:
 
 class EventsTask(Task):
     name = "events"
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {
+        "dame": _method("sega", bola=True, glecc=True),
+        "local": _method("local"),
+        "fedavg": _method("fedavg"),
+        "fedprox": _method("fedavg", prox=True),
+        "ditto": _method("fedavg", ditto=True),
+        "dame-no-bola": _method("sega", glecc=True),
+        "dame-no-sega": _method("fedavg", bola=True, glecc=True),
+        "dame-no-glecc": _method("sega", bola=True),
+    }
 
     @dataclass(kw_only=True)
     class Config:
@@ -121,7 +139,8 @@ class EventsTask(Task):
                 raise ValueError("sites must name at least one dataset")
             if len(self.fanouts) != 2:
                 raise ValueError(f"fanouts must give one fan-out per GAT layer (2), got {self.fanouts}")
-            if not (0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1):
+            fractions = (self.val_fraction, self.test_fraction)
+            if not (all(0 < f < 1 for f in fractions) and sum(fractions) < 1):
                 raise ValueError("val_fraction and test_fraction must be in (0, 1) with a sum below 1")
             if not 0.0 <= self.bola_alpha <= 1.0:
                 raise ValueError(f"bola_alpha must be in [0, 1], got {self.bola_alpha}")
@@ -246,23 +265,6 @@ class EventsTask(Task):
                 outs.append(model(xs, ei_t)[: len(seeds)].numpy().astype(np.float64))
         return outs
 
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        from hpcfed.config import ComponentConfig
-
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-        strategy = {"dame": "sega", "dame-no-bola": "sega", "dame-no-glecc": "sega", "dame-no-sega": "fedavg",
-                    "local": "local", "fedavg": "fedavg", "fedprox": "fedavg", "ditto": "fedavg"}[method]
-        if run_config.strategy.name != strategy:
-            # the configured strategy's options belong to it; the method's strategy starts from defaults
-            run_config.strategy = ComponentConfig(name=strategy, options={})
-        opts = run_config.task.options
-        opts["bola"] = method in ("dame", "dame-no-sega", "dame-no-glecc")
-        opts["glecc"] = method in ("dame", "dame-no-sega", "dame-no-bola")
-        opts["prox_mu"] = float(opts.get("prox_mu") or 0.01) if method == "fedprox" else 0.0
-        opts["ditto"] = method == "ditto"
-
     # ------------------------------------------------------------------------------------------
     # parameters
 
@@ -296,12 +298,11 @@ class EventsTask(Task):
         h = self._embed(self.scratch, nodes, _rng(self.site.seed, 29, self.site.client_id, round))
         return kmeans_metrics(h, self.labels[nodes])["nmi"]
 
-    def _local_aggregate(self, round: int) -> np.ndarray:
+    def _local_aggregate(self, round: int, theta_g: np.ndarray) -> np.ndarray:
         """θ̃ = λ*θ^l + (1−λ*)θ^g (eq. 2–3), or θ^g where BOLA does not apply (spec 1.5 edge cases)."""
         from hpcfed.tasks.bola import bola, bola_reference, merge
 
         c = self.config
-        theta_g = self.received
         if not c.bola or self.local_flat is None or round == 0:
             self.last_lambda = 0.0 if self.local_flat is None or not c.bola else 1.0
             return theta_g.copy()
@@ -313,7 +314,10 @@ class EventsTask(Task):
         if len(val) < 2 or len(val) < len(np.unique(self.labels[val])) or not np.isfinite(theta_g).all():
             self.last_lambda = 1.0
             return theta_l.copy()
-        f = lambda lam: self._score(merge(theta_l, theta_g, lam), val, round)
+
+        def f(lam: float) -> float:
+            return self._score(merge(theta_l, theta_g, lam), val, round)
+
         seed = 42 + self.site.client_id
         if c.reference_compat:
             s_l, s_g = f(1.0), f(0.0)
@@ -321,7 +325,8 @@ class EventsTask(Task):
             def f_pair(w: float, local_best: bool) -> float:
                 return f(w) if local_best else f(1.0 - w)
 
-            lam, _ = bola_reference(f_pair, s_l, s_g, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls, seed=seed)
+            lam, _ = bola_reference(f_pair, s_l, s_g, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls,
+                                    seed=seed)
         else:
             lam, _ = bola(f, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls, seed=seed)
         self.last_lambda = float(lam)
@@ -353,21 +358,22 @@ class EventsTask(Task):
         if c.ditto:
             start = theta_g.copy()  # Ditto: the shared model restarts from the global one
         else:
-            start = self._local_aggregate(round)
+            start = self._local_aggregate(round, theta_g)
         self.received_used = True
         self._load_flat(self.model, start)
         self._load_flat(self.global_model, theta_g)
         self.global_model.eval()
         use_glecc = c.glecc and round >= 1
-        if use_glecc and not c.glecc_own_model and self.local_flat is not None and np.array_equal(self.local_flat, theta_g):
-            use_glecc = False  # θ^g is this client's own last upload: nothing global to align with
+        if use_glecc and not c.glecc_own_model:
+            # θ^g is this client's own last upload: nothing global to align with
+            use_glecc = not (self.local_flat is not None and np.array_equal(self.local_flat, theta_g))
         gen = torch.Generator().manual_seed(int(_rng(self.site.seed, 31, self.site.client_id, round).integers(2**62)))
         rng = _rng(self.site.seed, 37, self.site.client_id, round)
         global_params = [p.detach().clone() for p in self.global_model.parameters()]
         labels_all = torch.from_numpy(self.train_labels)
         stats = {"loss": 0.0, "triplet": 0.0, "glecc": 0.0, "alpha": 0.0}
         steps = 0
-        models = [(self.model, self.optimizer, c.prox_mu)]
+        models: list[tuple[Any, Any, float]] = [(self.model, self.optimizer, c.prox_mu)]
         if c.ditto:
             models.append((self.personal, self.personal_optimizer, c.ditto_mu))
         for _ in range(c.local_epochs):
@@ -415,7 +421,7 @@ class EventsTask(Task):
         if self.config.ditto:
             return self.personal
         if self.received is not None and not self.received_used:
-            flat = self._local_aggregate(getattr(self, "_round", 0) + 1)
+            flat = self._local_aggregate(getattr(self, "_round", 0) + 1, self.received)
             self.received_used = True
             self._load_flat(self.model, flat)
         return self.model

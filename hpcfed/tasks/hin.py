@@ -14,33 +14,29 @@ and exports that one at the end (early stopping on validation; the test split is
 
 One `fit` call is the local work between two exchanges: ``sync_every: epoch`` runs `local_epochs`
 passes over the site's train nodes, ``sync_every: batch`` one batch (paper Algorithm 1 exchanges
-after every batch). ``method=`` picks the federation (see `HINTask.apply_method`).
+after every batch). ``method=`` picks the federation (`HINTask.METHODS`): feddwa|afed (async),
+fedavg|local (sync), centralized (all data on one client rank).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks import torch_state
-from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 
 log = logging.getLogger("hpcfed.client")
 
-METHODS = {
-    # method: (strategy, federation mode)
-    "feddwa": ("feddwa", "async"),
-    "afed": ("fedasync", "async"),
-    "fedavg": ("fedavg", "sync"),
-    "local": ("local", "sync"),
-    "centralized": ("fedavg", "sync"),
-}
+# An asynchronous run logs no evaluate: its uploads carry the val F1 instead (fit_eval_every).
+_ASYNC_EVAL = {"fit_eval_every": 1}
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -49,6 +45,13 @@ def _rng(*keys: int) -> np.random.Generator:
 
 class HINTask(Task):
     name = "hin"
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {
+        "feddwa": MethodPreset(strategy="feddwa", task_defaults=_ASYNC_EVAL),
+        "afed": MethodPreset(strategy="fedasync", task_defaults=_ASYNC_EVAL),
+        "fedavg": MethodPreset(strategy="fedavg"),
+        "local": MethodPreset(strategy="local"),
+        "centralized": MethodPreset(strategy="fedavg", task_options={"partition": "none"}, num_clients=1),
+    }
 
     @dataclass(kw_only=True)
     class Config:
@@ -99,23 +102,6 @@ class HINTask(Task):
             unknown = set(self.personal_params) - {"p"}
             if unknown:
                 raise ValueError(f"personal_params may only name 'p' (preference vectors), got {sorted(unknown)}")
-
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        """feddwa|afed (async), fedavg|local (sync), centralized (all data on one client rank)."""
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r} for task hin; choose one of: {', '.join(METHODS)}")
-        strategy, mode = METHODS[method]
-        if run_config.strategy.name != strategy:
-            run_config.strategy.name = strategy
-            run_config.strategy.options = {}  # the other strategy's options would not validate
-        run_config.federation.mode = mode
-        options = run_config.task.options
-        if mode == "async":
-            options.setdefault("fit_eval_every", 1)
-        if method == "centralized":
-            options["partition"] = "none"
-            run_config.federation.num_clients = 1  # `hpcfed run` without --np starts 2 ranks
 
     # ------------------------------------------------------------------------------------------
     def __init__(self, config: Config, site: Site) -> None:
@@ -256,7 +242,7 @@ class HINTask(Task):
         return FitResult(num_examples=int(count), metrics=metrics)
 
     def _num_batches(self) -> int:
-        return -(-len(self.nodes["train"]) // self.config.batch_size)
+        return -(-len(self.nodes["train"]) // int(self.config.batch_size))
 
     def embed(self, nodes: np.ndarray, chunk: int = 2048) -> np.ndarray:
         """e_i (eq 7) for `nodes`, with a fixed neighbour sample so evaluations are repeatable."""
@@ -290,9 +276,9 @@ class HINTask(Task):
             logits = self.model.classifier(torch.as_tensor(emb))
             y = self.labels[torch.as_tensor(nodes)]
             loss = float(torch.nn.functional.cross_entropy(logits, y))
-        pred, y = logits.argmax(1).numpy(), y.numpy()
-        return {"loss": loss, "micro_f1": float(f1_score(y, pred, average="micro")),
-                "macro_f1": float(f1_score(y, pred, average="macro", zero_division=0))}
+        pred, truth = logits.argmax(1).numpy(), y.numpy()
+        return {"loss": loss, "micro_f1": float(f1_score(truth, pred, average="micro")),
+                "macro_f1": float(f1_score(truth, pred, average="macro", zero_division=0))}
 
     def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
         if not final:

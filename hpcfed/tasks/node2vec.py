@@ -13,28 +13,36 @@ Methods: ``joint`` (default) and ``centralized`` (one site, the whole graph; run
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
 from hpcfed.models import doc2vec as g
 from hpcfed.models.node2vec import walk_corpus
 from hpcfed.store.embeddings import export_path, write_export
-from hpcfed.tasks.base import Site
-from hpcfed.tasks.doc2vec import GensimJointTask, _rng_seed, apply_gensim_method, model_path, validate_shared
-
-METHODS = ("joint", "centralized")
+from hpcfed.tasks.base import MethodPreset, Site
+from hpcfed.tasks.doc2vec import (
+    GensimJointOptions,
+    GensimJointTask,
+    _rng_seed,
+    gensim_method,
+    model_path,
+    validate_shared,
+)
 
 
 class Node2VecTask(GensimJointTask):
     name = "node2vec"
+    METHODS: ClassVar[Mapping[str, MethodPreset]] = {
+        method: gensim_method(method) for method in ("joint", "centralized")}
     kind = "word2vec"
     entity = "node"
 
     @dataclass(kw_only=True)
-    class Config:
+    class Config(GensimJointOptions):
         mode: Literal["joint", "centralized"] = "joint"
         dataset: Literal["cora", "planted"] = "cora"
         planted_nodes: int = 120  # dataset=planted: a small graph with communities (tests, demos)
@@ -43,21 +51,11 @@ class Node2VecTask(GensimJointTask):
         q: float = 0.1
         walk_length: int = 20
         num_walks: int = 20
+        # the model's settings and the schedule are doc2vec's (GensimJointOptions), but for these
         vector_size: int = 124
-        window: int = 5
-        negative: int = 5
-        sample: float = 1e-3
         min_count: int = 1
-        alpha: float = 0.025
-        min_alpha: float = 0.0001
-        local_epochs: int = 1
-        total_epochs: int = 40
-        rounds_per_epoch: int = 1  # as doc2vec's: > 1, a round trains 1/n of the walks
-        federated_arrays: list[str] = field(default_factory=lambda: ["syn1neg", "wv"])
-        update: Literal["mean", "sum"] = "mean"  # as doc2vec's: sum = FedAvg with server learning rate K
-        vocab_merge: Literal["sum", "reference_compat"] = "sum"
-        model_seed: int = 0
-        eval_k: int = 10
+        dm: int = field(default=1, init=False)  # doc2vec only
+        infer_epochs: int = field(default=40, init=False)  # doc2vec only
 
         def validate(self) -> None:
             validate_shared(self, positive=("walk_length", "num_walks"))
@@ -70,10 +68,9 @@ class Node2VecTask(GensimJointTask):
 
         self.graph = load_cora(site.data_root) if config.dataset == "cora" else \
             planted_graph(config.planted_nodes, seed=site.seed)
-        if config.mode == "centralized":
-            if site.num_clients != 1:
-                raise ValueError(f"method=centralized trains one model on the whole graph: run it with one client "
-                                 f"(--np 2), not {site.num_clients}")
+        if config.mode == "centralized" and site.num_clients != 1:
+            raise ValueError(f"method=centralized trains one model on the whole graph: run it with one client "
+                             f"(--np 2), not {site.num_clients}")
         part = split_graph(self.graph, site.num_clients, site.client_id,
                            retain_cross_site=config.retain_cross_site, seed=site.seed)
         self.own = part.own
@@ -82,26 +79,11 @@ class Node2VecTask(GensimJointTask):
                                   walk_length=config.walk_length, p=config.p, q=config.q,
                                   seed=_rng_seed(site.seed, site.client_id, 7), node_id=self.graph.node_id)
 
-    def _settings(self) -> g.GensimSettings:
-        return self.settings_of(self.config)
-
-    @classmethod
-    def settings_of(cls, config: Any) -> g.GensimSettings:
-        return g.GensimSettings(kind="word2vec", vector_size=config.vector_size, sg=1, window=config.window,
-                                negative=config.negative, sample=config.sample, min_count=config.min_count,
-                                alpha=config.alpha, min_alpha=config.min_alpha)
-
     def _local_counts(self) -> Counter[str]:
         counts: Counter[str] = Counter()
         for walk in self.corpus:
             counts.update(walk)
         return counts
-
-    @classmethod
-    def apply_method(cls, method: str, run_config: Any) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r} for task node2vec; choose one of: {', '.join(METHODS)}")
-        apply_gensim_method(method, run_config)
 
     # -- evaluation and export ---------------------------------------------------------------------
     def node_vectors(self) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -121,7 +103,8 @@ class Node2VecTask(GensimJointTask):
         if len(ids) > 1:
             index = SiteIndex(str(self.site.client_id), ids, vectors, labels)
             hits = index.hits(vectors, k, exclude=ids)
-            out[f"local_label_precision_at_{k}"] = label_precision_at_k(list(labels), [[h.label for h in r] for r in hits], k)
+            found = [[h.label for h in r] for r in hits]
+            out[f"local_label_precision_at_{k}"] = label_precision_at_k(list(labels), found, k)
         return out
 
     def export_embeddings(self, out_dir: Path) -> Path:

@@ -6,8 +6,8 @@
             hidden: int = 32
 
         def build_model(self) -> nn.Module: ...               # the same on every site (seeded)
-        def train_data(self) -> Iterable: ...                  # e.g. a DataLoader of (x, y) or dicts
-        def eval_data(self, split: str) -> Iterable: ...       # split is "val" (per round) or "test" (final)
+        def train_data(self) -> Iterable[Any]: ...                  # e.g. a DataLoader of (x, y) or dicts
+        def eval_data(self, split: str) -> Iterable[Any]: ...       # split is "val" (per round) or "test" (final)
         # optional: loss(output, target), metrics(outputs, targets), embed(inputs), split_batch(batch)
 
 and run it with ``task: {name: mymodule:MyTask, lr: 0.01}``. The adapter does the rest:
@@ -116,11 +116,11 @@ class TorchTask(Task):
         """The model (an ``nn.Module``); called once per site under the run seed."""
         raise NotImplementedError(f"{type(self).__name__} must define build_model(self) -> nn.Module")
 
-    def train_data(self) -> Iterable:
+    def train_data(self) -> Iterable[Any]:
         """This site's training batches (e.g. a DataLoader); iterated once per local epoch."""
         raise NotImplementedError(f"{type(self).__name__} must define train_data(self) -> DataLoader")
 
-    def eval_data(self, split: str) -> Iterable:
+    def eval_data(self, split: str) -> Iterable[Any]:
         """Batches of split ``"val"`` (evaluated each round) or ``"test"`` (final evaluation, export)."""
         raise NotImplementedError(f"{type(self).__name__} must define eval_data(self, split) -> DataLoader")
 
@@ -196,7 +196,7 @@ class TorchTask(Task):
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return [n for n in floating if n in trainable]
 
-    def _optimizer(self, params: list) -> Any:
+    def _optimizer(self, params: list[Any]) -> Any:
         import torch
 
         c = self.config
@@ -267,7 +267,7 @@ class TorchTask(Task):
         seed_everything(round_seed(self.site.seed, self.site.client_id, round + 1))
         self._train_epochs(self.config.personalize_epochs)
 
-    def evaluate_on(self, batches: Iterable) -> dict[str, float]:
+    def evaluate_on(self, batches: Iterable[Any]) -> dict[str, float]:
         """Loss and `metrics` of the current model over `batches` (empty dict for no batches)."""
         import torch
 

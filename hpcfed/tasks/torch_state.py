@@ -26,9 +26,11 @@ def to_numpy(tensor: Any) -> np.ndarray:
 
     t = tensor.detach().cpu()
     if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits as ml_dtypes.bfloat16
-        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        bits: np.ndarray = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        return bits
     arr = t.numpy()
-    return arr.astype(wire_dtype(arr.dtype), copy=True)
+    out: np.ndarray = arr.astype(wire_dtype(arr.dtype), copy=True)
+    return out
 
 
 def to_torch(arr: np.ndarray) -> Any:
@@ -65,7 +67,8 @@ def optimizer_state(optimizer: Any) -> tuple[dict[str, Any], dict[str, np.ndarra
             if hasattr(value, "numpy"):
                 # bf16 moments are kept as float32 (exact); load_state_dict casts them back to the
                 # parameter's dtype. HDF5 has no bfloat16.
-                arr = value.detach().cpu().float().numpy() if value.dtype == torch.bfloat16 else value.detach().cpu().numpy()
+                tensor = value.detach().cpu()
+                arr = tensor.float().numpy() if value.dtype == torch.bfloat16 else tensor.numpy()
                 if arr.ndim == 0:
                     scalars.setdefault(str(idx), {})[key] = arr.item()
                 else:

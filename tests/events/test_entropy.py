@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcfed.server.entropy import merge_delta, minimize_2dse, structural_entropy
+from hpcfed.strategies.entropy import merge_delta, minimize_2dse, structural_entropy
 from hpcfed.strategies.sega import client_similarity, dispatch_weights, similarity_graph
 
 

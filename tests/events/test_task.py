@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcfed.config import ComponentConfig, Config, build
+from hpcfed.config import Config, ConfigError, build, from_mapping
 from hpcfed.params import ParamLayout
+from hpcfed.registry import resolve
 from hpcfed.strategies.base import StrategyContext, Update
 from hpcfed.strategies.sega import Sega
 from hpcfed.tasks.base import Site
@@ -80,18 +81,22 @@ def test_attacks_change_uploads_or_labels(tmp_path):
         make_task(tmp_path, cid=3)
 
 
-def test_apply_method_maps_to_strategy_and_switches():
-    cfg = Config(strategy=ComponentConfig(name="sega", options={"probe_nodes": 50}),
-                 task=ComponentConfig(name="events", options={}))
-    EventsTask.apply_method("dame-no-bola", cfg)
+def test_method_presets_map_to_strategy_and_switches():
+    def resolved(method: str) -> Config:
+        cfg = from_mapping({"strategy": {"name": "sega", "probe_nodes": 50}, "task": {"name": "events"},
+                            "method": method})
+        resolve(cfg)
+        return cfg
+
+    cfg = resolved("dame-no-bola")
     assert cfg.strategy.name == "sega" and cfg.strategy.options == {"probe_nodes": 50}
     assert cfg.task.options["bola"] is False and cfg.task.options["glecc"] is True
-    EventsTask.apply_method("fedprox", cfg)
+    cfg = resolved("fedprox")
     assert cfg.strategy.name == "fedavg" and cfg.strategy.options == {} and cfg.task.options["prox_mu"] > 0
-    EventsTask.apply_method("local", cfg)
+    cfg = resolved("local")
     assert cfg.strategy.name == "local" and not cfg.task.options["bola"] and not cfg.task.options["glecc"]
-    with pytest.raises(ValueError, match="choose one of"):
-        EventsTask.apply_method("fedsgd", cfg)
+    with pytest.raises(ConfigError, match="choose one of"):
+        resolved("fedsgd")
 
 
 def test_sega_groups_similar_clients_and_checkpoints(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hpcfed.config import ConfigError, build, from_mapping
+from hpcfed.registry import resolve
 from hpcfed.store.embeddings import read_export
 from hpcfed.tasks.base import Site
 from hpcfed.tasks.hin import HINTask
@@ -26,16 +27,16 @@ def _task(tmp_path: Path, client_id: int = 0, num_clients: int = 3, **options) -
 @pytest.mark.parametrize("method, strategy, mode", [
     ("feddwa", "feddwa", "async"), ("afed", "fedasync", "async"), ("fedavg", "fedavg", "sync"),
     ("local", "local", "sync"), ("centralized", "fedavg", "sync")])
-def test_apply_method(method: str, strategy: str, mode: str) -> None:
-    cfg = from_mapping({"strategy": {"name": "feddwa", "threshold": 5}, "federation": {"mode": "async"},
+def test_method_presets(method: str, strategy: str, mode: str) -> None:
+    cfg = from_mapping({"strategy": {"name": "feddwa", "threshold": 5}, "method": method,
                         "task": {"name": "hin", "dataset": "synthetic"}})
-    HINTask.apply_method(method, cfg)
-    assert (cfg.strategy.name, cfg.federation.mode) == (strategy, mode)
+    resolve(cfg)
+    assert (cfg.strategy.name, cfg.mode) == (strategy, mode)
     assert cfg.strategy.options == ({"threshold": 5} if strategy == "feddwa" else {})
     if method == "centralized":
         assert cfg.task.options["partition"] == "none" and cfg.federation.num_clients == 1
-    with pytest.raises(ValueError, match="choose one of: feddwa, afed, fedavg, local, centralized"):
-        HINTask.apply_method("fedprox", cfg)
+    with pytest.raises(ConfigError, match="choose one of: feddwa, afed, fedavg, local, centralized"):
+        resolve(from_mapping({"task": {"name": "hin"}, "method": "fedprox"}))
 
 
 def test_sites_share_shapes_and_split_the_nodes(tmp_path: Path) -> None:

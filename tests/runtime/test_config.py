@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from hpcfed.config import ConfigError, build, from_mapping, load
+from hpcfed.registry import resolve
 from hpcfed.tasks.synthetic import SyntheticTask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,5 +161,57 @@ def test_resume_compatibility_names_what_differs():
         check_resume_compatible(saved, from_mapping({**saved, "strategy": {"name": "median"}}), where="ck.h5")
     with pytest.raises(ConfigError, match=r"task\.lr: 0\.005 in the checkpoint, 0\.1 now"):
         check_resume_compatible(saved, load(REPO / "configs" / "quickstart.yaml", ["task.lr=0.1"]))
-    with pytest.raises(ConfigError, match=r"federation\.mode: 'sync' in the checkpoint, 'async' now"):
-        check_resume_compatible(saved, load(REPO / "configs" / "quickstart.yaml", ["federation.mode=async"]))
+    # the mode follows from the strategy, so another kind of strategy is what differs
+    with pytest.raises(ConfigError, match=r"strategy\.name: 'fedavg' in the checkpoint, 'fedasync' now"):
+        check_resume_compatible(saved, load(REPO / "configs" / "quickstart.yaml", ["strategy=fedasync"]))
+    # a checkpoint whose config recorded the mode (every resolved one does) resumes under the same config
+    resolved = load(REPO / "configs" / "quickstart.yaml")
+    resolve(resolved)
+    check_resume_compatible(resolved.to_dict(), load(REPO / "configs" / "quickstart.yaml"))
+
+
+# -- the mode follows from the strategy -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy, mode", [("fedavg", "sync"), ("median", "sync"), ("local", "sync"),
+                                            ("feddwa", "async"), ("fedasync", "async"), ("afed", "async")])
+def test_mode_is_derived_from_the_strategy(strategy, mode):
+    cfg = from_mapping({"strategy": strategy, "task": "synthetic"})
+    assert cfg.federation.mode is None  # nothing sets it
+    resolve(cfg)
+    assert cfg.mode == mode and cfg.federation.mode == mode and cfg.to_dict()["federation"]["mode"] == mode
+
+
+def test_a_mode_that_agrees_is_accepted():
+    cfg = from_mapping({"strategy": "fedasync", "federation": {"mode": "async"}})
+    resolve(cfg)
+    assert cfg.mode == "async"
+
+
+@pytest.mark.parametrize("where, overrides, message", [
+    ("file", [], r"/bad\.yaml: federation\.mode = 'async' disagrees with strategy 'fedavg', which is synchronous: "
+                 r"the mode follows from the strategy; remove federation\.mode, or choose an asynchronous one"),
+    ("cli", ["strategy=feddwa", "federation.mode=sync"],
+     r"^command line \(federation\.mode=sync\): federation\.mode = 'sync' disagrees with strategy 'feddwa', "
+     r"which is asynchronous: .*remove federation\.mode, or choose a synchronous one"),
+])
+def test_a_mode_that_disagrees_is_one_line_naming_the_key_and_the_fix(tmp_path, where, overrides, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text("strategy: fedavg\nfederation:\n  mode: async\n" if where == "file" else "strategy: fedavg\n")
+    cfg = load(path, overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        resolve(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_a_method_preset_does_not_override_a_contradicting_mode(tmp_path):
+    """A method picks the strategy; a config that also forces the other mode is refused, not silently changed."""
+    with pytest.raises(ConfigError, match=r"federation\.mode = 'async' disagrees with strategy 'fedavg'"):
+        resolve(load(REPO / "configs" / "fedahe_synthetic.yaml", ["method=fedavg", "federation.mode=async"]))
+
+
+def test_the_mode_is_unknown_until_resolved():
+    cfg = from_mapping({"strategy": "fedavg"})
+    with pytest.raises(ConfigError, match=r"not known until its strategy is looked up: pass the config through "
+                                          r"hpcfed\.registry\.resolve first"):
+        _ = cfg.mode

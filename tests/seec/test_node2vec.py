@@ -7,8 +7,10 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
+from hpcfed.config import ConfigError, from_mapping
 from hpcfed.data.cora import load_cora, planted_graph, split_graph
 from hpcfed.models.node2vec import biased_walks, csr
+from hpcfed.registry import resolve
 from hpcfed.tasks.base import Site
 from hpcfed.tasks.node2vec import Node2VecTask
 
@@ -70,8 +72,8 @@ def test_node2vec_task_joint_round(retain: bool) -> None:
 
 
 def test_unknown_method_is_rejected() -> None:
-    with pytest.raises(ValueError, match="joint, centralized"):
-        Node2VecTask.apply_method("mapping", None)
+    with pytest.raises(ConfigError, match="joint, centralized"):
+        resolve(from_mapping({"task": {"name": "node2vec"}, "method": "mapping"}))
 
 
 @pytest.mark.realdata

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcfed.strategies.aggregate import weighted_mean
-from hpcfed.strategies.base import Strategy
+from hpcfed.strategies.base import SyncStrategy
 
 
-class FedAvgM(Strategy):
+class FedAvgM(SyncStrategy):
     @dataclass(kw_only=True)
     class Config:  # set under `strategy:` in config.yaml
         server_lr: float = 1.0
