@@ -108,7 +108,8 @@ class MetapathInput:
     def input_dim(self) -> int:
         return self.rows.shape[1] + (0 if self.features is None else self.features.shape[1])
 
-    def sample(self, nodes: np.ndarray, num_sample: int | None, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def sample(self, nodes: np.ndarray, num_sample: int | None,
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """≤ num_sample meta-path neighbours of each node (uniform, without replacement), plus the node.
 
         Returns (neighbour ids (E,), segment (E,) = position of the node in `nodes`).

@@ -57,7 +57,8 @@ def bola(f: Callable[[float], float], lo: float = 0.6, hi: float = 1.0, n_init: 
 
 
 def bola_reference(f_pair: Callable[[float, bool], float], f_local: float, f_global: float, lo: float = 0.6,
-                   hi: float = 1.0, n_init: int = 5, n_calls: int = 20, seed: int = 42) -> tuple[float, list[tuple[float, float]]]:
+                   hi: float = 1.0, n_init: int = 5, n_calls: int = 20,
+                   seed: int = 42) -> tuple[float, list[tuple[float, float]]]:
     """The reference procedure with its quirks (a)–(c), for comparison only.
 
     `f_pair(w, local_is_best)` scores ``w·best + (1−w)·second``; `f_local`/`f_global` are the two models'

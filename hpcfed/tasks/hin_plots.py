@@ -119,7 +119,8 @@ def plot_tsne(run_dir: str | Path, out: str | Path, max_points: int = 4000, seed
     if len(x) > max_points:
         pick = rng.choice(len(x), max_points, replace=False)
         x, y = x[pick], y[pick]
-    xy = TSNE(n_components=2, random_state=seed, init="pca", perplexity=min(30.0, max(5.0, len(x) / 4 - 1))).fit_transform(x)
+    perplexity = min(30.0, max(5.0, len(x) / 4 - 1))
+    xy = TSNE(n_components=2, random_state=seed, init="pca", perplexity=perplexity).fit_transform(x)
     fig, ax = plt.subplots(figsize=(7, 6))
     for c in np.unique(y):
         ax.scatter(xy[y == c, 0], xy[y == c, 1], s=4, label=f"class {c}")

@@ -114,7 +114,8 @@ class LoraTextTask(TorchTask):
             encoder = AutoModel.from_pretrained(where)
         except OSError as exc:
             raise ValueError(f"task.model={c.model or where!r}: cannot load it ({str(exc).splitlines()[0]}); "
-                             f"give a folder holding config.json and weights, or a hub name with network access") from None
+                             "give a folder holding config.json and weights, or a hub name with network access"
+                             ) from None
         if c.finetune == "lora":
             from peft import LoraConfig, get_peft_model
 

@@ -32,7 +32,8 @@ def make_site_data(seed: int, client_id: int, *, num_classes: int, dim: int, mod
     world = _rng(seed, 7919)
     centres = world.normal(0.0, 1.0, size=(num_classes, modes_per_class, dim)).astype(np.float32) * 2.0
     site = _rng(seed, 104729, client_id)
-    probs = site.dirichlet(np.full(num_classes, label_skew)) if label_skew > 0 else np.full(num_classes, 1 / num_classes)
+    uniform = np.full(num_classes, 1 / num_classes)
+    probs = site.dirichlet(np.full(num_classes, label_skew)) if label_skew > 0 else uniform
 
     def draw(n: int, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         y = site.choice(num_classes, size=n, p=p)

@@ -17,9 +17,10 @@ def test_weighted_mean_by_hand():
 def test_median_trimmed_krum_resist_an_outlier():
     honest = [np.array([1.0, 1.0]), np.array([1.2, 0.8]), np.array([0.9, 1.1]), np.array([1.1, 1.0])]
     evil = np.array([100.0, -100.0])
-    xs = honest + [evil]
+    xs = [*honest, evil]
     np.testing.assert_allclose(agg.coordinate_median(xs), [1.1, 1.0])
-    np.testing.assert_allclose(agg.trimmed_mean(xs, 0.2), [1.1, 2.8 / 3], atol=1e-6)  # by hand: middle three per coordinate
+    # by hand: middle three per coordinate
+    np.testing.assert_allclose(agg.trimmed_mean(xs, 0.2), [1.1, 2.8 / 3], atol=1e-6)
     k = agg.krum(xs, num_byzantine=1)
     assert np.abs(k - 1.0).max() < 0.25
     scores = agg.krum_scores(xs, 1)
