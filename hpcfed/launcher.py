@@ -89,6 +89,12 @@ def prepare_out_dir(out: Path, cfg: Config, *, resume: bool, force: bool, keep_l
         raise ConfigError(f"--out {out} already holds a run ({', '.join(found)}); continue it with --resume, "
                           f"overwrite it with --force, or choose another --out")
     elif resume:
+        # The one resume-compatibility check (the server does not repeat it): here it stops a
+        # wrong config with a one-line error before mpiexec starts (and on rank 0 under a bare
+        # mpiexec, which runs this too). Checking the newest checkpoint is checking the one the
+        # server loads: every checkpoint in OUT has the same resume-critical config, since a run
+        # only writes into an OUT with results when resuming it with a matching config, and
+        # --force removes them first.
         saved = saved_config(out)
         if saved is not None:
             check_resume_compatible(saved[1], cfg, where=str(saved[0]))

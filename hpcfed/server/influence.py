@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -110,7 +111,8 @@ class InfluenceGuard:
         distances, then `bound` the measured uploads."""
         return self.config.enabled and self.config.calibrate_first_round and self._typical is None
 
-    def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray, norm: float | None = None) -> float:
+    def measure(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray,
+                norm: float | None = None) -> float:
         """Record how far the upload asked to move the model (it joins the history whatever is
         done with it) and return it. Raises `Refused` for a distance that is not finite, or beyond
         ``reject_factor`` x the typical distance (x ``max(||θ_ref||, sqrt(P))`` with no history;
@@ -132,7 +134,8 @@ class InfluenceGuard:
         if self._typical is None and self._pending:
             self._typical = float(np.median(list(dict(self._pending).values())))
 
-    def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray, distance: float | None = None) -> float:
+    def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray,
+              distance: float | None = None) -> float:
         """Clip `flat` (in place) to the allowed distance from `reference`; return the distance it
         had. Raises `Refused` when it is beyond ``reject_factor`` x the typical distance. With
         `distance`, the upload was `measure`d already (a calibrated first round)."""
@@ -182,7 +185,7 @@ class InfluenceGuard:
         self.clipped = int(state.get("clipped", 0))
 
 
-def _blocks(n: int):
+def _blocks(n: int) -> Iterator[slice]:
     for start in range(0, n, _BLOCK):
         yield slice(start, min(n, start + _BLOCK))
 

@@ -22,7 +22,7 @@ class MetricsLog:
             self._truncate_after(resume_round)
         elif resume_round is None:
             path.write_text("")
-        self._fh = open(path, "a", buffering=1)
+        self._fh = open(path, "a", buffering=1)  # noqa: SIM115 -- open for the whole run; close() closes it
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0

@@ -14,18 +14,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from hpcfed.comm.api import Channel, Outgoing
+
+# (kind, header, tensors) of the message owed to a client, built when it is posted
+Compose = Callable[[int, bool], tuple[int, dict[str, Any], dict[str, np.ndarray]]]
+
 
 class ModelOutbox:
     """`owe(cid, answer)` now; `flush()` often. `compose(cid, answer)` builds the message
     (kind, header, tensors) from the server's state at the moment it is posted."""
 
-    def __init__(self, channel: Any, compose: Callable[[int, bool], tuple[int, dict, dict]]) -> None:
+    def __init__(self, channel: Channel, compose: Compose) -> None:
         self._channel = channel
         self._compose = compose
         self._owed: dict[int, bool] = {}  # client id -> whether the message answers its upload
-        self._inflight: dict[int, Any] = {}  # client id -> channel.Outgoing
+        self._inflight: dict[int, Outgoing] = {}
 
     def owe(self, cid: int, answer: bool) -> None:
+        """Owe client `cid` the newest model (`answer`: it answers the client's upload), posted now if it is free."""
         # An owed answer stays an answer when a broadcast is merged into it: the client waits for it.
         self._owed[cid] = self._owed.get(cid, False) or answer
         self.flush()

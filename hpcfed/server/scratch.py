@@ -18,6 +18,7 @@ memory-mapped: a mapping would count every page read in rank 0's resident set.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -80,10 +81,8 @@ class Scratch:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
-        try:
+        with contextlib.suppress(OSError):
             self.folder.parent.rmdir()  # OUT/scratch, once nothing else is kept there
-        except OSError:
-            pass
 
 
 class Parking(Scratch):

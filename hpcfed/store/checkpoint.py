@@ -18,6 +18,7 @@ corrupt, truncated, forged or hostile.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -162,12 +163,8 @@ def _read_group(tree: sealed.Tree, group: str) -> tuple[dict[str, Any], Arrays]:
 
 def _prune(directory: Path, keep: int) -> None:
     for old in list_checkpoints(directory)[max(1, keep):]:
-        try:
+        with contextlib.suppress(OSError):
             old.unlink()
-        except OSError:
-            pass
     for stale in directory.glob(".ckpt-*.tmp*"):
-        try:
+        with contextlib.suppress(OSError):
             stale.unlink()
-        except OSError:
-            pass

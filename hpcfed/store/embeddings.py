@@ -21,11 +21,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hpcfed.store import atomic, sealed
+
+if TYPE_CHECKING:  # pandas is imported where a frame is made: `import hpcfed` stays light
+    import pandas
 
 FORMAT = "hpcfed-embeddings"
 FORMAT_VERSION = 1

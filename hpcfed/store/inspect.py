@@ -43,7 +43,9 @@ def _key(purpose: str) -> sealed.FileAuth | None:
 
 
 def _verdict(verified: bool) -> str:
-    return "authenticated with the job key" if verified else "checksum OK, not verified: set HPCFED_STATE_KEY to the job's PSK"
+    if verified:
+        return "authenticated with the job key"
+    return "checksum OK, not verified: set HPCFED_STATE_KEY to the job's PSK"
 
 
 def _describe_checkpoint(path: Path) -> str:

@@ -80,20 +80,26 @@ class FileAuth:
     def tag(self, digest: bytes) -> str:
         msg = self._message(digest)
         if self.alg == "hmac-sha256":
-            return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
+            return hmac.new(self._hmac_key(), msg, hashlib.sha256).hexdigest()
         if self._private is None:
             raise SealError("this key can only verify, not sign")
-        return self._private.sign(msg).hex()
+        signature: bytes = self._private.sign(msg)
+        return signature.hex()
 
     def check(self, digest: bytes, tag: str) -> bool:
         msg = self._message(digest)
         if self.alg == "hmac-sha256":
-            return hmac.compare_digest(hmac.new(self._key, msg, hashlib.sha256).hexdigest(), tag)
+            return hmac.compare_digest(hmac.new(self._hmac_key(), msg, hashlib.sha256).hexdigest(), tag)
         try:
             self._public.verify(bytes.fromhex(tag), msg)
             return True
         except Exception:  # InvalidSignature or a malformed tag: both mean "not authentic"
             return False
+
+    def _hmac_key(self) -> bytes:
+        if self._key is None:  # only `from_psk` makes an HMAC FileAuth, and it always sets the key
+            raise SealError(f"no HMAC key for {self.purpose} files; derive it with FileAuth.from_psk")
+        return self._key
 
     def _message(self, digest: bytes) -> bytes:
         return b"hpcfed state file v1\0" + self.purpose.encode() + b"\0" + digest
@@ -187,8 +193,8 @@ def seal(path: str | Path, auth: FileAuth) -> bytes:
 # ----------------------------------------------------------------------------------------------
 
 
-def _walk(obj: Any, name: str, depth: int, count: list[int], budget: list[int], attrs: dict, datasets: dict,
-          groups: list, digest: Any, path: Path) -> None:
+def _walk(obj: Any, name: str, depth: int, count: list[int], budget: list[int], attrs: dict[str, dict[str, Any]],
+          datasets: dict[str, np.ndarray], groups: list[str], digest: Any, path: Path) -> None:
     import h5py
 
     if depth > MAX_DEPTH:
@@ -245,7 +251,7 @@ def _read_dataset(ds: Any, name: str, budget: list[int], digest: Any, path: Path
                         f"{stored}; refusing it (corrupt or hostile)")
     budget[0] -= declared
     if strings:
-        raw = ds.asstr()[()] if shape else ds.asstr()[()]
+        raw = ds.asstr()[()]
         arr = np.array(raw, dtype=object)
         data = b"".join(_frame_bytes(str(s).encode()) for s in arr.reshape(-1))
         budget[0] -= len(data)

@@ -23,9 +23,14 @@ from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import InfluenceConfig, from_mapping
+from hpcfed.server.async_loop import AsyncLoop
+from hpcfed.server.bounding import Bounding
+from hpcfed.server.core import ServerCore
 from hpcfed.server.influence import InfluenceGuard, Refused
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.server import Server
+from hpcfed.server.sync_rounds import SyncRounds
+from hpcfed.server.validation import metrics_ok, short
 
 INT64 = 2**63 - 1
 
@@ -198,7 +203,7 @@ def test_a_site_refused_again_and_again_has_one_say_in_the_first_median():
     for cid, scale in ((1, 0.1), (2, 0.12)):
         distances[cid] = guard.measure(cid, np.full(100, scale, dtype=np.float32), ref)
     guard.calibrate()  # the median of 9.9, 1 and 1.2, not of the tries as well (10.1)
-    with pytest.raises(Refused, match="10 x the typical 1.2 is the limit"):
+    with pytest.raises(Refused, match=r"10 x the typical 1\.2 is the limit"):
         guard.bound(0, near, ref, distances[0])
     guard.bound(1, np.full(100, 0.1, dtype=np.float32), ref, distances[1])
 
@@ -208,6 +213,7 @@ def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tm
     measures each as it comes, parks it under out/scratch/parked, and once the round is in folds the
     honest ones whole and the flip clipped to the honest median; the scratch is gone after."""
     server, chans = _in_process_federation(tmp_path, 5)
+    rounds = SyncRounds(server)
     try:
         step = np.full(SIZE, 0.5, dtype=np.float32)
         uploads = {1: -10 * step, 2: step, 3: 1.1 * step, 4: 1.2 * step}
@@ -218,14 +224,14 @@ def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tm
         got: dict = {}
         refused: set = set()
         parked_during_round = []
-        take = server._take_update
+        take = rounds.take_update
 
         def watching_take(*args):
             take(*args)
             parked_during_round.append(sorted(p.name for p in (tmp_path / "scratch" / "parked").glob("*")))
 
-        server._take_update = watching_take
-        server._collect_uploads(0, time.monotonic(), False, got, refused)
+        rounds.take_update = watching_take
+        rounds.collect_uploads(0, time.monotonic(), False, got, refused)
         server.strategy.end_round(0)
         assert set(got) == {0, 1, 2, 3} and not refused
         assert len(parked_during_round[-1]) == 4  # all four were on disk before any was folded
@@ -257,7 +263,7 @@ def test_hostile_first_round_uploads_are_refused_before_they_are_parked(tmp_path
         server.influence.begin_round(server.live)
         got: dict = {}
         refused: set = set()
-        server._collect_uploads(0, time.monotonic(), False, got, refused)
+        SyncRounds(server).collect_uploads(0, time.monotonic(), False, got, refused)
         server.strategy.end_round(0)
         assert refused == {0}
         assert server.rejected_by_rank.get(1, 0) == 3
@@ -273,25 +279,27 @@ def test_async_uploads_wait_for_three_sites_then_each_is_measured_from_the_model
     three sites have uploaded (so it can neither fill the history nor move the model alone first),
     then clipped to their median. A site answered before those folds, whose upload is far from
     the model as it is now, is measured from the model it was sent and folded whole."""
-    server, chans = _in_process_federation(tmp_path, 5, federation={"mode": "async"}, strategy={"name": "fedasync"})
+    server, chans = _in_process_federation(tmp_path, 5, strategy={"name": "fedasync"})
+    loop = AsyncLoop(server)
     try:
-        last_seen = server._async_begin()
+        loop.begin()
         first = [chans[rank].recv(kinds={P.PARAMS}, timeout=5).header for rank in range(1, 5)]
         assert all(h["answer"] for h in first)  # every site's first model
         version = first[0]["version"]
 
         def upload(rank: int, flat: np.ndarray) -> list:
             chans[rank].send(0, P.UPDATE, {"version": version, "num_examples": 10, "metrics": {}}, {"params": flat})
-            return server._async_update(server.channel.recv(kinds={P.UPDATE}, timeout=5), last_seen)
+            return loop.update(server.channel.recv(kinds={P.UPDATE}, timeout=5))
 
         unit = np.eye(SIZE, dtype=np.float32)
         flip, steps = -10 * unit[5], {2: unit[0], 3: 1.1 * unit[1], 4: 1.05 * unit[2]}
         assert upload(1, flip) == []
         assert upload(1, flip) == []  # a second copy, not asked for: refused
         assert server.rejected == {"unrequested update": 1}
-        last_seen[0] -= 10_000  # parked, it waits on the server: not silent
-        server._check_silent(last_seen)
-        assert 0 in server.live and sorted(p.name for p in (tmp_path / "scratch" / "parked").iterdir()) == ["client0.bin"]
+        loop.last_seen[0] -= 10_000  # parked, it waits on the server: not silent
+        loop.check_silent()
+        assert 0 in server.live
+        assert sorted(p.name for p in (tmp_path / "scratch" / "parked").iterdir()) == ["client0.bin"]
         assert upload(2, steps[2]) == []
         assert chans[1].recv(kinds={P.PARAMS}, timeout=0.2) is None  # no answer while parked
         released = upload(3, steps[3])
@@ -309,12 +317,13 @@ def test_async_uploads_wait_for_three_sites_then_each_is_measured_from_the_model
         # though 1.23 from the model as it is now (clipped to 1.1, had it been measured from that).
         assert np.linalg.norm(steps[4] - server.strategy.global_flat) > median
         [(folded, _)] = upload(4, steps[4])
+        assert folded.client_id == 3
         assert server.influence.clipped == 1
         alpha = 0.6 * 4 ** -0.5  # three versions stale
         np.testing.assert_allclose(server.strategy.global_flat, (1 - alpha) * expected + alpha * steps[4], rtol=1e-5)
         assert sorted(p.name for p in (tmp_path / "scratch" / "sent").iterdir()) == [f"client{c}.bin" for c in range(4)]
     finally:
-        server._async_end()
+        loop.end()
         server.metrics.close()
     assert not (tmp_path / "scratch").exists()
 
@@ -324,17 +333,19 @@ def test_hostile_async_uploads_while_the_bounds_calibrate_are_refused_answered_a
     comes: NaN, x1e30 (answered: the site goes on), a version older than its answer (header
     values beyond int64 and the like: the fuzz test below). Nothing reaches the disk or the median,
     and the honest three are then folded whole."""
-    server, chans = _in_process_federation(tmp_path, 5, federation={"mode": "async"}, strategy={"name": "fedasync"})
+    server, chans = _in_process_federation(tmp_path, 5, strategy={"name": "fedasync"})
+    loop = AsyncLoop(server)
     try:
-        last_seen = server._async_begin()
-        version = [chans[r].recv(kinds={P.PARAMS}, timeout=5).header for r in range(1, 5)][0]["version"]
+        loop.begin()
+        first = [chans[r].recv(kinds={P.PARAMS}, timeout=5).header for r in range(1, 5)]  # every site's
+        version = first[0]["version"]
         step = np.full(SIZE, 0.5, dtype=np.float32)
 
         def send(rank: int, flat: np.ndarray, **header) -> list:
             chans[rank].send(0, P.UPDATE, {"version": version, "num_examples": 10, "metrics": {}, **header},
                              {"params": flat})
             msg = server.channel.recv(kinds={P.UPDATE}, timeout=2)
-            return [] if msg is None else server._contained(msg.source, server._async_update, msg, last_seen) or []
+            return [] if msg is None else server.contained(msg.source, loop.update, msg) or []
 
         assert send(1, np.full(SIZE, np.nan, dtype=np.float32)) == []  # malformed: its request stands
         assert send(1, step * np.float32(1e30)) == []  # well-formed, out of range: refused, answered
@@ -352,7 +363,7 @@ def test_hostile_async_uploads_while_the_bounds_calibrate_are_refused_answered_a
         np.testing.assert_allclose(server.strategy.global_flat, expected, rtol=1e-5)
         assert server.influence.clipped == 0
     finally:
-        server._async_end()
+        loop.end()
         server.metrics.close()
 
 
@@ -372,9 +383,9 @@ def test_influence_state_round_trips_for_resume():
 
 
 def test_influence_config_is_validated():
-    with pytest.raises(Exception, match="influence.clip_factor"):
+    with pytest.raises(Exception, match=r"influence\.clip_factor"):
         from_mapping({"influence": {"clip_factor": 0.5}})
-    with pytest.raises(Exception, match="influence.reject_factor"):
+    with pytest.raises(Exception, match=r"influence\.reject_factor"):
         from_mapping({"influence": {"reject_factor": 1.0}})
 
 
@@ -383,8 +394,9 @@ PSK = bytes(range(32))
 SIZE = 6
 
 
-def _in_process_federation(out: Path, ranks: int, **config: Any) -> tuple[Server, list[SecureChannel]]:
-    """A server on rank 0 with its real channel, and sealed channels for ranks 1.. (the sites)."""
+def _in_process_federation(out: Path, ranks: int, **config: Any) -> tuple[ServerCore, list[SecureChannel]]:
+    """The core of a server on rank 0 with its real channel, past its setup exchange, and sealed
+    channels for ranks 1.. (the sites). The mode follows from the strategy alone."""
     ts = InProcTransport.group(ranks)
     chans = [SecureChannel(t, Credentials(mode="psk", psk=PSK), b"job-fuzz", log=lambda *_: None) for t in ts]
     threads = [threading.Thread(target=chans[r].connect, args=([0],), kwargs={"timeout": 10}) for r in range(1, ranks)]
@@ -396,12 +408,11 @@ def _in_process_federation(out: Path, ranks: int, **config: Any) -> tuple[Server
     cfg = from_mapping({"rounds": 1, "task": {"name": "synthetic"}, **config})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HPCFED_PSK", PSK.hex())
-        server = Server(cfg, chans[0], out)
-    server.strategy.initialize({"w": np.zeros(SIZE, dtype=np.float32)})
-    server.layout = server.strategy.layout
-    server.metrics = MetricsLog(out / "metrics.jsonl")
-    server._bound_inbox()
-    return server, chans
+        core = Server(cfg, chans[0], out).core
+    core.strategy.initialize({"w": np.zeros(SIZE, dtype=np.float32)})
+    assert core.strategy.layout is not None
+    core.start(core.strategy.layout, MetricsLog(out / "metrics.jsonl"))
+    return core, chans
 
 
 @pytest.fixture(scope="module")
@@ -412,7 +423,7 @@ def federation(tmp_path_factory):
     server.metrics.close()
 
 
-def _send_and_take(server: Server, sender: SecureChannel, header: dict, tensors: dict, rnd: int,
+def _send_and_take(server: ServerCore, sender: SecureChannel, header: dict, tensors: dict, rnd: int,
                    got: dict, refused: set) -> None:
     try:
         sender.send(0, P.UPDATE, header, tensors)
@@ -420,7 +431,7 @@ def _send_and_take(server: Server, sender: SecureChannel, header: dict, tensors:
         return
     msg = server.channel.recv(kinds={P.UPDATE}, timeout=5)
     if msg is not None:  # a message the channel itself refused never reaches the server
-        server._contained(msg.source, server._take_update, rnd, msg, got, False, refused)
+        server.contained(msg.source, SyncRounds(server).take_update, rnd, msg, got, False, refused)
 
 
 json_values = st.recursive(
@@ -469,12 +480,10 @@ def test_no_update_header_or_bundle_ends_the_server_and_honest_updates_still_agg
 @given(metrics=json_values | st.dictionaries(st.text(max_size=300), json_values, max_size=300),
        error=json_values)
 def test_hostile_result_and_failure_headers_are_bounded(federation, metrics, error):
-    from hpcfed.server.server import _metrics_ok, _short
-
-    ok = _metrics_ok(metrics)
+    ok = metrics_ok(metrics)
     if ok:
         assert all(v is None or math.isfinite(float(v)) for v in metrics.values())
-    assert len(_short(error)) <= 330
+    assert len(short(error)) <= 330
 
 
 def test_local_only_training_is_not_bounded(federation):
@@ -491,9 +500,10 @@ def test_local_only_training_is_not_bounded(federation):
         server.influence = InfluenceGuard(InfluenceConfig(), num_clients=2)
         server.influence.begin_round({0, 1})
         far = np.full(SIZE, 100.0, dtype=np.float32)  # 245 away from a zero model: beyond 10 x sqrt(P)
+        bounding = Bounding(server, lambda cid: server.strategy.model_for(cid))
         server.strategy = local
-        assert server._bounded(1, Update(client_id=0, flat=far.copy(), num_examples=1))
+        assert bounding.bound(1, Update(client_id=0, flat=far.copy(), num_examples=1))
         server.strategy = shared
-        assert not server._bounded(1, Update(client_id=0, flat=far.copy(), num_examples=1))
+        assert not bounding.bound(1, Update(client_id=0, flat=far.copy(), num_examples=1))
     finally:
         server.strategy, server.influence = shared, guard

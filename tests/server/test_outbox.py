@@ -48,7 +48,7 @@ def test_a_free_client_is_posted_at_once_a_busy_one_gets_the_newest_model_later(
 
 
 def test_an_owed_answer_stays_an_answer_when_a_broadcast_is_merged_into_it():
-    box, channel, state = _outbox()
+    box, channel, _ = _outbox()
     box.owe(1, answer=False)
     box.owe(1, answer=True)  # the client uploaded and waits for its answer
     box.owe(1, answer=False)  # a later broadcast must not turn the answer into a mere broadcast

@@ -43,7 +43,8 @@ def test_a_disk_fault_ends_the_run_naming_the_folder_and_the_fix(tmp_path):
     sent = Scratch(tmp_path / "sent", "last model", "set influence.enabled=false")
     sent.folder.rmdir()
     sent.folder.write_text("")  # the folder gone, a file in its place: writes fail even for root
-    with pytest.raises(FederationError, match=r"cannot keep client 2's last model in .*sent.*set influence.enabled=false"):
+    with pytest.raises(FederationError,
+                       match=r"cannot keep client 2's last model in .*sent.*set influence.enabled=false"):
         sent.put(2, np.zeros(4, dtype=np.float32))
     parked = Parking(tmp_path / "parked")
     parked.folder.rmdir()

@@ -1,0 +1,213 @@
+"""What every stage of the server shares: send, receive, reject, bound, checkpoint.
+
+`ServerCore` holds the channel, the run's config and strategy, the metrics log, the rejection
+counters and the checkpoint manifests. The stages (`hpcfed.server.setup`, `.sync_rounds`,
+`.async_loop`, `.summary`) are given it and keep their own state; nothing here knows whether the
+rounds are synchronous, except that only an asynchronous federation may go on without a site.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar, overload
+
+import numpy as np
+
+from hpcfed import protocol as P
+from hpcfed.comm.api import Channel, ChannelError, Message
+from hpcfed.config import Config
+from hpcfed.errors import FederationError
+from hpcfed.params import ParamLayout
+from hpcfed.server import validation as V
+from hpcfed.server.influence import InfluenceGuard
+from hpcfed.server.metrics import MetricsLog
+from hpcfed.server.progress import Progress, StatusLine
+from hpcfed.store import checkpoint as ckpt_store
+from hpcfed.store.sealed import FileAuth
+from hpcfed.strategies.base import Strategy, Update
+from hpcfed.tasks.base import Task
+
+log = logging.getLogger("hpcfed.server")
+
+_Args = ParamSpec("_Args")
+_R = TypeVar("_R")
+
+
+class ServerCore:
+    """Rank 0's link to its sites and the state every stage of the federation reads."""
+
+    def __init__(self, cfg: Config, channel: Channel, out_dir: Path, strategy: Strategy,
+                 task_cls: type[Task], task_config: Any) -> None:
+        from hpcfed.credentials import state_file_auth
+
+        self.cfg, self.channel, self.out_dir, self.strategy = cfg, channel, out_dir, strategy
+        self.task_cls, self.task_config = task_cls, task_config  # what the setup exchange runs
+        self.num_clients = channel.size - 1
+        self.live: set[int] = set(range(self.num_clients))
+        self.influence = InfluenceGuard(cfg.influence, self.num_clients)
+        self.rejected: dict[str, int] = {}  # category -> messages
+        self.rejected_by_rank: dict[int, int] = {}
+        self.updates_accepted = 0
+        self.round = -1
+        self.last_checkpoint: Path | None = None
+        self.halt_requested = False  # set by SIGUSR1 (see launcher): checkpoint after this round and stop
+        self.progress: Progress | None = None  # rounds (sync) or accepted updates (async), once they start
+        self.status = StatusLine(cfg.federation.status_every_s)
+        self.cpu0 = time.process_time()
+        self.on_drop: Callable[[int], None] | None = None  # told of a site the federation goes on without
+        # Checkpoints are tagged with a key derived from the job's credentials, never kept in out_dir.
+        self.file_auth: FileAuth = state_file_auth(cfg.security, 0, "checkpoint")
+        self._layout: ParamLayout | None = None
+        self._metrics: MetricsLog | None = None
+
+    # -- after the setup exchange ------------------------------------------------------------------
+    def start(self, layout: ParamLayout, metrics: MetricsLog) -> None:
+        """The model's layout is known: from now on take only the kinds the server reads, each
+        bounded by the model's size."""
+        self._layout, self._metrics = layout, metrics
+        kinds, max_bytes, inbox_bytes = P.server_bounds(layout.size, self.num_clients)
+        self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
+
+    @property
+    def layout(self) -> ParamLayout:
+        """The model's layout (set by `start`, at the end of the setup exchange)."""
+        if self._layout is None:
+            raise RuntimeError("the model's layout is known only after the setup exchange")
+        return self._layout
+
+    @property
+    def metrics(self) -> MetricsLog:
+        """metrics.jsonl (opened by `start`, at the end of the setup exchange)."""
+        if self._metrics is None:
+            raise RuntimeError("metrics.jsonl is opened only after the setup exchange")
+        return self._metrics
+
+    # -- sending -------------------------------------------------------------------------------------
+    def send_to(self, cid: int, kind: int, header: dict[str, Any],
+                tensors: dict[str, np.ndarray] | None = None) -> None:
+        """Send to a client; one that takes nothing within the deadline has failed (hung or dead)."""
+        try:
+            self.channel.send(cid + 1, kind, header, tensors)
+        except ChannelError as exc:
+            self.client_failed(cid, f"did not take a {P.NAMES.get(kind, kind)} message within the deadline ({exc})")
+
+    def model_tensors(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """The float32 model as the wire carries it: one buffer per dtype group, in each parameter's dtype."""
+        tensors: dict[str, np.ndarray] = P.params_tensors(self.layout.pack_flat(flat))
+        return tensors
+
+    def stop_all(self, reason: str) -> None:
+        """Best effort: tell every client to leave (a dead one cannot hear it; its timeout ends it)."""
+        for cid in range(self.num_clients):
+            try:
+                self.channel.send(cid + 1, P.STOP, {"reason": reason})
+            except ChannelError as exc:
+                log.warning("could not tell client %d (rank %d) to stop: %s", cid, cid + 1, exc)
+
+    # -- receiving -----------------------------------------------------------------------------------
+    @overload
+    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int]) -> Message: ...
+
+    @overload
+    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int],
+                   fatal: bool) -> Message | None: ...
+
+    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int],
+                   fatal: bool = True) -> Message | None:
+        """The next message of `kinds` before `deadline` (a FAILED one is handled here); past it,
+        None, or with `fatal` a `FederationError` naming the clients `waiting_for`."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if not fatal:
+                    return None
+                who = ", ".join(f"client {c} (rank {c + 1})" for c in sorted(waiting_for))
+                raise FederationError(f"no answer during {what} from {who}; "
+                                      f"last checkpoint: {self.last_checkpoint or 'none'}")
+            msg = self.channel.recv(kinds=kinds, timeout=min(remaining, 1.0))
+            if msg is None:
+                self.maybe_status()
+                continue
+            if msg.kind == P.FAILED:
+                self.client_failed(msg.source - 1, f"failed: {V.error_text(msg.header)}")
+                continue
+            return msg
+
+    def parse_update(self, msg: Message, allow_state: bool) -> tuple[Update, V.ShardRef | None] | None:
+        """Check an UPDATE from a member against the model layout; return it, or count and log a rejection."""
+        if msg.source - 1 not in self.live:
+            self.reject(msg.source, "not a member", "update from a client that is not part of the federation")
+            return None
+        parsed = V.parse_update(msg.source - 1, msg.header, msg.tensors, self.layout, allow_state)
+        if isinstance(parsed, V.Rejection):
+            self.reject(msg.source, parsed.category, parsed.detail)
+            return None
+        return parsed
+
+    # -- refusing ------------------------------------------------------------------------------------
+    def reject(self, rank: int, category: str, detail: str) -> None:
+        """Count a rejected message under a fixed category; the detail goes to the log only."""
+        self.rejected[category] = self.rejected.get(category, 0) + 1
+        self.rejected_by_rank[rank] = self.rejected_by_rank.get(rank, 0) + 1
+        log.warning("rejected message from rank %d: %s: %s", rank, category, detail)
+        limit = self.cfg.security.max_rejects
+        if self.rejected_by_rank[rank] == limit + 1 and rank - 1 in self.live:
+            self.client_failed(rank - 1, f"was cut off after {limit} rejected messages (security.max_rejects)")
+
+    def contained(self, rank: int, handle: Callable[_Args, _R], *args: _Args.args, **kwargs: _Args.kwargs) -> _R | None:
+        """Run `handle(*args)` for one message of the peer at `rank`: any fault in it rejects that
+        message, counted against the peer, and never ends the federation (only the runtime's own
+        verdicts do)."""
+        try:
+            return handle(*args, **kwargs)
+        except FederationError:
+            raise
+        except Exception as exc:
+            self.reject(rank, "unhandled input", f"{type(exc).__name__}: {V.short(str(exc))}")
+            return None
+
+    def client_failed(self, cid: int, why: str) -> None:
+        """Client `cid` failed: go on without it where the federation may, else end it naming the client."""
+        text = f"client {cid} (rank {cid + 1}) {why}"
+        if self._may_go_on_without():
+            log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
+            self.live.discard(cid)
+            if self.on_drop is not None:
+                self.on_drop(cid)
+            self.metrics.log(self.round, cid, "client_failed", 1)
+            return
+        raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
+
+    def _may_go_on_without(self) -> bool:
+        """Only an asynchronous federation goes on without a failed site (a synchronous round's
+        model needs every site's state to resume), and only once every site has joined: the setup
+        exchange waits for them all."""
+        return (self.cfg.federation.on_client_failure == "continue" and not self.strategy.synchronous
+                and self._metrics is not None)
+
+    # -- checkpoints and status ------------------------------------------------------------------------
+    def commit_checkpoint(self, rnd: int, sites: dict[int, V.ShardRef | None]) -> None:
+        """Phase 2: every site has written its shard and sent its digest; commit the manifest.
+        Until this file is renamed into place the checkpoint does not exist."""
+        if os.environ.get("HPCFED_FAULT_KILL_BEFORE_MANIFEST") == str(rnd):
+            log.error("fault injection: killing rank 0 after the sites wrote round %d, before the manifest", rnd)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        meta = {"elapsed": self.metrics.elapsed(), "updates_accepted": self.updates_accepted,
+                "rejected": self.rejected, "influence": self.influence.state()}
+        refs: dict[int, dict[str, Any]] = {cid: {"digest": ref["digest"], "path": ref["path"]}
+                                           for cid, ref in sites.items() if ref}
+        ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
+                                   strategy=self.strategy.state_dict(), sites=refs, meta=meta)
+        self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints,
+                                               auth=self.file_auth)
+        self.metrics.log(rnd, None, "checkpoint", str(self.last_checkpoint.name))
+
+    def maybe_status(self) -> None:
+        """The periodic status line, when it is due."""
+        self.status.maybe_log(self.progress, self.strategy.version, sum(self.rejected.values()), self.channel.stats)

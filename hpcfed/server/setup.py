@@ -1,0 +1,124 @@
+"""The setup exchange, and on --resume the checkpoint every site can continue from.
+
+Every site sends SETUP (its task payload; client 0 also its initial model; on --resume the shards
+it holds intact). The task's `server_setup` answers them and may build the initial model; the
+strategy starts from it, or from the newest verified checkpoint manifest whose every shard its site
+holds. Each site is then told the layout, the round to start from and the shard to load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from hpcfed import protocol as P
+from hpcfed.errors import FederationError
+from hpcfed.server import validation as V
+from hpcfed.server.core import ServerCore
+from hpcfed.server.metrics import MetricsLog
+from hpcfed.store import checkpoint as ckpt_store
+
+log = logging.getLogger("hpcfed.server")
+
+Held = dict[int, set[tuple[int, str]]]  # client id -> the (round, digest) of each shard it holds intact
+
+
+def exchange(core: ServerCore, resume: bool) -> int:
+    """Run the setup exchange (resuming from a checkpoint with `resume`); returns the first round to run."""
+    payloads: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
+    held: Held = {}
+    initial = None
+    deadline = time.monotonic() + core.cfg.federation.setup_timeout_s
+    while len(payloads) < core.num_clients:
+        msg = core.recv_until(deadline, {P.SETUP, P.FAILED}, "the setup exchange",
+                              waiting_for=set(range(core.num_clients)) - set(payloads))
+        cid = msg.source - 1
+        header = V.task_header(msg.header)
+        if isinstance(header, V.Rejection):
+            core.reject(msg.source, header.category, header.detail)
+            continue
+        payloads[cid] = (header, P.split_prefixed(msg.tensors, P.SETUP_PREFIX))
+        held[cid] = V.held_shards(msg.header.get("shards"))
+        if cid == 0:
+            initial = {k: np.array(v) for k, v in P.split_prefixed(msg.tensors, P.INIT_PREFIX).items()}
+    replies, server_init = core.task_cls.server_setup(core.task_config, payloads)
+    init = server_init if server_init is not None else initial
+    if not init:
+        raise FederationError("client 0 (rank 1) sent no initial model and the task's server_setup built none")
+    core.strategy.initialize(init)
+    layout = core.strategy.layout
+    if layout is None:
+        raise FederationError(f"strategy {core.cfg.strategy.name!r} set no layout in initialize()")
+    resumed = _load_checkpoint(core, held) if resume else None
+    start_round = resumed.round + 1 if resumed else 0
+    metrics = MetricsLog(core.out_dir / "metrics.jsonl", resume_round=resumed.round if resumed else None,
+                         time_offset=float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0)
+    layout_header = layout.describe()
+    for cid in range(core.num_clients):
+        reply_header, reply_tensors = replies.get(cid, ({}, {}))
+        shard = None  # which of its own shards the site loads (it verifies it against this digest)
+        if resumed and cid in resumed.sites:
+            shard = {"round": resumed.round, "digest": resumed.sites[cid]["digest"]}
+        core.channel.send(cid + 1, P.SETUP_REPLY, {
+            "task": reply_header, "layout": layout_header, "start_round": start_round,
+            "shard": shard, "resumed": bool(resumed),
+        }, P.prefixed(reply_tensors, P.SETUP_PREFIX))
+    log.info("setup done: %d clients, %d parameters%s", core.num_clients, layout.size,
+             f", resumed from {resumed.path} (round {resumed.round})" if resumed else "")
+    core.start(layout, metrics)
+    return start_round
+
+
+def _load_checkpoint(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
+    """Load the newest checkpoint every site holds into the strategy and the core; None to start over.
+
+    Its config is not compared with this run's here: `hpcfed.launcher.prepare_out_dir` does that
+    (before any rank starts, and again on rank 0 under a bare mpiexec), and every checkpoint in one
+    run directory has the same resume-critical config (see the comment there)."""
+    folder = core.out_dir / "checkpoints"
+    ckpt = _newest_held(core, held)
+    if ckpt is None:
+        found = ckpt_store.list_checkpoints(folder)
+        if found:  # starting from round 0 would overwrite the run they belong to
+            raise FederationError(f"--resume: none of the {len(found)} checkpoints in {folder} verifies (see above); "
+                                  f"nothing was changed; move them away and rerun with --force to start over")
+        if (core.out_dir / "summary.json").exists():
+            raise FederationError(f"--resume: {core.out_dir} holds a finished run but no checkpoint to continue it "
+                                  f"from; rerun with --force to start over, or choose another --out")
+        log.warning("--resume: no checkpoint in %s yet; starting from round 0", folder)
+        return None
+    core.strategy.load_state_dict(ckpt.strategy)
+    core.updates_accepted = int(ckpt.meta.get("updates_accepted", 0))
+    core.influence.load_state(ckpt.meta.get("influence"))
+    core.last_checkpoint = ckpt.path
+    core.round = ckpt.round
+    return ckpt
+
+
+def _newest_held(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
+    """The newest verified manifest whose every site shard its site holds intact.
+
+    A manifest whose shard is gone or corrupt at some site is skipped (named in the log); if
+    valid manifests exist but none is held by every site, the federation stops naming the site."""
+    first_gap = None
+    for path in ckpt_store.list_checkpoints(core.out_dir / "checkpoints"):
+        try:
+            ckpt = ckpt_store.load(path, core.file_auth)
+        except ckpt_store.CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+            continue
+        gaps = [(cid, ref) for cid, ref in sorted(ckpt.sites.items())
+                if (ckpt.round, ref["digest"]) not in held.get(cid, set())]
+        if not gaps:
+            return ckpt
+        cid, ref = gaps[0]
+        gap = f"client {cid} (rank {cid + 1}) does not hold its shard {ref['path']} intact"
+        log.warning("skipping checkpoint %s: %s", path.name, gap)
+        first_gap = first_gap or f"{gap} (checkpoint {path.name})"
+    if first_gap:
+        raise FederationError(f"--resume: no checkpoint is held intact by every site: {first_gap}; "
+                              f"restore that site's shards, or rerun with --force to start over")
+    return None

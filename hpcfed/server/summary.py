@@ -1,0 +1,111 @@
+"""How a federation ends: the final evaluation round and ``summary.json``, or a halt to resume later.
+
+At the end every live site gets its final model (FINAL), evaluates and exports it, and answers with
+its test metrics and its cost (RESULT); a site that misses the deadline is reported, the others'
+results are kept. The summary holds the mean of each metric over the sites, per site figures,
+rejections, costs and the config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from hpcfed import protocol as P
+from hpcfed.cost import rank_cost
+from hpcfed.server import validation as V
+from hpcfed.server.core import ServerCore
+from hpcfed.store import atomic
+
+log = logging.getLogger("hpcfed.server")
+
+Results = dict[int, dict[str, float]]  # client id -> its final metrics
+
+
+def halt(core: ServerCore, rnd: int) -> dict[str, Any]:
+    """Stop every rank cleanly after round `rnd` (halt_after_round, SIGUSR1); resume with --resume."""
+    core.stop_all(f"halted after round {rnd}")
+    log.info("halted after round %d as configured (halt_after_round); checkpoint %s", rnd, core.last_checkpoint)
+    core.metrics.close()
+    return {"halted_after_round": rnd, "last_checkpoint": str(core.last_checkpoint)}
+
+
+def finish(core: ServerCore) -> dict[str, Any]:
+    """The final evaluation round; writes and returns summary.json, and lets every rank go."""
+    for cid in sorted(core.live):
+        core.send_to(cid, P.FINAL, {"round": core.round, "version": core.strategy.version},
+                     core.model_tensors(core.strategy.final_model_for(cid)))
+    results, costs, missing = _collect_results(core)
+    for cid in sorted(results):
+        core.metrics.log_many(core.round, cid, {f"final_{k}": v for k, v in results[cid].items()})
+    core.stop_all("done")
+    summary = summarize(core, results, costs, missing)
+    atomic.write_text(core.out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    core.metrics.close()
+    return summary
+
+
+def _collect_results(core: ServerCore) -> tuple[Results, dict[int, dict[str, Any] | None], list[int]]:
+    """Each live site's RESULT until all are in or the deadline passes: their metrics, their costs,
+    and the sites that sent none in time."""
+    fed = core.cfg.federation
+    results: Results = {}
+    costs: dict[int, dict[str, Any] | None] = {}
+    deadline = time.monotonic() + fed.round_deadline_s
+    while len(results) < len(core.live):
+        msg = core.recv_until(deadline, {P.RESULT, P.UPDATE, P.FAILED}, "the final evaluation",
+                              waiting_for=core.live - set(results), fatal=not results)
+        if msg is None:  # a straggler missed the final deadline: report it, keep the others' results
+            late = sorted(core.live - set(results))
+            log.warning("final evaluation: no result within %g s from %s", fed.round_deadline_s,
+                        ", ".join(f"client {c} (rank {c + 1})" for c in late))
+            return results, costs, late
+        if msg.kind == P.UPDATE:
+            continue  # an async client's last upload, overtaken by the stop
+        if msg.source - 1 not in core.live:
+            core.reject(msg.source, "not a member", "RESULT from a client that is not part of the federation")
+            continue
+        parsed = V.parse_result(msg.header)
+        if isinstance(parsed, V.Rejection):
+            core.reject(msg.source, parsed.category, parsed.detail)
+            continue
+        results[msg.source - 1], costs[msg.source - 1] = parsed
+    return results, costs, []
+
+
+def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any] | None],
+              missing: list[int]) -> dict[str, Any]:
+    """summary.json: the mean of each final metric over the sites (also at the top level), then
+    per site results, who was missing or dropped, and the run's figures."""
+    names = sorted({k for r in results.values() for k in r})
+    mean = {}
+    for k in names:
+        vals = [r[k] for r in results.values() if k in r and math.isfinite(r[k])]
+        mean[k] = float(np.mean(vals)) if vals else None
+    stats = core.channel.stats
+    return {
+        **mean,
+        "mean": mean,
+        "clients": {str(c): results[c] for c in sorted(results)},
+        "missing_clients": missing,
+        "dropped_clients": sorted(set(range(core.num_clients)) - core.live),
+        "rounds": core.cfg.rounds,
+        "updates_accepted": core.updates_accepted,
+        "server_version": core.strategy.version,
+        "wall_time_s": core.metrics.elapsed(),
+        "server_cpu_s": time.process_time() - core.cpu0,
+        # per rank ("0" is the server): peak RSS, channel bytes, seconds in AES-GCM; null for a
+        # client whose RESULT carried none
+        "cost": {"0": rank_cost(stats), **{str(c + 1): costs.get(c) for c in range(core.num_clients)}},
+        "rejected": {"runtime": core.rejected, "channel": dict(stats.rejected)},
+        "clipped_updates": core.influence.clipped,
+        "channel": stats.as_dict(),  # the server's traffic: bytes per run, per round
+        "last_checkpoint": str(core.last_checkpoint) if core.last_checkpoint else None,
+        "config": core.cfg.to_dict(),
+        "config_hash": core.cfg.hash(),
+    }

@@ -1,0 +1,172 @@
+"""Synchronous rounds: send every live site the round's model, take the uploads until all are in or
+the deadline passes (a quorum must answer; stragglers are reported, never waited on forever), fold
+them into the strategy, and on a checkpoint round commit the manifest of the shards the sites wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from hpcfed import protocol as P
+from hpcfed.comm.api import Message
+from hpcfed.errors import FederationError
+from hpcfed.server.bounding import Bounding
+from hpcfed.server.core import ServerCore
+from hpcfed.server.progress import Progress
+from hpcfed.server.scratch import Parking
+from hpcfed.server.validation import ShardRef
+from hpcfed.strategies.base import Update
+
+log = logging.getLogger("hpcfed.server")
+
+Uploads = dict[int, tuple[Update, ShardRef | None]]  # client id -> its upload and the shard it wrote
+
+
+class SyncRounds:
+    """The rounds of a synchronous federation, given the server's core."""
+
+    def __init__(self, core: ServerCore, start_round: int = 0) -> None:
+        self.core = core
+        self.start_round = start_round
+        self.progress = core.progress = Progress(core.cfg.rounds, start_round, "rounds")
+        # A round's upload is measured from the model the strategy sent: it holds still until the round ends.
+        self.bounding = Bounding(core, lambda cid: core.strategy.model_for(cid))
+        self.parking: Parking | None = None  # the first round's uploads wait here for their bounds
+
+    def run(self) -> int | None:
+        """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,
+        SIGUSR1) to be resumed later, or None when every round is done."""
+        cfg = self.core.cfg
+        for rnd in range(self.start_round, cfg.rounds):
+            self.round(rnd)
+            if (cfg.halt_after_round == rnd or self.core.halt_requested) and rnd < cfg.rounds - 1:
+                return rnd
+        return None
+
+    def round(self, rnd: int) -> None:
+        """One round: dispatch, collect, aggregate, log, and checkpoint when one is due."""
+        core, fed = self.core, self.core.cfg.federation
+        core.round = rnd
+        t0 = time.monotonic()
+        want_state = self.checkpoint_due(rnd)
+        core.strategy.begin_round(rnd)
+        core.influence.begin_round(core.live)
+        got: Uploads = {}
+        refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
+        self.collect_uploads(rnd, t0, want_state, got, refused)
+        missing = sorted(core.live - set(got))
+        if missing:
+            needed = max(1, math.ceil(fed.quorum * len(core.live)))
+            who = ", ".join(f"client {c} (rank {c + 1})" for c in missing)
+            if len(got) < needed:
+                raise FederationError(
+                    f"round {rnd}: only {len(got)} of {len(core.live)} clients answered within "
+                    f"{fed.round_deadline_s:g} s (quorum {needed}); silent: {who}; "
+                    f"last checkpoint: {core.last_checkpoint or 'none'}")
+            log.warning("round %d: straggler(s) past the %g s deadline, aggregated without them: %s",
+                        rnd, fed.round_deadline_s, who)
+            for c in missing:
+                core.metrics.log(rnd, c, "straggler", 1)
+        updates = [got[c][0] for c in sorted(got) if c not in refused]
+        core.strategy.end_round(rnd)
+        core.influence.settle()
+        core.strategy.version += 1
+        core.updates_accepted += len(updates)
+        for upd in updates:
+            core.metrics.log_many(rnd, upd.client_id, upd.metrics)
+        core.metrics.log_many(rnd, None, {"round_time_s": time.monotonic() - t0, "num_updates": len(updates),
+                                          **core.strategy.metrics()})
+        if want_state:
+            core.commit_checkpoint(rnd, {c: got[c][1] for c in sorted(got)})  # phase 2: the manifest
+        # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
+        self.progress.advance_to(rnd + 1)
+        saved = f", saved {core.last_checkpoint.name}" if want_state and core.last_checkpoint else ""
+        log.info("round %d of 0..%d done in %.2f s (%d updates)%s%s [%s]", rnd, core.cfg.rounds - 1,
+                 time.monotonic() - t0, len(updates), _metric_brief(updates), saved, self.progress.describe())
+        core.maybe_status()
+
+    def collect_uploads(self, rnd: int, t0: float, want_state: bool, got: Uploads, refused: set[int]) -> None:
+        """Send round `rnd`'s models and take the uploads until all are in or the deadline passes."""
+        core = self.core
+        # The first round, with no history to bound it, bounds itself: uploads wait on disk, measured.
+        self.parking = self.bounding.open_parking()
+
+        def fold_early(msg: Message) -> bool:
+            # An upload that completes while the server is still sending the round's models is
+            # folded at once, inside the send, instead of waiting in the channel's inbox.
+            if msg.kind != P.UPDATE:
+                return False
+            core.contained(msg.source, self.take_update, rnd, msg, got, want_state, refused)
+            return True
+
+        try:
+            core.channel.on_message = fold_early
+            try:
+                for cid in sorted(core.live):
+                    core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version,
+                                                 "checkpoint": want_state},
+                                 core.model_tensors(core.strategy.model_for(cid)))
+            finally:
+                core.channel.on_message = None
+            deadline = t0 + core.cfg.federation.round_deadline_s
+            while len(got) < len(core.live):
+                msg = core.recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
+                                      waiting_for=core.live - set(got), fatal=False)
+                if msg is None:
+                    break
+                core.contained(msg.source, self.take_update, rnd, msg, got, want_state, refused)
+                msg = None  # the upload is folded: let its buffers go before the next one arrives
+            if self.parking is not None:
+                parking, self.parking = self.parking, None
+                refused |= self.bounding.fold_parked(parking, {cid: got[cid][0] for cid in got},
+                                                     core.strategy.fold)
+        finally:
+            if self.parking is not None:  # the round failed while parking: free the disk
+                self.parking.close()
+                self.parking = None
+
+    def take_update(self, rnd: int, msg: Message, got: Uploads, want_state: bool, refused: set[int]) -> None:
+        """Validate one upload of round `rnd` and fold it into the strategy at once: a streaming
+        strategy (FedAvg's mean) adds it to its running sum and drops it, so rank 0 never holds the
+        K updates of a round together. (In a calibrating first round it is parked on disk instead.)"""
+        core = self.core
+        if msg.header.get("round") != rnd:
+            core.reject(msg.source, "stale update", f"for round {msg.header.get('round')!r} during round {rnd}")
+            return
+        if msg.source - 1 in got:
+            core.reject(msg.source, "duplicate update", f"a second update for round {rnd}")
+            return
+        parsed = core.parse_update(msg, allow_state=want_state)
+        if parsed is not None and want_state and (parsed[1] is None or parsed[1]["round"] != rnd):
+            core.reject(msg.source, "malformed header", f"UPDATE of checkpoint round {rnd} without a valid shard")
+            return
+        if parsed is None:
+            return
+        upd = parsed[0]
+        got[upd.client_id] = parsed
+        if self.parking is not None:
+            if not self.bounding.park(self.parking, msg.source, upd):
+                refused.add(upd.client_id)
+        elif self.bounding.bound(msg.source, upd):
+            core.strategy.fold(upd)
+        else:
+            refused.add(upd.client_id)
+
+    def checkpoint_due(self, rnd: int) -> bool:
+        """Whether round `rnd` ends with a checkpoint (every `checkpoint_every`, the last, or a halt's)."""
+        cfg = self.core.cfg
+        if rnd == cfg.halt_after_round or self.core.halt_requested:
+            return True
+        every = cfg.checkpoint_every
+        return every > 0 and ((rnd + 1) % every == 0 or rnd == cfg.rounds - 1)
+
+
+def _metric_brief(updates: list[Update]) -> str:
+    """The first two headline metrics the clients reported with this round's updates (``val_*``:
+    on each site's validation split; ``loss``: training loss)."""
+    names = [n for n in ("loss", "accuracy", "val_accuracy", "micro_f1", "nmi") if all(n in u.metrics for u in updates)]
+    return "".join(f", mean {n} {np.mean([u.metrics[n] for u in updates]):.4f}" for n in names[:2])
