@@ -27,7 +27,7 @@ from hpcfed.server.core import ServerCore
 from hpcfed.server.outbox import ModelOutbox
 from hpcfed.server.progress import Progress
 from hpcfed.server.scratch import DiskArray, Parking, Scratch
-from hpcfed.strategies.base import Update
+from hpcfed.strategies.base import AsyncStrategy, Update
 
 log = logging.getLogger("hpcfed.server")
 
@@ -40,7 +40,10 @@ class AsyncLoop:
     """The asynchronous federation, given the server's core; its state is its own."""
 
     def __init__(self, core: ServerCore) -> None:
+        if not isinstance(core.strategy, AsyncStrategy):
+            raise TypeError(f"strategy {core.strategy.name!r} is synchronous: it runs in rounds, not the async loop")
         self.core = core
+        self.strategy: AsyncStrategy = core.strategy
         self.max_updates = core.cfg.federation.max_updates or core.cfg.rounds * core.num_clients
         self.progress = core.progress = Progress(self.max_updates, core.updates_accepted, "accepted updates")
         self.bounding = Bounding(core, self._reference)
@@ -144,7 +147,7 @@ class AsyncLoop:
         if not bounded:
             self.outbox.owe(cid, answer=True)  # answered all the same: the site goes on
             return []
-        return [(upd, set(core.strategy.on_update(upd)) | {cid})]
+        return [(upd, set(self.strategy.on_update(upd)) | {cid})]
 
     def release_parked(self) -> Accepted:
         """Once min(3, K) live sites have an upload parked (each waits for its answer meanwhile,
@@ -157,7 +160,7 @@ class AsyncLoop:
         parking, self.parking = self.parking, None
         released: Accepted = []
         refused = self.bounding.fold_parked(parking, held, lambda upd: released.append(
-            (upd, set(core.strategy.on_update(upd)) | {upd.client_id})))
+            (upd, set(self.strategy.on_update(upd)) | {upd.client_id})))
         core.influence.settle()
         now = time.monotonic()
         for cid in sorted(held):

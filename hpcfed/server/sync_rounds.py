@@ -19,7 +19,7 @@ from hpcfed.server.core import ServerCore
 from hpcfed.server.progress import Progress
 from hpcfed.server.scratch import Parking
 from hpcfed.server.validation import ShardRef
-from hpcfed.strategies.base import Update
+from hpcfed.strategies.base import SyncStrategy, Update
 
 log = logging.getLogger("hpcfed.server")
 
@@ -30,7 +30,10 @@ class SyncRounds:
     """The rounds of a synchronous federation, given the server's core."""
 
     def __init__(self, core: ServerCore, start_round: int = 0) -> None:
+        if not isinstance(core.strategy, SyncStrategy):
+            raise TypeError(f"strategy {core.strategy.name!r} is asynchronous: the async loop runs it, not rounds")
         self.core = core
+        self.strategy: SyncStrategy = core.strategy
         self.start_round = start_round
         self.progress = core.progress = Progress(core.cfg.rounds, start_round, "rounds")
         # A round's upload is measured from the model the strategy sent: it holds still until the round ends.
@@ -53,7 +56,7 @@ class SyncRounds:
         core.round = rnd
         t0 = time.monotonic()
         want_state = self.checkpoint_due(rnd)
-        core.strategy.begin_round(rnd)
+        self.strategy.begin_round(rnd)
         core.influence.begin_round(core.live)
         got: Uploads = {}
         refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
@@ -72,7 +75,7 @@ class SyncRounds:
             for c in missing:
                 core.metrics.log(rnd, c, "straggler", 1)
         updates = [got[c][0] for c in sorted(got) if c not in refused]
-        core.strategy.end_round(rnd)
+        self.strategy.end_round(rnd)
         core.influence.settle()
         core.strategy.version += 1
         core.updates_accepted += len(updates)
@@ -123,7 +126,7 @@ class SyncRounds:
             if self.parking is not None:
                 parking, self.parking = self.parking, None
                 refused |= self.bounding.fold_parked(parking, {cid: got[cid][0] for cid in got},
-                                                     core.strategy.fold)
+                                                     self.strategy.fold)
         finally:
             if self.parking is not None:  # the round failed while parking: free the disk
                 self.parking.close()
@@ -152,7 +155,7 @@ class SyncRounds:
             if not self.bounding.park(self.parking, msg.source, upd):
                 refused.add(upd.client_id)
         elif self.bounding.bound(msg.source, upd):
-            core.strategy.fold(upd)
+            self.strategy.fold(upd)
         else:
             refused.add(upd.client_id)
 
