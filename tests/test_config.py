@@ -6,7 +6,7 @@ from hpcfed.config import ConfigError, build, from_mapping, load
 from hpcfed.registry import resolve
 from hpcfed.tasks.synthetic import SyntheticTask
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_config_loads_with_overrides():
