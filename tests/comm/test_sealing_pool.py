@@ -13,8 +13,10 @@ import pytest
 from test_channel import _connect
 
 from hpcfed.comm import crypto
-from hpcfed.comm.channel import HDR, ChannelError, SecureChannel, default_crypto_threads
+from hpcfed.comm.channel import ChannelError, SecureChannel
 from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.frame import HDR
+from hpcfed.comm.sealing import default_crypto_threads
 from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import ConfigError, load
 
@@ -44,8 +46,8 @@ def test_a_pool_sends_the_same_frames_as_one_thread(threads):
         frames: list[bytes] = []
         chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
         # the same session key in both runs (the handshake's are random), so ciphertexts compare
-        chans[1]._peer[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
-        chans[0]._peer[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[1]._session.peers[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[0]._session.peers[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
         del frames[:]
         chans[1].send(0, 4, {"n": 1}, _tensors())
         m = chans[0].recv(timeout=10)
@@ -153,7 +155,7 @@ def test_a_failing_sealer_raises_a_channel_error_and_threads_are_joined(monkeypa
     m = chans[0].recv(timeout=10)
     assert m is not None and m.header == {"n": 2}
     # this pair's pool threads (other tests' channels may still hold threads of the same name)
-    threads = [t for ch in chans if ch._sealers is not None for t in ch._sealers._threads]
+    threads = [t for ch in chans if ch._crypto.executor is not None for t in ch._crypto.executor._threads]
     assert threads and all(t.name.startswith("hpcfed-crypto") and t.is_alive() for t in threads)
     for ch in chans:
         ch.close()
@@ -189,7 +191,7 @@ def test_messages_at_chunk_boundaries_arrive_whole(threads, extra):
     """Totals one byte either side of a multiple of the chunk size: the same offset/count logic a
     tensor over 2 GiB goes through with 4 MiB chunks (tools/bench_big_tensor.py moves a real one)."""
     chans = _pair(threads, chunk_bytes=4096)
-    probe = chans[1]._prepare(0, 4, {}, {"t": np.zeros(0, np.uint8)})[1].total  # prefix bytes
+    probe = chans[1]._tx.prepare(0, 4, {}, {"t": np.zeros(0, np.uint8)})[1].total  # prefix bytes
     n = 5 * 4096 - probe + extra
     data = np.arange(n, dtype=np.int64).astype(np.uint8)
     chans[1].send(0, 4, {}, {"t": data})
@@ -204,8 +206,8 @@ def test_post_with_the_pool_sends_the_same_frames_as_one_thread():
     for n in (1, 3):
         frames: list[bytes] = []
         chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
-        chans[1]._peer[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
-        chans[0]._peer[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[1]._session.peers[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[0]._session.peers[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
         del frames[:]
         out = chans[1].post(0, 4, {"n": 1}, _tensors())
         m = chans[0].recv(timeout=10)
