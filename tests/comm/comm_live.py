@@ -18,8 +18,8 @@ from comm_attacks import attacks
 from mpi4py import MPI
 
 from hpcfed.comm.channel import SecureChannel
-from hpcfed.comm.frame import HDR
 from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.frame import HDR
 from hpcfed.comm.transport import MPITransport
 
 HONEST_ROUNDS = 12

@@ -33,6 +33,15 @@ def _pair(threads: int, tap=None, chunk_bytes: int = 8192) -> list[SecureChannel
     return chans
 
 
+def _recording(frames: list[bytes]):
+    """A tap that keeps a copy of every frame rank 1 sends and delivers it unchanged."""
+    def tap(src: int, dst: int, frame: bytes) -> list[bytes]:
+        if src == 1:
+            frames.append(bytes(frame))
+        return [frame]
+    return tap
+
+
 def _tensors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)  # several tensors, so chunks span tensor boundaries
     return {"a": rng.standard_normal(9_000), "b": rng.standard_normal(777).astype(np.float32),
@@ -44,7 +53,7 @@ def test_a_pool_sends_the_same_frames_as_one_thread(threads):
     wires: dict[int, list[bytes]] = {}
     for n in (1, threads):
         frames: list[bytes] = []
-        chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
+        chans = _pair(n, tap=_recording(frames))
         # the same session key in both runs (the handshake's are random), so ciphertexts compare
         chans[1]._session.peers[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
         chans[0]._session.peers[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
@@ -166,7 +175,7 @@ def test_crypto_threads_default_and_validation():
     assert 1 <= default_crypto_threads() <= 8
     ts = InProcTransport.group(1)
     for bad in (0, -1, 65, 2.5, True):
-        with pytest.raises(ValueError, match="comm.crypto_threads"):
+        with pytest.raises(ValueError, match=r"comm\.crypto_threads"):
             SecureChannel(ts[0], Credentials(mode="psk", psk=PSK), b"j", crypto_threads=bad)
     assert load(REPO / "configs" / "quickstart.yaml", ["comm.crypto_threads=3"]).comm.crypto_threads == 3
     for bad in ("0", "-2", "1000"):
@@ -205,7 +214,7 @@ def test_post_with_the_pool_sends_the_same_frames_as_one_thread():
     wires: dict[int, list[bytes]] = {}
     for n in (1, 3):
         frames: list[bytes] = []
-        chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
+        chans = _pair(n, tap=_recording(frames))
         chans[1]._session.peers[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
         chans[0]._session.peers[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
         del frames[:]
