@@ -67,6 +67,7 @@ class SecureChannel:
                                     lambda peer: self._tx.control(peer, F_CONFIRM, None))
         self._admission = Admission(session, payloads := PayloadPool(opts.chunk_bytes))
         self._rx = Receiver(session, self._crypto, self._rings, self._tx, self._handshake, self._admission, payloads)
+        session.on_cut_off = self._rx.drop_assembly  # a rank cut off leaves no half-received message behind
         self._closed = False
 
     # -- settings and state -----------------------------------------------------------------------

@@ -48,7 +48,6 @@ class Receiver:
         self.last_frame_at = -float("inf")  # perf_counter() when the last frame arrived
         self._rx_small = np.empty(SMALL_FRAME + HDR + TAG, dtype=np.uint8)
         self._rx_big: np.ndarray | None = None
-        session.on_cut_off = self.drop_assembly
 
     def wait(self, source: int | None, kinds: Collection[int] | None, timeout: float | None) -> Message | None:
         """The next message (from `source`, of one of `kinds`), or None after `timeout` s; messages

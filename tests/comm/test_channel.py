@@ -12,7 +12,8 @@ import pytest
 from comm_attacks import ANY, attacks, seal
 
 from hpcfed.comm import crypto, polling, wire
-from hpcfed.comm.channel import ChannelError, SecureChannel
+from hpcfed.comm.api import ChannelError
+from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.frame import HDR
 from hpcfed.comm.transport import InProcTransport

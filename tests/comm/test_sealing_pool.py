@@ -13,7 +13,8 @@ import pytest
 from test_channel import _connect
 
 from hpcfed.comm import crypto
-from hpcfed.comm.channel import ChannelError, SecureChannel
+from hpcfed.comm.api import ChannelError
+from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.frame import HDR
 from hpcfed.comm.sealing import default_crypto_threads
