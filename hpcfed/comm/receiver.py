@@ -190,33 +190,32 @@ class Receiver:
         if peer is None or peer.rx is None:
             s.reject(src, "no session", "encrypted frame before a secure handshake")
             return
-        ftype, index, seq = h.ftype, h.chunk, h.seq
+        _, ftype, kind, _, _, _, length, seq, msg_id, index, count, offset, total = h
         if seq <= peer.last_seq:
             s.reject(src, "replayed or reordered frame",
                      f"sequence number {seq}, but {peer.last_seq} was already accepted")
             return
         if ftype in (F_DATA, F_SHM_DATA) and peer.state == "ready":
-            if index > 0 and h.msg_id == peer.skip_msg:
+            if index > 0 and msg_id == peer.skip_msg:
                 s.stats.dropped_chunks += 1  # the rest of a message refused at its first chunk
                 return
-            refusal = self._admission.refusal(src, h.kind, h.total) if index == 0 else None
+            refusal = self._admission.refusal(src, kind, total) if index == 0 else None
             if refusal is not None:  # before any buffer is reserved or any byte decrypted
-                peer.skip_msg = h.msg_id
+                peer.skip_msg = msg_id
                 s.reject(src, *refusal)
                 return
-        problem = check_chunk(peer.asm, ftype, h.msg_id, index, h.chunks, h.offset, h.length, h.total,
-                              s.opts.max_message_bytes)
+        problem = check_chunk(peer.asm, ftype, msg_id, index, count, offset, length, total, s.opts.max_message_bytes)
         if problem:
             s.reject(src, *problem)
             return
         # Decrypt straight into the message buffer; the first chunk of a multi-chunk message goes
         # to scratch first so that no large buffer is allocated before the frame authenticates.
         if index == 0:
-            out = self.payloads.scratch0(h.length) if h.chunks > 1 else np.empty(h.length, dtype=np.uint8)
+            out = self.payloads.scratch0(length) if count > 1 else np.empty(length, dtype=np.uint8)
         else:
             asm = peer.asm
             assert asm is not None  # check_chunk refuses a later chunk without its message
-            out = asm.payload[h.offset:h.offset + h.length]
+            out = asm.payload[offset:offset + length]
             if pooled and ftype == F_DATA and peer.state == "ready":
                 aad = s.jd + bytes(view[:HDR])
                 asm.opening.append(self._crypto.open_later(peer.rx, seq, ciphertext, aad, out.data))
@@ -232,7 +231,7 @@ class Receiver:
             return
         peer.last_seq = seq
         if ftype == F_CONFIRM:
-            self._handshake.on_confirm(peer, h.total)
+            self._handshake.on_confirm(peer, total)
             return
         if peer.state != "ready":
             s.reject(src, "unexpected handshake frame", "data before the handshake was confirmed")
@@ -247,7 +246,7 @@ class Receiver:
             return
         if index == 0:
             self._first_chunk(src, peer, h, out)
-            if h.chunks == 1:
+            if count == 1:
                 return
         self._chunk_taken(src, peer, h)
 

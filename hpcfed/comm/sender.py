@@ -23,7 +23,7 @@ import numpy as np
 
 from hpcfed.comm import crypto, frame, polling, wire
 from hpcfed.comm.api import ChannelError
-from hpcfed.comm.frame import F_DATA, F_SHM_DATA, HDR, SLOT, TAG
+from hpcfed.comm.frame import F_DATA, F_SHM_DATA, FRAME, HDR, SLOT, TAG, VERSION
 from hpcfed.comm.ring import Rings, TxRing
 from hpcfed.comm.sealing import CryptoPool, seal_timed
 from hpcfed.comm.session import Peer, Session
@@ -195,14 +195,17 @@ class Sender:
         """Encrypt bytes [start, start + n) of `enc` as chunk `index` of message `msg_id` into `out`
         (n + TAG bytes); return the frame header the ciphertext is bound to (it is the AAD)."""
         peer.send_seq += 1
-        hdr = frame.pack(ftype, kind, self._s.rank, peer.rank, n, peer.send_seq, msg_id, index, count, start, total)
+        hdr = FRAME.pack(VERSION, ftype, kind, 0, self._s.rank, peer.rank, n, peer.send_seq, msg_id, index, count,
+                         start, total)
         if enc is None or n == 0:
             data: memoryview | bytes = b""
         else:
             pieces = enc.pieces(start, start + n)
             data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
+        tx = peer.tx
+        assert tx is not None, f"no session keys for rank {peer.rank}"  # sealed frames follow the handshake
         t0 = time.perf_counter()
-        _sealer(peer).seal_into(peer.send_seq, data, self._s.jd + hdr, out)
+        tx.seal_into(peer.send_seq, data, self._s.jd + hdr, out)
         self._s.stats.seal_s += time.perf_counter() - t0
         return hdr
 
