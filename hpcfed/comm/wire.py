@@ -102,13 +102,6 @@ def _encode_header(header: dict[str, Any], limits: WireLimits) -> bytes:
     return text
 
 
-def _decode_header(raw: memoryview, limits: WireLimits) -> dict[str, Any]:
-    try:
-        return bounded_json.loads_object(raw, limits.max_header_depth)
-    except bounded_json.JSONBoundError as exc:
-        raise WireError(str(exc)) from None
-
-
 # -- encoding -------------------------------------------------------------------------------------
 def _as_wire_array(name: Any, value: Any) -> np.ndarray:
     if not isinstance(name, str):
@@ -305,7 +298,10 @@ def _decode(buf: bytes | bytearray | memoryview | np.ndarray,
         raise WireError(f"header ({head_len} bytes at offset {_PRE.size}) runs past the end of the {n}-byte bundle")
     if any(mv[_PRE.size + head_len: pos]):
         raise WireError(f"non-zero padding after the header at offset {_PRE.size + head_len}")
-    header = _decode_header(mv[_PRE.size: _PRE.size + head_len], limits)
+    try:
+        header = bounded_json.loads_object(mv[_PRE.size: _PRE.size + head_len], limits.max_header_depth)
+    except bounded_json.JSONBoundError as exc:
+        raise WireError(str(exc)) from None
 
     # Pass 1: the table, checked completely before any data is viewed.
     entries: list[tuple[str, np.dtype, tuple[int, ...], int, int]] = []
