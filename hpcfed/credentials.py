@@ -1,5 +1,8 @@
 """Config `security:` section -> `hpcfed.comm.crypto.Credentials` for this rank.
 
+It builds on `hpcfed.comm` (crypto, keys): the dependency runs one way, from here down to comm,
+which knows nothing of the configuration.
+
 Two modes:
 - ``psk``: one pre-shared 32-byte key (hex) for the whole job, from ``$HPCFED_PSK`` (or
   ``security.psk_env``) or ``security.psk_file``. `hpcfed run --np` creates a fresh one per job.
@@ -14,13 +17,14 @@ import os
 import stat
 from pathlib import Path
 
+from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.keys import load_authorized_keys, load_identity, load_public_keys
 from hpcfed.config import ConfigError, SecurityConfig
+from hpcfed.store.sealed import FileAuth
 
 
-def load_credentials(sec: SecurityConfig, rank: int):
-    from hpcfed.comm.crypto import Credentials
-    from hpcfed.comm.keys import load_authorized_keys, load_identity, load_public_keys
-
+def load_credentials(sec: SecurityConfig, rank: int) -> Credentials:
+    """This rank's credentials from the `security:` section (ConfigError naming the key on a problem)."""
     if sec.mode == "psk":
         return Credentials(mode="psk", psk=_read_psk(sec), identity=None, authorized=[], server_public=None)
     if not sec.identity:
@@ -45,6 +49,7 @@ def load_credentials(sec: SecurityConfig, rank: int):
 
 
 def _read_psk(sec: SecurityConfig) -> bytes:
+    """The job PSK from security.psk_file (0600) or the environment variable security.psk_env."""
     if sec.psk_file:
         path = Path(sec.psk_file).expanduser()
         if not path.is_file():
@@ -74,17 +79,13 @@ def _expand(template: str, rank: int) -> Path:
     return Path(template.replace("{rank}", str(rank)).replace("{client_id}", str(rank - 1))).expanduser()
 
 
-def state_file_auth(sec: SecurityConfig, rank: int, purpose: str):
+def state_file_auth(sec: SecurityConfig, rank: int, purpose: str) -> FileAuth:
     """The key that tags this rank's state files of `purpose` (see `hpcfed.store.sealed`).
 
     psk mode: HMAC keyed from the job PSK (never stored in the run directory); keys mode: this
     rank's Ed25519 identity signs, and its public half verifies."""
-    from hpcfed.store.sealed import FileAuth
-
     if sec.mode == "psk":
         return FileAuth.from_psk(_read_psk(sec), purpose)
-    from hpcfed.comm.keys import load_identity
-
     if not sec.identity:
         raise ConfigError("security.mode=keys needs security.identity to sign checkpoints and shards")
     return FileAuth.from_identity(load_identity(_expand(sec.identity, rank)), purpose)

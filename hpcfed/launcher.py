@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -338,27 +337,22 @@ def _check_world(cfg: Config, size: int) -> None:
 
 
 def _open_channel(cfg: Config, comm: object):
-    from hpcfed.comm.channel import SecureChannel
+    """This rank's secure channel of the job's star (see `hpcfed.comm.star`), set up from `cfg`."""
+    from hpcfed.comm.star import draw_job_id, open_star
     from hpcfed.comm.transport import MPITransport
+    from hpcfed.comm.wire import WireLimits
     from hpcfed.credentials import load_credentials
 
     transport = MPITransport(comm)
-    # Rank 0 draws the job id; it is bound into every handshake transcript and message AAD, so
-    # messages of another job (or an earlier attempt of a requeued one) never authenticate here.
-    nonce = transport.bcast_bytes(secrets.token_bytes(16) if transport.rank == 0 else None, 16)
-    job_id = os.environ.get("SLURM_JOB_ID", "").encode() + b":" + nonce
+    job_id = draw_job_id(transport, os.environ.get("SLURM_JOB_ID", "").encode() + b":")
     credentials = load_credentials(cfg.security, transport.rank)
     log = logging.getLogger("hpcfed.comm")
-    from hpcfed.comm.wire import WireLimits
-
     limits = WireLimits(max_tensors=cfg.comm.max_tensors, max_total_bytes=cfg.comm.max_message_bytes)
-    channel = SecureChannel(transport, credentials, job_id, chunk_bytes=cfg.comm.chunk_bytes, limits=limits,
-                            shared_memory=cfg.comm.shared_memory, crypto_threads=cfg.comm.crypto_threads,
-                            max_message_bytes=cfg.comm.max_message_bytes, backoff_max_s=cfg.comm.backoff_max_s,
-                            max_rejects=cfg.security.max_rejects, log=log.warning,
-                            send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
-    peers = list(range(1, transport.size)) if transport.rank == 0 else [0]
-    channel.connect(peers, timeout=cfg.federation.setup_timeout_s)
+    channel = open_star(transport, credentials, job_id, timeout=cfg.federation.setup_timeout_s, log=log.warning,
+                        chunk_bytes=cfg.comm.chunk_bytes, limits=limits, shared_memory=cfg.comm.shared_memory,
+                        crypto_threads=cfg.comm.crypto_threads, max_message_bytes=cfg.comm.max_message_bytes,
+                        backoff_max_s=cfg.comm.backoff_max_s, max_rejects=cfg.security.max_rejects,
+                        send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
     if transport.rank == 0 and cfg.security.mode == "keys":
         for rank in channel.peers:  # who is who, for the record
             log.info("rank %d authenticated as site key %s", rank, channel.identity(rank))

@@ -130,11 +130,11 @@ class Forger:
     """Crafts frames, bundles and runtime messages from a client rank with a live session."""
 
     def __init__(self, channel: Any, layout_size: int, seed: int) -> None:
-        from hpcfed.comm import channel as ch
+        from hpcfed.comm import frame as ch
 
         self.ch_mod = ch
         self.channel = channel
-        self.peer = channel._peer[0]  # the session with the server: keys + counters
+        self.peer = channel._session.peers[0]  # the session with the server: keys + counters
         self.transport: _RecordingTransport = channel.transport
         self.rank = channel.rank
         self.size = layout_size
@@ -168,7 +168,7 @@ class Forger:
         out = bytearray(ch.HDR + n + ch.TAG)
         out[:ch.HDR] = hdr
         real_seq = struct.unpack_from("<Q", hdr, 16)[0]
-        (sealer or self.peer.tx).seal_into(real_seq, payload, self.channel._jd + (aad_header or hdr),
+        (sealer or self.peer.tx).seal_into(real_seq, payload, self.channel._session.jd + (aad_header or hdr),
                                            memoryview(out)[ch.HDR:])
         return out
 

@@ -30,9 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from hpcfed.comm.channel import SecureChannel
 
 SIZES = {"1KB": 1 << 10, "1MB": 1 << 20, "64MB": 64 << 20}
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -62,96 +67,102 @@ def _timed(comm: Any, fn_send: Any, fn_recv: Any, reps: int) -> float:
     return time.perf_counter() - t0
 
 
-def _measure(comm: Any, channel: Any, quick: bool) -> dict[str, Any]:
+def _measure_size(comm: Any, channel: SecureChannel, aes: AESGCM, nbytes: int, reps: int) -> dict[str, float]:
+    """One bundle size: raw MPI, one-core AES-GCM, the naive path and the secure channel."""
     import io
 
     import torch
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    payload = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+    raw = payload.view(np.uint8)
+    row: dict[str, float] = {"bytes": nbytes, "reps": reps}
+
+    # raw MPI
+    rbuf = np.empty_like(raw)
+    dt = min(_timed(comm, lambda: comm.Send([raw, MPI.BYTE], dest=1, tag=1),
+                    lambda: comm.Recv([rbuf, MPI.BYTE], source=0, tag=1), reps) for _ in range(2))
+    row["raw_mpi_gbps"] = reps * nbytes / dt / 1e9
+
+    # one-core AES-256-GCM (rank 0 alone; rank 1 waits at the barrier)
+    comm.Barrier()
+    if rank == 0:
+        out = np.empty(nbytes + 16, dtype=np.uint8)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for i in range(reps):
+                aes.encrypt_into(i.to_bytes(12, "little"), raw.data, b"bench", out.data)
+            best = min(best, time.perf_counter() - t0)
+        row["aes_gcm_gbps"] = reps * nbytes / best / 1e9
+    comm.Barrier()
+
+    # naive: torch.save + encrypt + pickle-based comm.send
+    tensor = torch.from_numpy(payload)
+    nonce = bytes(12)
+
+    def naive_blob() -> bytes:
+        bio = io.BytesIO()
+        torch.save({"params": tensor}, bio)
+        return aes.encrypt(nonce, bio.getvalue(), b"bench")
+
+    def naive_send() -> None:
+        comm.send(naive_blob(), dest=1, tag=2)
+
+    # The receiver takes the pickled bytes off the wire as a plain buffer and does the naive
+    # decoding work (unpickle, decrypt, torch.load) on its own copy of the identical message,
+    # built here from the same tensor: the same cost, and nothing that crossed the process
+    # boundary is ever unpickled.
+    own_copy = pickle.dumps(naive_blob(), protocol=pickle.HIGHEST_PROTOCOL) if rank == 1 else b""
+    inbox = np.empty(len(own_copy), dtype=np.uint8)
+
+    def naive_recv() -> None:
+        status = MPI.Status()
+        comm.Probe(source=0, tag=2, status=status)
+        if status.Get_count(MPI.BYTE) != len(own_copy):
+            raise RuntimeError("bench: the naive message is not the size of the receiver's copy")
+        comm.Recv([inbox, MPI.BYTE], source=0, tag=2)
+        blob = aes.decrypt(nonce, pickle.loads(own_copy), b"bench")
+        torch.load(io.BytesIO(blob), weights_only=True)
+
+    naive_reps = max(2, reps // 4)
+    dt = _timed(comm, naive_send, naive_recv, naive_reps)
+    row["naive_gbps"] = naive_reps * nbytes / dt / 1e9
+
+    # the secure channel
+    def secure_send() -> None:
+        channel.send(1, 3, {"round": 1}, {"params": payload})
+
+    def secure_recv() -> None:
+        msg = channel.recv(source=0, timeout=120)
+        if msg is None or msg.tensors["params"].shape != payload.shape:
+            raise RuntimeError("bench: the secure channel lost a message")
+
+    best_dt, cpu = float("inf"), np.zeros(2)
+    for _ in range(2):
+        c0 = time.process_time()
+        dt = _timed(comm, secure_send, secure_recv, reps)
+        if dt < best_dt:
+            best_dt, cpu[rank] = dt, time.process_time() - c0
+    both = np.zeros(2)
+    comm.Allreduce([cpu, MPI.DOUBLE], [both, MPI.DOUBLE], op=MPI.SUM)
+    row["secure_gbps"] = reps * nbytes / best_dt / 1e9
+    # CPU seconds each side spent: on a machine shared with other jobs the wall-clock rate is
+    # set by the scheduler; this is the rate the busier side's work alone would allow.
+    row["secure_cpu_s_sender"], row["secure_cpu_s_receiver"] = float(both[0]), float(both[1])
+    row["secure_cpu_bound_gbps"] = reps * nbytes / max(both.max(), 1e-9) / 1e9
+    return row
+
+
+def _measure(comm: Any, channel: SecureChannel, quick: bool) -> dict[str, Any]:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     rank = comm.Get_rank()
     aes = AESGCM(bytes(32))
     detail: dict[str, dict[str, float]] = {}
     for label, nbytes in SIZES.items():
-        reps = _reps(nbytes, quick)
-        payload = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
-        raw = payload.view(np.uint8)
-        row: dict[str, float] = {"bytes": nbytes, "reps": reps}
-
-        # raw MPI
-        rbuf = np.empty_like(raw)
-        dt = min(_timed(comm, lambda: comm.Send([raw, MPI.BYTE], dest=1, tag=1),
-                        lambda: comm.Recv([rbuf, MPI.BYTE], source=0, tag=1), reps) for _ in range(2))
-        row["raw_mpi_gbps"] = reps * nbytes / dt / 1e9
-
-        # one-core AES-256-GCM (rank 0 alone; rank 1 waits at the barrier)
-        comm.Barrier()
-        if rank == 0:
-            out = np.empty(nbytes + 16, dtype=np.uint8)
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for i in range(reps):
-                    aes.encrypt_into(i.to_bytes(12, "little"), raw, b"bench", out)
-                best = min(best, time.perf_counter() - t0)
-            row["aes_gcm_gbps"] = reps * nbytes / best / 1e9
-        comm.Barrier()
-
-        # naive: torch.save + encrypt + pickle-based comm.send
-        tensor = torch.from_numpy(payload)
-        nonce = bytes(12)
-
-        def naive_blob() -> bytes:
-            bio = io.BytesIO()
-            torch.save({"params": tensor}, bio)
-            return aes.encrypt(nonce, bio.getvalue(), b"bench")
-
-        def naive_send() -> None:
-            comm.send(naive_blob(), dest=1, tag=2)
-
-        # The receiver takes the pickled bytes off the wire as a plain buffer and does the naive
-        # decoding work (unpickle, decrypt, torch.load) on its own copy of the identical message,
-        # built here from the same tensor: the same cost, and nothing that crossed the process
-        # boundary is ever unpickled.
-        own_copy = pickle.dumps(naive_blob(), protocol=pickle.HIGHEST_PROTOCOL) if rank == 1 else b""
-        inbox = np.empty(len(own_copy), dtype=np.uint8)
-
-        def naive_recv() -> None:
-            status = MPI.Status()
-            comm.Probe(source=0, tag=2, status=status)
-            if status.Get_count(MPI.BYTE) != len(own_copy):
-                raise RuntimeError("bench: the naive message is not the size of the receiver's copy")
-            comm.Recv([inbox, MPI.BYTE], source=0, tag=2)
-            blob = aes.decrypt(nonce, pickle.loads(own_copy), b"bench")
-            torch.load(io.BytesIO(blob), weights_only=True)
-
-        naive_reps = max(2, reps // 4)
-        dt = _timed(comm, naive_send, naive_recv, naive_reps)
-        row["naive_gbps"] = naive_reps * nbytes / dt / 1e9
-
-        # the secure channel
-        def secure_send() -> None:
-            channel.send(1, 3, {"round": 1}, {"params": payload})
-
-        def secure_recv() -> None:
-            msg = channel.recv(source=0, timeout=120)
-            if msg is None or msg.tensors["params"].shape != payload.shape:
-                raise RuntimeError("bench: the secure channel lost a message")
-
-        best_dt, cpu = float("inf"), np.zeros(2)
-        for _ in range(2):
-            c0 = time.process_time()
-            dt = _timed(comm, secure_send, secure_recv, reps)
-            if dt < best_dt:
-                best_dt, cpu[rank] = dt, time.process_time() - c0
-        both = np.zeros(2)
-        comm.Allreduce([cpu, MPI.DOUBLE], [both, MPI.DOUBLE], op=MPI.SUM)
-        row["secure_gbps"] = reps * nbytes / best_dt / 1e9
-        # CPU seconds each side spent: on a machine shared with other jobs the wall-clock rate is
-        # set by the scheduler; this is the rate the busier side's work alone would allow.
-        row["secure_cpu_s_sender"], row["secure_cpu_s_receiver"] = float(both[0]), float(both[1])
-        row["secure_cpu_bound_gbps"] = reps * nbytes / max(both.max(), 1e-9) / 1e9
-        detail[label] = row
+        detail[label] = _measure_size(comm, channel, aes, nbytes, _reps(nbytes, quick))
 
     threads_rows = _thread_sweep(comm, channel, quick, detail["64MB"])
 
@@ -169,6 +180,8 @@ def _measure(comm: Any, channel: Any, quick: bool) -> dict[str, Any]:
                 channel.recv(source=1, timeout=60)
             else:
                 m = channel.recv(source=0, timeout=60)
+                if m is None:
+                    raise RuntimeError("bench: a round trip lost its message")
                 channel.send(0, 4, {"i": 0}, m.tensors)
         best = min(best, time.perf_counter() - t0)
     rt_per_s = n_rt / best
@@ -202,10 +215,10 @@ def _measure(comm: Any, channel: Any, quick: bool) -> dict[str, Any]:
     }
 
 
-def _thread_sweep(comm: Any, channel: Any, quick: bool, big: dict[str, float]) -> list[dict[str, float]]:
+def _thread_sweep(comm: Any, channel: SecureChannel, quick: bool, big: dict[str, float]) -> list[dict[str, float]]:
     """64 MB through MPI (no shared-memory ring) with 1, 2, ... sealing threads, against
     min(threads x one-core AES-GCM, raw MPI) measured in this run."""
-    from hpcfed.comm.channel import default_crypto_threads
+    from hpcfed.comm.sealing import default_crypto_threads
 
     nbytes = SIZES["64MB"]
     reps = _reps(nbytes, quick)

@@ -17,10 +17,12 @@ import socket
 import stat
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from hpcfed.comm import crypto
 
 
-def generate_identity(path: str | os.PathLike, *, overwrite: bool = False, comment: str | None = None) -> str:
+def generate_identity(path: str | os.PathLike[str], *, overwrite: bool = False, comment: str | None = None) -> str:
     """Create an Ed25519 identity at `path` (0600) and `path`.pub; return the public key line."""
     path = Path(path).expanduser()
     pub_path = Path(f"{path}.pub")
@@ -49,7 +51,7 @@ def generate_identity(path: str | os.PathLike, *, overwrite: bool = False, comme
     return line
 
 
-def load_identity(path: str | os.PathLike) -> crypto.Ed25519PrivateKey:
+def load_identity(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """Read a private key written by `generate_identity`; refuse one that others can read."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -63,7 +65,7 @@ def load_identity(path: str | os.PathLike) -> crypto.Ed25519PrivateKey:
         raise ValueError(f"identity key {path} is not an hpcfed (Ed25519 PEM) private key: {exc}") from None
 
 
-def load_public_keys(path: str | os.PathLike) -> list[crypto.Ed25519PublicKey]:
+def load_public_keys(path: str | os.PathLike[str]) -> list[Ed25519PublicKey]:
     """Read an authorized-keys (or .pub) file: one ``hpcfed-ed25519 <base64> [comment]`` per line."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -86,11 +88,11 @@ def load_public_keys(path: str | os.PathLike) -> list[crypto.Ed25519PublicKey]:
     return keys
 
 
-def load_authorized_keys(path: str | os.PathLike) -> dict[int, crypto.Ed25519PublicKey]:
+def load_authorized_keys(path: str | os.PathLike[str]) -> dict[int, Ed25519PublicKey]:
     """Read the server's authorized-keys file: {rank: key}; every line must carry ``rank=N``."""
     path = Path(path).expanduser()
     keys = load_public_keys(path)  # the format checks, with line numbers
-    bound: dict[int, crypto.Ed25519PublicKey] = {}
+    bound: dict[int, Ed25519PublicKey] = {}
     lines = [t for t in (ln.strip() for ln in path.read_text(encoding="utf-8", errors="replace").splitlines())
              if t and not t.startswith("#")]
     for text, key in zip(lines, keys):

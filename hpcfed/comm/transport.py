@@ -10,6 +10,7 @@ ranks arrive in the order they were sent (MPI's non-overtaking rule, one tag for
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -35,6 +36,7 @@ class Transport(Protocol):
     def isend(self, frame: memoryview, dest: int) -> Request: ...
     def iprobe(self, source: int | None = None) -> tuple[int, int] | None: ...
     def irecv_into(self, source: int, out: memoryview) -> Request: ...
+    def recv_into(self, source: int, out: memoryview) -> None: ...
     def discard(self, source: int) -> None: ...
     def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes: ...
     def shm_create(self, tag: str, nbytes: int) -> tuple[str, memoryview] | None: ...
@@ -87,10 +89,8 @@ def _shm_attach(name: str, nbytes: int) -> memoryview | None:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already gone
         os.unlink(path)
-    except OSError:
-        pass
 
 
 # -- MPI --------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ in 2 bytes per value and decodes to a bf16 array.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 import sys
@@ -48,6 +47,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from hpcfed.comm import bounded_json
 
 MAGIC = b"HPCW"
 VERSION = 1
@@ -88,101 +89,17 @@ def _pad(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-# -- header ---------------------------------------------------------------------------------------
-INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1  # header integers are int64
-_MAX_INT_DIGITS = 20  # longer literals are refused before Python converts them
-
-
-def _check_json(value: Any, depth: int, limit: int, path: str) -> None:
-    if depth > limit:
-        raise WireError(f"header nests deeper than {limit} levels at {path}")
-    if value is None or isinstance(value, (str, bool)):
-        return
-    if isinstance(value, int):
-        if not INT_MIN <= value <= INT_MAX:
-            raise WireError(f"header integer at {path} is outside int64 ({str(value)[:24]}...); "
-                            f"send it as a string or a float")
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise WireError(f"header value at {path} is {value}; JSON has no NaN/Inf (send null instead)")
-        return
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_json(item, depth + 1, limit, f"{path}[{i}]")
-        return
-    if isinstance(value, dict):
-        for k, item in value.items():
-            if not isinstance(k, str):
-                raise WireError(f"header key {k!r} at {path} is {type(k).__name__}; keys must be str")
-            _check_json(item, depth + 1, limit, f"{path}.{k}")
-        return
-    raise WireError(f"header value at {path} has type {type(value).__name__}; "
-                    f"only str/int/float/bool/None/list/dict travel in a header (tensors go in the bundle)")
-
-
-def _encode_header(header: dict, limits: WireLimits) -> bytes:
+# -- header (the JSON rules are `bounded_json`'s) ----------------------------------------------
+def _encode_header(header: dict[str, Any], limits: WireLimits) -> bytes:
     if not isinstance(header, dict):
         raise WireError(f"the header must be a dict, got {type(header).__name__}")
-    _check_json(header, 0, limits.max_header_depth, "header")
-    text = _ENCODER.encode(header).encode("utf-8")
+    try:
+        text = bounded_json.dumps(header, limits.max_header_depth)
+    except bounded_json.JSONBoundError as exc:
+        raise WireError(str(exc)) from None
     if len(text) > limits.max_header_bytes:
         raise WireError(f"header is {len(text)} bytes as JSON; the limit is {limits.max_header_bytes}")
     return text
-
-
-def _no_constant(name: str) -> Any:
-    raise WireError(f"header contains {name}; JSON has no NaN/Infinity")
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise WireError(f"header has the key {key!r} twice in one object")
-        out[key] = value
-    return out
-
-
-def _bounded_int(text: str) -> int:
-    if len(text) > _MAX_INT_DIGITS:
-        raise WireError(f"header integer {text[:24]}... has {len(text)} digits; integers must fit int64")
-    value = int(text)
-    if not INT_MIN <= value <= INT_MAX:
-        raise WireError(f"header integer {text} is outside int64")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise WireError(f"header number {text[:24]} does not fit a finite float64")
-    return value
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-_DECODER = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unique_pairs,
-                            parse_int=_bounded_int, parse_float=_finite_float)
-
-
-def _decode_header(raw: memoryview, limits: WireLimits) -> dict:
-    try:
-        text = bytes(raw).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise WireError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        value = _DECODER.decode(text)
-    except WireError:
-        raise
-    except RecursionError:
-        raise WireError(f"header nests deeper than {limits.max_header_depth} levels") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
-        raise WireError(f"header is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise WireError(f"header must be a JSON object, got {type(value).__name__}")
-    if text.count("[") + text.count("{") > limits.max_header_depth:  # else it cannot nest too deep
-        _check_json(value, 0, limits.max_header_depth, "header")
-    return value
 
 
 # -- encoding -------------------------------------------------------------------------------------
@@ -265,7 +182,7 @@ class Encoded:
             pos = off + len(mv)
 
 
-def prepare(header: dict, tensors: Mapping[str, Any] | None, limits: WireLimits = WireLimits()) -> Encoded:
+def prepare(header: dict[str, Any], tensors: Mapping[str, Any] | None, limits: WireLimits = WireLimits()) -> Encoded:
     """Validate and lay out a bundle for sending (no tensor data is copied, except to make a
     non-contiguous or big-endian input contiguous little-endian)."""
     head = _encode_header(header, limits)
@@ -300,7 +217,7 @@ def prepare(header: dict, tensors: Mapping[str, Any] | None, limits: WireLimits 
         parts.append(raw)
         parts.append(bytes(((8 * ndim + len(raw) + 7) & ~7) - 8 * ndim - len(raw)))
         if nbytes:
-            segments.append((off, memoryview(arr.reshape(-1).view(np.uint8))))
+            segments.append((off, arr.reshape(-1).view(np.uint8).data))
         pos = off + nbytes
     total = pos
     if total > limits.max_total_bytes:
@@ -310,19 +227,19 @@ def prepare(header: dict, tensors: Mapping[str, Any] | None, limits: WireLimits 
     return Encoded(b"".join(parts), segments, total)
 
 
-def encoded_size(header: dict, tensors: Mapping[str, Any] | None) -> int:
+def encoded_size(header: dict[str, Any], tensors: Mapping[str, Any] | None) -> int:
     """Bytes that `encode(header, tensors)` produces."""
     return prepare(header, tensors).total
 
 
-def encode_into(header: dict, tensors: Mapping[str, Any] | None, out: memoryview) -> int:
+def encode_into(header: dict[str, Any], tensors: Mapping[str, Any] | None, out: memoryview) -> int:
     """Write the bundle into `out` (at least `encoded_size` bytes); returns the bytes written."""
     enc = prepare(header, tensors)
     enc.write_into(out)
     return enc.total
 
 
-def encode(header: dict, tensors: Mapping[str, Any] | None = None) -> bytes:
+def encode(header: dict[str, Any], tensors: Mapping[str, Any] | None = None) -> bytes:
     """The bundle as one bytes object (copies the tensors once)."""
     enc = prepare(header, tensors)
     out = bytearray(enc.total)
@@ -332,7 +249,7 @@ def encode(header: dict, tensors: Mapping[str, Any] | None = None) -> bytes:
 
 # -- decoding -------------------------------------------------------------------------------------
 def decode(buf: bytes | bytearray | memoryview | np.ndarray,
-           limits: WireLimits = WireLimits()) -> tuple[dict, dict[str, np.ndarray]]:
+           limits: WireLimits = WireLimits()) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Parse a bundle. Returns (header, tensors).
 
     The arrays are zero-copy views into `buf` whenever their data is aligned for their dtype
@@ -349,9 +266,9 @@ def decode(buf: bytes | bytearray | memoryview | np.ndarray,
 
 
 def _decode(buf: bytes | bytearray | memoryview | np.ndarray,
-            limits: WireLimits) -> tuple[dict, dict[str, np.ndarray]]:
+            limits: WireLimits) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     try:
-        mv = memoryview(buf)
+        mv = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
     except TypeError:
         raise WireError(f"decode needs a bytes-like object, got {type(buf).__name__}") from None
     if not mv.c_contiguous:
@@ -381,7 +298,10 @@ def _decode(buf: bytes | bytearray | memoryview | np.ndarray,
         raise WireError(f"header ({head_len} bytes at offset {_PRE.size}) runs past the end of the {n}-byte bundle")
     if any(mv[_PRE.size + head_len: pos]):
         raise WireError(f"non-zero padding after the header at offset {_PRE.size + head_len}")
-    header = _decode_header(mv[_PRE.size: _PRE.size + head_len], limits)
+    try:
+        header = bounded_json.loads_object(mv[_PRE.size: _PRE.size + head_len], limits.max_header_depth)
+    except bounded_json.JSONBoundError as exc:
+        raise WireError(str(exc)) from None
 
     # Pass 1: the table, checked completely before any data is viewed.
     entries: list[tuple[str, np.dtype, tuple[int, ...], int, int]] = []
@@ -424,7 +344,8 @@ def _decode(buf: bytes | bytearray | memoryview | np.ndarray,
             raise WireError(f"tensor {name!r}: shape {shape} x {dt.itemsize} bytes != declared {nbytes} bytes")
         want = _pad(data_pos, ALIGN)
         if off != want:
-            raise WireError(f"tensor {name!r}: data offset {off}, expected {want} (non-canonical or overlapping layout)")
+            raise WireError(f"tensor {name!r}: data offset {off}, expected {want} "
+                            f"(non-canonical or overlapping layout)")
         if off + nbytes > n:
             raise WireError(f"tensor {name!r}: {nbytes} bytes at offset {off} run past the end of the {n}-byte bundle")
         entries.append((name, dt, shape, off, nbytes))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import sys
 import traceback
 from pathlib import Path
@@ -38,22 +37,17 @@ log = logging.getLogger("hpcfed.search")
 
 
 def open_channel(security: Any, timeout: float) -> Any:
-    """Secure channel on MPI_COMM_WORLD: rank 0 connects to all, the others to rank 0."""
+    """Secure channel on MPI_COMM_WORLD: the job's star (see `hpcfed.comm.star`), rank 0 the front end."""
     from mpi4py import MPI
 
-    from hpcfed.comm.channel import SecureChannel
+    from hpcfed.comm.star import draw_job_id, open_star
     from hpcfed.comm.transport import MPITransport
     from hpcfed.credentials import load_credentials
 
-    comm = MPI.COMM_WORLD
-    transport = MPITransport(comm)
-    buf = np.frombuffer(bytearray(secrets.token_bytes(16)), dtype=np.uint8).copy()
-    comm.Bcast(buf, root=0)  # job id bound into every frame: no cross-job replay
-    job_id = b"search:" + os.environ.get("SLURM_JOB_ID", "").encode() + b":" + buf.tobytes()
-    channel = SecureChannel(transport, load_credentials(security, transport.rank), job_id,
-                            log=logging.getLogger("hpcfed.comm").warning)
-    channel.connect(list(range(1, transport.size)) if transport.rank == 0 else [0], timeout=timeout)
-    return channel
+    transport = MPITransport(MPI.COMM_WORLD)
+    job_id = draw_job_id(transport, b"search:" + os.environ.get("SLURM_JOB_ID", "").encode() + b":")
+    return open_star(transport, load_credentials(security, transport.rank), job_id, timeout=timeout,
+                     log=logging.getLogger("hpcfed.comm").warning)
 
 
 class SiteServer:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from hpcfed.comm import crypto, wire
-from hpcfed.comm.channel import F_DATA, FRAME, HDR, TAG, VERSION, SecureChannel
+from hpcfed.comm.channel import SecureChannel
+from hpcfed.comm.frame import F_DATA, FRAME, HDR, TAG, VERSION
 
 
 def seal(ch: SecureChannel, dest: int, payload: bytes, *, kind: int = 9, seq: int | None = None,
@@ -15,7 +16,7 @@ def seal(ch: SecureChannel, dest: int, payload: bytes, *, kind: int = 9, seq: in
          sealer: crypto.Sealer | None = None) -> bytes:
     """One encrypted frame from `ch`'s rank to `dest`, with any header field overridden.
     Draws the next sequence number of the real session unless `seq` is given."""
-    peer = ch._peer[dest]
+    peer = ch._session.peers[dest]
     if seq is None:
         peer.send_seq += 1
         seq = peer.send_seq
@@ -27,7 +28,7 @@ def seal(ch: SecureChannel, dest: int, payload: bytes, *, kind: int = 9, seq: in
                      len(payload), seq, msg_id, index, count, offset, total)
     out = bytearray(HDR + len(payload) + TAG)
     out[:HDR] = hdr
-    (sealer or peer.tx).seal_into(seq, payload, ch._jd + hdr, memoryview(out)[HDR:])
+    (sealer or peer.tx).seal_into(seq, payload, ch._session.jd + hdr, memoryview(out)[HDR:])
     return bytes(out)
 
 

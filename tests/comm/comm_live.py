@@ -17,8 +17,9 @@ import numpy as np
 from comm_attacks import attacks
 from mpi4py import MPI
 
-from hpcfed.comm.channel import HDR, SecureChannel
+from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.frame import HDR
 from hpcfed.comm.transport import MPITransport
 
 HONEST_ROUNDS = 12

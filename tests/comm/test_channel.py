@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from comm_attacks import ANY, attacks, seal
 
-from hpcfed.comm import crypto
-from hpcfed.comm.channel import HDR, ChannelError, SecureChannel
+from hpcfed.comm import crypto, polling, wire
+from hpcfed.comm.api import ChannelError
+from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.frame import HDR
 from hpcfed.comm.transport import InProcTransport
 
 PSK = bytes(range(32))
@@ -335,7 +337,7 @@ def test_unsolicited_kinds_are_dropped_on_arrival_and_counted():
     st = chans[0].stats
     assert st.rejected == {"unsolicited kind": 4} and st.rejected_by_rank == {1: 4}
     assert st.dropped_chunks == 3 * 4  # the later chunks of the refused messages, never decrypted
-    assert chans[0].poll() is None and not chans[0]._pool  # nothing buffered for the junk
+    assert chans[0].poll() is None and not chans[0]._rx.payloads.bufs  # nothing buffered for the junk
     assert any("message kind 99, which this rank does not take from rank 1" in line for line in chans[0].test_log)
     chans[0].expect([4])  # one set for every peer
     chans[2].send(0, 8, {})
@@ -353,7 +355,7 @@ def test_a_declared_size_beyond_the_kind_bound_reserves_nothing():
     assert msg is not None and msg.header == {"fits": True} and int(msg.tensors["x"].sum()) == 200_000
     assert chans[0].stats.rejected == {"message too large for its kind": 1}
     assert chans[0].stats.dropped_chunks == 16
-    assert all(len(buf) < (1 << 20) for buf in chans[0]._pool)  # only the message that fitted
+    assert all(len(buf) < (1 << 20) for buf in chans[0]._rx.payloads.bufs)  # only the message that fitted
     with pytest.raises(ValueError, match="positive"):
         chans[0].expect([4], {4: 0})
 
@@ -380,11 +382,9 @@ def test_the_inbox_of_each_peer_is_bounded_in_count_and_bytes():
 
 
 def test_any_exception_while_opening_a_peers_message_is_contained(monkeypatch):
-    from hpcfed.comm import channel as channel_mod
-
     chans = _job([_psk()] * 3, max_rejects=3)
     assert _connect(chans) == {}
-    real = channel_mod.wire.decode
+    real = wire.decode
 
     def fragile(buf, limits):
         header, tensors = real(buf, limits)
@@ -392,7 +392,7 @@ def test_any_exception_while_opening_a_peers_message_is_contained(monkeypatch):
             raise OverflowError("int too large to convert")  # a bound the decoder missed
         return header, tensors
 
-    monkeypatch.setattr(channel_mod.wire, "decode", fragile)
+    monkeypatch.setattr(wire, "decode", fragile)
     for _ in range(4):
         chans[2].send(0, 4, {"boom": True})
     _served(chans, 1)
@@ -432,13 +432,13 @@ def test_big_messages_move_through_shared_memory_after_the_offer():
     for i in range(3):  # the first goes through the transport while the ring is offered
         chans[1].send(0, 4, {"i": i}, {"p": big * i})
         deadline = time.monotonic() + 5
-        while i == 0 and chans[1]._tx_rings[0].state != "ready" and time.monotonic() < deadline:
+        while i == 0 and chans[1]._rings.tx[0].state != "ready" and time.monotonic() < deadline:
             chans[1].poll()
     _drain(chans[1], t)
     assert [g[0] for g in got] == [{"i": 0}, {"i": 1}, {"i": 2}]
     for i, (_, tensors) in enumerate(got):
         np.testing.assert_array_equal(tensors["p"], big * i)
-    assert chans[1]._tx_rings[0].state == "ready" and 1 in chans[0]._rx_rings
+    assert chans[1]._rings.tx[0].state == "ready" and 1 in chans[0]._rings.rx
     assert chans[1].stats.bytes_sent > 2 * big.nbytes
     assert chans[0].stats.rejected == {} and chans[1].stats.rejected == {}
 
@@ -449,7 +449,7 @@ def test_tampering_inside_shared_memory_is_rejected():
     def tap(src, dst, frame):
         if frame[1] == 9 and state["armed"]:  # an F_SHM_DATA header: corrupt the slot it points at
             state["armed"] = False
-            ring = state["chan"]._tx_rings[0]
+            ring = state["chan"]._rings.tx[0]
             slot = int.from_bytes(frame[HDR:HDR + 4], "little")
             ring.buf[slot * ring.slot_bytes + 10] ^= 0xFF
         return [frame]
@@ -461,7 +461,7 @@ def test_tampering_inside_shared_memory_is_rejected():
     t, got = _receive_in_thread(chans[0], 2)
     chans[1].send(0, 4, {"i": 0}, {"p": big})
     deadline = time.monotonic() + 5
-    while chans[1]._tx_rings[0].state != "ready" and time.monotonic() < deadline:
+    while chans[1]._rings.tx[0].state != "ready" and time.monotonic() < deadline:
         chans[1].poll()
     state["armed"] = True
     chans[1].send(0, 4, {"i": 1}, {"p": big})  # its first chunk is corrupted in shared memory
@@ -476,18 +476,16 @@ def test_tampering_inside_shared_memory_is_rejected():
 def test_a_rank_in_conversation_sleeps_briefly_and_an_idle_one_backs_off_fully(monkeypatch) -> None:
     """Right after a frame arrives the next one is likely close behind: the wait must not sink into
     the long idle sleeps (two ranks that did so could stay ~100x slow); later it backs off fully."""
-    from hpcfed.comm import channel as channel_mod
-
     server, client = _job([_psk(), _psk()], backoff_max_s=0.005)
     assert not _connect([server, client])
     client.send(0, 7, {"n": 1})
     assert server.recv(source=1, timeout=5.0).header == {"n": 1}
     sleeps: list[float] = []
-    monkeypatch.setattr(channel_mod.time, "sleep", sleeps.append)  # a wait that never sleeps
+    monkeypatch.setattr(polling.time, "sleep", sleeps.append)  # a wait that never sleeps
     assert server.recv(source=1, timeout=0.02) is None  # just after a frame: a conversation
-    assert sleeps and max(sleeps) <= channel_mod._CONVERSATION_SLEEP_S
+    assert sleeps and max(sleeps) <= polling.CONVERSATION_SLEEP_S
     sleeps.clear()
-    server._last_frame_at -= channel_mod._CONVERSATION_S  # that frame is long past
+    server._rx.last_frame_at -= polling.CONVERSATION_S  # that frame is long past
     assert server.recv(source=1, timeout=0.02) is None
     assert max(sleeps) == 0.005  # the idle schedule doubles up to backoff_max_s
 
@@ -506,7 +504,7 @@ def test_part_received_messages_are_finished_before_another_senders_begins(windo
     inner, turn, held = server.transport.iprobe, [0], [0]
 
     def alternating(source=None):  # offer the two senders' frames in turn when any source will do
-        held[0] = max(held[0], sum(p.asm is not None for p in server._peer.values()))
+        held[0] = max(held[0], sum(p.asm is not None for p in server._session.peers.values()))
         if source is not None:
             return inner(source)
         turn[0] ^= 1

@@ -13,8 +13,11 @@ import pytest
 from test_channel import _connect
 
 from hpcfed.comm import crypto
-from hpcfed.comm.channel import HDR, ChannelError, SecureChannel, default_crypto_threads
+from hpcfed.comm.api import ChannelError
+from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.frame import HDR
+from hpcfed.comm.sealing import default_crypto_threads
 from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import ConfigError, load
 
@@ -31,6 +34,15 @@ def _pair(threads: int, tap=None, chunk_bytes: int = 8192) -> list[SecureChannel
     return chans
 
 
+def _recording(frames: list[bytes]):
+    """A tap that keeps a copy of every frame rank 1 sends and delivers it unchanged."""
+    def tap(src: int, dst: int, frame: bytes) -> list[bytes]:
+        if src == 1:
+            frames.append(bytes(frame))
+        return [frame]
+    return tap
+
+
 def _tensors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)  # several tensors, so chunks span tensor boundaries
     return {"a": rng.standard_normal(9_000), "b": rng.standard_normal(777).astype(np.float32),
@@ -42,10 +54,10 @@ def test_a_pool_sends_the_same_frames_as_one_thread(threads):
     wires: dict[int, list[bytes]] = {}
     for n in (1, threads):
         frames: list[bytes] = []
-        chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
+        chans = _pair(n, tap=_recording(frames))
         # the same session key in both runs (the handshake's are random), so ciphertexts compare
-        chans[1]._peer[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
-        chans[0]._peer[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[1]._session.peers[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[0]._session.peers[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
         del frames[:]
         chans[1].send(0, 4, {"n": 1}, _tensors())
         m = chans[0].recv(timeout=10)
@@ -153,7 +165,7 @@ def test_a_failing_sealer_raises_a_channel_error_and_threads_are_joined(monkeypa
     m = chans[0].recv(timeout=10)
     assert m is not None and m.header == {"n": 2}
     # this pair's pool threads (other tests' channels may still hold threads of the same name)
-    threads = [t for ch in chans if ch._sealers is not None for t in ch._sealers._threads]
+    threads = [t for ch in chans if ch._crypto.executor is not None for t in ch._crypto.executor._threads]
     assert threads and all(t.name.startswith("hpcfed-crypto") and t.is_alive() for t in threads)
     for ch in chans:
         ch.close()
@@ -164,7 +176,7 @@ def test_crypto_threads_default_and_validation():
     assert 1 <= default_crypto_threads() <= 8
     ts = InProcTransport.group(1)
     for bad in (0, -1, 65, 2.5, True):
-        with pytest.raises(ValueError, match="comm.crypto_threads"):
+        with pytest.raises(ValueError, match=r"comm\.crypto_threads"):
             SecureChannel(ts[0], Credentials(mode="psk", psk=PSK), b"j", crypto_threads=bad)
     assert load(REPO / "configs" / "quickstart.yaml", ["comm.crypto_threads=3"]).comm.crypto_threads == 3
     for bad in ("0", "-2", "1000"):
@@ -189,7 +201,7 @@ def test_messages_at_chunk_boundaries_arrive_whole(threads, extra):
     """Totals one byte either side of a multiple of the chunk size: the same offset/count logic a
     tensor over 2 GiB goes through with 4 MiB chunks (tools/bench_big_tensor.py moves a real one)."""
     chans = _pair(threads, chunk_bytes=4096)
-    probe = chans[1]._prepare(0, 4, {}, {"t": np.zeros(0, np.uint8)})[1].total  # prefix bytes
+    probe = chans[1]._tx.prepare(0, 4, {}, {"t": np.zeros(0, np.uint8)})[1].total  # prefix bytes
     n = 5 * 4096 - probe + extra
     data = np.arange(n, dtype=np.int64).astype(np.uint8)
     chans[1].send(0, 4, {}, {"t": data})
@@ -203,9 +215,9 @@ def test_post_with_the_pool_sends_the_same_frames_as_one_thread():
     wires: dict[int, list[bytes]] = {}
     for n in (1, 3):
         frames: list[bytes] = []
-        chans = _pair(n, tap=lambda s, d, f: (frames.append(bytes(f)) if s == 1 else None) or [f])
-        chans[1]._peer[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
-        chans[0]._peer[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans = _pair(n, tap=_recording(frames))
+        chans[1]._session.peers[0].tx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
+        chans[0]._session.peers[1].rx = crypto.Sealer(KEY, crypto.DIR_INITIATOR_TO_RESPONDER)
         del frames[:]
         out = chans[1].post(0, 4, {"n": 1}, _tensors())
         m = chans[0].recv(timeout=10)
