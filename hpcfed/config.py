@@ -306,7 +306,7 @@ def build(cls: type[T], data: Any, where: str = "", prefix: str = "") -> T:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{_loc(where, prefix.rstrip('.') or cls.__name__)} must be a mapping, "
                           f"got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]  # T is bound to dataclasses by every caller, which the checker cannot express
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{prefix}{unknown[0]}"
@@ -365,7 +365,7 @@ def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"{_loc(where, key)}: bad value {value!r}")
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value, where, key + ".")
     if origin is dict:
         if not isinstance(value, Mapping):

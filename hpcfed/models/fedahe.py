@@ -182,7 +182,9 @@ class FedAHE(nn.Module):
         for m, inp in enumerate(inputs):
             nbr, seg = inp.sample(nodes, num_sample, rng)
             needed, inverse = np.unique(np.concatenate([nodes, nbr]), return_inverse=True)
-            h = inp.project(self.ws[m], needed)
+            linear = self.ws[m]
+            assert isinstance(linear, nn.Linear)  # ModuleList indexing is typed as Module
+            h = inp.project(linear, needed)
             h_self, h_nbr = h[torch.as_tensor(inverse[:len(nodes)])], h[torch.as_tensor(inverse[len(nodes):])]
             _, e_n = node_attention(h_self, h_nbr, torch.as_tensor(seg), len(nodes))
             e = self.wc[m](torch.cat([e_n, h_self], dim=-1))  # eq 4: [neighbour ‖ self]

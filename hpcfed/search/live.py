@@ -79,7 +79,8 @@ class SiteServer:
         vectors = {}
         for j in self.sites:
             mapper = self._mapper(j) if self.mode == "mapping" and j != self.site else None
-            vectors[f"site{j}"] = map_query(self.mode, self.site, j, v[None], {(self.site, j): mapper} if mapper else None)[0]
+            mappers = {(self.site, j): mapper} if mapper else None
+            vectors[f"site{j}"] = map_query(self.mode, self.site, j, v[None], mappers)[0]
         return {"mine": True, "home": self.site}, vectors
 
     def search(self, header: dict, tensors: dict[str, np.ndarray]) -> dict:
@@ -159,7 +160,8 @@ def front_end(channel: Any, queries: list[dict], *, k: int, mode: str, timeout: 
             site = str(msg.source - 1)
             per_site.append([Hit(site, str(i), float(s), int(lab)) for i, s, lab in msg.header.get("hits", [])])
         merged = merge_results(per_site, k, merge, home)
-        out.append({"query": query, "home": home, "mode": mode, "merge": merge, "results": [h.as_dict() for h in merged]})
+        out.append({"query": query, "home": home, "mode": mode, "merge": merge,
+                    "results": [h.as_dict() for h in merged]})
     return out
 
 

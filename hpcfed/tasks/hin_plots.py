@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,8 +53,9 @@ def convergence_curves(metrics_path: str | Path, metric: str) -> dict[str, np.nd
             updates.append(uploads)
             values.append(float(np.mean(list(latest.values()))))
             reporting.append(len(latest))
-    return {"time": np.array(times), "updates": np.array(updates), "value": np.array(values),
-            "reporting": np.array(reporting, dtype=np.int64), "num_clients": num_clients}
+    curve: dict[str, Any] = {"time": np.array(times), "updates": np.array(updates), "value": np.array(values),
+                             "reporting": np.array(reporting, dtype=np.int64), "num_clients": num_clients}
+    return curve
 
 
 def time_to_reach(curve: dict[str, np.ndarray], target: float) -> float | None:

@@ -166,4 +166,5 @@ class LoraTextTask(TorchTask):
                     "labels": torch.as_tensor([lab for _, lab in batch], dtype=torch.long)}
 
         size = self.config.batch_size if shuffle else self.config.eval_batch_size
-        return DataLoader(rows, batch_size=size, shuffle=shuffle, collate_fn=collate)
+        # a list is a map-style dataset (len and getitem), which torch's stub does not say
+        return DataLoader(rows, batch_size=size, shuffle=shuffle, collate_fn=collate)  # type: ignore[arg-type]

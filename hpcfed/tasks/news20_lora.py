@@ -82,9 +82,11 @@ class News20LoraTask(LoraTextTask):
         if not c.centralized and sites != site.num_clients:
             raise ValueError(f"task.sites={sites} but the federation has {site.num_clients} clients; "
                              f"set sites: 0 (or centralized: true for the pooled baseline)")
-        load = dict(remove=tuple(c.remove), keep_subject=c.keep_subject)
-        train = [d for d in load_20newsgroups(site.data_root, subset="train", **load) if d.text.strip()]
-        test = [d for d in load_20newsgroups(site.data_root, subset="test", **load) if d.text.strip()]
+        remove, keep_subject = tuple(c.remove), c.keep_subject
+        train = [d for d in load_20newsgroups(site.data_root, subset="train", remove=remove, keep_subject=keep_subject)
+                 if d.text.strip()]
+        test = [d for d in load_20newsgroups(site.data_root, subset="test", remove=remove, keep_subject=keep_subject)
+                if d.text.strip()]
         shares = label_skew_shares(len(NEWSGROUPS), sites, c.label_skew, site.seed)
         train_owner = split_by_shares(np.array([d.label for d in train]), shares, site.seed)
         test_owner = split_by_shares(np.array([d.label for d in test]), shares, site.seed + 1)
