@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -141,6 +142,55 @@ class InfluenceConfig:
 
 
 @dataclass(kw_only=True)
+class AdaptiveClipConfig:
+    """Adaptive clipping (Andrew et al. 2021): C follows a quantile of the sites' update norms,
+    steered by a noisy count of the sites that were not clipped."""
+
+    target_quantile: float = 0.5  # the fraction of sites whose update should pass unclipped
+    learning_rate: float = 0.2  # geometric step: C <- C * exp(-lr * (noisy fraction - quantile))
+    count_stddev: float  # std of the Gaussian noise on the unclipped count; must be > noise_multiplier / 2
+
+    def validate(self) -> None:
+        if not 0.0 < self.target_quantile < 1.0:
+            raise InvalidValue("target_quantile", f"must be in (0, 1), got {self.target_quantile!r}")
+        _positive(self, "learning_rate", "count_stddev")
+
+
+@dataclass(kw_only=True)
+class DPConfig:
+    """Site-level differential privacy, DP-FedAvg (McMahan et al. 2018), central mode: the server
+    clips each site's update to L2 norm `clip_norm`, adds Gaussian noise of std
+    `noise_multiplier` x `clip_norm` to the sum, and an RDP accountant tracks ε at `delta`."""
+
+    clip_norm: float = 1.0  # C; with `adaptive`, the starting value
+    noise_multiplier: float = 1.0  # z: noise std over C, as the accountant counts it
+    delta: float = 1e-5
+    max_epsilon: float | None = None  # the run stops before a round would take ε past this
+    adaptive: AdaptiveClipConfig | None = None
+
+    def validate(self) -> None:
+        _positive(self, "clip_norm", "noise_multiplier", "max_epsilon")
+        for name in ("clip_norm", "noise_multiplier", "delta", "max_epsilon"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise InvalidValue(name, f"must be a finite number, got {value!r}")
+        if not 0.0 < self.delta < 1.0:
+            raise InvalidValue("delta", f"must be in (0, 1) (typically below 1 / number of sites), got {self.delta!r}")
+        if self.adaptive is not None and not self.adaptive.count_stddev > self.noise_multiplier / 2:
+            raise InvalidValue("adaptive.count_stddev",
+                               f"must be > noise_multiplier / 2 = {self.noise_multiplier / 2:g} (the count's noise "
+                               f"takes a share of the budget: Andrew et al. 2021), got {self.adaptive.count_stddev!r}")
+
+
+@dataclass(kw_only=True)
+class PrivacyConfig:
+    """What the server may learn of each site (README, "What the server sees")."""
+
+    secure_aggregation: bool = False
+    dp: DPConfig | None = None
+
+
+@dataclass(kw_only=True)
 class ComponentConfig:
     """A pluggable component: `name` picks it from a registry, the rest are its own options."""
 
@@ -168,6 +218,7 @@ class Config:
     influence: InfluenceConfig = field(default_factory=InfluenceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     strategy: ComponentConfig = field(default_factory=lambda: ComponentConfig(name="fedavg"))
     task: ComponentConfig = field(default_factory=lambda: ComponentConfig(name="synthetic"))
     source: str = ""  # file the config came from (for error messages; an `Origin` after `load`)
@@ -420,7 +471,10 @@ def to_plain(obj: Any) -> Any:
 # load state of another shape or meaning (e.g. FedAvg's checkpoint into FedDWA). Everything else --
 # rounds, timeouts, checkpointing, security, comm, device -- may change between attempts.
 # (The mode follows from the strategy, so "strategy" covers it.)
-RESUME_MUST_MATCH = ("seed", "method", "strategy", "task")
+# The privacy mechanism too (ε is a function of the rounds done and these); max_epsilon is a budget
+# like rounds and may change.
+RESUME_MUST_MATCH = ("seed", "method", "strategy", "task", "privacy.secure_aggregation", "privacy.dp.clip_norm",
+                     "privacy.dp.noise_multiplier", "privacy.dp.delta", "privacy.dp.adaptive")
 
 
 def check_resume_compatible(saved: Mapping[str, Any], current: Config, where: str = "the checkpoint") -> None:

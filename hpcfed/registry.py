@@ -166,7 +166,51 @@ def resolve(cfg: Config) -> Components:
     derive_mode(cfg, strategy_cls)
     build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
     build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
+    check_privacy(cfg, strategy_cls)
     return Components(task_cls, strategy_cls)
+
+
+def check_privacy(cfg: Config, strategy_cls: type[Strategy]) -> None:
+    """Refuse a ``privacy`` section the run cannot honour, in one line naming the key and the fix."""
+    where = cfg.source
+    if cfg.privacy.secure_aggregation:
+        raise ConfigError(f"{locate(where, 'privacy.secure_aggregation')} = true: secure aggregation is not yet "
+                          f"wired into the rounds (the protocol library is hpcfed.privacy.secagg); remove it")
+    dp = cfg.privacy.dp
+    if dp is None:
+        return
+    key = locate(where, "privacy.dp")
+    if not strategy_cls.synchronous:
+        raise ConfigError(f"{key}: differential privacy runs in synchronous rounds only, and strategy "
+                          f"{cfg.strategy.name!r} is asynchronous; choose strategy fedavg, or remove privacy.dp")
+    from hpcfed.strategies.fedavg import FedAvg
+
+    if strategy_cls is not FedAvg or cfg.strategy.options.get("rule", "mean") != "mean":
+        raise ConfigError(f"{key}: DP-FedAvg is FedAvg's mean over clipped updates; strategy "
+                          f"{cfg.strategy.name!r} (rule {cfg.strategy.options.get('rule', 'mean')!r}) cannot carry "
+                          f"it: choose strategy fedavg with rule mean, or remove privacy.dp")
+    if cfg.influence.enabled:
+        raise ConfigError(f"{locate(where, 'influence.enabled')} = true with privacy.dp: the guard clips each site "
+                          f"by the median of the others, so one site changes what the others add and DP's bound "
+                          f"on one site breaks; set influence.enabled=false (the clip to privacy.dp.clip_norm "
+                          f"bounds every site)")
+    from hpcfed.privacy.accountant import epsilon
+
+    first = epsilon(dp.noise_multiplier, 1, dp.delta)
+    if dp.max_epsilon is not None and first > dp.max_epsilon:
+        raise ConfigError(f"{locate(where, 'privacy.dp.max_epsilon')} = {dp.max_epsilon:g} is below the ε of a "
+                          f"single round ({first:.3g} at δ={dp.delta:g}, z={dp.noise_multiplier:g}); raise it or "
+                          f"the noise_multiplier")
+
+
+def private_strategy(strategy_cls: type[Strategy], cfg: Config) -> type[Strategy]:
+    """The class that runs `strategy_cls` under the run's ``privacy`` section (checked by `check_privacy`):
+    DP-FedAvg for FedAvg with ``privacy.dp``, else `strategy_cls` itself."""
+    if cfg.privacy.dp is None:
+        return strategy_cls
+    from hpcfed.strategies.dp_fedavg import DPFedAvg
+
+    return DPFedAvg
 
 
 def apply_method(cfg: Config, task_cls: type[Task]) -> None:

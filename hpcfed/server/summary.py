@@ -108,4 +108,5 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "last_checkpoint": str(core.last_checkpoint) if core.last_checkpoint else None,
         "config": core.cfg.to_dict(),
         "config_hash": core.cfg.hash(),
+        **core.strategy.report(),  # DP-FedAvg: "privacy" (ε, δ, z, C, rounds)
     }

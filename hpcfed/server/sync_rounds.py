@@ -35,7 +35,12 @@ class SyncRounds:
         self.core = core
         self.strategy: SyncStrategy = core.strategy
         self.start_round = start_round
-        self.progress = core.progress = Progress(core.cfg.rounds, start_round, "rounds")
+        # A strategy may allow fewer rounds than configured (DP-FedAvg's ε budget): the run ends after them.
+        self.end = min(core.cfg.rounds, self.strategy.round_limit(core.cfg.rounds))
+        if self.end < core.cfg.rounds:
+            log.warning("strategy %s allows %d of the %d configured rounds (privacy budget): the run ends after "
+                        "round %d", self.strategy.name, self.end, core.cfg.rounds, self.end - 1)
+        self.progress = core.progress = Progress(self.end, min(start_round, self.end), "rounds")
         # A round's upload is measured from the model the strategy sent: it holds still until the round ends.
         self.bounding = Bounding(core, lambda cid: core.strategy.model_for(cid))
         self.parking: Parking | None = None  # the first round's uploads wait here for their bounds
@@ -44,9 +49,9 @@ class SyncRounds:
         """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,
         SIGUSR1) to be resumed later, or None when every round is done."""
         cfg = self.core.cfg
-        for rnd in range(self.start_round, cfg.rounds):
+        for rnd in range(self.start_round, self.end):
             self.round(rnd)
-            if (cfg.halt_after_round == rnd or self.core.halt_requested) and rnd < cfg.rounds - 1:
+            if (cfg.halt_after_round == rnd or self.core.halt_requested) and rnd < self.end - 1:
                 return rnd
         return None
 
@@ -88,7 +93,7 @@ class SyncRounds:
         # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
         self.progress.advance_to(rnd + 1)
         saved = f", saved {core.last_checkpoint.name}" if want_state and core.last_checkpoint else ""
-        log.info("round %d of 0..%d done in %.2f s (%d updates)%s%s [%s]", rnd, core.cfg.rounds - 1,
+        log.info("round %d of 0..%d done in %.2f s (%d updates)%s%s [%s]", rnd, self.end - 1,
                  time.monotonic() - t0, len(updates), _metric_brief(updates), saved, self.progress.describe())
         core.maybe_status()
 
@@ -165,7 +170,7 @@ class SyncRounds:
         if rnd == cfg.halt_after_round or self.core.halt_requested:
             return True
         every = cfg.checkpoint_every
-        return every > 0 and ((rnd + 1) % every == 0 or rnd == cfg.rounds - 1)
+        return every > 0 and ((rnd + 1) % every == 0 or rnd == self.end - 1)
 
 
 def _metric_brief(updates: list[Update]) -> str:

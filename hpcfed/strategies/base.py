@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hpcfed.config import DPConfig
 from hpcfed.params import ParamLayout, Params
 
 
@@ -55,6 +56,7 @@ class StrategyContext:
     task_cls: Any = None  # the Task class, for strategies that need server-side model code
     task_config: Any = None
     log: Callable[[str], None] = print
+    dp: DPConfig | None = None  # the run's privacy.dp section (DP-FedAvg), when it has one
 
 
 class Strategy(ABC):
@@ -110,6 +112,10 @@ class Strategy(ABC):
         """Extra numbers to log after an aggregation (e.g. number of SEGA clusters)."""
         return {}
 
+    def report(self) -> dict[str, Any]:
+        """Extra top-level entries for summary.json (DP-FedAvg: ``privacy``)."""
+        return {}
+
 
 def kind_problem(cls: type) -> str | None:
     """Why strategy class `cls` is neither plainly a `SyncStrategy` nor an `AsyncStrategy` (one
@@ -141,6 +147,11 @@ class SyncStrategy(Strategy):
     """
 
     synchronous: ClassVar[bool] = True
+
+    def round_limit(self, rounds: int) -> int:
+        """How many of the configured `rounds` may run (DP-FedAvg: as many as its ε budget allows);
+        the server ends the run, checkpoint and summary, after the last one."""
+        return rounds
 
     def begin_round(self, round: int) -> None:
         """A synchronous round starts; no update has arrived yet."""

@@ -1,0 +1,283 @@
+"""Secure aggregation: SecAgg (Bonawitz et al., CCS 2017) with SecAgg+ neighbourhoods (Bell et al.,
+CCS 2020), as pure state machines driven in-process (the channel wiring is not done yet).
+
+Rounds, each site `u` with neighbours N(u) (an O(log K) random graph from a public seed):
+0. advertise: two X25519 public keys, c (to encrypt shares) and s (to agree masks), signed with the
+   site's Ed25519 identity key in keys mode, so a server cannot substitute its own keys.
+1. share keys: t-of-|N(u)|+1 Shamir shares of a fresh self-mask seed b_u and of s_u's private key,
+   each sealed (AES-GCM, key from c-agreement) to one neighbour and relayed by the server.
+2. masked input: y_u = x_u + PRG(b_u) + Σ_{v∈N(u), v>u} PRG(k_uv) - Σ_{v<u} PRG(k_uv) mod 2^32.
+3. unmask: told who is alive (sent y) and who dropped (shared, sent no y), a site reveals, once, the
+   seed share of each alive neighbour and the key share of each dropped one: never both for a peer,
+   and never a key share of a peer the server calls alive. The server rebuilds b_u of the alive and
+   s_v of the dropped, removes their masks, and learns Σ x_u of the alive sites only.
+Every message from another party is checked and a bad one refused with `ProtocolError` naming the site.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import secrets as _secrets
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from hpcfed.privacy import shamir
+from hpcfed.privacy.masking import agree, expand
+
+_RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+
+
+class ProtocolError(ValueError):
+    """A secure aggregation message was refused; the text names the site and what was wrong."""
+
+
+def neighbours(num_sites: int, seed: bytes, degree: int | None = None) -> dict[int, set[int]]:
+    """SecAgg+'s graph: sites on a ring in a public random order, each joined to the `degree` nearest
+    (default 2⌈log2 K⌉, all when K is small). Deterministic from `seed`; symmetric."""
+    if num_sites < 2:
+        raise ValueError(f"secure aggregation needs >= 2 sites, got {num_sites}")
+    if degree is None:
+        degree = 2 * math.ceil(math.log2(num_sites))
+    degree = min(num_sites - 1, degree)
+    order = list(range(num_sites))
+    random.Random(seed).shuffle(order)  # public: the graph hides nothing, it only has to be agreed
+    graph: dict[int, set[int]] = {u: set() for u in order}
+    for i, u in enumerate(order):
+        for step in range(1, degree // 2 + 1 + degree % 2):
+            v = order[(i + step) % num_sites]
+            if v != u and len(graph[u]) < degree:
+                graph[u].add(v)
+                graph[v].add(u)
+    return graph
+
+
+def threshold_for(degree: int) -> int:
+    """Shares needed of a site's |N(u)| + 1: over half, so two disjoint sets cannot both rebuild."""
+    return degree // 2 + 1
+
+
+@dataclass(frozen=True)
+class Advert:
+    site: int
+    c_public: bytes
+    s_public: bytes
+    signature: bytes | None = None
+
+    def signed_bytes(self) -> bytes:
+        return b"hpcfed-secagg-advert" + self.site.to_bytes(4, "big") + self.c_public + self.s_public
+
+
+@dataclass(frozen=True)
+class SealedShare:
+    sender: int
+    receiver: int
+    blob: bytes  # AES-GCM(nonce || ciphertext) of x || seed share || key share
+
+
+def _sealing_key(private: X25519PrivateKey, peer_public: bytes, a: int, b: int) -> AESGCM:
+    return AESGCM(agree(private, peer_public, a, b, b"share"))
+
+
+def _aad(sender: int, receiver: int) -> bytes:
+    return sender.to_bytes(4, "big") + receiver.to_bytes(4, "big")
+
+
+class SiteState:
+    """One site's side of a secure aggregation round."""
+
+    def __init__(self, site: int, graph: dict[int, set[int]], size: int,
+                 identity: Ed25519PrivateKey | None = None, peer_identities: dict[int, bytes] | None = None) -> None:
+        self.site, self.size = site, size
+        self.peers = graph[site]
+        self.threshold = threshold_for(len(self.peers))
+        self.identity, self.peer_identities = identity, peer_identities
+        self.c_key, self.s_key = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+        self.adverts: dict[int, Advert] = {}
+        self.held: dict[int, tuple[int, bytes, bytes]] = {}  # sender -> (x, seed share, key share)
+        self.seed = b""
+        self.answered = False
+
+    def advertise(self) -> Advert:
+        """Round 0: my public keys, signed in keys mode."""
+        c, s = self.c_key.public_key().public_bytes(*_RAW), self.s_key.public_key().public_bytes(*_RAW)
+        advert = Advert(self.site, c, s)
+        if self.identity is not None:
+            advert = Advert(self.site, c, s, self.identity.sign(advert.signed_bytes()))
+        return advert
+
+    def share_keys(self, adverts: dict[int, Advert]) -> list[SealedShare]:
+        """Round 1: check the neighbours' keys, share my self-mask seed and mask key, sealed to each."""
+        for peer, adv in adverts.items():
+            if peer not in self.peers or adv.site != peer:
+                raise ProtocolError(f"site {self.site}: advert of site {adv.site} relayed as {peer}, not a neighbour")
+            self._check_signature(adv)
+        if len(adverts) + 1 < self.threshold:
+            raise ProtocolError(f"site {self.site}: only {len(adverts)} neighbours advertised, "
+                                f"fewer than the threshold {self.threshold} allows")
+        self.adverts = dict(adverts)
+        self.seed = _secrets.token_bytes(32)
+        key_raw = self.s_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                           serialization.NoEncryption())
+        holders = sorted(self.adverts)
+        seed_shares = shamir.split(self.seed, self.threshold, len(holders))
+        key_shares = shamir.split(key_raw, self.threshold, len(holders))
+        out = []
+        for peer, (x, ys), (_, yk) in zip(holders, seed_shares, key_shares):
+            nonce = _secrets.token_bytes(12)
+            sealed = _sealing_key(self.c_key, self.adverts[peer].c_public, self.site, peer).encrypt(
+                nonce, x.to_bytes(4, "big") + ys + yk, _aad(self.site, peer))
+            out.append(SealedShare(self.site, peer, nonce + sealed))
+        return out
+
+    def _check_signature(self, adv: Advert) -> None:
+        if self.peer_identities is None:
+            return
+        public = self.peer_identities.get(adv.site)
+        if public is None or adv.signature is None:
+            raise ProtocolError(f"site {adv.site}: its agreement keys carry no signature from a known identity")
+        try:
+            Ed25519PublicKey.from_public_bytes(public).verify(adv.signature, adv.signed_bytes())
+        except InvalidSignature:
+            raise ProtocolError(f"site {adv.site}: forged agreement key (signature does not verify)") from None
+
+    def masked_input(self, shares: list[SealedShare], codes: np.ndarray) -> np.ndarray:
+        """Round 2: open the shares sent to me, then my fixed-point `codes` masked mod 2^32."""
+        for sh in shares:
+            if sh.receiver != self.site:
+                raise ProtocolError(f"site {sh.sender}: share addressed to site {sh.receiver} was sent to {self.site}")
+            if sh.sender not in self.adverts or sh.sender in self.held:
+                raise ProtocolError(f"site {sh.sender}: share from a site that did not advertise to {self.site}, "
+                                    f"or a second one")
+            try:
+                plain = _sealing_key(self.c_key, self.adverts[sh.sender].c_public, self.site, sh.sender).decrypt(
+                    sh.blob[:12], sh.blob[12:], _aad(sh.sender, self.site))
+            except Exception:
+                raise ProtocolError(f"site {sh.sender}: its share to site {self.site} does not open") from None
+            if len(plain) != 4 + 2 * shamir.SHARE_BYTES:
+                raise ProtocolError(f"site {sh.sender}: share of {len(plain)} bytes")
+            n = shamir.SHARE_BYTES
+            self.held[sh.sender] = (int.from_bytes(plain[:4], "big"), plain[4:4 + n], plain[4 + n:])
+        if len(self.held) + 1 < self.threshold:
+            raise ProtocolError(f"site {self.site}: shares from only {len(self.held)} neighbours, under the threshold")
+        if codes.shape != (self.size,) or codes.dtype != np.uint32:
+            raise ValueError(f"site {self.site}: input must be uint32 ({self.size},), got {codes.dtype} {codes.shape}")
+        y = codes + expand(self.seed, self.size, b"self")
+        for peer in self.held:  # only neighbours whose shares came: the others are dropped for everyone
+            k = agree(self.s_key, self.adverts[peer].s_public, self.site, peer, b"mask")
+            mask = expand(k, self.size, b"pair")
+            y = y + mask if peer > self.site else y - mask
+        return y
+
+    def unmask(self, alive: set[int], dropped: set[int]) -> dict[int, tuple[str, int, bytes]]:
+        """Round 3: for each neighbour that shared, its seed share if alive, its key share if dropped;
+        once, and never a key share of an alive peer."""
+        if self.answered:
+            raise ProtocolError(f"site {self.site}: asked to unmask a second time; a site answers once")
+        both = alive & dropped
+        if both:
+            raise ProtocolError(f"server asked site {self.site} to unmask site {min(both)}, which it calls alive "
+                                f"and dropped: refused")
+        if self.site not in alive:
+            raise ProtocolError(f"server says site {self.site} dropped, yet asks it to unmask: refused")
+        if len(alive & (set(self.held) | {self.site})) < self.threshold:
+            raise ProtocolError(f"site {self.site}: fewer than {self.threshold} alive: unmasking would reveal too much")
+        self.answered = True
+        out = {}
+        for peer, (x, seed_share, key_share) in self.held.items():
+            if peer in alive:
+                out[peer] = ("seed", x, seed_share)
+            elif peer in dropped:
+                out[peer] = ("key", x, key_share)
+        return out
+
+
+class ServerState:
+    """The relay and the unmasking on rank 0: it learns the sum of the alive sites' inputs only."""
+
+    def __init__(self, graph: dict[int, set[int]], size: int) -> None:
+        self.graph, self.size = graph, size
+        self.adverts: dict[int, Advert] = {}
+        self.shares: dict[int, list[SealedShare]] = {}  # receiver -> shares for it
+        self.shared: set[int] = set()
+        self.masked: dict[int, np.ndarray] = {}
+        self.answers: dict[int, dict[int, tuple[str, int, bytes]]] = {}
+
+    def take_advert(self, site: int, adv: Advert) -> None:
+        if site not in self.graph or adv.site != site or site in self.adverts:
+            raise ProtocolError(f"site {site}: advert refused (unknown, claims site {adv.site}, or a second one)")
+        self.adverts[site] = adv
+
+    def adverts_for(self, site: int) -> dict[int, Advert]:
+        return {v: self.adverts[v] for v in self.graph[site] if v in self.adverts}
+
+    def take_shares(self, site: int, shares: list[SealedShare]) -> None:
+        expected = {v for v in self.graph[site] if v in self.adverts}
+        if site in self.shared:
+            raise ProtocolError(f"site {site}: a second set of shares")
+        if len(shares) != len(expected):
+            raise ProtocolError(f"site {site}: sent {len(shares)} shares, {len(expected)} neighbours advertised")
+        if {sh.receiver for sh in shares} != expected or any(sh.sender != site for sh in shares):
+            raise ProtocolError(f"site {site}: shares addressed to sites that are not its advertised neighbours")
+        self.shared.add(site)
+        for sh in shares:
+            self.shares.setdefault(sh.receiver, []).append(sh)
+
+    def shares_for(self, site: int) -> list[SealedShare]:
+        return [sh for sh in self.shares.get(site, []) if sh.sender in self.shared]
+
+    def take_masked(self, site: int, y: np.ndarray) -> None:
+        if site not in self.shared:
+            raise ProtocolError(f"site {site}: masked input from a site that shared no keys")
+        if site in self.masked or y.shape != (self.size,) or y.dtype != np.uint32:
+            raise ProtocolError(f"site {site}: masked input refused (a second one, or not uint32 ({self.size},))")
+        self.masked[site] = y
+
+    def unmask_request(self) -> tuple[set[int], set[int]]:
+        """Alive: sent a masked input; dropped: shared keys, sent no masked input."""
+        return set(self.masked), self.shared - set(self.masked)
+
+    def take_unmask(self, site: int, answers: dict[int, tuple[str, int, bytes]]) -> None:
+        alive, dropped = self.unmask_request()
+        if site not in alive or site in self.answers:
+            raise ProtocolError(f"site {site}: unmask answer from a site that is not alive, or a second one")
+        for peer, (kind, _, _) in answers.items():
+            want = "seed" if peer in alive else "key" if peer in dropped else None
+            if peer not in self.graph[site] or kind != want:
+                raise ProtocolError(f"site {site}: {kind} share for site {peer}, expected {want}")
+        self.answers[site] = answers
+
+    def result(self) -> tuple[np.ndarray, set[int]]:
+        """The unwrapped uint32 sum of the alive sites' inputs, and who they are."""
+        alive, dropped = self.unmask_request()
+        total = np.zeros(self.size, dtype=np.uint32)
+        for y in self.masked.values():
+            total = total + y
+        for u in alive:
+            seed = self._rebuild(u, "seed")
+            total = total - expand(seed, self.size, b"self")
+        for v in dropped:
+            s_v = X25519PrivateKey.from_private_bytes(self._rebuild(v, "key"))
+            for u in self.graph[v] & alive:
+                if v not in self._peers_of(u):
+                    continue
+                mask = expand(agree(s_v, self.adverts[u].s_public, v, u, b"mask"), self.size, b"pair")
+                total = total - mask if v > u else total + mask  # undo what u added for its pair with v
+        return total, alive
+
+    def _peers_of(self, u: int) -> set[int]:
+        return {sh.sender for sh in self.shares_for(u)}
+
+    def _rebuild(self, peer: int, kind: str) -> bytes:
+        shares = [(x, y) for ans in self.answers.values() for p, (k, x, y) in ans.items() if p == peer and k == kind]
+        t = threshold_for(len(self.graph[peer]))
+        try:
+            return shamir.combine(shares, t)
+        except ValueError as exc:
+            raise ProtocolError(f"site {peer}: its {kind} cannot be rebuilt ({exc})") from None

@@ -1,0 +1,140 @@
+"""Secure aggregation's library on small hand-checkable cases: Shamir, masks, fixed point, a whole
+protocol round in-process with dropouts, and hostile messages refused naming the site."""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from hpcfed.privacy import masking, shamir
+from hpcfed.privacy.secagg import Advert, ProtocolError, SealedShare, ServerState, SiteState, neighbours
+
+
+def test_shamir_any_threshold_rebuilds_and_a_hand_case_interpolates():
+    s = secrets.token_bytes(32)
+    shares = shamir.split(s, 3, 5)
+    assert shamir.combine([shares[4], shares[0], shares[2]], 3) == s
+    # f(x) = 7 + 2x: shares (1, 9), (2, 11) rebuild 7
+    assert shamir.combine([(1, (9).to_bytes(66, "big")), (2, (11).to_bytes(66, "big"))], 2) == (7).to_bytes(32, "big")
+    with pytest.raises(ValueError):
+        shamir.combine(shares[:2], 3)
+
+
+def test_pairwise_masks_cancel_and_keystream_is_keyed_by_all_32_bytes():
+    a, b = masking.X25519PrivateKey.generate(), masking.X25519PrivateKey.generate()
+    pub = lambda k: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    kab, kba = masking.agree(a, pub(b), 1, 2, b"mask"), masking.agree(b, pub(a), 2, 1, b"mask")
+    assert kab == kba
+    x1, x2 = np.array([5, 7], np.uint32), np.array([1, 2**32 - 1], np.uint32)
+    m = masking.expand(kab, 2)
+    assert ((x1 + m) + (x2 - m)).tolist() == (x1 + x2).tolist()
+    assert not np.array_equal(masking.expand(bytes(31) + b"\1", 8), masking.expand(bytes(32), 8))
+
+
+def test_quantisation_round_trip_within_one_step():
+    levels = masking.levels_for(4)
+    x = np.array([-2.0, -0.5, 0.0, 0.3, 5.0])
+    codes = [masking.quantise(x, 1.0, levels) for _ in range(4)]
+    total = sum(c.astype(np.uint64) for c in codes).astype(np.uint32)  # fits in 32 bits by construction
+    back = masking.dequantise_sum(total, 4, 1.0, levels) / 4
+    assert back == pytest.approx(np.clip(x, -1, 1), abs=2.0 / levels)
+
+
+def _run(k: int, drop_before_masking: set[int], identity: bool = False):
+    graph = neighbours(k, b"public-seed")
+    ids = {u: Ed25519PrivateKey.generate() for u in range(k)} if identity else {}
+    pubs = {u: key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, key in ids.items()} or None
+    size, levels = 6, masking.levels_for(k)
+    sites = {u: SiteState(u, graph, size + 1, ids.get(u), pubs) for u in range(k)}
+    server = ServerState(graph, size + 1)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    for u, s in sites.items():
+        server.take_shares(u, s.share_keys(server.adverts_for(u)))
+    rng = np.random.default_rng(0)
+    updates = {u: rng.normal(0, 0.3, size) for u in range(k)}
+    for u, s in sites.items():
+        y = s.masked_input(server.shares_for(u), masking.encode(updates[u], 10 + u, 100, 1.0, levels))
+        if u not in drop_before_masking:
+            server.take_masked(u, y)
+    alive, dropped = server.unmask_request()
+    for u in alive:
+        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    total, who = server.result()
+    return updates, total, who, levels, sites, server
+
+
+def test_dropout_after_sharing_recovers_the_survivors_sum_exactly():
+    updates, total, who, levels, _, _ = _run(8, drop_before_masking={3, 6})
+    assert who == set(range(8)) - {3, 6}
+    mean, examples = masking.decode(total, len(who), 100, 1.0, levels)
+    want = sum((10 + u) * updates[u] for u in who) / sum(10 + u for u in who)
+    assert examples == sum(10 + u for u in who)
+    assert mean == pytest.approx(want, abs=1e-6)
+
+
+def test_secagg_plus_graph_is_logarithmic_symmetric_and_public():
+    g = neighbours(64, b"s")
+    assert all(len(p) <= 12 for p in g.values()) and all(u in g[v] for u in g for v in g[u])
+    assert g == neighbours(64, b"s")
+
+
+def test_keys_mode_refuses_a_forged_agreement_key_naming_the_site():
+    graph = neighbours(3, b"x")
+    ids = {u: Ed25519PrivateKey.generate() for u in range(3)}
+    pubs = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
+    sites = [SiteState(u, graph, 4, ids[u], pubs) for u in range(3)]
+    adv = sites[1].advertise()
+    forged = Advert(1, adv.c_public, masking.X25519PrivateKey.generate().public_key().public_bytes(
+        Encoding.Raw, PublicFormat.Raw), adv.signature)
+    with pytest.raises(ProtocolError, match="site 1: forged agreement key"):
+        sites[0].share_keys({1: forged, 2: sites[2].advertise()})
+    _run(3, set(), identity=True)  # honest keys mode goes through
+
+
+def test_hostile_share_messages_are_refused_naming_the_site():
+    graph = neighbours(4, b"y")
+    sites = {u: SiteState(u, graph, 3) for u in range(4)}
+    server = ServerState(graph, 3)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    shares = sites[0].share_keys(server.adverts_for(0))
+    with pytest.raises(ProtocolError, match="site 0: sent 2 shares"):
+        server.take_shares(0, shares[:2])  # wrong share count
+    misrouted = [SealedShare(0, 0 if sh.receiver == shares[0].receiver else sh.receiver, sh.blob) for sh in shares]
+    with pytest.raises(ProtocolError, match="site 0: shares addressed"):
+        server.take_shares(0, misrouted)
+    server.take_shares(0, shares)
+    for u in (1, 2, 3):
+        server.take_shares(u, sites[u].share_keys(server.adverts_for(u)))
+    wrong = [SealedShare(sh.sender, 1, sh.blob) for sh in server.shares_for(2)]
+    with pytest.raises(ProtocolError, match="addressed to site 1 was sent to 2"):
+        sites[2].masked_input(wrong, np.zeros(3, np.uint32))
+    with pytest.raises(ProtocolError, match="site 9: masked input from a site that shared no keys"):
+        server.take_masked(9, np.zeros(3, np.uint32))
+
+
+def test_a_site_that_shared_but_sent_no_masked_input_is_dropped_by_name_and_never_unmasked_twice():
+    _, _, who, _, sites, server = _run(4, drop_before_masking={2})
+    assert server.unmask_request() == (who, {2})
+    with pytest.raises(ProtocolError, match="site 0: asked to unmask a second time"):
+        sites[0].unmask(who, {2})
+
+
+def test_a_site_refuses_to_unmask_a_peer_the_server_calls_alive():
+    graph = neighbours(4, b"z")
+    sites = {u: SiteState(u, graph, 3) for u in range(4)}
+    server = ServerState(graph, 3)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    for u, s in sites.items():
+        server.take_shares(u, s.share_keys(server.adverts_for(u)))
+    sites[0].masked_input(server.shares_for(0), np.zeros(3, np.uint32))
+    with pytest.raises(ProtocolError, match="unmask site 1, which it calls alive and dropped"):
+        sites[0].unmask({0, 1, 2, 3}, {1})
+    with pytest.raises(ProtocolError, match="says site 0 dropped"):
+        sites[0].unmask({1, 2, 3}, {0})

@@ -1,0 +1,97 @@
+"""DP-FedAvg as a strategy: one round by hand, the budget, the checkpointed accountant; and the config
+checks that select it (hostile values, async, other rules, the influence guard)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from hpcfed.config import AdaptiveClipConfig, ConfigError, DPConfig, from_mapping
+from hpcfed.privacy import dp
+from hpcfed.privacy.accountant import epsilon
+from hpcfed.registry import private_strategy, resolve
+from hpcfed.strategies.base import StrategyContext, Update
+from hpcfed.strategies.dp_fedavg import DPFedAvg
+from hpcfed.strategies.fedavg import FedAvg
+
+
+def _strategy(dp_cfg: DPConfig, k: int = 3) -> DPFedAvg:
+    s = DPFedAvg(FedAvg.Config(), StrategyContext(num_clients=k, seed=11, dp=dp_cfg))
+    s.initialize({"w": np.array([1.0, 1.0], dtype=np.float32)})
+    return s
+
+
+def test_one_round_adds_the_clipped_mean_and_the_seeded_noise():
+    s = _strategy(DPConfig(clip_norm=1.0, noise_multiplier=0.5))
+    s.begin_round(0)
+    s.fold(Update(0, np.array([4.0, 5.0], dtype=np.float32), 10))  # delta (3, 4) -> (0.6, 0.8)
+    s.fold(Update(1, np.array([1.0, 1.5], dtype=np.float32), 999))  # delta (0, 0.5); its claim is ignored
+    s.end_round(0)
+    want = np.array([1.0, 1.0]) + (np.array([0.6, 1.3]) + dp.gaussian_noise(2, 0.5, 11, 0)) / 3
+    assert s.global_flat == pytest.approx(want.astype(np.float32))
+    assert s.metrics()["epsilon"] == pytest.approx(epsilon(0.5, 1, 1e-5))
+
+
+def test_budget_limits_rounds_and_resume_restores_epsilon_and_clip():
+    cfg = DPConfig(clip_norm=1.0, noise_multiplier=2.0, max_epsilon=epsilon(2.0, 4, 1e-5) + 1e-9,
+                   adaptive=AdaptiveClipConfig(count_stddev=1.5))
+    s = _strategy(cfg)
+    assert s.round_limit(10) == 4 and s.round_limit(3) == 3
+    for r in range(2):
+        s.begin_round(r)
+        s.fold(Update(0, np.array([9.0, 9.0], dtype=np.float32), 1))
+        s.end_round(r)
+    assert s.clip_norm != 1.0  # adaptive
+    twin = _strategy(cfg)
+    twin.load_state_dict(s.state_dict())
+    assert (twin.accountant.rounds, twin.clip_norm, twin.report()) == (2, s.clip_norm, s.report())
+    assert twin.report()["privacy"]["epsilon"] == pytest.approx(epsilon(2.0, 2, 1e-5))
+
+
+def test_a_checkpoint_without_dp_state_is_refused():
+    s = _strategy(DPConfig())
+    with pytest.raises(ValueError, match="DP state"):
+        s.load_state_dict(({"version": 3}, {"global": np.zeros(2, np.float32)}))  # plain FedAvg's checkpoint
+
+
+QUICKSTART = yaml.safe_load(Path("configs/quickstart.yaml").read_text())
+DP_OK = ["influence.enabled=false", "privacy.dp.clip_norm=1"]
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("privacy.dp.clip_norm=-1", "clip_norm must be > 0"),
+    ("privacy.dp.noise_multiplier=0", "noise_multiplier must be > 0"),
+    ("privacy.dp.noise_multiplier=.nan", "noise_multiplier must be > 0"),
+    ("privacy.dp.clip_norm=.inf", "clip_norm must be a finite number"),
+    ("privacy.dp.delta=1", "delta must be in (0, 1)"),
+    ("privacy.dp.delta=-0.1", "delta must be in (0, 1)"),
+    ("privacy.dp.max_epsilon=-3", "max_epsilon must be > 0"),
+    ("privacy.dp.max_epsilon=0.5", "below the ε of a single round"),
+    ("privacy.dp.adaptive.count_stddev=0.2", "count_stddev must be > noise_multiplier / 2"),
+    ("privacy.dp.adaptive={count_stddev: 2, target_quantile: 1.5}", "target_quantile must be in (0, 1)"),
+    ("privacy.dp.sigma=1", "unknown key"),
+    ("privacy.secure_aggregation=true", "not yet wired"),
+    ("strategy.rule=median", "rule 'median'"),
+    ("influence.enabled=true", "influence.enabled"),
+])
+def test_hostile_or_unsupported_privacy_configs_are_refused_naming_the_key(override, says):
+    with pytest.raises(ConfigError) as err:
+        resolve(from_mapping(QUICKSTART, [*DP_OK, override], source="configs/quickstart.yaml"))
+    assert says in str(err.value)
+
+
+def test_privacy_dp_in_an_async_federation_is_refused():
+    raw = {**QUICKSTART, "strategy": {"name": "fedasync"}}
+    with pytest.raises(ConfigError, match="synchronous rounds only"):
+        resolve(from_mapping(raw, DP_OK, source="q.yaml"))
+
+
+def test_privacy_dp_selects_dp_fedavg_and_nothing_else_does():
+    plain = from_mapping(QUICKSTART, [], source="q.yaml")
+    private = from_mapping(QUICKSTART, DP_OK, source="q.yaml")
+    resolve(private)
+    assert private_strategy(FedAvg, plain) is FedAvg
+    assert private_strategy(FedAvg, private) is DPFedAvg
