@@ -91,6 +91,26 @@ def state_file_auth(sec: SecurityConfig, rank: int, purpose: str) -> FileAuth:
     return FileAuth.from_identity(load_identity(_expand(sec.identity, rank)), purpose)
 
 
+def secret_seed(sec: SecurityConfig, rank: int, purpose: str) -> int:
+    """A 256-bit seed only the holders of this rank's key can compute (HKDF-SHA256 of the job PSK,
+    or of the identity key in keys mode, labelled with `purpose`): randomness a run must reproduce
+    on --resume (DP noise) without anyone who reads the run's outputs, where the config seed is
+    written, being able to reproduce it too."""
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    if sec.mode == "psk":
+        ikm = _read_psk(sec)
+    else:
+        if not sec.identity:
+            raise ConfigError("security.mode=keys needs security.identity (it keys the run's secret seeds)")
+        ikm = load_identity(_expand(sec.identity, rank)).private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+    okm = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+               info=b"hpcfed secret seed v1/" + purpose.encode()).derive(ikm)
+    return int.from_bytes(okm, "big")
+
+
 def job_psk(out_dir: Path, resume: bool) -> str:
     """The PSK of a job launched with `hpcfed run --np` and no key of its own.
 

@@ -7,9 +7,12 @@ C/K whatever the others do. With adaptive clipping (Andrew et al. 2021) each sit
 one bit, "my update was not clipped"; the noisy count of those bits moves C geometrically toward a
 target quantile of the update norms, and the budget z is split between the count and the update.
 
-The noise is drawn from a numpy Generator seeded from (run seed, round): a run and its resumed twin
-add the same noise. That is for reproducibility, not secrecy from the operator who holds the seed;
-the server that adds the noise is trusted with it in central mode (README, "What the server sees").
+The noise is drawn from a numpy Generator seeded from (noise seed, round): a run and its resumed
+twin add the same noise. The runtime's noise seed is 256 bits derived from the job's key
+(`hpcfed.credentials.secret_seed`), never the config's seed, which summary.json publishes: noise
+that readers of the outputs could regenerate could be subtracted from the released model. The
+server that adds the noise knows it; it is trusted with that in central mode (README, "What the
+server sees").
 """
 
 from __future__ import annotations

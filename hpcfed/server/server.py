@@ -40,7 +40,8 @@ class Server:
         strategy: Strategy = strategy_cls(
             build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
             StrategyContext(num_clients=channel.size - 1, seed=cfg.seed, task_cls=task_cls,
-                            task_config=task_config, log=log.info, dp=cfg.privacy.dp),
+                            task_config=task_config, log=log.info, dp=cfg.privacy.dp,
+                            secret_seed=_noise_seed(cfg)),
         )
         self.core = ServerCore(cfg, channel, out_dir, strategy, task_cls, task_config)
         self.resume = resume
@@ -67,3 +68,13 @@ class Server:
         """Finish the current sync round (async: the update being handled), checkpoint, and stop (Slurm pre-emption)."""
         self.core.halt_requested = True
         log.warning("halt requested: the federation stops after this round's checkpoint; resume with --resume")
+
+
+def _noise_seed(cfg: Config) -> int | None:
+    """The DP noise seed, from the job's key: the config's seed is in summary.json, and noise anyone
+    can regenerate from it can be subtracted from the released model."""
+    if cfg.privacy.dp is None:
+        return None
+    from hpcfed.credentials import secret_seed
+
+    return secret_seed(cfg.security, 0, "dp-noise")

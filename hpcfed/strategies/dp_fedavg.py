@@ -32,6 +32,9 @@ class DPFedAvg(FedAvg):
         if config.rule != "mean":
             raise ValueError(f"DP-FedAvg averages: strategy.rule must be mean, got {config.rule!r}")
         self.dp: DPConfig = context.dp
+        # The noise must not be reproducible from the config's seed, which summary.json publishes:
+        # the runtime passes a seed derived from the job's key (in-process tests pass the run seed).
+        self.noise_seed = context.secret_seed if context.secret_seed is not None else context.seed
         self.accountant = Accountant(self.dp.noise_multiplier, self.dp.delta, self.dp.max_epsilon)
         self.clip_norm = self.dp.clip_norm
         adaptive = self.dp.adaptive
@@ -53,13 +56,13 @@ class DPFedAvg(FedAvg):
         if self._sum is None:
             raise RuntimeError(f"round {round} ended before it began")
         total, self._sum = self._sum, None
-        step = total.noisy_mean(self.context.seed, round)
+        step = total.noisy_mean(self.noise_seed, round)
         self.global_flat[:] = (self.global_flat.astype(np.float64) + step).astype(np.float32)
         adaptive = self.dp.adaptive
         if adaptive is not None:
             self.clip_norm = adapt_clip(self.clip_norm, total.unclipped, self.context.num_clients,
                                         adaptive.count_stddev, adaptive.target_quantile, adaptive.learning_rate,
-                                        self.context.seed, round)
+                                        self.noise_seed, round)
         self.accountant.step()
 
     def aggregate(self, round: int, updates: list[Update]) -> None:
