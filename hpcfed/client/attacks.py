@@ -36,7 +36,8 @@ from hpcfed.params import Params
 RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood")
 FLOOD_COPIES = 20
 MALFORMED_ATTACKS = ("bad_header", "bad_shape", "bad_count", "bad_header_then_flood")
-FLOOD_AFTER = 200  # UPDATEs an evicted ``..._then_flood`` site sends anyway
+FLOOD_AFTER = 100  # UPDATEs an evicted ``..._then_flood`` site sends anyway ...
+FLOOD_FLOATS = 2 << 20  # ... of 8 MiB each (800 MiB in all: more than rank 0 could hold unnoticed)
 BEYOND_INT64 = 2**64
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.client import attacks
-from hpcfed.comm.api import Channel, Message
+from hpcfed.comm.api import Channel, ChannelError, Message
 from hpcfed.config import Config, build
 from hpcfed.cost import rank_cost
 from hpcfed.errors import FederationError
@@ -103,9 +103,12 @@ class Client:
         log.error("client %d (rank %d): evicted by the server: %s; leaving (the federation goes on without "
                   "this site)", self.client_id, self.client_id + 1, reason)
         if self.site.attack == "bad_header_then_flood":  # a hostile site ignores it and keeps sending
-            tensors = P.params_tensors(self._layout.pack(self.task.get_parameters()))
+            flood = {P.PARAMS_KEY: np.zeros(attacks.FLOOD_FLOATS, dtype=np.float32)}
             for _ in range(attacks.FLOOD_AFTER):
-                self.channel.send(0, P.UPDATE, {"round": 0, "num_examples": 1, "metrics": {}}, tensors)
+                try:
+                    self.channel.send(0, P.UPDATE, {"round": 0, "num_examples": 1, "metrics": {}}, flood)
+                except ChannelError:
+                    break  # the server has finished: the flood ends with the job
 
     def _setup(self) -> bool:
         header, tensors = self.task.setup()

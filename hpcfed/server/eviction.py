@@ -13,7 +13,7 @@ import logging
 import re
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, TypeGuard
 
 # rejection category (hpcfed.server.validation, the loops, the channel) -> evidence class
 _AT_ONCE = {
@@ -93,7 +93,7 @@ class Ledger:
             if not isinstance(item, dict):
                 continue
             cid, rnd = item.get("client"), item.get("round")
-            if isinstance(cid, int) and 0 <= cid < num_clients and isinstance(rnd, int):
+            if _plain_int(cid) and 0 <= cid < num_clients and _plain_int(rnd):
                 self.record(Eviction(client=cid, rank=cid + 1, reason=_cut(str(item.get("reason", ""))),
                                      first_evidence=_cut(str(item.get("first_evidence", ""))), round=rnd))
 
@@ -109,6 +109,10 @@ def describe(category: str, detail: str) -> str:
         if shape:
             return f"tensor of shape {shape.group(1)}"
     return _cut(f"{category}: {detail}" if category not in detail else detail, 120)
+
+
+def _plain_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _cut(text: str, limit: int = MAX_DETAIL) -> str:
