@@ -40,6 +40,11 @@ def below_floor(core: ServerCore, why: str) -> dict[str, Any]:
     checkpoint, and say so in summary.json; the job itself ends cleanly."""
     core.stop_all("too few sites left")
     log.error("%s", why)
+    # The sites were mid-round: take (and drop) what they are still sending, so none of them waits
+    # on rank 0 after it is gone; a site quiet for a second is done.
+    until = time.monotonic() + core.cfg.federation.round_deadline_s
+    while time.monotonic() < until and core.channel.recv(timeout=1.0) is not None:
+        pass
     summary = {"stopped": why, "evicted": core.ledger.state(), "last_checkpoint":
                str(core.last_checkpoint) if core.last_checkpoint else None, "round": core.round,
                "channel": core.channel.stats.as_dict(), "rejected": {"runtime": core.rejected}}
