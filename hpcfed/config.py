@@ -68,6 +68,12 @@ class FederationConfig:
     max_updates: int | None = None  # async: total accepted uploads before stopping (default rounds*K)
     slowdown: dict[int, float] = field(default_factory=dict)  # client_id -> factor (straggler knob)
     on_client_failure: Literal["abort", "continue"] = "abort"
+    # Evictions (security.on_misbehaviour) never take the federation below this many sites: it
+    # stops cleanly instead, keeping its last checkpoint.
+    min_sites: int = 1
+    # Client ids left out of this run (a hostile site that ends the job itself, e.g. by MPI_Abort):
+    # `--resume federation.exclude_sites=[2]` goes on from the last checkpoint without them.
+    exclude_sites: list[int] = field(default_factory=list)
     status_every_s: float = 30.0
     # where each site keeps its own checkpoint shards (optimizer, RNG, personal models); the server
     # never sees them. Placeholders: {out} (run dir), {client}, {rank}, {job} ($SLURM_JOB_ID or 'local').
@@ -77,7 +83,10 @@ class FederationConfig:
         if not 0.0 < self.quorum <= 1.0:
             raise InvalidValue("quorum", f"must be a fraction in (0, 1], got {self.quorum!r}")
         _positive(self, "round_deadline_s", "client_timeout_s", "setup_timeout_s", "status_every_s")
-        _at_least(self, 1, "num_clients", "max_updates")
+        _at_least(self, 1, "num_clients", "max_updates", "min_sites")
+        for cid in self.exclude_sites:
+            if cid < 0 or (self.num_clients is not None and cid >= self.num_clients):
+                raise InvalidValue("exclude_sites", f"names client {cid!r}, which is not a site of this run")
         for cid, factor in self.slowdown.items():
             if not factor > 0:
                 raise InvalidValue(f"slowdown.{cid}", f"must be > 0, got {factor!r}")
@@ -94,9 +103,16 @@ class SecurityConfig:
     authorized_keys: str | None = None  # keys mode, server: file of allowed site public keys
     server_public_key: str | None = None  # keys mode, clients: the server's public key file
     max_rejects: int = 10000  # a peer is cut off after this many rejected messages
+    # What an authenticated site's misbehaviour (a malformed, out-of-range or unrequested message)
+    # costs it: evict it and go on without it, abort the job naming it, or only count it.
+    on_misbehaviour: Literal["evict", "abort", "ignore"] = "evict"
+    # Bounded influence refusing a site's upload is evidence only past this many refusals (an
+    # honest outlier may be refused now and then).
+    max_refused_updates: int = 3
 
     def validate(self) -> None:
         _at_least(self, 1, "max_rejects")
+        _at_least(self, 0, "max_refused_updates")
 
 
 @dataclass(kw_only=True)

@@ -394,6 +394,10 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     if "halted_after_round" in summary:
         return [f"halted after round {summary['halted_after_round']} (halt_after_round); continue with --resume "
                 f"from {summary.get('last_checkpoint')}"]
+    if "stopped" in summary:
+        return [f"stopped: {summary['stopped']}"]
+    warn = [f"warning: evicted client {e['client']} (rank {e['rank']}): {e['reason']}"
+            for e in summary.get("evicted", [])]
     mean = summary.get("mean", {})
     figures = ", ".join(f"{k}={v:.4f}" for k, v in mean.items() if isinstance(v, float)) or "no metrics"
     clients = len(summary.get("clients", {}))
@@ -415,4 +419,4 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     if summary.get("last_checkpoint"):
         where.append(f"{summary['last_checkpoint']} (newest checkpoint)")
     lines.append(f"results: {', '.join(where)}; plots: hpcfed report {out_dir}")
-    return lines
+    return lines + warn

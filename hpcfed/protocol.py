@@ -22,10 +22,11 @@ STOP = 7  # server -> client: leave now (header: reason)
 FAILED = 8  # client -> server: this client failed (header: error); the server ends the job naming it
 CHECKPOINT = 9  # server -> client (async): write your state shard now (header: round)
 CHECKPOINT_DONE = 10  # client -> server: shard written (header: round, digest, path); no state on the wire
+EVICTED = 11  # server -> client: the last message to a misbehaving site (header: reason); it leaves
 
 NAMES = {SETUP: "SETUP", SETUP_REPLY: "SETUP_REPLY", PARAMS: "PARAMS", UPDATE: "UPDATE", FINAL: "FINAL",
          RESULT: "RESULT", STOP: "STOP", FAILED: "FAILED", CHECKPOINT: "CHECKPOINT",
-         CHECKPOINT_DONE: "CHECKPOINT_DONE"}
+         CHECKPOINT_DONE: "CHECKPOINT_DONE", EVICTED: "EVICTED"}
 
 SETUP_PREFIX = "setup/"
 INIT_PREFIX = "init/"
@@ -65,18 +66,22 @@ def prefixed(tensors: Mapping[str, _T], prefix: str) -> dict[str, _T]:
 
 
 # -- what each side accepts (SecureChannel.expect): anything else is dropped on arrival ----------
-SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT})  # what a client takes, from rank 0 only
+# what a client takes, from rank 0 only
+SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT, EVICTED})
 CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED, CHECKPOINT_DONE})  # what the server takes from a client
 UPDATE_MARGIN = 4  # an UPDATE may be 4 x the model's float32 bytes (params + optimizer moments + a best copy) ...
 UPDATE_SLACK = 64 << 20  # ... + 64 MiB (task state: RNG, per-document vectors, and the JSON header)
 SMALL_MESSAGE = 2 << 20  # RESULT / FAILED carry a header only (<= 1 MiB) and no model
 
 
-def server_bounds(model_floats: int, num_clients: int) -> tuple[dict[int, frozenset[int]], dict[int, int], int]:
+def server_bounds(model_floats: int, num_clients: int, evicted: Iterable[int] = ()
+                  ) -> tuple[dict[int, frozenset[int]], dict[int, int], int]:
     """After setup: (kinds by client rank, largest bundle by kind, inbox bytes per client). A
     client's inbox holds at most one UPDATE and a few small messages; a first chunk declaring
-    more than its kind's bound is refused before any buffer is reserved."""
+    more than its kind's bound is refused before any buffer is reserved. An `evicted` client
+    (by id) may send nothing: what it sends is dropped on arrival, unread, and counted."""
     update = UPDATE_MARGIN * 4 * int(model_floats) + UPDATE_SLACK
-    kinds = {rank: CLIENT_KINDS - {SETUP} for rank in range(1, num_clients + 1)}
+    out = set(evicted)
+    kinds = {rank: (frozenset() if rank - 1 in out else CLIENT_KINDS - {SETUP}) for rank in range(1, num_clients + 1)}
     return kinds, {UPDATE: update, RESULT: SMALL_MESSAGE, FAILED: SMALL_MESSAGE, CHECKPOINT_DONE: SMALL_MESSAGE}, \
         update + 3 * SMALL_MESSAGE

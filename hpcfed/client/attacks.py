@@ -8,9 +8,26 @@ because they only rewrite what the site uploads:
 - ``scale``: the trained model times 1e30 (finite, enormous).
 - ``sign_flip``: the received model minus 10 x the site's honest step.
 - ``flood``: 20 copies of every upload, none of them asked for (async).
+
+Misbehaviour the server evicts a site for (`hpcfed.server.eviction`): the site's first upload is
+replaced by one malformed UPDATE, and then it stays quiet (``then_flood``: it keeps sending after
+it is evicted):
+
+- ``bad_header``: a header integer beyond int64 (``client_version`` = 2**64).
+- ``bad_shape``: a tensor of shape (0, 2**64-1).
+- ``bad_count``: ``num_examples`` beyond int64.
+- ``bad_header_then_flood``: ``bad_header``, then `FLOOD_AFTER` model-sized UPDATEs after eviction.
+
+The sender's own encoder refuses all three, so the hostile site lifts its own checks while it
+sends: what arrives is what a modified binary would send.
 """
 
 from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +35,10 @@ from hpcfed.params import Params
 
 RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood")
 FLOOD_COPIES = 20
+MALFORMED_ATTACKS = ("bad_header", "bad_shape", "bad_count", "bad_header_then_flood")
+FLOOD_AFTER = 100  # UPDATEs an evicted ``..._then_flood`` site sends anyway ...
+FLOOD_FLOATS = 2 << 20  # ... of 8 MiB each (800 MiB in all: more than rank 0 could hold unnoticed)
+BEYOND_INT64 = 2**64
 
 
 def tamper(attack: str, trained: Params, received: Params, num_examples: int) -> tuple[Params, int, int]:
@@ -37,3 +58,40 @@ def tamper(attack: str, trained: Params, received: Params, num_examples: int) ->
 
 def _is_float(v: np.ndarray) -> bool:
     return np.asarray(v).dtype.kind == "f" or str(np.asarray(v).dtype) == "bfloat16"
+
+
+def malformed_update(attack: str, header: dict[str, Any], tensors: dict[str, np.ndarray],
+                     send: Callable[[dict[str, Any], dict[str, np.ndarray]], None]) -> None:
+    """Send one malformed UPDATE for `attack` (one of `MALFORMED_ATTACKS`) through `send`."""
+    from hpcfed.comm import wire
+
+    if attack == "bad_shape":
+        with _patched(wire, "struct", _ShapeLie()):
+            send(header, {"params": np.zeros((0, 1), dtype=np.float32)})
+        return
+    field = "num_examples" if attack == "bad_count" else "client_version"
+    with _patched(wire, "INT_MAX", BEYOND_INT64 * 2):
+        send({**header, field: BEYOND_INT64}, tensors)
+
+
+@contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+class _ShapeLie:
+    """`struct` as the wire encoder sees it, except that a (0, 1) shape goes out as (0, 2**64-1)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(struct, name)
+
+    @staticmethod
+    def pack(fmt: str, *values: Any) -> bytes:
+        if fmt == "<2Q" and values == (0, 1):
+            values = (0, BEYOND_INT64 - 1)
+        return struct.pack(fmt, *values)

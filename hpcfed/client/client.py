@@ -16,7 +16,7 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.client import attacks
-from hpcfed.comm.api import Channel, Message
+from hpcfed.comm.api import Channel, ChannelError, Message
 from hpcfed.config import Config, build
 from hpcfed.cost import rank_cost
 from hpcfed.errors import FederationError
@@ -53,6 +53,7 @@ class Client:
         # every broadcast would start a second training chain from a model lacking our last step.
         self._awaiting_answer = False
         self._held: Message | None = None
+        self._misbehaved = False  # a MALFORMED_ATTACKS site has sent its malformed upload
         self._received: Params = {}  # the model as the server sent it (the runtime attacks tamper from it)
         from hpcfed.credentials import state_file_auth
         from hpcfed.store import site_state
@@ -65,15 +66,23 @@ class Client:
 
     def run(self) -> None:
         """Take part in the federation until the server says STOP (or stops answering: FederationError)."""
-        self._setup()
+        if self.client_id in self.cfg.federation.exclude_sites:
+            log.warning("client %d (rank %d) is left out of this run (federation.exclude_sites): leaving",
+                        self.client_id, self.client_id + 1)
+            return
+        if not self._setup():
+            return
         try:
             while True:
-                msg = self._wait({P.PARAMS, P.FINAL, P.STOP, P.CHECKPOINT})
+                msg = self._wait({P.PARAMS, P.FINAL, P.STOP, P.CHECKPOINT, P.EVICTED})
                 if msg.kind == P.CHECKPOINT:  # async: write the shard between training steps
                     self.channel.send(0, P.CHECKPOINT_DONE, self._write_shard(msg.header.get("round")))
                     continue
                 if msg.kind == P.PARAMS:
                     msg = self._skip_stale(msg)
+                if msg.kind == P.EVICTED:
+                    self._evicted(msg)
+                    return
                 if msg.kind == P.STOP:
                     return
                 if msg.kind == P.FINAL:
@@ -88,7 +97,20 @@ class Client:
             return
 
     # ------------------------------------------------------------------------------------------
-    def _setup(self) -> None:
+    def _evicted(self, msg: Message) -> None:
+        """The server's last word to this site: it leaves, without ending anyone else's job."""
+        reason = " ".join(str(msg.header.get("reason", "no reason given"))[:300].split())
+        log.error("client %d (rank %d): evicted by the server: %s; leaving (the federation goes on without "
+                  "this site)", self.client_id, self.client_id + 1, reason)
+        if self.site.attack == "bad_header_then_flood":  # a hostile site ignores it and keeps sending
+            flood = {P.PARAMS_KEY: np.zeros(attacks.FLOOD_FLOATS, dtype=np.float32)}
+            for _ in range(attacks.FLOOD_AFTER):
+                try:
+                    self.channel.send(0, P.UPDATE, {"round": 0, "num_examples": 1, "metrics": {}}, flood)
+                except ChannelError:
+                    break  # the server has finished: the flood ends with the job
+
+    def _setup(self) -> bool:
         header, tensors = self.task.setup()
         out = P.prefixed(tensors, P.SETUP_PREFIX)
         if self.client_id == 0:
@@ -100,7 +122,10 @@ class Client:
             setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
         self.channel.send(0, P.SETUP, setup_header, out)
         fed = self.cfg.federation
-        reply = self._wait({P.SETUP_REPLY, P.STOP}, fed.setup_timeout_s + fed.client_timeout_s)
+        reply = self._wait({P.SETUP_REPLY, P.STOP, P.EVICTED}, fed.setup_timeout_s + fed.client_timeout_s)
+        if reply.kind == P.EVICTED:  # evicted in an earlier attempt of this run (the checkpoint says)
+            self._evicted(reply)
+            return False
         if reply.kind == P.STOP:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
@@ -121,6 +146,7 @@ class Client:
                 raise FederationError(
                     f"client {self.client_id} (rank {self.client_id + 1}): cannot resume: {exc}") from None
             self.task.load_state_dict(state)
+        return True
 
     def _train_and_upload(self, msg: Message) -> None:
         rnd = int(msg.header["round"])
@@ -145,6 +171,11 @@ class Client:
         if msg.header.get("checkpoint"):
             # After fit, before upload: the state the resumed twin needs to continue bit-identically.
             header["shard"] = self._write_shard(rnd)
+        if self.site.attack in attacks.MALFORMED_ATTACKS and not self._misbehaved:
+            self._misbehaved = True  # once, then quiet
+            attacks.malformed_update(self.site.attack, header, tensors,
+                                     lambda h, t: self.channel.send(0, P.UPDATE, h, t))
+            return
         for _ in range(copies):
             self.channel.send(0, P.UPDATE, header, tensors)
 
@@ -184,7 +215,7 @@ class Client:
     def _skip_stale(self, msg: Message) -> Message:
         """Work only on the newest instruction: a straggler (or an async client behind broadcasts)
         skips queued models it has been overtaken on, and goes straight to FINAL/STOP if queued."""
-        for kind in (P.STOP, P.FINAL):
+        for kind in (P.EVICTED, P.STOP, P.FINAL):
             queued = self.channel.recv(source=0, kinds={kind}, timeout=0)
             if queued is not None:
                 return queued
@@ -208,7 +239,7 @@ class Client:
 
     def _straggle(self, seconds: float) -> None:
         """Sleep for the straggler knob, but leave at once if the server says STOP meanwhile."""
-        if self.channel.recv(source=0, kinds={P.STOP}, timeout=seconds) is not None:
+        if self.channel.recv(source=0, kinds={P.STOP, P.EVICTED}, timeout=seconds) is not None:
             raise _Stopped
 
     @property

@@ -24,6 +24,7 @@ from hpcfed.config import Config
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
+from hpcfed.server.eviction import ChannelRefusals, Eviction, Ledger
 from hpcfed.server.influence import InfluenceGuard
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.progress import Progress, StatusLine
@@ -64,13 +65,21 @@ class ServerCore:
         self.file_auth: FileAuth = state_file_auth(cfg.security, 0, "checkpoint")
         self._layout: ParamLayout | None = None
         self._metrics: MetricsLog | None = None
+        # Misbehaviour: the evidence against each site and who is out (`hpcfed.server.eviction`).
+        self.ledger = Ledger(cfg.security.on_misbehaviour, cfg.security.max_refused_updates)
+        self.channel_refusals = ChannelRefusals()
+        logging.getLogger(self.channel_refusals.channel_logger).addHandler(self.channel_refusals)
 
     # -- after the setup exchange ------------------------------------------------------------------
     def start(self, layout: ParamLayout, metrics: MetricsLog) -> None:
         """The model's layout is known: from now on take only the kinds the server reads, each
         bounded by the model's size."""
         self._layout, self._metrics = layout, metrics
-        kinds, max_bytes, inbox_bytes = P.server_bounds(layout.size, self.num_clients)
+        self._expect()
+
+    def _expect(self) -> None:
+        """Take the kinds the server reads from every site not evicted, and nothing from the others."""
+        kinds, max_bytes, inbox_bytes = P.server_bounds(self.layout.size, self.num_clients, self.ledger.evicted)
         self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
 
     @property
@@ -90,7 +99,10 @@ class ServerCore:
     # -- sending -------------------------------------------------------------------------------------
     def send_to(self, cid: int, kind: int, header: dict[str, Any],
                 tensors: dict[str, np.ndarray] | None = None) -> None:
-        """Send to a client; one that takes nothing within the deadline has failed (hung or dead)."""
+        """Send to a client; one that takes nothing within the deadline has failed (hung or dead).
+        An evicted client is sent nothing more."""
+        if cid in self.ledger.evicted:
+            return
         try:
             self.channel.send(cid + 1, kind, header, tensors)
         except ChannelError as exc:
@@ -104,6 +116,8 @@ class ServerCore:
     def stop_all(self, reason: str) -> None:
         """Best effort: tell every client to leave (a dead one cannot hear it; its timeout ends it)."""
         for cid in range(self.num_clients):
+            if cid in self.ledger.evicted:
+                continue  # told already, and gone
             try:
                 self.channel.send(cid + 1, P.STOP, {"reason": reason})
             except ChannelError as exc:
@@ -130,6 +144,9 @@ class ServerCore:
                 raise FederationError(f"no answer during {what} from {who}; "
                                       f"last checkpoint: {self.last_checkpoint or 'none'}")
             msg = self.channel.recv(kinds=kinds, timeout=min(remaining, 1.0))
+            self.take_channel_evidence()
+            if not fatal and not waiting_for & self.live:
+                return msg  # every site still waited for has been evicted: nothing more to wait for
             if msg is None:
                 self.maybe_status()
                 continue
@@ -155,9 +172,51 @@ class ServerCore:
         self.rejected[category] = self.rejected.get(category, 0) + 1
         self.rejected_by_rank[rank] = self.rejected_by_rank.get(rank, 0) + 1
         log.warning("rejected message from rank %d: %s: %s", rank, category, detail)
+        self.misbehaved(rank - 1, category, detail)
         limit = self.cfg.security.max_rejects
         if self.rejected_by_rank[rank] == limit + 1 and rank - 1 in self.live:
             self.client_failed(rank - 1, f"was cut off after {limit} rejected messages (security.max_rejects)")
+
+    # -- misbehaviour ------------------------------------------------------------------------------------
+    def misbehaved(self, cid: int, category: str, detail: str) -> None:
+        """Hold a rejected message against its site: evict it (or abort) once the evidence is enough."""
+        if self._metrics is None or cid not in self.live:
+            return  # before the sites are known, or a site already out: only counted
+        eviction = self.ledger.note(cid, category, detail, max(self.round, 0))
+        if eviction is None:
+            return
+        if self.ledger.policy == "abort":
+            raise FederationError(f"client {cid} (rank {cid + 1}) misbehaved: {eviction.reason}; first evidence: "
+                                  f"{eviction.first_evidence} (security.on_misbehaviour=abort); "
+                                  f"last checkpoint: {self.last_checkpoint or 'none'}")
+        self.evict(eviction)
+
+    def take_channel_evidence(self) -> None:
+        """Hold the authenticated bundles the channel refused (logged as it received) against their sites."""
+        for rank, category, detail in self.channel_refusals.take():
+            if 1 <= rank <= self.num_clients:
+                self.misbehaved(rank - 1, category, detail)
+
+    def evict(self, eviction: Eviction) -> None:
+        """Tell the site in one final message, take nothing more from it (the channel drops and counts
+        what it sends, unread), and go on without it, unless that leaves fewer than min_sites."""
+        cid = eviction.client
+        self.ledger.record(eviction)
+        self.live.discard(cid)
+        log.warning("evicted client %d (rank %d): %s", cid, cid + 1, eviction.reason)
+        self._expect()
+        try:
+            self.channel.post(cid + 1, P.EVICTED, {"reason": eviction.reason})
+        except ChannelError as exc:
+            log.warning("could not tell client %d (rank %d) it is evicted: %s", cid, cid + 1, exc)
+        if self.on_drop is not None:
+            self.on_drop(cid)
+        self.metrics.log(self.round, cid, "evicted", 1)
+        floor = self.cfg.federation.min_sites
+        if len(self.live) < floor:
+            raise BelowFloor(f"only {len(self.live)} site(s) left after evicting client {cid} (rank {cid + 1}), "
+                             f"fewer than federation.min_sites={floor}: the federation stops; continue it with "
+                             f"--resume once the sites are fixed; last checkpoint: {self.last_checkpoint or 'none'}")
 
     def contained(self, rank: int, handle: Callable[_Args, _R], *args: _Args.args, **kwargs: _Args.kwargs) -> _R | None:
         """Run `handle(*args)` for one message of the peer at `rank`: any fault in it rejects that
@@ -199,7 +258,7 @@ class ServerCore:
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
         meta = {"elapsed": self.metrics.elapsed(), "updates_accepted": self.updates_accepted,
-                "rejected": self.rejected, "influence": self.influence.state()}
+                "rejected": self.rejected, "influence": self.influence.state(), "evicted": self.ledger.state()}
         refs: dict[int, dict[str, Any]] = {cid: {"digest": ref["digest"], "path": ref["path"]}
                                            for cid, ref in sites.items() if ref}
         ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
@@ -211,3 +270,7 @@ class ServerCore:
     def maybe_status(self) -> None:
         """The periodic status line, when it is due."""
         self.status.maybe_log(self.progress, self.strategy.version, sum(self.rejected.values()), self.channel.stats)
+
+
+class BelowFloor(FederationError):
+    """Evictions left fewer sites than `federation.min_sites`: the run stops cleanly, checkpoint kept."""

@@ -23,7 +23,7 @@ from hpcfed.config import Config, build
 from hpcfed.registry import private_strategy, strategy_class, task_class
 from hpcfed.server import setup, summary
 from hpcfed.server.async_loop import AsyncLoop
-from hpcfed.server.core import ServerCore
+from hpcfed.server.core import BelowFloor, ServerCore
 from hpcfed.server.sync_rounds import SyncRounds
 from hpcfed.strategies.base import Strategy, StrategyContext
 
@@ -49,6 +49,14 @@ class Server:
     def run(self) -> dict[str, Any]:
         """The whole federation: setup, rounds or the async loop, and the end; returns the summary
         (or, after a halt, the round it halted after and the checkpoint to resume from)."""
+        try:
+            return self._run()
+        except BelowFloor as exc:
+            return summary.below_floor(self.core, str(exc))
+        finally:
+            logging.getLogger(self.core.channel_refusals.channel_logger).removeHandler(self.core.channel_refusals)
+
+    def _run(self) -> dict[str, Any]:
         core = self.core
         start_round = setup.exchange(core, self.resume)
         core.metrics.log(None, None, "num_clients", core.num_clients)

@@ -31,11 +31,14 @@ def exchange(core: ServerCore, resume: bool) -> int:
     payloads: dict[int, tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
     held: Held = {}
     initial = None
+    out = _left_out(core, resume)
     deadline = time.monotonic() + core.cfg.federation.setup_timeout_s
-    while len(payloads) < core.num_clients:
+    while len(payloads) < len(core.live):
         msg = core.recv_until(deadline, {P.SETUP, P.FAILED}, "the setup exchange",
-                              waiting_for=set(range(core.num_clients)) - set(payloads))
+                              waiting_for=core.live - set(payloads))
         cid = msg.source - 1
+        if cid not in core.live:
+            continue  # a site left out of this run: nothing it says is read
         header = V.task_header(msg.header)
         if isinstance(header, V.Rejection):
             core.reject(msg.source, header.category, header.detail)
@@ -47,7 +50,8 @@ def exchange(core: ServerCore, resume: bool) -> int:
     replies, server_init = core.task_cls.server_setup(core.task_config, payloads)
     init = server_init if server_init is not None else initial
     if not init:
-        raise FederationError("client 0 (rank 1) sent no initial model and the task's server_setup built none")
+        raise FederationError("client 0 (rank 1) sent no initial model and the task's server_setup built none"
+                              + ("; client 0 cannot be left out (federation.exclude_sites)" if 0 in out else ""))
     core.strategy.initialize(init)
     layout = core.strategy.layout
     if layout is None:
@@ -57,7 +61,9 @@ def exchange(core: ServerCore, resume: bool) -> int:
     metrics = MetricsLog(core.out_dir / "metrics.jsonl", resume_round=resumed.round if resumed else None,
                          time_offset=float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0)
     layout_header = layout.describe()
-    for cid in range(core.num_clients):
+    for cid in sorted(out - set(core.cfg.federation.exclude_sites)):  # evicted in an earlier attempt: tell it
+        core.channel.post(cid + 1, P.EVICTED, {"reason": core.ledger.evicted[cid].reason})
+    for cid in sorted(core.live):
         reply_header, reply_tensors = replies.get(cid, ({}, {}))
         shard = None  # which of its own shards the site loads (it verifies it against this digest)
         if resumed and cid in resumed.sites:
@@ -70,6 +76,28 @@ def exchange(core: ServerCore, resume: bool) -> int:
              f", resumed from {resumed.path} (round {resumed.round})" if resumed else "")
     core.start(layout, metrics)
     return start_round
+
+
+def _left_out(core: ServerCore, resume: bool) -> set[int]:
+    """The sites this run goes on without: those the operator excludes (federation.exclude_sites),
+    and on --resume those the newest checkpoint recorded as evicted. They leave `core.live`."""
+    rnd = max(core.round, 0)
+    if resume:
+        for path in ckpt_store.list_checkpoints(core.out_dir / "checkpoints"):
+            try:
+                ckpt = ckpt_store.load(path, core.file_auth)
+            except ckpt_store.CheckpointError:
+                continue  # named when the checkpoint to resume from is picked
+            core.ledger.load_state(ckpt.meta.get("evicted"), core.num_clients)
+            break
+    for cid in core.cfg.federation.exclude_sites:
+        if 0 <= cid < core.num_clients:
+            core.ledger.exclude(cid, rnd)
+    core.live -= set(core.ledger.evicted)
+    if core.ledger.evicted:
+        log.warning("this run goes on without %s", "; ".join(
+            f"client {e.client} (rank {e.rank}): {e.reason}" for e in core.ledger.evicted.values()))
+    return set(core.ledger.evicted)
 
 
 def _load_checkpoint(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
@@ -110,8 +138,8 @@ def _newest_held(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
         except ckpt_store.CheckpointError as exc:
             log.warning("skipping checkpoint: %s", exc)
             continue
-        gaps = [(cid, ref) for cid, ref in sorted(ckpt.sites.items())
-                if (ckpt.round, ref["digest"]) not in held.get(cid, set())]
+        gaps = [(cid, ref) for cid, ref in sorted(ckpt.sites.items())  # a site left out needs no shard
+                if cid in core.live and (ckpt.round, ref["digest"]) not in held.get(cid, set())]
         if not gaps:
             return ckpt
         cid, ref = gaps[0]

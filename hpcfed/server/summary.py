@@ -35,6 +35,24 @@ def halt(core: ServerCore, rnd: int) -> dict[str, Any]:
     return {"halted_after_round": rnd, "last_checkpoint": str(core.last_checkpoint)}
 
 
+def below_floor(core: ServerCore, why: str) -> dict[str, Any]:
+    """Evictions left too few sites (federation.min_sites): stop every rank, keep the last
+    checkpoint, and say so in summary.json; the job itself ends cleanly."""
+    core.stop_all("too few sites left")
+    log.error("%s", why)
+    # The sites were mid-round: take (and drop) what they are still sending, so none of them waits
+    # on rank 0 after it is gone; a site quiet for a second is done.
+    until = time.monotonic() + core.cfg.federation.round_deadline_s
+    while time.monotonic() < until and core.channel.recv(timeout=1.0) is not None:
+        pass
+    summary = {"stopped": why, "evicted": core.ledger.state(), "last_checkpoint":
+               str(core.last_checkpoint) if core.last_checkpoint else None, "round": core.round,
+               "channel": core.channel.stats.as_dict(), "rejected": {"runtime": core.rejected}}
+    atomic.write_text(core.out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    core.metrics.close()
+    return summary
+
+
 def finish(core: ServerCore) -> dict[str, Any]:
     """The final evaluation round; writes and returns summary.json, and lets every rank go."""
     for cid in sorted(core.live):
@@ -93,7 +111,9 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "mean": mean,
         "clients": {str(c): results[c] for c in sorted(results)},
         "missing_clients": missing,
-        "dropped_clients": sorted(set(range(core.num_clients)) - core.live),
+        "dropped_clients": sorted(set(range(core.num_clients)) - core.live - set(core.ledger.evicted)),
+        # sites evicted for misbehaviour (security.on_misbehaviour) or left out (federation.exclude_sites)
+        "evicted": core.ledger.state(),
         "rounds": core.cfg.rounds,
         "updates_accepted": core.updates_accepted,
         "server_version": core.strategy.version,

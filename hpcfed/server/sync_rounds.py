@@ -89,7 +89,7 @@ class SyncRounds:
         core.metrics.log_many(rnd, None, {"round_time_s": time.monotonic() - t0, "num_updates": len(updates),
                                           **core.strategy.metrics()})
         if want_state:
-            core.commit_checkpoint(rnd, {c: got[c][1] for c in sorted(got)})  # phase 2: the manifest
+            core.commit_checkpoint(rnd, {c: got[c][1] for c in sorted(got) if c in core.live})  # phase 2: the manifest
         # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
         self.progress.advance_to(rnd + 1)
         saved = f", saved {core.last_checkpoint.name}" if want_state and core.last_checkpoint else ""
@@ -121,7 +121,7 @@ class SyncRounds:
             finally:
                 core.channel.on_message = None
             deadline = t0 + core.cfg.federation.round_deadline_s
-            while len(got) < len(core.live):
+            while core.live - set(got):  # an evicted site is waited for no more
                 msg = core.recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
                                       waiting_for=core.live - set(got), fatal=False)
                 if msg is None:

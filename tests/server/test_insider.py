@@ -249,8 +249,9 @@ def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tm
 def test_hostile_first_round_uploads_are_refused_before_they_are_parked(tmp_path):
     """While round 0 calibrates, what a hostile site sends is refused as it comes and never
     reaches the disk or the median's say: x1e30 parameters (beyond 10 x sqrt(P)), a second
-    upload for the round, one for another round; the honest three are folded whole."""
-    server, chans = _in_process_federation(tmp_path, 5)
+    upload for the round, one for another round; the honest three are folded whole. (Counted
+    only: with the default security.on_misbehaviour=evict the duplicate evicts the site, below.)"""
+    server, chans = _in_process_federation(tmp_path, 5, security={"on_misbehaviour": "ignore"})
     try:
         step = np.full(SIZE, 0.5, dtype=np.float32)
         head = {"num_examples": 10, "metrics": {}}
@@ -274,12 +275,41 @@ def test_hostile_first_round_uploads_are_refused_before_they_are_parked(tmp_path
         server.metrics.close()
 
 
+def test_a_duplicate_upload_evicts_its_site_and_the_round_closes_with_the_others(tmp_path):
+    """The default policy: the second upload of a round is evidence; the site is told EVICTED, what
+    it sends next is dropped by the channel unread, and the round closes once the others are in."""
+    server, chans = _in_process_federation(tmp_path, 5)
+    try:
+        step = np.full(SIZE, 0.5, dtype=np.float32)
+        head = {"num_examples": 10, "metrics": {}}
+        for rank, header in [(1, {"round": 0, **head}), (1, {"round": 0, **head}), (2, {"round": 0, **head}),
+                             (3, {"round": 0, **head}), (4, {"round": 0, **head})]:
+            chans[rank].send(0, P.UPDATE, header, {"params": step})
+        server.strategy.begin_round(0)
+        server.influence.begin_round(server.live)
+        got: dict = {}
+        t0 = time.monotonic()
+        SyncRounds(server).collect_uploads(0, t0, False, got, set())
+        assert time.monotonic() - t0 < server.cfg.federation.round_deadline_s
+        assert server.live == {1, 2, 3} and [e["reason"] for e in server.ledger.state()] == [
+            "unrequested update (duplicate update: a second update for round 0)"]
+        msg = chans[1].recv(kinds={P.EVICTED}, timeout=5)
+        assert msg is not None and "duplicate update" in msg.header["reason"]
+        chans[1].send(0, P.UPDATE, {"round": 0, **head}, {"params": step})
+        assert server.channel.recv(timeout=0.5) is None
+        assert server.channel.stats.rejected.get("unsolicited kind") == 1
+    finally:
+        server.metrics.close()
+
+
 def test_async_uploads_wait_for_three_sites_then_each_is_measured_from_the_model_it_was_sent(tmp_path):
     """Async, the real sealed path. A fast attacker's sign flip x10 is parked, unanswered, until
     three sites have uploaded (so it can neither fill the history nor move the model alone first),
     then clipped to their median. A site answered before those folds, whose upload is far from
     the model as it is now, is measured from the model it was sent and folded whole."""
-    server, chans = _in_process_federation(tmp_path, 5, strategy={"name": "fedasync"})
+    # the unrequested copy below is only counted here (by default it evicts: test_eviction*.py)
+    server, chans = _in_process_federation(tmp_path, 5, strategy={"name": "fedasync"},
+                                           security={"on_misbehaviour": "ignore"})
     loop = AsyncLoop(server)
     try:
         loop.begin()
@@ -333,7 +363,9 @@ def test_hostile_async_uploads_while_the_bounds_calibrate_are_refused_answered_a
     comes: NaN, x1e30 (answered: the site goes on), a version older than its answer (header
     values beyond int64 and the like: the fuzz test below). Nothing reaches the disk or the median,
     and the honest three are then folded whole."""
-    server, chans = _in_process_federation(tmp_path, 5, strategy={"name": "fedasync"})
+    # refusal mechanics only: by default the first refusal of a malformed upload evicts (test_eviction*.py)
+    server, chans = _in_process_federation(tmp_path, 5, strategy={"name": "fedasync"},
+                                           security={"on_misbehaviour": "ignore"})
     loop = AsyncLoop(server)
     try:
         loop.begin()
@@ -417,8 +449,11 @@ def _in_process_federation(out: Path, ranks: int, **config: Any) -> tuple[Server
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    """The server, and the sealed channels of the hostile rank 1 and the honest rank 2."""
-    server, chans = _in_process_federation(Path(tmp_path_factory.mktemp("fuzz")), 3)
+    """The server, and the sealed channels of the hostile rank 1 and the honest rank 2. The fuzz
+    sends rank 1's hostile messages one after another: they are only counted here (by default the
+    first would evict rank 1, and the channel would drop the rest unread: test_eviction*.py)."""
+    server, chans = _in_process_federation(Path(tmp_path_factory.mktemp("fuzz")), 3,
+                                           security={"on_misbehaviour": "ignore"})
     yield server, chans[1], chans[2]
     server.metrics.close()
 
