@@ -45,6 +45,7 @@ class Channel(Protocol):
     peers: list[int]
     shared_memory: bool
     on_message: Callable[[Message], bool] | None
+    on_reject: Callable[[int, str, str], None] | None
 
     @property
     def stats(self) -> Any: ...

@@ -115,6 +115,17 @@ class SecureChannel:
         self._session.opts.shared_memory = on
 
     @property
+    def on_reject(self) -> Callable[[int, str, str], None] | None:
+        """Optional: called with (rank, reason, detail) for every frame or message this channel refuses,
+        as it refuses it (a server holds an authenticated but malformed bundle against its sender). It
+        must not call the channel."""
+        return self._session.on_reject
+
+    @on_reject.setter
+    def on_reject(self, fn: Callable[[int, str, str], None] | None) -> None:
+        self._session.on_reject = fn
+
+    @property
     def on_message(self) -> Callable[[Message], bool] | None:
         """Optional: called with each message as it is decoded; returning True consumes it instead of
         queueing it (a server sending K models folds uploads that complete meanwhile). It must not

@@ -80,6 +80,8 @@ class Session:
         self.peers: dict[int, Peer] = {}
         # Called with a rank as it is cut off: its part-received message is dropped.
         self.on_cut_off: Callable[[int], None] = lambda rank: None
+        # The channel's owner, told of every refused frame (rank, reason, detail); see SecureChannel.on_reject.
+        self.on_reject: Callable[[int, str, str], None] | None = None
 
     def peer_of(self, rank: int) -> Peer:
         """The record of `rank` (made on first use)."""
@@ -91,6 +93,8 @@ class Session:
     def reject(self, src: int, reason: str, detail: str) -> None:
         """Count, log and hold against `src` one refused frame; cut `src` off at `max_rejects`."""
         self.stats.count_rejection(src, reason)
+        if self.on_reject is not None:
+            self.on_reject(src, reason, detail)
         peer = self.peer_of(src)
         peer.rejects += 1
         if peer.rejects <= LOG_FIRST or peer.rejects % 1000 == 0:

@@ -68,7 +68,7 @@ class ServerCore:
         # Misbehaviour: the evidence against each site and who is out (`hpcfed.server.eviction`).
         self.ledger = Ledger(cfg.security.on_misbehaviour, cfg.security.max_refused_updates)
         self.channel_refusals = ChannelRefusals()
-        logging.getLogger(self.channel_refusals.channel_logger).addHandler(self.channel_refusals)
+        channel.on_reject = self.channel_refusals
 
     # -- after the setup exchange ------------------------------------------------------------------
     def start(self, layout: ParamLayout, metrics: MetricsLog) -> None:

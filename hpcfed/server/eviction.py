@@ -9,9 +9,7 @@ rejection means and carries the eviction out (`ServerCore.evict`).
 
 from __future__ import annotations
 
-import logging
 import re
-from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Literal, TypeGuard
 
@@ -120,31 +118,28 @@ def _cut(text: str, limit: int = MAX_DETAIL) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-_CHANNEL_REFUSAL = re.compile(r"^rejected message from rank (\d+): (malformed bundle): (.*)$", re.S)
 
-
-class ChannelRefusals(logging.Handler):
-    """The channel's refusals of authenticated messages, by rank, as it logs them.
+class ChannelRefusals:
+    """The channel's refusals of authenticated messages, by rank, as it reports them.
 
     The channel refuses a bundle that fails to decode after authenticating (a header integer
-    beyond int64, a tensor of shape (0, 2**64-1)) before the server sees it; it logs the first
-    ones of each rank on the "hpcfed" logger. This handler keeps those, bounded, for the core to
-    take after each receive (a logging handler must not raise into the channel)."""
+    beyond int64, a tensor of shape (0, 2**64-1)) before the server sees it, and calls its
+    `on_reject` hook; this keeps the first such refusal of each rank until the core takes them
+    after a receive (the hook must not call the channel, so it only records). At most one entry
+    per rank: memory stays bounded by the number of sites, whatever a rank sends."""
 
-    def __init__(self, channel_logger: str = "hpcfed", limit: int = 64) -> None:
-        super().__init__(logging.WARNING)
-        self.channel_logger = channel_logger
-        self.pending: deque[tuple[int, str, str]] = deque(maxlen=limit)
+    EVIDENCE = frozenset({"malformed bundle"})  # refused after the AEAD tag verified: the sender wrote it
 
-    def emit(self, record: logging.LogRecord) -> None:
-        """Keep a refusal the channel logged (other records pass by; the server's own rejections
-        never use the channel's category)."""
-        found = _CHANNEL_REFUSAL.match(record.getMessage())
-        if found:
-            self.pending.append((int(found.group(1)), found.group(2), found.group(3)))
+    def __init__(self) -> None:
+        self.pending: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, rank: int, reason: str, detail: str) -> None:
+        """The channel's hook: keep an authenticated refusal (the first per rank until taken)."""
+        if reason in self.EVIDENCE:
+            self.pending.setdefault(rank, (reason, detail))
 
     def take(self) -> list[tuple[int, str, str]]:
-        """The refusals logged since the last call: (rank, category, detail)."""
-        out = list(self.pending)
+        """The refusals reported since the last call: (rank, category, detail), by rank."""
+        out = [(rank, reason, detail) for rank, (reason, detail) in sorted(self.pending.items())]
         self.pending.clear()
         return out

@@ -54,7 +54,7 @@ class Server:
         except BelowFloor as exc:
             return summary.below_floor(self.core, str(exc))
         finally:
-            logging.getLogger(self.core.channel_refusals.channel_logger).removeHandler(self.core.channel_refusals)
+            self.core.channel.on_reject = None
 
     def _run(self) -> dict[str, Any]:
         core = self.core

@@ -42,3 +42,16 @@ def test_the_job_digest_binds_the_job_id():
     b = Session(InProcTransport.group(2)[0], b"job-b", ChannelOptions(), None)
     assert len(a.jd) == 16 and a.jd != b.jd
     assert a.peer_of(1) is a.peer_of(1) and a.peers.keys() == {1}
+
+
+def test_the_owner_is_told_of_every_refusal_with_its_rank_and_reason():
+    s = Session(InProcTransport.group(3)[0], b"job", ChannelOptions(max_rejects=5), None)
+    told: list[tuple[int, str, str]] = []
+    s.on_reject = lambda rank, reason, detail: told.append((rank, reason, detail))
+    for i in range(3):
+        s.reject(2, "malformed bundle", f"header integer {i} is outside int64")
+    s.reject(1, "bad tag", "authentication failed")
+    assert told == [(2, "malformed bundle", "header integer 0 is outside int64"),
+                    (2, "malformed bundle", "header integer 1 is outside int64"),
+                    (2, "malformed bundle", "header integer 2 is outside int64"),
+                    (1, "bad tag", "authentication failed")]

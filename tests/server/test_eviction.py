@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from hpcfed import protocol as P
@@ -67,18 +65,13 @@ def test_the_shape_and_count_descriptions():
     assert describe("malformed header", "UPDATE num_examples") == "malformed header: UPDATE num_examples"
 
 
-def test_channel_refusals_are_taken_from_the_channel_log_bounded():
-    refusals = ChannelRefusals(limit=4)
-    logger = logging.getLogger("hpcfed.comm.test_eviction")
-    logger.addHandler(refusals)
-    try:
-        for i in range(10):
-            logger.warning("rejected message from rank %d: malformed bundle: header integer %d is outside int64", 3, i)
-        logger.warning("rejected message from rank 2: unsolicited kind: message kind 4")  # not evidence
-    finally:
-        logger.removeHandler(refusals)
-    taken = refusals.take()
-    assert len(taken) == 4 and all(r == 3 and c == "malformed bundle" for r, c, _ in taken)
+def test_channel_refusals_keep_the_first_authenticated_one_per_rank():
+    refusals = ChannelRefusals()
+    for i in range(10_000):  # a flood holds one entry, not 10,000
+        refusals(3, "malformed bundle", f"header integer {i} is outside int64")
+    refusals(2, "unsolicited kind", "message kind 4")  # dropped on arrival: not evidence
+    refusals(1, "bad tag", "authentication failed")  # not authenticated: anyone could have sent it
+    assert refusals.take() == [(3, "malformed bundle", "header integer 0 is outside int64")]
     assert refusals.take() == []
 
 
