@@ -63,14 +63,14 @@ def _is_float(v: np.ndarray) -> bool:
 def malformed_update(attack: str, header: dict[str, Any], tensors: dict[str, np.ndarray],
                      send: Callable[[dict[str, Any], dict[str, np.ndarray]], None]) -> None:
     """Send one malformed UPDATE for `attack` (one of `MALFORMED_ATTACKS`) through `send`."""
-    from hpcfed.comm import wire
+    from hpcfed.comm import bounded_json, wire
 
     if attack == "bad_shape":
         with _patched(wire, "struct", _ShapeLie()):
             send(header, {"params": np.zeros((0, 1), dtype=np.float32)})
         return
     field = "num_examples" if attack == "bad_count" else "client_version"
-    with _patched(wire, "INT_MAX", BEYOND_INT64 * 2):
+    with _patched(bounded_json, "INT_MAX", BEYOND_INT64 * 2):  # the encoder's own bound, lifted
         send({**header, field: BEYOND_INT64}, tensors)
 
 
