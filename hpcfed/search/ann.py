@@ -133,7 +133,8 @@ class AnnIndex:
         if doc_id not in self.position:
             raise ValueError(f"id {doc_id!r} is not in site {self.site}'s export")
         row = self.position[doc_id]
-        return np.asarray(self.index.reconstruct(row), np.float32) * self.norms[row]
+        raw: np.ndarray = np.asarray(self.index.reconstruct(row), np.float32) * self.norms[row]
+        return raw
 
     def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
              standardize: bool = False) -> list[list[Hit]]:
@@ -185,15 +186,15 @@ class AnnIndex:
             raise SearchIndexError(f"{exc}; rebuild it with `hpcfed search index {header.path.parent}` "
                                    f"(same $HPCFED_STATE_KEY as when it was built)") from None
         attrs = dict(tree.attrs.get("", {}))
-        _check_matches(path, attrs, header)
-        arrays = _arrays(path, tree, header)
+        check_matches(path, attrs, header)
+        ids, labels, norms, mean, second = _arrays(path, tree, header)
         index = _deserialize(path, tree, header)
         del tree
-        return cls(site if site is not None else header.site, *arrays[:3], index, *arrays[3:], attrs=attrs)
+        return cls(site if site is not None else header.site, ids, labels, norms, index, mean, second, attrs)
 
 
-def _check_matches(path: Path, attrs: dict[str, Any], header: ExportHeader) -> None:
-    """Refuse an index that does not describe this export (the error names what differs)."""
+def check_matches(path: Path, attrs: dict[str, Any], header: ExportHeader) -> None:
+    """Refuse an index whose attributes do not describe this export (the error names what differs)."""
     rebuild = f"rebuild it with `hpcfed search index {header.path.parent}`"
     if attrs.get("format") != FORMAT:
         raise SearchIndexError(f"{path} is not an hpcfed search index (format={attrs.get('format')!r})")
@@ -207,13 +208,17 @@ def _check_matches(path: Path, attrs: dict[str, Any], header: ExportHeader) -> N
         if attrs.get(key) != want:
             raise SearchIndexError(f"{path} {what} {attrs.get(key)!r} but the export {header.path.name} has "
                                    f"{want!r}; {rebuild}")
-    same_digest = header.recorded_digest is None or attrs.get("export_digest") == header.recorded_digest
-    if attrs.get("export_fingerprint") != header.fingerprint or not same_digest:
+    if header.recorded_digest is not None:  # a sealed export: its recorded digest covers every byte
+        same = attrs.get("export_digest") == header.recorded_digest
+    else:  # unsealed: its attributes, size and modification time must be those the index was built from
+        same = (attrs.get("export_size"), attrs.get("export_mtime_ns")) == (header.size, header.mtime_ns)
+    if attrs.get("export_fingerprint") != header.fingerprint or not same:
         raise SearchIndexError(f"{path} was built from another export than {header.path} (or the export was "
                                f"rewritten since); {rebuild}")
 
 
-def _arrays(path: Path, tree: sealed.Tree, header: ExportHeader) -> tuple[Any, ...]:
+def _arrays(path: Path, tree: sealed.Tree,
+            header: ExportHeader) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     n, d = header.num_rows, header.dim
     want = {"ids": (n,), "labels": (n,), "norms": (n,), "moments/mean": (d,), "moments/second": (d, d)}
     for name, shape in want.items():
@@ -232,7 +237,7 @@ def _deserialize(path: Path, tree: sealed.Tree, header: ExportHeader) -> Any:
     names = sorted(p for p in tree.datasets if p.startswith("faiss/"))
     if not names or names != [f"faiss/part{i:05d}" for i in range(len(names))]:
         raise SearchIndexError(f"{path}: the FAISS parts are missing or misnumbered")
-    parts = [memoryview(np.ascontiguousarray(tree.datasets[p], np.uint8)).cast("B") for p in names]
+    parts = [np.ascontiguousarray(tree.datasets[p], np.uint8).data.cast("B") for p in names]
     where = [0, 0]  # part, offset
 
     def read(size: int) -> bytes:
@@ -248,7 +253,8 @@ def _deserialize(path: Path, tree: sealed.Tree, header: ExportHeader) -> Any:
         return b"".join(out)
 
     try:
-        index = faiss.read_index(faiss.PyCallbackIOReader(read))
+        swig: Any = faiss  # faiss's stubs lack the Python-callback reader
+        index = faiss.read_index(swig.PyCallbackIOReader(read))
     except RuntimeError as exc:
         raise SearchIndexError(f"{path}: the FAISS index does not load ({str(exc).splitlines()[0][:200]})") from None
     if index.ntotal != header.num_rows or index.d != header.dim or index.metric_type != faiss.METRIC_INNER_PRODUCT:

@@ -26,7 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from hpcfed.search.ann import FORMAT, FORMAT_VERSION, PART_BYTES, SearchIndexError, index_auth, index_path
+from hpcfed.search.ann import (
+    FORMAT,
+    FORMAT_VERSION,
+    PART_BYTES,
+    SearchIndexError,
+    check_matches,
+    index_auth,
+    index_path,
+)
 from hpcfed.search.index import normalize_rows
 from hpcfed.store import atomic, sealed
 from hpcfed.store.embeddings import export_auth
@@ -99,7 +107,8 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
     factory, params = spec.factory(header.num_rows, header.dim)
     index = faiss.index_factory(header.dim, factory, faiss.METRIC_INNER_PRODUCT)
     if "HNSW" in factory:
-        faiss.downcast_index(index).hnsw.efConstruction = spec.ef_construction
+        hnsw: Any = faiss.downcast_index(index)  # faiss's stubs type it as the base Index
+        hnsw.hnsw.efConstruction = spec.ef_construction
     for name, value in params.items():  # stored in the serialized index: loading restores them
         faiss.ParameterSpace().set_index_parameter(index, name, value)
     passes = 1 if index.is_trained else 2
@@ -119,10 +128,10 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
     if first is not None and first != streamed.digest:
         raise SearchIndexError(f"{header.path} changed while its index was built; build it again")
     path = index_path(header.path, header.entity)
-    size = _write_index(path, index, streamed, stats, factory, params, site)
+    size, faiss_bytes = _write_index(path, index, streamed, stats, factory, params, site)
     return {"site": site, "entity": header.entity, "index": str(path), "factory": factory, **params,
             "num_rows": header.num_rows, "dim": header.dim, "export_verified": streamed.verified,
-            "bytes": size, "seconds": round(time.perf_counter() - start, 2)}
+            "bytes": size, "faiss_bytes": faiss_bytes, "seconds": round(time.perf_counter() - start, 2)}
 
 
 def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block_bytes: int,
@@ -166,8 +175,9 @@ class _Stats:
 
 
 def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats, factory: str,
-                params: dict[str, int], site: str) -> int:
-    """Write the index file atomically and tag it (and empties `index`); returns its size in bytes."""
+                 params: dict[str, int], site: str) -> tuple[int, int]:
+    """Write the index file atomically and tag it (and empties `index`); returns the file's size and the
+    FAISS index's, in bytes."""
     import faiss
     import h5py
 
@@ -182,7 +192,8 @@ def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats
                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "export": h.path.name,
                      "export_entity": h.entity, "export_format_version": h.format_version,
                      "export_digest": streamed.digest, "export_fingerprint": h.fingerprint,
-                     "export_verified": streamed.verified, "num_rows": h.num_rows, "dim": h.dim, **params}
+                     "export_verified": streamed.verified, "export_size": h.size, "export_mtime_ns": h.mtime_ns,
+                     "num_rows": h.num_rows, "dim": h.dim, **params}
             f.attrs.update(attrs)
             f.create_dataset("ids", data=np.array(streamed.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
             labels = streamed.labels if streamed.labels is not None else np.full(h.num_rows, -1, np.int64)
@@ -190,13 +201,13 @@ def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats
             f.create_dataset("norms", data=stats.norms)
             f.create_dataset("moments/mean", data=stats.sum / n)
             f.create_dataset("moments/second", data=stats.outer / n)
-            _write_parts(f, index)
+            faiss_bytes = _write_parts(f, index)
         index.reset()  # the file is read back whole to be tagged: do not hold the index beside it
         sealed.seal(tmp, index_auth())
-    return path.stat().st_size
+    return path.stat().st_size, faiss_bytes
 
 
-def _write_parts(f: Any, index: Any) -> None:
+def _write_parts(f: Any, index: Any) -> int:
     """Serialize the FAISS index straight into datasets of at most PART_BYTES each."""
     import faiss
 
@@ -215,10 +226,13 @@ def _write_parts(f: Any, index: Any) -> None:
         flush(False)
         return len(data)
 
-    writer = faiss.PyCallbackIOWriter(write)
+    swig: Any = faiss  # faiss's stubs lack the Python-callback writer
+    writer = swig.PyCallbackIOWriter(write)
     faiss.write_index(index, writer)
     del writer
+    total = (count[0]) * PART_BYTES + len(buf)
     flush(True)
+    return total
 
 
 def _bar(total: int, desc: str, enabled: bool) -> Any:
@@ -239,20 +253,12 @@ def index_is_current(export: str | Path, entity: str | None, spec: IndexSpec) ->
         return False
     try:
         with h5py.File(path, "r") as f:
-            attrs = {k: f.attrs[k] for k in ("export_fingerprint", "num_rows", "dim", "factory", "format_version")
-                     if k in f.attrs}
+            attrs = {k: f.attrs[k] for k in f.attrs if k != sealed.AUTH_ATTR}
     except (OSError, KeyError, ValueError):
         return False
     factory, _ = spec.factory(header.num_rows, header.dim)
-    return (attrs.get("export_fingerprint") == header.fingerprint and attrs.get("num_rows") == header.num_rows
-            and attrs.get("dim") == header.dim and attrs.get("factory") == factory
-            and attrs.get("format_version") == FORMAT_VERSION and _same_ref(header, path))
-
-
-def _same_ref(header: ExportHeader, path: Path) -> bool:
-    import h5py
-
-    if header.recorded_digest is None:
-        return True
-    with h5py.File(path, "r") as f:
-        return bool(f.attrs.get("export_digest") == header.recorded_digest)
+    try:
+        check_matches(path, attrs, header)
+    except SearchIndexError:
+        return False
+    return bool(attrs.get("factory") == factory)

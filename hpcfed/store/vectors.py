@@ -45,6 +45,8 @@ class ExportHeader:
     site: str
     recorded_digest: str | None  # from the file's ``auth`` record; None when the file is not sealed
     fingerprint: str  # SHA-256 over the root's and the entity's attributes and the vectors' shape
+    size: int  # bytes and modification time: what tells an unsealed export's rewrite without reading it
+    mtime_ns: int
 
 
 @dataclass(frozen=True)
@@ -66,15 +68,16 @@ def read_header(path: str | Path, entity: str | None = None) -> ExportHeader:
     if not path.is_file():
         raise ExportError(f"embedding export {path} does not exist")
     try:
+        stat = path.stat()
         with h5py.File(path, "r") as f:
-            return _header(f, path, entity)
+            return _header(f, path, entity, stat.st_size, stat.st_mtime_ns)
     except (ExportError, sealed.SealError):
         raise
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise ExportError(f"{path} is not a readable HDF5 file ({sealed._brief(exc)})") from None
 
 
-def _header(f: Any, path: Path, entity: str | None) -> ExportHeader:
+def _header(f: Any, path: Path, entity: str | None, size: int, mtime_ns: int) -> ExportHeader:
     import h5py
 
     budget = [0, sealed.MAX_ATTR_BYTES]
@@ -110,7 +113,8 @@ def _header(f: Any, path: Path, entity: str | None) -> ExportHeader:
             raise ExportError(f"{path}: malformed '{sealed.AUTH_ATTR}' attribute") from None
     return ExportHeader(path=path, entity=name, num_rows=vshape[0], dim=vshape[1],
                         format_version=_int(root.get("format_version"), path, "format_version"),
-                        site=str(attrs.get("site", "")), recorded_digest=recorded, fingerprint=fp.hexdigest())
+                        site=str(attrs.get("site", "")), recorded_digest=recorded, fingerprint=fp.hexdigest(),
+                        size=size, mtime_ns=mtime_ns)
 
 
 def stream_export(path: str | Path, entity: str | None, auth: sealed.FileAuth | None, consume: Consumer, *,
