@@ -243,22 +243,15 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
 
 
 def index_is_current(export: str | Path, entity: str | None, spec: IndexSpec) -> bool:
-    """Whether the index beside `export` already describes it with this spec (a cheap look, unverified:
-    loading verifies it anyway)."""
-    import h5py
-
+    """Whether the index beside `export` verifies with today's key, describes the export and was built
+    with this spec (reads the index once, not the export)."""
     header = read_header(export, entity)
     path = index_path(header.path, header.entity)
     if not path.is_file():
         return False
     try:
-        with h5py.File(path, "r") as f:
-            attrs = {k: f.attrs[k] for k in f.attrs if k != sealed.AUTH_ATTR}
-    except (OSError, KeyError, ValueError):
-        return False
-    factory, _ = spec.factory(header.num_rows, header.dim)
-    try:
+        attrs = sealed.read(path, index_auth(), require_auth=True).attrs.get("", {})
         check_matches(path, attrs, header)
-    except SearchIndexError:
+    except (sealed.SealError, SearchIndexError):
         return False
-    return bool(attrs.get("factory") == factory)
+    return bool(attrs.get("factory") == spec.factory(header.num_rows, header.dim)[0])

@@ -83,7 +83,7 @@ def test_index_gives_back_the_exported_vector_and_labels(tmp_path: Path) -> None
         ann.vector_of("s9-1")
 
 
-def test_refresh_rebuilds_only_what_changed(tmp_path: Path) -> None:
+def test_refresh_rebuilds_only_what_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_sites(tmp_path, [400])
     export = export_path(tmp_path, 0)
     spec = IndexSpec(kind="ivf")
@@ -91,6 +91,9 @@ def test_refresh_rebuilds_only_what_changed(tmp_path: Path) -> None:
     build_index(export, spec=spec, progress=False)
     assert index_is_current(export, None, spec)
     assert not index_is_current(export, None, IndexSpec(kind="flat"))  # another kind asked: rebuild
+    monkeypatch.setenv("HPCFED_STATE_KEY", "ef" * 32)
+    assert not index_is_current(export, None, spec)  # tagged with another key: rebuild
+    monkeypatch.delenv("HPCFED_STATE_KEY")
     write_sites(tmp_path, [401])
     assert not index_is_current(export, None, spec)
 
