@@ -32,6 +32,7 @@ from hpcfed.search.index import Hit, SiteIndex, normalize_rows
 from hpcfed.store import sealed
 from hpcfed.store.embeddings import ExportError, export_auth
 from hpcfed.store.vectors import ExportHeader, read_header
+from hpcfed.store.walk import Verified, read_verified
 
 FORMAT = "hpcfed-search-index"
 FORMAT_VERSION = 1
@@ -181,7 +182,7 @@ class AnnIndex:
             raise SearchIndexError(f"{header.path} has no search index ({path.name}); "
                                    f"build it with `hpcfed search index {header.path.parent}`")
         try:
-            tree = sealed.read(path, index_auth(), require_auth=True)
+            tree = read_verified(path, index_auth(), require_auth=True)
         except sealed.SealError as exc:
             raise SearchIndexError(f"{exc}; rebuild it with `hpcfed search index {header.path.parent}` "
                                    f"(same $HPCFED_STATE_KEY as when it was built)") from None
@@ -217,20 +218,37 @@ def check_matches(path: Path, attrs: dict[str, Any], header: ExportHeader) -> No
                                f"rewritten since); {rebuild}")
 
 
-def _arrays(path: Path, tree: sealed.Tree,
+def _arrays(path: Path, tree: Verified,
             header: ExportHeader) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     n, d = header.num_rows, header.dim
-    want = {"ids": (n,), "labels": (n,), "norms": (n,), "moments/mean": (d,), "moments/second": (d, d)}
+    want = {"ids/offsets": (n + 1,), "labels": (n,), "norms": (n,), "moments/mean": (d,), "moments/second": (d, d)}
     for name, shape in want.items():
         if name not in tree.datasets or tree.datasets[name].shape != shape:
             got = tree.datasets[name].shape if name in tree.datasets else "missing"
             raise SearchIndexError(f"{path}: /{name} should have shape {shape}, has {got}")
-    ids = [s.decode() if isinstance(s, bytes) else str(s) for s in tree.datasets["ids"]]
+    ids = _unpack_ids(path, tree.datasets.get("ids/utf8"), tree.datasets["ids/offsets"])
     return (ids, tree.datasets["labels"].astype(np.int64), tree.datasets["norms"].astype(np.float32),
             tree.datasets["moments/mean"].astype(np.float64), tree.datasets["moments/second"].astype(np.float64))
 
 
-def _deserialize(path: Path, tree: sealed.Tree, header: ExportHeader) -> Any:
+def _unpack_ids(path: Path, blob: np.ndarray | None, offsets: np.ndarray) -> list[str]:
+    """The ids from their UTF-8 blob and offsets (`ann_build.pack_ids`), every bound checked."""
+    if blob is None or blob.dtype != np.uint8 or blob.ndim != 1 or offsets.dtype.kind not in "iu":
+        raise SearchIndexError(f"{path}: /ids/utf8 and /ids/offsets are missing or of the wrong type")
+    ends = offsets.astype(np.int64)
+    if len(ends) == 0 or ends[0] != 0 or ends[-1] != len(blob) or np.any(np.diff(ends) < 0):
+        raise SearchIndexError(f"{path}: /ids/offsets do not partition /ids/utf8")
+    try:
+        text = blob.tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise SearchIndexError(f"{path}: /ids/utf8 is not UTF-8") from None
+    if len(text) == len(blob):  # ASCII ids: character offsets are the byte offsets
+        return [text[a:b] for a, b in zip(ends[:-1].tolist(), ends[1:].tolist())]
+    raw = blob.tobytes()
+    return [raw[a:b].decode("utf-8") for a, b in zip(ends[:-1].tolist(), ends[1:].tolist())]
+
+
+def _deserialize(path: Path, tree: Verified, header: ExportHeader) -> Any:
     """The FAISS index from its parts, read in order without joining them into one copy."""
     import faiss
 

@@ -39,6 +39,7 @@ from hpcfed.search.index import normalize_rows
 from hpcfed.store import atomic, sealed
 from hpcfed.store.embeddings import export_auth
 from hpcfed.store.vectors import BLOCK_BYTES, ExportHeader, StreamedExport, read_header, stream_export
+from hpcfed.store.walk import read_verified
 
 KINDS = ("auto", "flat", "ivf", "hnsw")
 COMPRESSIONS = ("none", "int8", "pq")
@@ -195,7 +196,9 @@ def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats
                      "export_verified": streamed.verified, "export_size": h.size, "export_mtime_ns": h.mtime_ns,
                      "num_rows": h.num_rows, "dim": h.dim, **params}
             f.attrs.update(attrs)
-            f.create_dataset("ids", data=np.array(streamed.ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
+            blob, offsets = pack_ids(streamed.ids)
+            f.create_dataset("ids/utf8", data=blob)
+            f.create_dataset("ids/offsets", data=offsets)
             labels = streamed.labels if streamed.labels is not None else np.full(h.num_rows, -1, np.int64)
             f.create_dataset("labels", data=labels)
             f.create_dataset("norms", data=stats.norms)
@@ -205,6 +208,14 @@ def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats
         index.reset()  # the file is read back whole to be tagged: do not hold the index beside it
         sealed.seal(tmp, index_auth())
     return path.stat().st_size, faiss_bytes
+
+
+def pack_ids(ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Ids as one UTF-8 blob and n+1 offsets: hashed and read as two arrays, not n Python strings."""
+    encoded = [i.encode("utf-8") for i in ids]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return np.frombuffer(b"".join(encoded), np.uint8), offsets
 
 
 def _write_parts(f: Any, index: Any) -> int:
@@ -250,7 +261,7 @@ def index_is_current(export: str | Path, entity: str | None, spec: IndexSpec) ->
     if not path.is_file():
         return False
     try:
-        attrs = sealed.read(path, index_auth(), require_auth=True).attrs.get("", {})
+        attrs = read_verified(path, index_auth(), require_auth=True).attrs.get("", {})
         check_matches(path, attrs, header)
     except (sealed.SealError, SearchIndexError):
         return False

@@ -131,10 +131,9 @@ def test_forged_index_is_refused(tmp_path: Path) -> None:
     build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="ivf"), progress=False)
     path = index_path(export_path(tmp_path, 0), "doc")
     with h5py.File(path, "r+") as f:  # swap two ids, then recompute the digest with a key of our own
-        ids = f["ids"].asstr()[:]
-        ids[[0, 1]] = ids[[1, 0]]
-        del f["ids"]
-        f.create_dataset("ids", data=ids.astype(object), dtype=h5py.string_dtype("utf-8"))
+        blob = f["ids/utf8"][:]
+        blob[:4], blob[4:8] = blob[4:8].copy(), blob[:4].copy()  # "s0-0" <-> "s0-1"
+        f["ids/utf8"][:] = blob
     sealed.seal(path, sealed.FileAuth.from_psk(b"x" * 32, "search-index"))
     with pytest.raises(SearchIndexError, match="authentication failed"):
         AnnIndex.load(export_path(tmp_path, 0))
@@ -186,3 +185,12 @@ def test_index_per_entity(tmp_path: Path) -> None:
     assert index_path(export_path(tmp_path, 0), "public").is_file()
     assert isinstance(open_site(export_path(tmp_path, 0), "public", "0"), AnnIndex)
     assert isinstance(open_site(export_path(tmp_path, 0), "doc", "0"), SiteIndex)  # no doc index: exact
+
+
+def test_ids_of_any_script_survive_the_index(tmp_path: Path) -> None:
+    ids = ["café", "東京-1", "a", "", "naïve résumé", "x" * 300]
+    vectors = np.random.default_rng(0).normal(size=(len(ids), 8)).astype(np.float32)
+    write_export(export_path(tmp_path, 0), vectors, ids, entity="doc", model="test", site=0)
+    build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="flat"), progress=False)
+    ann = AnnIndex.load(export_path(tmp_path, 0))
+    assert ann.ids == ids and ann.hits(vectors[1:2], 1)[0][0].id == "東京-1"
