@@ -118,12 +118,13 @@ def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | Non
     scores); the result is stored in ``summary.json`` under ``sim_k[mode]`` (score) or
     ``sim_k[mode + "_" + merge]``.
     """
-    central_search = GlobalSearch.from_folder(central, entity=entity)
+    central_search = GlobalSearch.from_folder(central, entity=entity, exact=True)  # the reference: no index
     if len(central_search.indexes) != 1:
         raise ValueError(f"{central}: the centralized run must have exactly one site, "
                          f"found {len(central_search.indexes)}")
-    cidx: SiteIndex = next(iter(central_search.indexes.values()))
-    fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge)
+    cidx = next(iter(central_search.indexes.values()))
+    fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge,
+                                          exact=True)
     central_lists, fed_lists, labels, fed_labels, central_labels = [], [], [], [], []
     # Cross-site view: only the other sites' answers, against the central top-k among those sites'
     # documents. The merged sim_k mixes in the home site's own answers (the same space, no mapping

@@ -1,7 +1,10 @@
 """``hpcfed search``: cross-site semantic search over per-site HDF5 exports.
 
-    hpcfed search query RUN (--id ID | --text TEXT [--home S]) [--mode joint|mapping|nomapping] [--k 10]
+    hpcfed search query RUN (--id ID | --text TEXT [--home S] | --ids-file F | --texts-file F)
+                            [--mode joint|mapping|nomapping] [--k 10] [--jsonl] [--exact]
     mpiexec -n K+1 python -m hpcfed search live RUN (--id ID | --text TEXT [--home S]) [...]
+    hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress none|int8|pq]
+    hpcfed search serve RUN [--host 127.0.0.1] [--port 8765] [--token-file F]
     hpcfed search train-mappers RUN [--lr 1e-4] [--epochs 20] [--batch-size 64] [--hidden 1200] [--holdout 0.1]
 
 RUN is a run directory (``RUN/embeddings/site<k>.h5``, ``RUN/models``, ``RUN/mappers``) or a folder
@@ -9,14 +12,21 @@ of ``site<k>.h5`` exports. Output is JSON: ``{"queries": [{"query", "home", "mod
 [{"site", "id", "score", "label"}, ...]}]}``, results merged by score over all sites (``--merge
 score``, spec §4.4), rank by rank, home site first (``--merge interleave``, the paper's Table III),
 or by each site's standardized score (``--merge zscore``; the reported scores are then z-scores).
+``--jsonl`` prints one query's answer per line instead.
+
+`query`, `live` and `serve` search a site through its index (``site<k>.<entity>.ann``, built by
+``search index``, `hpcfed.search.ann`) when there is one, else exactly; ``--exact`` always searches
+exactly (the reference, and fine for small exports).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
+from hpcfed.search.ann_build import COMPRESSIONS, KINDS
 from hpcfed.search.index import MERGE_HELP, MERGES
 
 
@@ -25,23 +35,30 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     for name, help_text in (("query", "offline: every site's export in one folder"),
-                            ("live", "over MPI: each rank serves its own export (run under mpiexec -n K+1)")):
+                            ("live", "over MPI: each rank serves its own export (run under mpiexec -n K+1)"),
+                            ("serve", "a long-lived HTTP JSON service over every site's index")):
         q = sub.add_parser(name, help=help_text)
         q.add_argument("exports", help="run directory or folder of site<k>.h5 exports")
-        q.add_argument("--id", action="append", default=[], help="query by the id of a document/node (repeatable)")
-        q.add_argument("--text", action="append", default=[], help="query by new text (doc2vec; repeatable)")
-        q.add_argument("--home", default="0", help="site that vectorises --text queries (default 0)")
-        q.add_argument("--mode", choices=["joint", "mapping", "nomapping"], default="joint")
-        q.add_argument("--k", type=int, default=10)
-        q.add_argument("--merge", choices=list(MERGES), default="score", help=MERGE_HELP)
-        q.add_argument("--entity", default=None, help="export entity (default: the first, e.g. doc or node)")
-        q.add_argument("--models", default=None, help="folder of site<k>.h5 models (default RUN/models)")
-        q.add_argument("--mappers", default=None, help="folder of mappers (default RUN/mappers)")
-        q.add_argument("--compact", action="store_true", help="one-line JSON")
+        _search_options(q)
+        if name != "serve":
+            q.add_argument("--id", action="append", default=[], help="query by the id of a document/node (repeatable)")
+            q.add_argument("--text", action="append", default=[], help="query by new text (doc2vec; repeatable)")
+            q.add_argument("--ids-file", default=None, help="file of ids to query, one per line")
+            q.add_argument("--texts-file", default=None, help="file of texts to query, one per line (doc2vec)")
+            q.add_argument("--home", default="0", help="site that vectorises --text queries (default 0)")
+            q.add_argument("--k", type=int, default=10)
+            q.add_argument("--compact", action="store_true", help="one-line JSON")
+        if name == "query":
+            q.add_argument("--jsonl", action="store_true", help="one JSON answer per line")
         if name == "live":
             q.add_argument("--config", default=None,
                            help="YAML whose security: section to use (default: psk from $HPCFED_PSK)")
             q.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any rank")
+        if name == "serve":
+            from hpcfed.search.service import add_serve_options
+
+            add_serve_options(q)
+    _index_parser(sub.add_parser("index", help="build or refresh each site's search index beside its export"))
     t = sub.add_parser("train-mappers", help="fit m_{i->j} for every pair of sites of a method=mapping run")
     t.add_argument("exports")
     t.add_argument("--out", default=None, help="folder for the mappers (default RUN/mappers)")
@@ -59,9 +76,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _search_options(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--mode", choices=["joint", "mapping", "nomapping"], default="joint")
+    q.add_argument("--merge", choices=list(MERGES), default="score", help=MERGE_HELP)
+    q.add_argument("--entity", default=None, help="export entity (default: the first, e.g. doc or node)")
+    q.add_argument("--models", default=None, help="folder of site<k>.h5 models (default RUN/models)")
+    q.add_argument("--mappers", default=None, help="folder of mappers (default RUN/mappers)")
+    q.add_argument("--exact", action="store_true", help="search every export exactly, even where an index exists")
+    q.add_argument("--nprobe", type=int, default=None, help="IVF cells searched per query (default: the index's)")
+    q.add_argument("--ef-search", type=int, default=None, help="HNSW candidates per query (default: the index's)")
+
+
+def _index_parser(x: argparse.ArgumentParser) -> None:
+    x.add_argument("exports", help="run directory or folder of site<k>.h5 exports")
+    x.add_argument("--entity", default=None, help="export entity (default: the first, e.g. doc or node)")
+    x.add_argument("--kind", choices=list(KINDS), default="auto",
+                   help="auto: flat up to 20,000 vectors, else ivf; hnsw: fastest queries, slowest build")
+    x.add_argument("--compress", choices=list(COMPRESSIONS), default="none",
+                   help="int8: 1 byte per dimension; pq: d/8 bytes per vector (IVF-PQ), lower recall")
+    x.add_argument("--nlist", type=int, default=0, help="IVF cells (default about 2*sqrt(n), a power of two)")
+    x.add_argument("--nprobe", type=int, default=0, help="IVF cells searched per query (default nlist/16, >= 8)")
+    x.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per vector")
+    x.add_argument("--ef-construction", type=int, default=40)
+    x.add_argument("--ef-search", type=int, default=0, help="HNSW candidates per query (default 64)")
+    x.add_argument("--site", action="append", default=[], help="only this site (repeatable; default all)")
+    x.add_argument("--read-mib", type=int, default=64, help="read the export this many MiB of vectors at a time")
+    x.add_argument("--threads", type=int, default=0, help="FAISS threads (default: all cores)")
+    x.add_argument("--force", action="store_true", help="rebuild even where the index is up to date")
+    x.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def main(argv: list[str]) -> int:
     """`hpcfed search query|live|train-mappers ...`: print the results as JSON; exit status."""
     args = _parser().parse_args(argv)
+    if args.action == "index":
+        return _index(args)
+    if args.action == "serve":
+        from hpcfed.search.service import serve
+
+        return serve(args)
     if args.action == "train-mappers":
         from hpcfed.models.mapper import MapperConfig
         from hpcfed.search.mapping import train_mappers
@@ -73,8 +126,13 @@ def main(argv: list[str]) -> int:
         return 0
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
+    if args.ids_file or args.texts_file:
+        from hpcfed.search.batch import read_lines
+
+        args.id += read_lines(args.ids_file, "id") if args.ids_file else []
+        args.text += read_lines(args.texts_file, "text") if args.texts_file else []
     if not args.id and not args.text:
-        raise ValueError("give a query: --id ID or --text TEXT")
+        raise ValueError("give a query: --id ID, --text TEXT, --ids-file FILE or --texts-file FILE")
     if args.action == "live":
         from hpcfed.search.live import run_live
 
@@ -83,30 +141,47 @@ def main(argv: list[str]) -> int:
 
 
 def _offline(args: argparse.Namespace) -> int:
+    from hpcfed.search.batch import TextVectorizer, answer_ids, answer_texts, write_answers
     from hpcfed.search.global_search import GlobalSearch
 
     run = Path(args.exports)
     base = run if (run / "embeddings").is_dir() else run.parent
     search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode, merge=args.merge,
-                                      mappers_dir=Path(args.mappers) if args.mappers else base / "mappers")
-    out = []
-    for doc_id in args.id:
-        home = search.home_of(doc_id)
-        hits = search.search_id(doc_id, args.k)
-        out.append({"query": {"id": doc_id}, "home": home, "mode": args.mode, "merge": args.merge,
-                    "results": [h.as_dict() for h in hits]})
-    for text in args.text:
-        from hpcfed.data.corpus import tokenize
-        from hpcfed.models.doc2vec import infer, load_model
+                                      mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
+                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search)
+    answers = answer_ids(search, args.id, args.k)
+    if args.text:
+        vectorize = TextVectorizer(Path(args.models) if args.models else base / "models")
+        answers += answer_texts(search, args.text, str(args.home), args.k, vectorize)
+    write_answers(sys.stdout, answers, len(search.indexes), jsonl=args.jsonl, compact=args.compact)
+    return 0
 
-        home = str(args.home)
-        if home not in search.indexes:
-            raise ValueError(f"--home {home}: no such site (sites: {', '.join(search.indexes)})")
-        models = Path(args.models) if args.models else base / "models"
-        model, settings = load_model(models / f"site{home}.h5")
-        v = infer(model, tokenize(text), settings)
-        hits = search.search(home, v[None], args.k)[0]
-        out.append({"query": {"text": text, "home": home}, "home": home, "mode": args.mode, "merge": args.merge,
-                    "results": [h.as_dict() for h in hits]})
-    print(json.dumps({"queries": out, "sites": len(search.indexes)}, indent=None if args.compact else 2))
+
+def _index(args: argparse.Namespace) -> int:
+    import faiss
+
+    from hpcfed.search.ann_build import IndexSpec, build_index, index_is_current
+    from hpcfed.search.global_search import site_exports
+
+    if args.threads > 0:
+        faiss.omp_set_num_threads(args.threads)
+    if args.read_mib < 1:
+        raise ValueError(f"--read-mib must be >= 1, got {args.read_mib}")
+    spec = IndexSpec(kind=args.kind, compress=args.compress, nlist=args.nlist, nprobe=args.nprobe,
+                     hnsw_m=args.hnsw_m, ef_construction=args.ef_construction, ef_search=args.ef_search)
+    exports = site_exports(args.exports)
+    unknown = [s for s in args.site if s not in exports]
+    if unknown:
+        raise ValueError(f"--site {unknown[0]}: no such site (sites: {', '.join(exports)})")
+    report = []
+    for site, path in exports.items():
+        if args.site and site not in args.site:
+            continue
+        if not args.force and index_is_current(path, args.entity, spec):
+            report.append({"site": site, "export": str(path), "status": "up to date"})
+            continue
+        built = build_index(path, entity=args.entity, spec=spec, site=site, block_bytes=args.read_mib << 20,
+                            progress=not args.quiet)
+        report.append({**built, "status": "built"})
+    print(json.dumps({"indexes": report}, indent=2))
     return 0

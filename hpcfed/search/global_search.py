@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
-from hpcfed.search.index import MERGES, STANDARDIZED_MERGES, Hit, SiteIndex, merge_results
+from hpcfed.search.ann import SiteSearcher, open_site
+from hpcfed.search.index import MERGES, STANDARDIZED_MERGES, Hit, merge_results
 
 MODES = ("joint", "mapping", "nomapping")
 
@@ -56,7 +57,7 @@ def map_query(mode: str, home: str, site: str, vectors: np.ndarray,
 class GlobalSearch:
     """Search over every site's index at once, merging the sites' top-k lists (offline form)."""
 
-    def __init__(self, indexes: Mapping[str, SiteIndex], mode: str = "joint",
+    def __init__(self, indexes: Mapping[str, SiteSearcher], mode: str = "joint",
                  mappers: Mapping[tuple[str, str], Mapper] | None = None, merge: str = "score") -> None:
         if mode not in MODES:
             raise ValueError(f"search mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -69,10 +70,12 @@ class GlobalSearch:
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, entity: str | None = None, mode: str = "joint",
-                    mappers_dir: str | Path | None = None, merge: str = "score") -> GlobalSearch:
+                    mappers_dir: str | Path | None = None, merge: str = "score", exact: bool = False,
+                    nprobe: int | None = None, ef_search: int | None = None) -> GlobalSearch:
         """A search over the site exports in `folder` (and, for mode=mapping, its mappers)."""
         exports = site_exports(folder)
-        indexes = {site: SiteIndex.from_export(path, entity, site=site) for site, path in exports.items()}
+        indexes = {site: open_site(path, entity, site, exact=exact, nprobe=nprobe, ef_search=ef_search)
+                   for site, path in exports.items()}
         mappers = {}
         if mode == "mapping":
             mdir = Path(mappers_dir) if mappers_dir else Path(folder) / "mappers"

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcfed.search.index import STANDARDIZED_MERGES, Hit, SiteIndex, merge_results
+from hpcfed.search.ann import open_site
+from hpcfed.search.index import STANDARDIZED_MERGES, Hit, merge_results
 
 VECTORIZE, VECTORS, SEARCH, HITS, STOP = 40, 41, 42, 43, 44
 log = logging.getLogger("hpcfed.search")
@@ -54,9 +55,11 @@ class SiteServer:
     """What one site rank does: vectorise queries it is home for, and search its own export."""
 
     def __init__(self, site: str, export: Path, *, entity: str | None, mode: str, models_dir: Path | None,
-                 mappers_dir: Path | None, sites: list[str]) -> None:
+                 mappers_dir: Path | None, sites: list[str], exact: bool = False, nprobe: int | None = None,
+                 ef_search: int | None = None) -> None:
         self.site = site
-        self.index = SiteIndex.from_export(export, entity, site=site)
+        # the site's index when one is beside its export (`hpcfed search index`), else exact search
+        self.index = open_site(export, entity, site, exact=exact, nprobe=nprobe, ef_search=ef_search)
         self.mode = mode
         self.models_dir = models_dir
         self.mappers_dir = mappers_dir
@@ -205,7 +208,8 @@ def run_live(args: Any) -> int:
             SiteServer(site, exports[site], entity=args.entity, mode=args.mode,
                        models_dir=Path(args.models) if args.models else base / "models",
                        mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
-                       sites=[str(s) for s in range(size - 1)]).serve(channel, args.timeout)
+                       sites=[str(s) for s in range(size - 1)], exact=args.exact, nprobe=args.nprobe,
+                       ef_search=args.ef_search).serve(channel, args.timeout)
         channel.close()
         return 0
     except BaseException as exc:

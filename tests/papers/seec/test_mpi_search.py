@@ -29,8 +29,8 @@ def joint_run(tmp_path_factory) -> Path:
     return out
 
 
-def _live(args: list[str], np: int = 3) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HPCFED_PSK": "ab" * 32, "OMP_NUM_THREADS": "1"}
+def _live(args: list[str], np: int = 3, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HPCFED_PSK": "ab" * 32, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [mpiexec(), "-n", str(np), sys.executable, "-m", "hpcfed", "search", "live", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
 
@@ -67,6 +67,27 @@ def test_live_search_matches_offline(joint_run: Path) -> None:
 def test_live_search_unknown_id_fails_cleanly(joint_run: Path) -> None:
     proc = _live([str(joint_run), "--id", "no-such-doc", "--timeout", "30"])
     assert proc.returncode != 0 and "no site holds id 'no-such-doc'" in proc.stderr
+
+
+def test_live_search_uses_each_sites_index(joint_run: Path, tmp_path: Path) -> None:
+    """With `hpcfed search index` run, every site rank searches through its index: the same answers
+    as the offline search (and, for a flat index, as exact search); a foreign index stops the job."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(joint_run, run)
+    env = {"HPCFED_KEYS_DIR": str(tmp_path / "keys")}
+    run_cli(["search", "index", str(run), "--kind", "flat", "--quiet"], env=env)
+    query = ["--id", "3", "--text", "the bank and the government", "--home", "1", "--k", "4", "--compact"]
+    live = _live([str(run), *query], env=env)
+    assert live.returncode == 0, live.stderr[-3000:]
+    got = json.loads(live.stdout)["queries"]
+    assert got == json.loads(run_cli(["search", "query", str(run), *query], env=env).stdout)["queries"]
+    exact = json.loads(run_cli(["search", "query", str(run), *query, "--exact"], env=env).stdout)["queries"]
+    assert [[r["id"] for r in q["results"]] for q in got] == [[r["id"] for r in q["results"]] for q in exact]
+    shutil.copyfile(run / "embeddings" / "site1.doc.ann", run / "embeddings" / "site0.doc.ann")
+    forged = _live([str(run), *query, "--timeout", "30"], env=env)
+    assert forged.returncode != 0 and "built from another export" in forged.stderr
 
 
 def test_mapping_run_and_mappers(tmp_path: Path) -> None:

@@ -1,0 +1,268 @@
+"""Build a site's search index (`hpcfed.search.ann`) from its export, reading the export in blocks.
+
+    hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress none|int8|pq] [--read-mib 64]
+
+Kinds (FAISS factory strings, inner product over unit vectors = cosine):
+
+    flat   Flat            exact, brute force in FAISS; `auto` for up to 20,000 vectors
+    ivf    IVF<nlist>,Flat k-means cells, `nprobe` of them searched; `auto` above 20,000
+    hnsw   HNSW32,Flat     graph; the fastest queries, but the slowest build on few cores
+
+``--compress int8`` stores each dimension in a byte (SQ8, 4x smaller), ``--compress pq`` as product
+codes of d/8 bytes per vector (IVF-PQ, 32x smaller for d = 384; lower recall) for collections that
+do not fit in memory. The export is read twice for trained kinds (a sample to train, then every
+vector), never more than ``--read-mib`` of vectors at a time; both passes must see the same digest.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcfed.search.ann import (
+    FORMAT,
+    FORMAT_VERSION,
+    PART_BYTES,
+    SearchIndexError,
+    check_matches,
+    index_auth,
+    index_path,
+)
+from hpcfed.search.index import normalize_rows
+from hpcfed.store import atomic, sealed
+from hpcfed.store.embeddings import export_auth
+from hpcfed.store.vectors import BLOCK_BYTES, ExportHeader, StreamedExport, read_header, stream_export
+from hpcfed.store.walk import read_verified
+
+KINDS = ("auto", "flat", "ivf", "hnsw")
+COMPRESSIONS = ("none", "int8", "pq")
+FLAT_UP_TO = 20_000  # `auto`: brute force is exact and fast enough below this many vectors
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """How to index: kind, compression and their knobs (0 = chosen from the collection's size)."""
+
+    kind: str = "auto"
+    compress: str = "none"
+    nlist: int = 0
+    nprobe: int = 0
+    hnsw_m: int = 32
+    ef_construction: int = 40
+    ef_search: int = 0
+
+    def factory(self, n: int, d: int) -> tuple[str, dict[str, int]]:
+        """The FAISS factory string and the search parameters for n vectors of d dims."""
+        if self.kind not in KINDS or self.compress not in COMPRESSIONS:
+            raise ValueError(f"index kind {self.kind!r} / compress {self.compress!r}; choose a kind of "
+                             f"{', '.join(KINDS)} and a compression of {', '.join(COMPRESSIONS)}")
+        kind = self.kind if self.kind != "auto" else ("flat" if n <= FLAT_UP_TO else "ivf")
+        codes = {"none": "Flat", "int8": "SQ8", "pq": _pq(n, d)}[self.compress]
+        if kind == "flat":
+            return codes, {}
+        if kind == "hnsw":
+            if self.compress == "pq":
+                raise ValueError("--compress pq goes with --kind ivf (IVF-PQ); HNSW takes none or int8")
+            return f"HNSW{self.hnsw_m},{codes}", {"efSearch": self.ef_search or 64}
+        nlist = self.nlist or auto_nlist(n)
+        return f"IVF{nlist},{codes}", {"nprobe": min(nlist, self.nprobe or auto_nprobe(nlist))}
+
+
+def auto_nlist(n: int) -> int:
+    """IVF cells: about 2·√n, a power of two, with at least 39 training points per cell."""
+    target = max(1.0, 2.0 * math.sqrt(max(n, 1)))
+    nlist = 1 << max(0, round(math.log2(target)))
+    return max(1, min(nlist, n // 39 if n >= 39 else 1))
+
+
+def auto_nprobe(nlist: int) -> int:
+    """Cells searched per query: 1/16 of them, at least 8 (measured in tools/bench_search.py)."""
+    return max(min(8, nlist), nlist // 16)
+
+
+def _pq(n: int, d: int) -> str:
+    """PQ codes of about d/8 bytes (each sub-vector of ~8 dims in one code of up to 8 bits)."""
+    m = max(1, d // 8)
+    while d % m:
+        m -= 1
+    nbits = max(1, min(8, int(math.log2(max(2, n // 39)))))  # 2^nbits centroids need ~39 points each
+    return f"PQ{m}x{nbits}"
+
+
+def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpec = IndexSpec(),
+                site: str | None = None, block_bytes: int = BLOCK_BYTES, progress: bool = True,
+                seed: int = 0) -> dict[str, Any]:
+    """Build and write the index beside `export`; returns what was built (for the CLI's report)."""
+    import faiss
+
+    start = time.perf_counter()
+    header = read_header(export, entity)
+    site = site if site is not None else header.site
+    factory, params = spec.factory(header.num_rows, header.dim)
+    index = faiss.index_factory(header.dim, factory, faiss.METRIC_INNER_PRODUCT)
+    if "HNSW" in factory:
+        hnsw: Any = faiss.downcast_index(index)  # faiss's stubs type it as the base Index
+        hnsw.hnsw.efConstruction = spec.ef_construction
+    for name, value in params.items():  # stored in the serialized index: loading restores them
+        faiss.ParameterSpace().set_index_parameter(index, name, value)
+    passes = 1 if index.is_trained else 2
+    bar = _bar(header.num_rows * passes, f"site{site} {factory}", progress and header.num_rows > 0)
+    auth = export_auth()
+    try:
+        first = None if index.is_trained else _train(index, header, auth, block_bytes, bar.update, seed)
+        stats = _Stats(header.num_rows, header.dim)
+
+        def add(row: int, block: np.ndarray) -> None:
+            unit = stats.add(row, block)
+            index.add(unit)
+
+        streamed = stream_export(header.path, header.entity, auth, add, block_bytes=block_bytes, progress=bar.update)
+    finally:
+        bar.close()
+    if first is not None and first != streamed.digest:
+        raise SearchIndexError(f"{header.path} changed while its index was built; build it again")
+    path = index_path(header.path, header.entity)
+    size, faiss_bytes = _write_index(path, index, streamed, stats, factory, params, site)
+    return {"site": site, "entity": header.entity, "index": str(path), "factory": factory, **params,
+            "num_rows": header.num_rows, "dim": header.dim, "export_verified": streamed.verified,
+            "bytes": size, "faiss_bytes": faiss_bytes, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block_bytes: int,
+           progress: Callable[[int], None], seed: int) -> str:
+    """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest."""
+    import faiss
+
+    n = header.num_rows
+    ivf = faiss.try_extract_index_ivf(index)
+    want = 64 * ivf.nlist if ivf is not None else 0
+    want = min(n, max(want, 256 * 64))  # PQ / SQ training: 256 centroids x ~64 points
+    rows = np.sort(np.random.default_rng(seed).choice(n, size=want, replace=False))
+    sample = np.zeros((want, header.dim), np.float32)
+
+    def take(first: int, block: np.ndarray) -> None:
+        lo, hi = np.searchsorted(rows, [first, first + len(block)])
+        sample[lo:hi] = normalize_rows(block[rows[lo:hi] - first])
+
+    digest = stream_export(header.path, header.entity, auth, take, block_bytes=block_bytes, progress=progress).digest
+    if ivf is not None:
+        ivf.cp.max_points_per_centroid = 64  # the sample is already the size k-means needs
+    index.train(sample)
+    return digest
+
+
+class _Stats:
+    """Norms and the first two moments of the unit vectors, gathered block by block."""
+
+    def __init__(self, n: int, d: int) -> None:
+        self.n = n
+        self.norms = np.zeros(n, np.float32)
+        self.sum = np.zeros(d, np.float64)
+        self.outer = np.zeros((d, d), np.float64)
+
+    def add(self, row: int, block: np.ndarray) -> np.ndarray:
+        self.norms[row:row + len(block)] = np.linalg.norm(block, axis=1)
+        unit = np.ascontiguousarray(normalize_rows(block))
+        self.sum += unit.sum(axis=0, dtype=np.float64)
+        self.outer += (unit.T @ unit).astype(np.float64)  # float32 products, float64 sums over blocks
+        return unit
+
+
+def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats, factory: str,
+                 params: dict[str, int], site: str) -> tuple[int, int]:
+    """Write the index file atomically and tag it (and empties `index`); returns the file's size and the
+    FAISS index's, in bytes."""
+    import faiss
+    import h5py
+
+    from hpcfed import __version__
+
+    h = streamed.header
+    n = max(1, stats.n)
+    with atomic.atomic_path(path) as tmp:
+        with h5py.File(tmp, "w") as f:
+            attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcfed_version": __version__,
+                     "library": f"faiss-cpu {faiss.__version__}", "factory": factory, "site": str(site),
+                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "export": h.path.name,
+                     "export_entity": h.entity, "export_format_version": h.format_version,
+                     "export_digest": streamed.digest, "export_fingerprint": h.fingerprint,
+                     "export_verified": streamed.verified, "export_size": h.size, "export_mtime_ns": h.mtime_ns,
+                     "num_rows": h.num_rows, "dim": h.dim, **params}
+            f.attrs.update(attrs)
+            blob, offsets = pack_ids(streamed.ids)
+            f.create_dataset("ids/utf8", data=blob)
+            f.create_dataset("ids/offsets", data=offsets)
+            labels = streamed.labels if streamed.labels is not None else np.full(h.num_rows, -1, np.int64)
+            f.create_dataset("labels", data=labels)
+            f.create_dataset("norms", data=stats.norms)
+            f.create_dataset("moments/mean", data=stats.sum / n)
+            f.create_dataset("moments/second", data=stats.outer / n)
+            faiss_bytes = _write_parts(f, index)
+        index.reset()  # the file is read back whole to be tagged: do not hold the index beside it
+        sealed.seal(tmp, index_auth())
+    return path.stat().st_size, faiss_bytes
+
+
+def pack_ids(ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Ids as one UTF-8 blob and n+1 offsets: hashed and read as two arrays, not n Python strings."""
+    encoded = [i.encode("utf-8") for i in ids]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return np.frombuffer(b"".join(encoded), np.uint8), offsets
+
+
+def _write_parts(f: Any, index: Any) -> int:
+    """Serialize the FAISS index straight into datasets of at most PART_BYTES each."""
+    import faiss
+
+    buf = bytearray()
+    count = [0]
+
+    def flush(final: bool) -> None:
+        while len(buf) >= PART_BYTES or (final and (buf or count[0] == 0)):
+            part = bytes(buf[:PART_BYTES])
+            del buf[:PART_BYTES]
+            f.create_dataset(f"faiss/part{count[0]:05d}", data=np.frombuffer(part, np.uint8))
+            count[0] += 1
+
+    def write(data: bytes) -> int:
+        buf.extend(data)
+        flush(False)
+        return len(data)
+
+    swig: Any = faiss  # faiss's stubs lack the Python-callback writer
+    writer = swig.PyCallbackIOWriter(write)
+    faiss.write_index(index, writer)
+    del writer
+    total = (count[0]) * PART_BYTES + len(buf)
+    flush(True)
+    return total
+
+
+def _bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="vec", unit_scale=True, disable=not enabled, file=sys.stderr,
+                mininterval=1.0, smoothing=0.1)
+
+
+def index_is_current(export: str | Path, entity: str | None, spec: IndexSpec) -> bool:
+    """Whether the index beside `export` verifies with today's key, describes the export and was built
+    with this spec (reads the index once, not the export)."""
+    header = read_header(export, entity)
+    path = index_path(header.path, header.entity)
+    if not path.is_file():
+        return False
+    try:
+        attrs = read_verified(path, index_auth(), require_auth=True).attrs.get("", {})
+        check_matches(path, attrs, header)
+    except (sealed.SealError, SearchIndexError):
+        return False
+    return bool(attrs.get("factory") == spec.factory(header.num_rows, header.dim)[0])

@@ -1,0 +1,56 @@
+"""Small synthetic collections for the search tests: clustered vectors in a few site exports, and a
+tiny doc2vec model per site for text queries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcfed.store.embeddings import export_path, write_export
+
+
+@pytest.fixture(scope="session")
+def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("keys")
+
+
+@pytest.fixture(autouse=True)
+def _own_keys(keys_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Index keys in a temporary folder (never the user's ~/.hpcfed), and no job key unless a test sets one."""
+    monkeypatch.setenv("HPCFED_KEYS_DIR", str(keys_dir))
+    monkeypatch.delenv("HPCFED_STATE_KEY", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def clustered(n: int, d: int, seed: int, clusters: int = 40, rank: int = 6) -> np.ndarray:
+    """Vectors around cluster centres with a low-rank spread and a little noise (like embeddings)."""
+    structure = np.random.default_rng(1234)
+    centres = structure.normal(size=(clusters, d))
+    basis = structure.normal(size=(rank, d)) / np.sqrt(rank)
+    rng = np.random.default_rng(seed)
+    x = centres[rng.integers(clusters, size=n)] + rng.normal(size=(n, rank)) @ basis + 0.2 * rng.normal(size=(n, d))
+    return x.astype(np.float32)
+
+
+def write_sites(run: Path, sizes: list[int], d: int = 32, entity: str = "doc") -> dict[str, np.ndarray]:
+    """One export per site, ids ``s<site>-<row>``, labels row % 5; returns the vectors by site."""
+    out = {}
+    for site, n in enumerate(sizes):
+        vectors = clustered(n, d, seed=site)
+        write_export(export_path(run, site), vectors, [f"s{site}-{i}" for i in range(n)], np.arange(n) % 5,
+                     entity=entity, model="test", site=site)
+        out[str(site)] = vectors
+    return out
+
+
+def write_doc2vec_models(run: Path, sites: int, d: int = 32) -> None:
+    """A small doc2vec model per site (vocabulary of a few words), enough for text queries."""
+    from hpcfed.models.doc2vec import GensimSettings, save_model, site_model
+
+    words = ["storm", "flood", "rescue", "city", "river", "power", "fire", "shelter", "road", "bridge"]
+    settings = GensimSettings(vector_size=d, min_count=1, sample=0, infer_epochs=5)
+    for site in range(sites):
+        model = site_model([(w, 10) for w in words], settings, seed=site, tagged_docs=[])
+        save_model(run / "models" / f"site{site}.h5", model, settings, site=site)
