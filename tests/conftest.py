@@ -46,3 +46,17 @@ def run_cli(args: list[str], *, np: int | None = None, timeout: float = 300, env
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# -- search tests (tests/search): `pytestmark = pytest.mark.usefixtures("own_keys")` -----------------
+@pytest.fixture(scope="session")
+def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("keys")
+
+
+@pytest.fixture
+def own_keys(keys_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Index keys in a temporary folder (never the user's ~/.hpcfed), and no job key unless a test sets one."""
+    monkeypatch.setenv("HPCFED_KEYS_DIR", str(keys_dir))
+    monkeypatch.delenv("HPCFED_STATE_KEY", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")

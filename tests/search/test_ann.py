@@ -9,6 +9,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from search_data import write_sites
 
 from hpcfed.models.mapper import Mapper, MapperConfig, mapper_path, save_mapper
 from hpcfed.search.ann import AnnIndex, SearchIndexError, index_path, open_site
@@ -17,7 +18,8 @@ from hpcfed.search.global_search import GlobalSearch
 from hpcfed.search.index import SiteIndex
 from hpcfed.store import sealed
 from hpcfed.store.embeddings import export_path, write_export
-from tests.search.conftest import write_sites
+
+pytestmark = pytest.mark.usefixtures("own_keys")  # index keys in a temporary folder
 
 
 def _recall(ann: AnnIndex, exact: SiteIndex, queries: np.ndarray, k: int = 10) -> float:

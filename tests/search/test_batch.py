@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from search_data import write_doc2vec_models, write_sites
 
 from hpcfed.search.batch import read_lines
 from tests.conftest import run_cli
-from tests.search.conftest import write_doc2vec_models, write_sites
+
+pytestmark = pytest.mark.usefixtures("own_keys")  # index keys in a temporary folder
 
 
 @pytest.fixture(scope="module")

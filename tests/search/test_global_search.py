@@ -14,6 +14,8 @@ from hpcfed.search.index import Hit, SiteIndex, merge_results
 from hpcfed.store.embeddings import export_path, write_export
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.usefixtures("own_keys")  # index keys in a temporary folder
+
 
 def test_merge_order_hand_case() -> None:
     site0 = [Hit("0", "x", 0.9), Hit("0", "y", 0.5)]

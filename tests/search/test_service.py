@@ -16,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from search_data import write_doc2vec_models, write_sites
 
 from tests.conftest import REPO, run_cli
-from tests.search.conftest import write_doc2vec_models, write_sites
+
+pytestmark = pytest.mark.usefixtures("own_keys")  # index keys in a temporary folder
 
 TOKEN = "t0ken-for-the-tests-" + "x" * 12
 

@@ -6,22 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from hpcfed.store.embeddings import export_path, write_export
-
-
-@pytest.fixture(scope="session")
-def keys_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("keys")
-
-
-@pytest.fixture(autouse=True)
-def _own_keys(keys_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Index keys in a temporary folder (never the user's ~/.hpcfed), and no job key unless a test sets one."""
-    monkeypatch.setenv("HPCFED_KEYS_DIR", str(keys_dir))
-    monkeypatch.delenv("HPCFED_STATE_KEY", raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def clustered(n: int, d: int, seed: int, clusters: int = 40, rank: int = 6) -> np.ndarray:
