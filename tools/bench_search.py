@@ -70,12 +70,16 @@ def synthetic(n: int, d: int, seed: int, *, topics: int = 400, subtopics: int = 
         yield x
 
 
-def write_collection(folder: Path, n: int, sites: int, d: int) -> list[str]:
-    """`sites` exports of n/sites vectors each (ids ``s<site>-<row>``); returns every id."""
+def write_collection(folder: Path, n: int, sites: int, d: int, given: np.ndarray | None = None) -> list[str]:
+    """`sites` exports of n/sites vectors each (ids ``s<site>-<row>``), synthetic or the rows of
+    `given` dealt round-robin; returns every id."""
     ids: list[str] = []
     for site in range(sites):
         rows = n // sites + (1 if site < n % sites else 0)
-        vectors = np.concatenate(list(synthetic(rows, d, seed=site)))
+        if given is not None:
+            vectors = np.ascontiguousarray(given[site::sites], dtype=np.float32)
+        else:
+            vectors = np.concatenate(list(synthetic(rows, d, seed=site)))
         site_ids = [f"s{site}-{i}" for i in range(rows)]
         write_export(export_path(folder, site), vectors, site_ids, entity="doc", model="synthetic", site=site)
         ids += site_ids
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--index-args", default="", help="extra arguments for `hpcfed search index` (e.g. '--kind hnsw')")
+    p.add_argument("--vectors", default=None,
+                   help=".npy of real vectors to deal over the sites instead of synthetic ones (sets --n, --dim)")
     p.add_argument("--workdir", default=None, help="keep the collection here (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the results as JSON only")
     args = p.parse_args(argv)
@@ -180,7 +186,10 @@ def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     cli = [sys.executable, "-m", "hpcfed", "search"]
     folder = tmp / "run"
     t = time.perf_counter()
-    ids = write_collection(folder, args.n, args.sites, args.dim)
+    given = np.load(args.vectors, mmap_mode="r") if args.vectors else None
+    if given is not None:
+        args.n, args.dim = given.shape
+    ids = write_collection(folder, args.n, args.sites, args.dim, given)
     generated = round(time.perf_counter() - t, 1)
     rng = np.random.default_rng(1)
     queries = [ids[i] for i in rng.choice(len(ids), size=min(args.queries, len(ids)), replace=False)]
@@ -188,7 +197,8 @@ def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     k = ["--k", str(args.k)]
     build = run([*cli, "index", str(folder), "--quiet", *args.index_args.split()], env)
     built = json.loads(build.pop("stdout"))["indexes"]
-    res: dict = {"n": args.n, "sites": args.sites, "dim": args.dim, "queries": len(queries), "k": args.k,
+    res: dict = {"vectors": args.vectors or "synthetic", "n": args.n, "sites": args.sites, "dim": args.dim,
+                 "queries": len(queries), "k": args.k,
                  "generate_s": generated, "cpu_count": os.cpu_count(), "load_avg_before": os.getloadavg(),
                  "build": {**build, "factory": built[0].get("factory"), "nprobe": built[0].get("nprobe"),
                            "faiss_mb": round(sum(b.get("faiss_bytes", 0) for b in built) / 2**20)}}
@@ -207,7 +217,7 @@ def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
 
 def _table(r: dict) -> str:
     rows = [
-        f"{r['n']:,} x {r['dim']} vectors over {r['sites']} sites, {r['queries']} queries, k={r['k']}; "
+        f"{r['n']:,} x {r['dim']} {r['vectors']} vectors over {r['sites']} sites, {r['queries']} queries, k={r['k']}; "
         f"{r['cpu_count']} cores, load average {r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}",
         f"index build ({r['build']['factory']}, nprobe {r['build']['nprobe']}): {r['build']['seconds']} s, "
         f"peak {r['build']['peak_rss_mb']} MB, FAISS indexes {r['build']['faiss_mb']} MB",

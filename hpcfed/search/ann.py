@@ -255,18 +255,22 @@ def _deserialize(path: Path, tree: Verified, header: ExportHeader) -> Any:
     names = sorted(p for p in tree.datasets if p.startswith("faiss/"))
     if not names or names != [f"faiss/part{i:05d}" for i in range(len(names))]:
         raise SearchIndexError(f"{path}: the FAISS parts are missing or misnumbered")
-    parts = [np.ascontiguousarray(tree.datasets[p], np.uint8).data.cast("B") for p in names]
+    # taken out of the tree and dropped as FAISS consumes them: the blob is never held twice in full
+    parts: list[memoryview | None] = [np.ascontiguousarray(tree.datasets.pop(p), np.uint8).data.cast("B")
+                                      for p in names]
     where = [0, 0]  # part, offset
 
     def read(size: int) -> bytes:
         out = []
         while size > 0 and where[0] < len(parts):
             part = parts[where[0]]
+            assert part is not None  # parts before where[0] only are dropped
             take = part[where[1]:where[1] + size]
             out.append(bytes(take))
             size -= len(take)
             where[1] += len(take)
             if where[1] >= len(part):
+                parts[where[0]] = None
                 where[0], where[1] = where[0] + 1, 0
         return b"".join(out)
 

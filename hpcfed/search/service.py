@@ -38,6 +38,7 @@ from hpcfed.search.global_search import GlobalSearch
 from hpcfed.search.index import MERGES
 
 MAX_TEXT_CHARS = 20_000
+PARALLEL_SEARCHES = 4  # requests parsed and searched at once (each may hold a 4 MiB body's objects)
 
 
 class HttpError(Exception):
@@ -230,12 +231,13 @@ class Handler(BaseHTTPRequestHandler):
             raise HttpError(400, "Content-Length must be a number")
         if int(length) > self.server.service.max_body:
             raise HttpError(413, f"request body of {int(length)} bytes; at most {self.server.service.max_body}")
-        raw = self.rfile.read(int(length))
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise HttpError(400, "the request body is not valid JSON") from None
-        return self.server.service.answer(body)
+        with self.server.busy:  # bodies parsed at once are bounded: memory is, whatever the connections
+            raw = self.rfile.read(int(length))
+            try:
+                body = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                raise HttpError(400, "the request body is not valid JSON") from None
+            return self.server.service.answer(body)
 
     def _authorize(self) -> None:
         token = self.server.service.token
@@ -281,6 +283,7 @@ class _Server(ThreadingHTTPServer):
                  timeout: float) -> None:
         self.service = service
         self.slots = threading.BoundedSemaphore(max(1, max_connections))
+        self.busy = threading.BoundedSemaphore(PARALLEL_SEARCHES)
         self.request_timeout = timeout
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.address_family = family
