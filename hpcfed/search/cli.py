@@ -95,7 +95,7 @@ def _index_parser(x: argparse.ArgumentParser) -> None:
     x.add_argument("--compress", choices=list(COMPRESSIONS), default="none",
                    help="int8: 1 byte per dimension; pq: d/8 bytes per vector (IVF-PQ), lower recall")
     x.add_argument("--nlist", type=int, default=0, help="IVF cells (default about 2*sqrt(n), a power of two)")
-    x.add_argument("--nprobe", type=int, default=0, help="IVF cells searched per query (default nlist/16, >= 8)")
+    x.add_argument("--nprobe", type=int, default=0, help="IVF cells searched per query (default nlist/8, >= 8)")
     x.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per vector")
     x.add_argument("--ef-construction", type=int, default=40)
     x.add_argument("--ef-search", type=int, default=0, help="HNSW candidates per query (default 64)")
