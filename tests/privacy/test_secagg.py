@@ -44,6 +44,16 @@ def test_quantisation_round_trip_within_one_step():
     assert back == pytest.approx(np.clip(x, -1, 1), abs=2.0 / levels)
 
 
+def _advertised(k: int, seed: bytes) -> tuple[dict[int, SiteState], ServerState]:
+    """K sites (threshold 3) on the neighbour graph of `seed`, their keys advertised to the server."""
+    graph = neighbours(k, seed)
+    sites = {u: SiteState(u, graph, 3) for u in range(k)}
+    server = ServerState(graph, 3)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    return sites, server
+
+
 def _run(k: int, drop_before_masking: set[int], identity: bool = False):
     graph = neighbours(k, b"public-seed")
     ids = {u: Ed25519PrivateKey.generate() for u in range(k)} if identity else {}
@@ -97,11 +107,7 @@ def test_keys_mode_refuses_a_forged_agreement_key_naming_the_site():
 
 
 def test_hostile_share_messages_are_refused_naming_the_site():
-    graph = neighbours(4, b"y")
-    sites = {u: SiteState(u, graph, 3) for u in range(4)}
-    server = ServerState(graph, 3)
-    for u, s in sites.items():
-        server.take_advert(u, s.advertise())
+    sites, server = _advertised(4, b"y")
     shares = sites[0].share_keys(server.adverts_for(0))
     with pytest.raises(ProtocolError, match="site 0: sent 2 shares"):
         server.take_shares(0, shares[:2])  # wrong share count
@@ -126,11 +132,7 @@ def test_a_site_that_shared_but_sent_no_masked_input_is_dropped_by_name_and_neve
 
 
 def test_a_site_refuses_to_unmask_a_peer_the_server_calls_alive():
-    graph = neighbours(4, b"z")
-    sites = {u: SiteState(u, graph, 3) for u in range(4)}
-    server = ServerState(graph, 3)
-    for u, s in sites.items():
-        server.take_advert(u, s.advertise())
+    sites, server = _advertised(4, b"z")
     for u, s in sites.items():
         server.take_shares(u, s.share_keys(server.adverts_for(u)))
     sites[0].masked_input(server.shares_for(0), np.zeros(3, np.uint32))
