@@ -135,7 +135,9 @@ class ServerCore:
         try:
             self.channel.send(cid + 1, kind, header, tensors)
         except ChannelError as exc:
-            self.client_failed(cid, f"did not take a {P.NAMES.get(kind, kind)} message within the deadline ({exc})")
+            ended = self.departures.cause_of_silence(cid)  # a rank that ended is not merely slow
+            self.client_failed(cid, ended or f"did not take a {P.NAMES.get(kind, kind)} message within the deadline "
+                                             f"({exc})")
 
     def post_to(self, cid: int, kind: int, header: dict[str, Any],
                 tensors: dict[str, np.ndarray] | None = None) -> Outgoing | None:
