@@ -25,6 +25,7 @@ from pathlib import Path
 from hpcfed import jobwatch
 from hpcfed.config import Config, ConfigError, check_resume_compatible, load
 from hpcfed.errors import FederationError
+from hpcfed.jobwatch import HALT_FILE
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
 
@@ -105,6 +106,9 @@ def prepare_out_dir(out: Path, cfg: Config, *, resume: bool, force: bool, keep_l
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot create the folder ({exc.strerror}); choose another --out") from None
+    if (out / HALT_FILE).exists():  # left by an earlier attempt that stopped before its server saw it
+        (out / HALT_FILE).unlink(missing_ok=True)
+        print(f"hpcfed: removed {out / HALT_FILE} left from an earlier attempt (a halt request)", file=sys.stderr)
 
 
 def existing_results(out: Path) -> list[str]:
@@ -163,6 +167,9 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     log_dir = out / "logs"
     jobwatch.clear(log_dir)
     launched = time.time()
+    # SIGUSR2 to `hpcfed run` halts the federation the way it does on rank 0 (through OUT/HALT, which
+    # the server looks for every second: mpiexec forwards no SIGUSR2).
+    signal.signal(HALT_SIGNAL, lambda *_: (out / HALT_FILE).touch())
     watch = jobwatch.RankWatch(log_dir, np)
     env.update(watch.open_lifelines())
     # No rank reads stdin: mpiexec has nothing to forward (and leaves the terminal alone).

@@ -22,6 +22,7 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Channel, ChannelError, Message, Outgoing
 from hpcfed.config import Config
 from hpcfed.errors import FederationError
+from hpcfed.jobwatch import HALT_FILE
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
 from hpcfed.server.departures import Departures
@@ -326,7 +327,6 @@ class ServerCore:
         self.status.maybe_log(self.progress, self.strategy.version, sum(self.rejected.values()), self.channel.stats)
 
 
-HALT_FILE = "HALT"  # `touch OUT/HALT`: halt cleanly after the current round (any launcher, any node)
 _HALT_FILE_POLL_S = 1.0
 
 
