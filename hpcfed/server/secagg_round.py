@@ -15,7 +15,7 @@ rank 0                                                        site k
   |   Σ y - masks = Σ_k w_k·δ_k and Σ n_k of the alive sites: all rank 0 learns of the round
 ```
 
-Each stage waits for the sites still in until the round's deadline; a site that stays silent is left
+Each stage waits for the sites still in for at most `federation.round_deadline_s`; a site that stays silent is left
 out of the round (after it shared its keys: its pairwise masks are removed with its rebuilt key),
 and the round needs the quorum's count of masked inputs. A message refused by the protocol counts
 against its site like a malformed upload. What replaces the bounded-influence guard, which needs
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -63,10 +64,9 @@ class SecAggRound:
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
                         "a check of the sum's norm (README, 'What the server sees')", self.spec.clip_norm)
 
-    def collect(self, rnd: int, t0: float, want_state: bool) -> Taken:
+    def collect(self, rnd: int, want_state: bool) -> Taken:
         """Run round `rnd`'s protocol and fold the sum into the strategy; the sites whose inputs are in it."""
         core = self.core
-        deadline = t0 + core.cfg.federation.round_deadline_s
         state = ServerState(round_graph(self.num_sites, rnd, core.cfg.privacy.secagg.degree), self.size)
         for cid in sorted(core.live):
             core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state},
@@ -76,7 +76,7 @@ class SecAggRound:
         def advert(cid: int, msg: Message) -> None:
             state.take_advert(cid, W.parse_advert(cid, msg.header.get("advert"), n))
 
-        advertised = self._gather(rnd, P.SA_ADVERT, set(core.live), deadline, advert)
+        advertised = self._gather(rnd, P.SA_ADVERT, set(core.live), advert)
         self._quorum(rnd, advertised, "advertised keys")
         for cid in sorted(advertised):
             relayed = [W.advert_fields(a) for a in state.adverts_for(cid).values()]
@@ -85,13 +85,13 @@ class SecAggRound:
         def shares(cid: int, msg: Message) -> None:
             state.take_shares(cid, W.parse_shares(cid, msg.header.get("to"), msg.tensors, n, cid, by_sender=False))
 
-        shared = self._gather(rnd, P.SA_SHARES, advertised, deadline, shares)
+        shared = self._gather(rnd, P.SA_SHARES, advertised, shares)
         self._quorum(rnd, shared, "shared keys")
         for cid in sorted(shared):
             ids, blob = W.shares_message(state.shares_for(cid), by_sender=True)
             core.send_to(cid, P.SA_SHARES_FOR, {"round": rnd, "from": ids}, {W.SHARES_TENSOR: blob})
         taken: Taken = {}
-        self._gather(rnd, P.SA_MASKED, shared, deadline, lambda cid, msg: self._take_masked(
+        self._gather(rnd, P.SA_MASKED, shared, lambda cid, msg: self._take_masked(
             rnd, cid, msg, want_state, state, taken))
         for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
             del state.masked[cid]
@@ -103,16 +103,17 @@ class SecAggRound:
         def reveal(cid: int, msg: Message) -> None:
             state.take_unmask(cid, W.parse_answers(cid, msg.header.get("answers"), n))
 
-        self._gather(rnd, P.SA_REVEAL, alive, deadline, reveal)
+        self._gather(rnd, P.SA_REVEAL, alive, reveal)
         self._fold(rnd, state)
         return {cid: taken[cid] for cid in alive}
 
     # -- stages -----------------------------------------------------------------------------------------
-    def _gather(self, rnd: int, kind: int, waiting: set[int], deadline: float,
-                take: Callable[[int, Message], None]) -> set[int]:
-        """One `kind` message of round `rnd` from each site `waiting`, until all are in or the deadline
-        passes; the sites whose message was taken (and are still members)."""
+    def _gather(self, rnd: int, kind: int, waiting: set[int], take: Callable[[int, Message], None]) -> set[int]:
+        """One `kind` message of round `rnd` from each site `waiting`, for at most the round deadline
+        (each stage has its own: a stage that waited for a silent site leaves the next its time);
+        the sites whose message was taken (and are still members)."""
         core, done = self.core, set[int]()
+        deadline = time.monotonic() + core.cfg.federation.round_deadline_s
         while pending := (waiting & core.live) - done:
             msg = core.recv_until(deadline, _KINDS, f"round {rnd} ({P.NAMES[kind]})", waiting_for=pending,
                                   fatal=False)
@@ -160,7 +161,7 @@ class SecAggRound:
         needed = max(2, sites_needed(base, core.cfg.federation.quorum))
         if len(sites) < needed:
             silent = ", ".join(f"client {c} (rank {c + 1})" for c in sorted(core.live - sites)) or "none"
-            raise FederationError(f"round {rnd}: only {len(sites)} site(s) {what} within the round deadline "
+            raise FederationError(f"round {rnd}: only {len(sites)} site(s) {what} within the stage deadline "
                                   f"({core.cfg.federation.round_deadline_s:g} s), secure aggregation needs {needed}; "
                                   f"silent or refused: {silent}; last checkpoint: {core.last_checkpoint or 'none'}")
 

@@ -69,7 +69,7 @@ class SyncRounds:
         got: Uploads = {}
         refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
         if self.secagg is not None:
-            got.update(self.secagg.collect(rnd, t0, want_state))
+            got.update(self.secagg.collect(rnd, want_state))
         else:
             self.collect_uploads(rnd, t0, want_state, got, refused)
         missing = sorted(core.live - set(got))
