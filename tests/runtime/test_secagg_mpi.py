@@ -53,7 +53,8 @@ def test_rank0_sees_only_masked_inputs_and_the_sum_equals_fedavg_of_the_survivor
 
     sites = {(c, r): np.load(spy / f"site{c}-r{r}.npz") for c in range(4) for r in range(2)}
     size = sites[0, 0]["sent"].size
-    received = [(json.loads(p.with_suffix(".json").read_text()), np.load(p)) for p in sorted((spy / "rank0").glob("*.npz"))]
+    received = [(json.loads(p.with_suffix(".json").read_text()), np.load(p))
+                for p in sorted((spy / "rank0").glob("*.npz"))]
     kinds = [h["kind"] for h, _ in received]
     assert 4 not in kinds  # no UPDATE: no site's model crossed in the clear
     masked = [(h, t["masked"]) for h, t in received if h["kind"] == 16]
