@@ -86,6 +86,8 @@ class Lifelines:
             data = sock.recv(_READ)
         except BlockingIOError:
             return
+        except ConnectionResetError:  # it died with our beats unread: its kernel answered with a reset
+            data = b""
         except OSError as exc:
             self._lose(rank, f"its lifeline failed ({exc.strerror or exc})")
             return
