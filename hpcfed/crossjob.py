@@ -290,6 +290,7 @@ class _Joined:
         self.cfg, self.args, self.out = cfg, args, out
         self.rank = args.site + 1
         self.finishing = threading.Event()
+        self.started = threading.Event()  # the secure channel is up: the federation runs
         self.lifelines = Lifelines(self._server_gone, timeout=args.lifeline_timeout)
         self.transport: Any = None
 
@@ -298,6 +299,9 @@ class _Joined:
             self.transport.mark_lost(0)
         if self.finishing.is_set():
             return
+        if not self.started.is_set():  # nothing learnt yet, nothing to wait for
+            log.error("the server is gone before the federation started: %s; this site ends", reason)
+            _end_now(2)
         log.error("the server is gone: %s; this site ends in %g s", reason, SERVER_GONE_GRACE_S)
         timer = threading.Timer(SERVER_GONE_GRACE_S, _end_now, args=(3,))
         timer.daemon = True
@@ -338,6 +342,7 @@ class _Joined:
                                 **channel_settings(self.cfg))
         channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
         channel.expect({0: protocol.SERVER_KINDS})
+        self.started.set()
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))
         from hpcfed.device import select_device
