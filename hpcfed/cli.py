@@ -1,6 +1,8 @@
 """The ``hpcfed`` command line.
 
     hpcfed run CONFIG [--np K] [--out DIR] [--resume | --force] [key=value ...]
+    hpcfed serve CONFIG --out DIR [--port-file F] [--port-range LO-HI] [--iface IF]   (docs/cluster.md)
+    hpcfed join CONFIG --server F|HOST:PORT --site N [--out DIR]
     hpcfed keygen PATH
     hpcfed inspect FILE.h5
     hpcfed bench comm [--json]
@@ -33,6 +35,8 @@ EXTRA_COMMANDS: dict[str, str] = {
     "report": "hpcfed.report:main",
     "search": "hpcfed.search.cli:main",
     "new": "hpcfed.scaffold:main",
+    "serve": "hpcfed.crossjob:serve_main",
+    "join": "hpcfed.crossjob:join_main",
 }
 
 USER_ERROR_EXIT = 2
