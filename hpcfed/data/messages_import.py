@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hpcfed.data.columns import parse_columns
 from hpcfed.data.messages import (
     COLUMNS,
     LOADERS,
@@ -40,25 +41,6 @@ from hpcfed.data.root import DataError
 
 SUFFIXES = (".csv", ".tsv", ".jsonl", ".ndjson", ".parquet")
 EVENT_FROM = ("folder", "file")
-
-
-def parse_columns(spec: str | None, allowed: tuple[str, ...] = COLUMNS, option: str = "--columns") -> dict[str, str]:
-    """``id=tweet_id,text=tweet_text`` -> {"id": "tweet_id", "text": "tweet_text"}; DataError on a bad spec."""
-    if not spec:
-        return {}
-    mapping: dict[str, str] = {}
-    for item in spec.split(","):
-        ours, sep, theirs = (part.strip() for part in item.partition("="))
-        if not sep or not ours or not theirs:
-            raise DataError(f"{option} {spec!r}: {item.strip()!r} is not NAME=COLUMN; write e.g. "
-                            f"{option} id=tweet_id,text=tweet_text")
-        if ours not in allowed:
-            raise DataError(f"{option} {spec!r}: {ours!r} is not a column of the format; map one of "
-                            f"{', '.join(allowed)}")
-        if ours in mapping:
-            raise DataError(f"{option} {spec!r}: {ours!r} is mapped twice")
-        mapping[ours] = theirs
-    return mapping
 
 
 def rename(records: Iterable[dict[str, Any]], columns: dict[str, str], where: str) -> Iterator[dict[str, Any]]:
@@ -135,7 +117,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not args.out.endswith((".parquet", ".jsonl")):
         raise DataError(f"--out {args.out}: write a .parquet or .jsonl file")
-    columns = parse_columns(args.columns)
+    columns = parse_columns(args.columns, COLUMNS)
     if args.input in LOADERS:
         messages, report = load_site(args.input, args.data_root)
     else:
