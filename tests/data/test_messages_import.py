@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from hpcfed.cli import main as cli_main
-from hpcfed.data.columns import parse_columns
-from hpcfed.data.messages import COLUMNS, read_messages
+from hpcfed.data.messages import read_messages
 from hpcfed.data.messages_import import main
 from hpcfed.data.root import DataError
 
