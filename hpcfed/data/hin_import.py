@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcfed.data.columns import parse_columns
+from hpcfed.data.corpus import label_order
 from hpcfed.data.heco import is_heco_folder, read_heco_folder
 from hpcfed.data.hin import HIN, save_hin, stratified_split
 from hpcfed.data.root import DataError
@@ -154,7 +155,7 @@ def read_hin_folder(folder: str | Path, *, target: str | None = None, metapaths:
         if j in label_text:
             raise DataError(f"{labels_path}: line {line}: {row['id']!r} is labelled twice")
         label_text[j] = row["label"]
-    names = _sorted_labels(set(label_text.values()))
+    names = label_order(set(label_text.values()))
     code = {name: c for c, name in enumerate(names)}
     labels = np.full(n, -1, dtype=np.int64)
     for j, text in label_text.items():
@@ -218,13 +219,6 @@ def _is_float(text: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _sorted_labels(values: set[str]) -> list[str]:
-    """Integer labels in numeric order (so "0".."9" keep their codes), other labels alphabetically."""
-    if all(v.lstrip("-").isdigit() for v in values):
-        return sorted(values, key=int)
-    return sorted(values)
 
 
 def import_main(argv: list[str]) -> int:
