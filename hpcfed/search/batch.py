@@ -24,6 +24,8 @@ import numpy as np
 from hpcfed.search.global_search import GlobalSearch
 
 MAX_LINES = 1_000_000
+# exports of the project's tasks whose vectors no model computes for a new text (`check_text_queries`)
+NO_TEXT_MODELS = ("dame-gat", "fedahe", "node2vec", "synthetic-mlp")
 MAX_LINE_CHARS = 100_000
 
 
@@ -153,7 +155,7 @@ def check_text_queries(search: GlobalSearch, home: str) -> None:
     """Refuse text queries where the home site's export is not a doc2vec model's, saying what works."""
     attrs = search.infos.get(home, {})
     model = str(attrs.get("model", ""))
-    if attrs and attrs.get("kind") != "doc2vec" and not model.startswith("doc2vec"):
+    if attrs.get("kind", "doc2vec") != "doc2vec" or model.startswith(NO_TEXT_MODELS):
         raise ValueError(f"text queries are doc2vec-only: site {home}'s export holds {model or 'non-doc2vec'} "
                          f"vectors, which no model here computes for a new text (a DAMe vector comes from a GAT "
                          f"over the message graph); query by the id of a message or document instead (--id, "
