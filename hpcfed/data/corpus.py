@@ -8,8 +8,9 @@ Users' documents come in one of two formats, chosen by the file suffix:
 * ``.jsonl`` — one JSON object per line: ``{"id": "doc-17", "text": "...", "label": 3}``;
   ``id`` and ``text`` are required (id: a non-empty string or integer, unique in the file),
   ``label`` is optional (a class name such as ``"earn"``, or an integer; used for label
-  precision@k and shown in search results). Class names are numbered in sorted order (integers in
-  numeric order) and each document keeps its name in ``group``.
+  precision@k and shown in search results). Integer labels keep their values; where some label is
+  a name, the names are numbered in sorted order (numbers in numeric order) and each document keeps
+  its name in ``group``.
 * anything else (``.txt``) — plain text, one document per line; the id is the 0-based line number.
   Empty lines are kept as empty documents so that ids stay line numbers.
 
@@ -184,6 +185,7 @@ def load_corpus_file(path: str | Path) -> list[Document]:
         if path.suffix.lower() != ".jsonl":
             return [Document(str(i), line.rstrip("\n")) for i, line in enumerate(f)]
         seen: set[str] = set()
+        named = False  # some label is a class name, not an integer
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -207,6 +209,9 @@ def load_corpus_file(path: str | Path) -> list[Document]:
                 raise DataError(f"{path}:{lineno}: duplicate id {doc_id!r}; ids must be unique")
             seen.add(str(doc_id))
             docs.append(Document(str(doc_id), text, -1, "" if label == -1 else str(label)))
+            named = named or isinstance(label, str)
+    if not named:  # integer labels keep their values
+        return [Document(d.id, d.text, int(d.group) if d.group else -1) for d in docs]
     names = label_order({d.group for d in docs if d.group})
     code = {name: c for c, name in enumerate(names)}
     return [Document(d.id, d.text, code[d.group], d.group) if d.group else d for d in docs]
