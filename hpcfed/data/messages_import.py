@@ -10,7 +10,8 @@ HumAID and CrisisLex layouts), ``file`` from the file's name without its suffix
 (``INPUT/<event>.csv``). ``--columns`` maps the documented column names to the file's own
 (``id=tweet_id,text=tweet_text,event=class_label``; unmapped columns keep their names).
 ``--time-from-id snowflake`` reads each message's time from its Twitter id (tweets from Nov 2010 on)
-when the file has no time column.
+when the file has no time column. An id in single quotes (``'2625...'``, how CrisisLex guards ids
+from spreadsheet rounding) loses the quotes.
 
 Without ``--skip-bad`` the first bad row stops the import with a message naming the file, row and
 field; with it, bad rows are skipped, counted and listed (the first 20) on stderr. The output can be
@@ -55,6 +56,9 @@ def rename(records: Iterable[dict[str, Any]], columns: dict[str, str], where: st
                                 f"(its columns: {found})")
         out = {k: v for k, v in rec.items() if k not in columns.values()}
         out.update({ours: rec[theirs] for ours, theirs in columns.items() if theirs in rec})
+        mid = out.get("id")
+        if isinstance(mid, str) and len(mid) > 2 and mid[0] == mid[-1] == "'":
+            out["id"] = mid[1:-1]  # '262596552399396864': a spreadsheet's guard against rounding (CrisisLex)
         yield out
 
 

@@ -76,7 +76,7 @@ def test_a_mapped_column_missing_from_the_file_is_named(tmp_path: Path) -> None:
 
 def test_a_bad_snowflake_names_file_row_and_id(tmp_path: Path) -> None:
     src = tmp_path / "m.csv"
-    src.write_text(f"id,text,event\n{ID_2016},ok,e\nabc,not a number,e\n12345,sequential id,e\n")
+    src.write_text(f"id,text,event\n'{ID_2016}',ok,e\nabc,not a number,e\n12345,sequential id,e\n")
     with pytest.raises(DataError, match=r"m.csv: row 3: time: id 'abc' is not a Twitter snowflake id"):
         main([str(src), "--time-from-id", "snowflake", "--out", str(tmp_path / "x.parquet")])
     out = tmp_path / "x.parquet"
