@@ -295,7 +295,7 @@ def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary:
         lines += ["No `summary.json` in the run directory: the run has not finished (killed, halted, or still "
                   "running); the tables below cover what `metrics.jsonl` holds so far.", ""]
 
-    names = site_names(summary)
+    who_is = site_names(summary)
     lines += ["## Metrics", "", "Last value (at its round) and best value per site; best = lowest for losses and "
               "errors, highest for accuracies, NMI/AMI/ARI, F1, precision and similarity; other metrics "
               "(weights such as bola_lambda, learning rates, counts, times) are not scores and are not ranked (–).",
@@ -306,7 +306,7 @@ def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary:
             s = metrics.series[name][client]
             finite = [(v, r) for v, r in zip(s.values, s.rounds) if math.isfinite(v)]
             if not finite:
-                lines.append(f"| {name} | {_site_label(client, names)} | {len(s.values)} | nan | | | |")
+                lines.append(f"| {name} | {_site_label(client, who_is)} | {len(s.values)} | nan | | | |")
                 continue
             last_v, last_r = finite[-1]
             best = best_of(name)
@@ -314,14 +314,14 @@ def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary:
             if best is not None:
                 best_v, best_r = (min if best == "min" else max)(finite, key=lambda vr: vr[0])
                 shown = f"{_fmt(best_v)} | {_round(best_r)}"
-            lines.append(f"| {name} | {_site_label(client, names)} | {len(s.values)} | {_fmt(last_v)} | "
+            lines.append(f"| {name} | {_site_label(client, who_is)} | {len(s.values)} | {_fmt(last_v)} | "
                          f"{_round(last_r)} | {shown} |")
     lines.append("")
 
     if metrics.events:
         lines += ["## Events", "", "| time (s) | round | who | event | value |", "|---|---|---|---|---|"]
         for e in metrics.events[:200]:
-            who = _site_label(e["client"], names)
+            who = _site_label(e["client"], who_is)
             lines.append(f"| {_fmt(e['time'])} | {_fmt(e['round'])} | {who} | {e['name']} | {_fmt(e['value'])} |")
         if len(metrics.events) > 200:
             lines.append(f"| | | | … {len(metrics.events) - 200} more | |")

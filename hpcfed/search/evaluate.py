@@ -52,13 +52,15 @@ def score(central: Path | None, fed: Path, *, mode: str = "joint", k: int = 10, 
     """The figures of the module docstring for run `fed` (sim_k only against a `central` run)."""
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
-    cidx = None
+    cidx: SiteIndex | None = None
     if central is not None:
         central_search = GlobalSearch.from_folder(central, entity=entity, exact=True)  # the reference: no index
         if len(central_search.indexes) != 1:
             raise ValueError(f"--central {central}: the centralized run must have exactly one site, "
                              f"found {len(central_search.indexes)} (run it with method=centralized)")
-        cidx = next(iter(central_search.indexes.values()))
+        only = next(iter(central_search.indexes.values()))
+        assert isinstance(only, SiteIndex)  # exact=True opens every export as a SiteIndex
+        cidx = only
     # the mode is chosen on purpose here, so a joint search over sites' own spaces is allowed
     fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge,
                                           exact=True, force=True)
@@ -123,6 +125,7 @@ def _score_site(acc: _Figures, search: GlobalSearch, cidx: SiteIndex | None, hom
                 k: int, merge: str) -> None:
     """Add the queries `ids` of site `home`: the merged search, and the other sites' answers alone."""
     index = search.indexes[home]
+    assert isinstance(index, SiteIndex)  # `score` opens the exports with exact=True
     qf = np.stack([index.vector_of(i) for i in ids])
     fed_hits = search.search(home, qf, k, ids)
     labels = [int(index.labels[index.position[i]]) for i in ids]
