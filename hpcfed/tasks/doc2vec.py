@@ -252,8 +252,8 @@ class Doc2VecTask(GensimJointTask):
         method: gensim_method(method) for method in ("joint", "centralized", "mapping", "nomapping")}
     kind = "doc2vec"
     entity = "doc"
-    final_figures_on = ("each site's own documents (doc2vec has no test split: label P@k ranks a site's documents "
-                        "among its own; the cross-site figures: `hpcfed eval RUN --central RUN`)")
+    final_figures_on = ("each site's own documents, as doc2vec has no test split: label P@k ranks a site's "
+                        "documents among its own; the cross-site figures: `hpcfed eval RUN --central RUN`")
 
     @dataclass(kw_only=True)
     class Config(GensimJointOptions):

@@ -210,7 +210,7 @@ def test_class_names_reach_the_export_and_public_corpus_errors_name_the_key(tmp_
     export = read_export(task.export_embeddings(tmp_path), "doc")
     assert json.loads(export.attrs["label_names"]) == ["earn", "grain", "trade"]
     assert export.labels.tolist() == [1, 0, 2, 0]
-    assert Doc2VecTask.final_figures_on.startswith("each site's own documents (doc2vec has no test split")
+    assert Doc2VecTask.final_figures_on.startswith("each site's own documents, as doc2vec has no test split")
     missing = Doc2VecTask.Config(dataset="file", path=str(corpus), mode="nomapping",
                                  public_corpus=f"file:{tmp_path / 'nope.jsonl'}")
     with pytest.raises(DataError, match=r"task.public_corpus='file:.*nope.jsonl' .* or none with method=nomapping"):
