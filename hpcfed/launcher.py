@@ -406,9 +406,11 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     try:
         from hpcfed.registry import task_class
 
-        note = getattr(task_class(cfg.task.name, cfg.source), "evaluation_note", "")  # what the task's splits mean
+        task_cls: object = task_class(cfg.task.name, cfg.source)
     except ValueError:
-        note = ""
+        task_cls = None
+    lines += getattr(task_cls, "summary_lines", lambda _: [])(summary)  # e.g. DAMe: personalised vs Local
+    note = getattr(task_cls, "evaluation_note", "")  # what the task's splits mean
     note = note or "the val_* figures of the round lines are on each site's validation split"
     lines.append(f"note: {note}")
     step = "round" if cfg.mode == "sync" else "accepted update"
