@@ -128,7 +128,7 @@ def tables(args: argparse.Namespace, runs: dict[str, dict[int, dict]]) -> str:
                     rounds = [r for r in series if r >= 1]
                     if name == "val_nmi" and series:
                         vals.append(series[max(series)])
-                    elif rounds and (name != "glecc_on" or m == "dame"):
+                    elif rounds and m.startswith("dame") and (name != "glecc_on" or m == "dame"):
                         vals.append(float(np.mean([series[r] for r in rounds])))
                 cells.append(f"{np.mean(vals):.3f}" if vals else "–")
             parts.append(f"| {m} | {args.sites[c]} | " + " | ".join(cells) + " |")

@@ -89,14 +89,17 @@ class LocalTrack:
 
 def closing_lines(summary: dict[str, Any]) -> list[str]:
     """The console's per-site line after ``done:``: personalised minus own Local model, test NMI."""
-    clients = summary.get("clients", {})
+    clients = summary.get("clients")
+    if not isinstance(clients, dict):
+        return []
     parts = []
     for cid in sorted(clients, key=lambda c: int(c) if str(c).isdigit() else 0):
         site = clients[cid]
-        if not isinstance(site, dict) or "vs_local_nmi" not in site:
-            continue
-        kept = "kept personalised" if site.get("kept_personal", 0.0) >= 0.5 else "kept local"
-        parts.append(f"site {cid} {site['vs_local_nmi']:+.3f} ({kept})")
+        figure = site.get("vs_local_nmi") if isinstance(site, dict) else None
+        if not isinstance(figure, (int, float)) or isinstance(figure, bool) or not math.isfinite(figure):
+            continue  # a site that sent none (dame-paper, a late or hostile site): nothing to say
+        kept = "kept personalised" if site.get("kept_personal") == 1.0 else "kept local"
+        parts.append(f"site {cid} {figure:+.3f} ({kept})")
     if not parts:
         return []
     return ["personalised vs each site's own validation-best Local model, test NMI: " + "; ".join(parts)

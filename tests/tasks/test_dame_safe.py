@@ -65,6 +65,11 @@ def test_closing_line_one_figure_per_site():
     (line,) = closing_lines(summary)
     assert "site 0 -0.031 (kept local); site 1 +0.013 (kept personalised)" in line and "site 2" not in line
     assert closing_lines({"clients": {"0": {"nmi": 0.5}}}) == []
+    hostile = {"clients": {"0": "x", "1": {"vs_local_nmi": "1e9"}, "2": {"vs_local_nmi": math.nan},
+                           "3": {"vs_local_nmi": True}, "4": {"vs_local_nmi": 0.5, "kept_personal": "yes"}}}
+    (line,) = closing_lines(hostile)  # what is not a finite number is left out; nothing raises
+    assert "site 4 +0.500 (kept local)" in line and "site 1" not in line and "site 3" not in line
+    assert closing_lines({"clients": [{"vs_local_nmi": 0.1}]}) == [] and closing_lines({}) == []
 
 
 def test_shadow_is_method_local_bit_for_bit_and_the_gate_and_selection_report(tmp_path):
