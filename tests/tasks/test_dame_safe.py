@@ -50,9 +50,10 @@ def test_bola_scores_the_local_anchor_first_and_ties_go_to_the_local_side():
         calls.append(lam)
         return 0.5
 
-    lam, history = bola(flat, lo=0.6, n_init=2, n_calls=3, seed=0, anchors=(1.0,))
-    assert calls[0] == 1.0 and lam == 1.0 and len(history) == 3
-    lam, history = bola(lambda x: 1.0 - abs(x - 0.8), lo=0.6, n_init=2, n_calls=3, seed=0, anchors=(1.0,))
+    # two calls: the anchor and one initial point, no GP fit (fast); the point is inside (0.6, 1)
+    lam, history = bola(flat, lo=0.6, n_init=2, n_calls=2, seed=0, anchors=(1.0,))
+    assert calls[0] == 1.0 and lam == 1.0 and len(history) == 2
+    lam, history = bola(lambda x: 1.0 - abs(x - 0.8), lo=0.6, n_init=2, n_calls=2, seed=0, anchors=(1.0,))
     assert lam < 1.0 and lam == max(history, key=lambda h: h[1])[0]  # a better merge still wins
     with pytest.raises(ValueError, match="anchors"):
         bola(flat, lo=0.6, anchors=(0.0,))
@@ -76,7 +77,7 @@ def test_shadow_is_method_local_bit_for_bit_and_the_gate_and_selection_report(tm
     """A safe site's shadow model after two rounds equals a Local site's model; the gate shuts GLECC
     on a received model that scores worse, and the final metrics carry the comparison."""
     local = make_task(tmp_path, bola=False, glecc=False)
-    safe = make_task(tmp_path, safe=True)
+    safe = make_task(tmp_path, safe=True, bola_calls=2)  # no GP fit: the anchor and one initial point
     start = local.get_parameters()
     for task in (local, safe):
         task.set_parameters(start)
@@ -96,7 +97,7 @@ def test_shadow_is_method_local_bit_for_bit_and_the_gate_and_selection_report(tm
     assert final["vs_local_nmi"] == pytest.approx(final["personal_nmi"] - final["local_nmi"])
     assert final["nmi"] == (final["personal_nmi"] if final["kept_personal"] else final["local_nmi"])
     state = safe.state_dict()
-    again = make_task(tmp_path, safe=True)
+    again = make_task(tmp_path, safe=True, bola_calls=2)
     again.load_state_dict(state)
     assert np.array_equal(again._flat(again.shadow.model), safe._flat(safe.shadow.model))
     assert again.shadow.best_round == safe.shadow.best_round and again.shadow.best_val == safe.shadow.best_val
