@@ -14,9 +14,11 @@ nothing let a site fall back to training alone. The rules (evidence in docs/dame
    θ^g separates this site's events at least as well.
 3. **Model selection with Local always a candidate** (`LocalTrack`, `choose_personal`): each site
    also trains a shadow Local model on the same seeded batches as ``method=local`` (so it is that
-   model, bit for bit) and keeps its validation-best snapshot. At the end the personalised model is
-   kept only if its validation NMI beats that snapshot's by more than ``task.select_margin``; the
-   site reports both models' test NMI, and their difference, in its final metrics.
+   model, bit for bit). At the end the personalised model is kept only if its validation NMI (mean
+   of ``eval_repeats`` embeddings) beats the Local model's by more than ``task.select_margin``; the
+   site reports both models' test NMI, and their difference, in its final metrics. The Local
+   candidate is Local's final model, not its best round on validation: a per-round snapshot chosen
+   on one embedding of a small validation split picked an undertrained round-0 model (docs/dame.md).
 """
 
 from __future__ import annotations
@@ -45,32 +47,21 @@ def choose_personal(val_personal: float, val_local: float, margin: float = 0.0) 
 
 
 class LocalTrack:
-    """A site's shadow Local model: trained as ``method=local`` would, its validation-best snapshot kept."""
+    """A site's shadow Local model, trained as ``method=local`` would be, and its Adam."""
 
     def __init__(self, model: Any, optimizer: Any) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.best_flat: np.ndarray | None = None
-        self.best_val = -math.inf
-        self.best_round = -1
-
-    def observe(self, val_nmi: float, flat: np.ndarray, round: int) -> None:
-        """Keep `flat` if its validation NMI is the best so far (a tie goes to the later round)."""
-        if math.isfinite(val_nmi) and val_nmi >= self.best_val:
-            self.best_flat, self.best_val, self.best_round = flat.copy(), float(val_nmi), int(round)
+        self.rounds = 0  # rounds trained: no candidate before the first
 
     def state(self, flat: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Header and arrays to resume from: the shadow's parameters, optimizer and best snapshot."""
+        """Header and arrays to resume from: the shadow's parameters and optimizer."""
         from hpcfed.tasks import torch_state
 
         head, arrays = torch_state.optimizer_state(self.optimizer)
         out = {"s" + k: v for k, v in arrays.items()}
         out["shadow"] = flat
-        if self.best_flat is not None:
-            out["shadow_best"] = self.best_flat
-        header = {"shadow_optimizer": head, "shadow_best_val": self.best_val if self.best_flat is not None else None,
-                  "shadow_best_round": self.best_round}
-        return header, out
+        return {"shadow_optimizer": head, "shadow_rounds": self.rounds}, out
 
     def load(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> np.ndarray | None:
         """Restore `state`; returns the shadow's parameters (the caller loads them), None if absent."""
@@ -80,10 +71,7 @@ class LocalTrack:
             return None
         torch_state.load_optimizer_state(self.optimizer, header["shadow_optimizer"],
                                          {k[1:]: v for k, v in arrays.items() if k.startswith("sopt/")})
-        if "shadow_best" in arrays and header.get("shadow_best_val") is not None:
-            self.best_flat = np.array(arrays["shadow_best"], dtype=np.float32)
-            self.best_val = float(header["shadow_best_val"])
-            self.best_round = int(header.get("shadow_best_round", -1))
+        self.rounds = int(header.get("shadow_rounds", 0))
         return np.array(arrays["shadow"], dtype=np.float32)
 
 
@@ -102,5 +90,6 @@ def closing_lines(summary: dict[str, Any]) -> list[str]:
         parts.append(f"site {cid} {figure:+.3f} ({kept})")
     if not parts:
         return []
-    return ["personalised vs each site's own validation-best Local model, test NMI: " + "; ".join(parts)
+    return ["personalised minus each site's own Local model (the candidate it was validated against), test NMI: "
+            + "; ".join(parts)
             + " (summary.json: clients.K.vs_local_nmi)"]

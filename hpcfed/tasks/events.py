@@ -404,7 +404,7 @@ class EventsTask(Task):
                      gen=self._triplet_gen(round))
         h = self._embed(self.shadow.model, self.val_idx, _rng(self.site.seed, 41, self.site.client_id, round))
         val = kmeans_metrics(h, self.labels[self.val_idx])["nmi"]
-        self.shadow.observe(val, self._flat(self.shadow.model), round)
+        self.shadow.rounds += 1
         out = {"local_val_nmi": val, "glecc_on": float(self.glecc_on and round >= 1)}
         if all(np.isfinite(self.gate_scores)):
             out.update(gate_val_nmi_global=self.gate_scores[0], gate_val_nmi_local=self.gate_scores[1])
@@ -415,23 +415,21 @@ class EventsTask(Task):
 
     def _final_model(self) -> Any:
         """The model a site ends with: personal (Ditto), or θ^g merged by one last BOLA step; with
-        ``safe``, that or the shadow's validation-best Local model, whichever scores higher on validation."""
+        ``safe``, that or the shadow Local model, whichever `choose_personal` keeps on validation."""
         if self.config.ditto:
             return self.personal
         if self.received is not None and not self.received_used:
             flat = self._local_aggregate(getattr(self, "_round", 0) + 1, self.received)
             self.received_used = True
             self._load_flat(self.model, flat)
-        if self.shadow is None or self.shadow.best_flat is None:
+        if self.shadow is None or self.shadow.rounds == 0:
             return self.model
         if self.final is None:
-            local = self.build_model(self.config)
-            self._load_flat(local, self.shadow.best_flat)
+            local = self.shadow.model
             val_p, val_l = (self._scores(m, self.val_idx, 53)["nmi"] for m in (self.model, local))
             keep = choose_personal(val_p, val_l, self.config.select_margin)
             self.final = (self.model if keep else local, local, {
-                "kept_personal": float(keep), "val_personal_nmi": val_p, "val_local_nmi": val_l,
-                "local_round": float(self.shadow.best_round)})
+                "kept_personal": float(keep), "val_personal_nmi": val_p, "val_local_nmi": val_l})
         return self.final[0]
 
     def _scores(self, model: Any, nodes: np.ndarray, key: int) -> dict[str, float]:

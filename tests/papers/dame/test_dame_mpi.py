@@ -31,7 +31,7 @@ def test_dame_federation_with_a_malicious_site(tmp_path):
         # the safe DAMe (issue 26): the personalised model against the site's own Local model, one figure
         assert site["vs_local_nmi"] == site["personal_nmi"] - site["local_nmi"]
         assert site["nmi"] == (site["personal_nmi"] if site["kept_personal"] == 1.0 else site["local_nmi"])
-    line = next(x for x in proc.stderr.splitlines() if "personalised vs each site's own" in x)
+    line = next(x for x in proc.stderr.splitlines() if "personalised minus each site's own Local model" in x)
     assert all(f"site {cid} " in line for cid in "0123")
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     names = {e["name"] for e in events}
