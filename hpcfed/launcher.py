@@ -411,7 +411,7 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     try:
         from hpcfed.registry import task_class
 
-        task_cls = task_class(cfg.task.name, cfg.source)
+        task_cls: object = task_class(cfg.task.name, cfg.source)
     except ValueError:
         task_cls = None
     note = getattr(task_cls, "evaluation_note", "")  # what the task's splits mean
@@ -419,6 +419,7 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     measured_on = getattr(task_cls, "final_figures_on", "")
     kind, on = ("", measured_on) if measured_on else (" test", "each site's test split")
     lines = [f"done: final{kind} metrics, mean over {clients} site{'s' if clients != 1 else ''}: {figures} (on {on})"]
+    lines += getattr(task_cls, "summary_lines", lambda _: [])(summary)  # e.g. DAMe: personalised vs Local
     note = note or "the val_* figures of the round lines are on each site's validation split"
     lines.append(f"note: {note}")
     step = "round" if cfg.mode == "sync" else "accepted update"

@@ -451,12 +451,38 @@ def event_part(messages: Messages, part: int, parts: int) -> Messages:
     return messages.take(np.flatnonzero(np.isin(events, list(keep))).tolist())
 
 
+def event_subset(messages: Messages, pattern: str, site: str = "") -> Messages:
+    """The messages of the events whose label matches `pattern` (a regular expression, case-insensitive,
+    searched anywhere in the label), e.g. ``quake|flood``: one site per disaster type."""
+    where = f"site {site!r}: " if site else ""
+    if not pattern or len(pattern) > 200:
+        raise DataError(f"{where}event pattern must be 1 to 200 characters, e.g. crisislext26~quake")
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)
+    except re.error as exc:
+        raise DataError(f"{where}event pattern {pattern!r} is not a regular expression ({exc}); "
+                        "write it like quake|flood") from None
+    events = np.asarray(messages.events)
+    names = np.unique(events)
+    keep = [e for e in names.tolist() if regex.search(str(e))]
+    if not keep:
+        raise DataError(f"{where}no event label matches {pattern!r}; the labels are: {', '.join(map(str, names))}")
+    return messages.take(np.flatnonzero(np.isin(events, keep)).tolist())
+
+
 def load_site(name: str, data_root: str | Path | None = None) -> tuple[Messages, LoadReport]:
     """A built-in dataset name (`LOADERS`) or a path to a message file in the documented format.
 
     ``NAME:I/K`` (e.g. ``crisislext26:2/4``) is the I-th of K groups of NAME's events in time order
-    (`event_part`): one dataset split into K sites with distinct events.
+    (`event_part`): one dataset split into K sites with distinct events. ``NAME~PATTERN`` (e.g.
+    ``crisislext26~quake``) keeps the events whose label matches PATTERN (`event_subset`).
     """
+    base, _, pattern = name.rpartition("~")
+    if base and "/" not in pattern:  # NAME~PATTERN: the events whose label matches PATTERN (not ~/a.csv)
+        msgs, report = load_site(base, data_root)
+        msgs = event_subset(msgs, pattern, name)
+        report.source += f" (events matching {pattern!r}: {len(set(msgs.events))} events, {len(msgs)} messages)"
+        return msgs, report
     m = _PART.match(name)
     if m:
         msgs, report = load_site(m["base"], data_root)
