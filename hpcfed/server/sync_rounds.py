@@ -18,6 +18,7 @@ from hpcfed.server.bounding import Bounding
 from hpcfed.server.core import ServerCore
 from hpcfed.server.progress import Progress
 from hpcfed.server.scratch import Parking
+from hpcfed.server.secagg_round import SecAggRound
 from hpcfed.server.validation import ShardRef
 from hpcfed.strategies.base import SyncStrategy, Update
 
@@ -52,6 +53,8 @@ class SyncRounds:
         self.sent_round: dict[int, int] = {}  # client id -> the round whose model it was last given
         self.owed: set[int] = set()  # late sites owed the current round's model
         self.checkpointed = False  # whether the last round ended with a checkpoint
+        # privacy.secure_aggregation: rank 0 learns each round's sum only (hpcfed.server.secagg_round)
+        self.secagg = SecAggRound(core) if core.cfg.privacy.secure_aggregation else None
 
     def run(self) -> int | None:
         """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,
@@ -75,7 +78,10 @@ class SyncRounds:
         core.influence.begin_round(core.live)
         got: Uploads = {}
         refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
-        self.collect_uploads(rnd, t0, want_state, got, refused)
+        if self.secagg is not None:
+            got.update(self.secagg.collect(rnd, want_state))
+        else:
+            self.collect_uploads(rnd, t0, want_state, got, refused)
         self.drop_departed(sorted(core.live - set(got)))
         missing = sorted(core.live - set(got))
         self.behind = set(missing)
