@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hpcfed.privacy import shamir
-from hpcfed.privacy.masking import agree, expand
+from hpcfed.privacy.masking import agree, apply_masks
 
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 
@@ -175,11 +175,12 @@ class SiteState:
             raise ProtocolError(f"site {self.site}: shares from only {len(self.held)} neighbours, under the threshold")
         if codes.shape != (self.size,) or codes.dtype != np.uint32:
             raise ValueError(f"site {self.site}: input must be uint32 ({self.size},), got {codes.dtype} {codes.shape}")
-        y = codes + expand(self.seed, self.size, b"self")
+        masks = [(self.seed, b"self", 1)]
         for peer in self.held:  # only neighbours whose shares came: the others are dropped for everyone
             k = agree(self.s_key, self.adverts[peer].s_public, self.site, peer, b"mask")
-            mask = expand(k, self.size, b"pair")
-            y = y + mask if peer > self.site else y - mask
+            masks.append((k, b"pair", 1 if peer > self.site else -1))
+        y = codes.copy()
+        apply_masks(y, masks)
         return y
 
     def unmask(self, alive: set[int], dropped: set[int]) -> dict[int, tuple[str, int, bytes]]:
@@ -214,6 +215,7 @@ class ServerState:
         self.shares: dict[int, list[SealedShare]] = {}  # receiver -> shares for it
         self.shared: set[int] = set()
         self.masked: dict[int, np.ndarray] = {}
+        self.total = np.zeros(size, dtype=np.uint32)  # Σ masked inputs so far
         self.answers: dict[int, dict[int, tuple[str, int, bytes]]] = {}
 
     def take_advert(self, site: int, adv: Advert) -> None:
@@ -245,6 +247,12 @@ class ServerState:
         if site in self.masked or y.shape != (self.size,) or y.dtype != np.uint32:
             raise ProtocolError(f"site {site}: masked input refused (a second one, or not uint32 ({self.size},))")
         self.masked[site] = y
+        np.add(self.total, y, out=self.total)  # summed on arrival (uint32: mod 2^32), off the unmasking's path
+
+    def withdraw(self, site: int) -> None:
+        """Leave `site`'s masked input out of the sum (it was evicted since): it counts as dropped."""
+        y = self.masked.pop(site)
+        np.subtract(self.total, y, out=self.total)
 
     def unmask_request(self) -> tuple[set[int], set[int]]:
         """Alive: sent a masked input; dropped: shared keys, sent no masked input."""
@@ -263,19 +271,16 @@ class ServerState:
     def result(self) -> tuple[np.ndarray, set[int]]:
         """The unwrapped uint32 sum of the alive sites' inputs, and who they are."""
         alive, dropped = self.unmask_request()
-        total = np.zeros(self.size, dtype=np.uint32)
-        for y in self.masked.values():
-            total = total + y
-        for u in alive:
-            seed = self._rebuild(u, "seed")
-            total = total - expand(seed, self.size, b"self")
+        masks = [(self._rebuild(u, "seed"), b"self", -1) for u in alive]
         for v in dropped:
             s_v = X25519PrivateKey.from_private_bytes(self._rebuild(v, "key"))
             for u in self.graph[v] & alive:
                 if v not in self._peers_of(u):
                     continue
-                mask = expand(agree(s_v, self.adverts[u].s_public, v, u, b"mask"), self.size, b"pair")
-                total = total - mask if v > u else total + mask  # undo what u added for its pair with v
+                # undo what u added for its pair with v: u added the mask when v > u, subtracted it otherwise
+                masks.append((agree(s_v, self.adverts[u].s_public, v, u, b"mask"), b"pair", -1 if v > u else 1))
+        total = self.total.copy()
+        apply_masks(total, masks)
         return total, alive
 
     def _peers_of(self, u: int) -> set[int]:

@@ -36,6 +36,7 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
+from hpcfed.privacy.dp import l2_norm
 from hpcfed.privacy.secagg import ProtocolError, ServerState, round_graph
 from hpcfed.privacy.site_input import decode_sum, sites_needed, spec_for
 from hpcfed.server import validation as V
@@ -94,7 +95,7 @@ class SecAggRound:
         self._gather(rnd, P.SA_MASKED, shared, lambda cid, msg: self._take_masked(
             rnd, cid, msg, want_state, state, taken))
         for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
-            del state.masked[cid]
+            state.withdraw(cid)
         alive, dropped = state.unmask_request()
         self._quorum(rnd, alive, "sent masked inputs")
         for cid in sorted(alive):
@@ -183,7 +184,7 @@ class SecAggRound:
     def _sum_ok(self, rnd: int, weighted_sum: np.ndarray, examples: int, count: int) -> bool:
         """Honest sites clipped to C: ‖Σ n_k δ_k‖ ≤ C·Σ n_k (plus the noise's 4 stds under DP). Beyond
         it some site sent an input outside the encoding; the round's sum is refused, the model stays."""
-        spec, norm = self.spec, float(np.linalg.norm(weighted_sum))
+        spec, norm = self.spec, l2_norm(weighted_sum)
         bound = spec.clip_norm * examples + 4 * spec.noise_std * math.sqrt(count * weighted_sum.size)
         if math.isfinite(norm) and norm <= bound:
             return True
