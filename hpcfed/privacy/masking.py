@@ -53,7 +53,7 @@ def _zeros(nbytes: int) -> memoryview:
 def expand(key: bytes, size: int, label: bytes = b"mask") -> np.ndarray:
     """`size` uint32 mask words (little-endian) from AES-256-CTR keyed with the whole 32-byte `key`."""
     out = np.empty(size, dtype="<u4")
-    _cipher(key, label).update_into(_zeros(out.nbytes), memoryview(out).cast("B"))
+    _cipher(key, label).update_into(_zeros(out.nbytes), out.data.cast("B"))
     return out.astype(np.uint32, copy=False)
 
 
@@ -69,7 +69,7 @@ def apply_masks(y: np.ndarray, masks: Sequence[tuple[bytes, bytes, int]]) -> Non
     for start in range(0, y.size, BLOCK_WORDS):
         part = y[start:start + BLOCK_WORDS]
         stream = scratch[:part.size]
-        view, zero = memoryview(stream).cast("B"), zeros[:stream.nbytes]
+        view, zero = stream.data.cast("B"), zeros[:stream.nbytes]
         for enc, op in streams:
             enc.update_into(zero, view)
             op(part, stream, out=part)
