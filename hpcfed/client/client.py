@@ -160,7 +160,8 @@ class Client:
         if self.secagg is not None:
             sent = self._layout.flatten(self.task.get_parameters())
             try:
-                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg))
+                prepared = msg.header.get("secagg_prepared") is True  # keys shared in the last round
+                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg), prepared)
             except Superseded as exc:  # the server went on without this site (a straggler): the next message
                 self._pending = exc.msg
             return

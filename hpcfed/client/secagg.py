@@ -53,25 +53,26 @@ class SecAggSite:
         self.identity, self.peer_keys = secagg_identities(cfg.security, channel.rank)
         self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
         self.uniform = cfg.strategy.options.get("weighting", "num_examples") == "uniform"
+        self.next: SiteState | None = None  # the next round's keys, shared ahead with this round's unmasking
 
-    def round(self, rnd: int, sent: np.ndarray, fit: Fit) -> None:
-        """Take part in round `rnd` whose model was `sent` (float32 aggregation vector). Raises
-        `Superseded` when the server moves on without this site, FederationError when it refuses."""
+    def round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False) -> None:
+        """Take part in round `rnd` whose model was `sent` (float32 aggregation vector); `prepared`: the
+        server says this round's keys and shares were exchanged in the last one. Raises `Superseded`
+        when the server moves on without this site, FederationError when it refuses."""
         try:
-            self._round(rnd, sent, fit)
+            self._round(rnd, sent, fit, prepared)
         except ProtocolError as exc:
             raise FederationError(f"client {self.site} (rank {self.site + 1}): secure aggregation refused in "
                                   f"round {rnd}: {exc}") from None
 
-    def _round(self, rnd: int, sent: np.ndarray, fit: Fit) -> None:
+    def _round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False) -> None:
         me, n = self.site, self.num_sites
-        state = SiteState(me, round_graph(n, rnd, self.cfg.privacy.secagg.degree), self.size,
-                          self.identity, self.peer_keys)
-        self._send(P.SA_ADVERT, {"round": rnd, "advert": W.advert_fields(state.advertise())})
-        keys = self._wait(rnd, P.SA_KEYS)
-        sealed = state.share_keys(W.parse_adverts(keys.header.get("adverts"), state.peers, n, me))
-        ids, blob = W.shares_message(sealed, by_sender=False)
-        self._send(P.SA_SHARES, {"round": rnd, "to": ids}, {W.SHARES_TENSOR: blob})
+        state, self.next = self.next, None
+        if not prepared:
+            state = self._setup(rnd)
+        elif state is None or state.rnd != rnd or not state.adverts:
+            raise ProtocolError(f"the server says round {rnd}'s keys were exchanged in round {rnd - 1}, but site "
+                                f"{me} shared none for it")
         relayed = self._wait(rnd, P.SA_SHARES_FOR)
         shares = W.parse_shares(me, relayed.header.get("from"), relayed.tensors, n, me, by_sender=True)
         trained, num_examples, header = fit()
@@ -84,11 +85,33 @@ class SecAggSite:
         # The example count travels masked only: the header keeps the metrics and the checkpoint shard.
         clear: dict[str, Any] = {k: header[k] for k in ("metrics", "shard") if k in header}
         clear["metrics"]["secagg_clipped"] = 0.0 if within else 1.0
-        self._send(P.SA_MASKED, {"round": rnd, **clear}, {W.MASKED_TENSOR: state.masked_input(shares, codes)})
+        nxt = self._state(rnd + 1)  # fresh keys for the next round, advertised with this round's input
+        self._send(P.SA_MASKED, {"round": rnd, **clear, "next_advert": W.advert_fields(nxt.advertise())},
+                   {W.MASKED_TENSOR: state.masked_input(shares, codes)})
         request = self._wait(rnd, P.SA_UNMASK)
         alive = set(W.site_ids(request.header.get("alive"), n, "the server's alive list", me))
         dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
-        self._send(P.SA_REVEAL, {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped))})
+        reveal: dict[str, Any] = {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped))}
+        tensors = None
+        if request.header.get("next_adverts") is not None:  # the next round is set up now, off its path
+            adverts = W.parse_adverts(request.header["next_adverts"], nxt.peers, n, me)
+            reveal["next_to"], blob = W.shares_message(nxt.share_keys(adverts), by_sender=False)
+            tensors, self.next = {W.SHARES_TENSOR: blob}, nxt
+        self._send(P.SA_REVEAL, reveal, tensors)
+
+    def _state(self, rnd: int) -> SiteState:
+        return SiteState(self.site, round_graph(self.num_sites, rnd, self.cfg.privacy.secagg.degree), self.size,
+                         self.identity, self.peer_keys, rnd)
+
+    def _setup(self, rnd: int) -> SiteState:
+        """Round `rnd`'s keys advertised and shared within the round (the server asked for it)."""
+        state = self._state(rnd)
+        self._send(P.SA_ADVERT, {"round": rnd, "advert": W.advert_fields(state.advertise())})
+        keys = self._wait(rnd, P.SA_KEYS)
+        sealed = state.share_keys(W.parse_adverts(keys.header.get("adverts"), state.peers, self.num_sites, self.site))
+        ids, blob = W.shares_message(sealed, by_sender=False)
+        self._send(P.SA_SHARES, {"round": rnd, "to": ids}, {W.SHARES_TENSOR: blob})
+        return state
 
     def _send(self, kind: int, header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> None:
         self.channel.send(0, kind, header, tensors)

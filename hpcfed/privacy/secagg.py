@@ -77,8 +77,11 @@ class Advert:
     s_public: bytes
     signature: bytes | None = None
 
-    def signed_bytes(self) -> bytes:
-        return b"hpcfed-secagg-advert" + self.site.to_bytes(4, "big") + self.c_public + self.s_public
+    def signed_bytes(self, rnd: int) -> bytes:
+        """What the site signs: its keys bound to itself and to round `rnd`, so that a server cannot
+        replay an earlier round's advert (whose key it may have rebuilt from the shares of a dropout)."""
+        return (b"hpcfed-secagg-advert" + rnd.to_bytes(8, "big") + self.site.to_bytes(4, "big") + self.c_public
+                + self.s_public)
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,9 @@ class SiteState:
     """One site's side of a secure aggregation round."""
 
     def __init__(self, site: int, graph: dict[int, set[int]], size: int,
-                 identity: Ed25519PrivateKey | None = None, peer_identities: dict[int, bytes] | None = None) -> None:
-        self.site, self.size = site, size
+                 identity: Ed25519PrivateKey | None = None, peer_identities: dict[int, bytes] | None = None,
+                 rnd: int = 0) -> None:
+        self.site, self.size, self.rnd = site, size, rnd
         self.peers = graph[site]
         self.threshold = threshold_for(len(self.peers))
         self.identity, self.peer_identities = identity, peer_identities
@@ -116,7 +120,7 @@ class SiteState:
         c, s = self.c_key.public_key().public_bytes(*_RAW), self.s_key.public_key().public_bytes(*_RAW)
         advert = Advert(self.site, c, s)
         if self.identity is not None:
-            advert = Advert(self.site, c, s, self.identity.sign(advert.signed_bytes()))
+            advert = Advert(self.site, c, s, self.identity.sign(advert.signed_bytes(self.rnd)))
         return advert
 
     def share_keys(self, adverts: dict[int, Advert]) -> list[SealedShare]:
@@ -150,9 +154,10 @@ class SiteState:
         if public is None or adv.signature is None:
             raise ProtocolError(f"site {adv.site}: its agreement keys carry no signature from a known identity")
         try:
-            Ed25519PublicKey.from_public_bytes(public).verify(adv.signature, adv.signed_bytes())
+            Ed25519PublicKey.from_public_bytes(public).verify(adv.signature, adv.signed_bytes(self.rnd))
         except InvalidSignature:
-            raise ProtocolError(f"site {adv.site}: forged agreement key (signature does not verify)") from None
+            raise ProtocolError(f"site {adv.site}: forged agreement key for round {self.rnd} (signature does not "
+                                f"verify: substituted, or replayed from another round)") from None
 
     def masked_input(self, shares: list[SealedShare], codes: np.ndarray) -> np.ndarray:
         """Round 2: open the shares sent to me, then my fixed-point `codes` masked mod 2^32."""
@@ -209,8 +214,8 @@ class SiteState:
 class ServerState:
     """The relay and the unmasking on rank 0: it learns the sum of the alive sites' inputs only."""
 
-    def __init__(self, graph: dict[int, set[int]], size: int) -> None:
-        self.graph, self.size = graph, size
+    def __init__(self, graph: dict[int, set[int]], size: int, rnd: int = 0) -> None:
+        self.graph, self.size, self.rnd = graph, size, rnd
         self.adverts: dict[int, Advert] = {}
         self.shares: dict[int, list[SealedShare]] = {}  # receiver -> shares for it
         self.shared: set[int] = set()

@@ -60,6 +60,7 @@ class SecAggRound:
         self.size = core.layout.size + 1  # the weighted delta and the weight
         self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
         self.dp = cfg.privacy.dp is not None
+        self.prepared: ServerState | None = None  # the next round's keys and shares, exchanged in this one
         if cfg.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
@@ -68,11 +69,59 @@ class SecAggRound:
     def collect(self, rnd: int, want_state: bool) -> Taken:
         """Run round `rnd`'s protocol and fold the sum into the strategy; the sites whose inputs are in it."""
         core = self.core
-        state = ServerState(round_graph(self.num_sites, rnd, core.cfg.privacy.secagg.degree), self.size)
+        state, self.prepared = self.prepared, None
+        if state is not None and (state.rnd != rnd or set(state.shared) != core.live):
+            state = None  # prepared for another round, or a site has joined the live ones since: set up anew
         for cid in sorted(core.live):
-            core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state},
+            core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state,
+                                         "secagg_prepared": state is not None},
                          core.model_tensors(core.strategy.model_for(cid)))
+            if state is not None:  # its keys and shares came in the last round: nothing to wait for
+                self._relay_shares(rnd, cid, state)
+        if state is None:
+            state = self._setup(rnd)
+        nxt = ServerState(self._graph(rnd + 1), self.size, rnd + 1) if rnd + 1 < core.cfg.rounds else None
+        taken: Taken = {}
+        self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
+            rnd, cid, msg, want_state, state, taken, nxt))
+        for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
+            state.withdraw(cid)
+        alive, dropped = state.unmask_request()
+        self._quorum(rnd, alive, "sent masked inputs")
+        # The next round is set up alongside this one's unmasking only when every live site is in both.
+        ahead = nxt is not None and alive == core.live == set(nxt.adverts)
+        for cid in sorted(alive):
+            header = {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped)}
+            if ahead and nxt is not None:
+                header["next_adverts"] = [W.advert_fields(a) for a in nxt.adverts_for(cid).values()]
+            core.send_to(cid, P.SA_UNMASK, header)
         n = self.num_sites
+
+        def reveal(cid: int, msg: Message) -> None:
+            answers = W.parse_answers(cid, msg.header.get("answers"), n)
+            shares = None
+            if ahead and nxt is not None:
+                shares = W.parse_shares(cid, msg.header.get("next_to"), msg.tensors, n, cid, by_sender=False)
+            elif msg.tensors or "next_to" in msg.header:
+                raise ProtocolError(f"site {cid}: shares for round {rnd + 1} that were not asked for")
+            if shares is not None and nxt is not None:
+                nxt.take_shares(cid, shares)
+            state.take_unmask(cid, answers)
+
+        self._gather(rnd, P.SA_REVEAL, alive, reveal)
+        if ahead and nxt is not None and set(nxt.shared) == core.live:
+            self.prepared = nxt
+        self._fold(rnd, state)
+        return {cid: taken[cid] for cid in alive}
+
+    def _graph(self, rnd: int) -> dict[int, set[int]]:
+        return round_graph(self.num_sites, rnd, self.core.cfg.privacy.secagg.degree)
+
+    def _setup(self, rnd: int) -> ServerState:
+        """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
+        round some live site missed): two more exchanges before the sites can mask."""
+        core, n = self.core, self.num_sites
+        state = ServerState(self._graph(rnd), self.size, rnd)
 
         def advert(cid: int, msg: Message) -> None:
             state.take_advert(cid, W.parse_advert(cid, msg.header.get("advert"), n))
@@ -89,24 +138,12 @@ class SecAggRound:
         shared = self._gather(rnd, P.SA_SHARES, advertised, shares)
         self._quorum(rnd, shared, "shared keys")
         for cid in sorted(shared):
-            ids, blob = W.shares_message(state.shares_for(cid), by_sender=True)
-            core.send_to(cid, P.SA_SHARES_FOR, {"round": rnd, "from": ids}, {W.SHARES_TENSOR: blob})
-        taken: Taken = {}
-        self._gather(rnd, P.SA_MASKED, shared, lambda cid, msg: self._take_masked(
-            rnd, cid, msg, want_state, state, taken))
-        for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
-            state.withdraw(cid)
-        alive, dropped = state.unmask_request()
-        self._quorum(rnd, alive, "sent masked inputs")
-        for cid in sorted(alive):
-            core.send_to(cid, P.SA_UNMASK, {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped)})
+            self._relay_shares(rnd, cid, state)
+        return state
 
-        def reveal(cid: int, msg: Message) -> None:
-            state.take_unmask(cid, W.parse_answers(cid, msg.header.get("answers"), n))
-
-        self._gather(rnd, P.SA_REVEAL, alive, reveal)
-        self._fold(rnd, state)
-        return {cid: taken[cid] for cid in alive}
+    def _relay_shares(self, rnd: int, cid: int, state: ServerState) -> None:
+        ids, blob = W.shares_message(state.shares_for(cid), by_sender=True)
+        self.core.send_to(cid, P.SA_SHARES_FOR, {"round": rnd, "from": ids}, {W.SHARES_TENSOR: blob})
 
     # -- stages -----------------------------------------------------------------------------------------
     def _gather(self, rnd: int, kind: int, waiting: set[int], take: Callable[[int, Message], None]) -> set[int]:
@@ -143,14 +180,19 @@ class SecAggRound:
         done.add(cid)
 
     def _take_masked(self, rnd: int, cid: int, msg: Message, want_state: bool, state: ServerState,
-                     taken: Taken) -> None:
+                     taken: Taken, nxt: ServerState | None) -> None:
         y = W.parse_masked(cid, msg.tensors, self.size)
+        advert = None  # the site's keys for the next round, advertised with this round's input
+        if nxt is not None and msg.header.get("next_advert") is not None:
+            advert = W.parse_advert(cid, msg.header.get("next_advert"), self.num_sites)
         metrics, shard = msg.header.get("metrics", {}), V.shard_ref(msg.header.get("shard"))
         if not V.metrics_ok(metrics):
             raise ProtocolError(f"site {cid}: masked input's metrics are not at most {V.MAX_METRICS} named numbers")
         if want_state and (shard is None or shard["round"] != rnd):
             raise ProtocolError(f"site {cid}: masked input of checkpoint round {rnd} without a valid shard")
         state.take_masked(cid, y)
+        if advert is not None and nxt is not None:
+            nxt.take_advert(cid, advert)
         upd = Update(client_id=cid, flat=None, num_examples=0,
                      metrics={k: (float(v) if v is not None else math.nan) for k, v in metrics.items()})
         taken[cid] = (upd, shard if want_state else None)

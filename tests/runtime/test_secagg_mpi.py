@@ -1,11 +1,13 @@
 """Secure aggregation under `mpiexec -n 5` (4 sites), with a test-side spy (tests/privacy/secagg_spy.py)
 recording everything rank 0 decrypts and what each site fed the protocol; site 3 goes silent in
-round 0 after it shared its keys (a dropout after share submission).
+round 0 after it shared its keys (a dropout after share submission). Rounds 0 and 1 exchange their
+keys within the round (round 1 because site 3 missed round 0's unmasking); round 2's keys and shares
+travel with round 1's masked inputs and unmasking (set up ahead).
 
 - Rank 0 never receives an UPDATE; no vector it received is correlated with any site's plaintext
   update or fixed-point input, and no masked input agrees with its site's codes beyond chance.
 - The aggregate equals plain FedAvg (the example-weighted mean of the clipped deltas) of the sites
-  whose inputs are in the round, within quantisation: round 0 without site 3, round 1 with all four.
+  whose inputs are in the round, within quantisation: round 0 without site 3, rounds 1 and 2 with all four.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ DEADLINE_S = 4
 
 def _run(out: Path, spy: Path) -> subprocess.CompletedProcess:
     cmd = [mpiexec(), "-n", "5", sys.executable, str(SPY), str(spy), "3", "run", "configs/quickstart.yaml",
-           "--out", str(out), "rounds=2", "checkpoint_every=1", "privacy.secure_aggregation=true",
+           "--out", str(out), "rounds=3", "checkpoint_every=1", "privacy.secure_aggregation=true",
            "influence.enabled=false", "federation.quorum=0.75", f"federation.round_deadline_s={DEADLINE_S}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32, "SPY_SILENT_S": str(DEADLINE_S + 2)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
@@ -51,14 +53,18 @@ def test_rank0_sees_only_masked_inputs_and_the_sum_equals_fedavg_of_the_survivor
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(e["round"], e["client"]) for e in events if e["name"] == "straggler"] == [(0, 3)]
 
-    sites = {(c, r): np.load(spy / f"site{c}-r{r}.npz") for c in range(4) for r in range(2)}
+    sites = {(c, r): np.load(spy / f"site{c}-r{r}.npz") for c in range(4) for r in range(3)}
     size = sites[0, 0]["sent"].size
     received = [(json.loads(p.with_suffix(".json").read_text()), np.load(p))
                 for p in sorted((spy / "rank0").glob("*.npz"))]
     kinds = [h["kind"] for h, _ in received]
     assert 4 not in kinds  # no UPDATE: no site's model crossed in the clear
     masked = [(h, t["masked"]) for h, t in received if h["kind"] == 16]
-    assert len(masked) == 8  # 4 sites x 2 rounds (site 3's round-0 input came late, refused as stale)
+    assert len(masked) == 12  # 4 sites x 3 rounds (site 3's round-0 input came late, refused as stale)
+    set_up = {(h["kind"], h["header"]["round"]) for h, _ in received if h["kind"] in (12, 14)}  # SA_ADVERT, SA_SHARES
+    assert set_up == {(12, 0), (14, 0), (12, 1), (14, 1)}  # round 2's keys came with round 1's messages:
+    assert all("next_advert" in h["header"] for h, _ in masked if h["header"]["round"] == 1)
+    assert sum(h["kind"] == 18 and h["header"]["round"] == 1 and "next_to" in h["header"] for h, _ in received) == 4
     for header, y in masked:
         site, rnd = header["source"] - 1, header["header"]["round"]
         assert "num_examples" not in header["header"]  # the weight travels masked only
@@ -78,6 +84,7 @@ def test_rank0_sees_only_masked_inputs_and_the_sum_equals_fedavg_of_the_survivor
     assert all(np.array_equal(after0, sites[c, 1]["sent"]) for c in range(4))
     assert np.abs(after0 - fedavg(0, [0, 1, 2])).max() < 1e-5
     assert np.abs(after0 - fedavg(0, [0, 1, 2, 3])).max() > 1e-4  # site 3's late input is not in it
-    with h5py.File(ck.list_checkpoints(out / "checkpoints")[0], "r") as f:  # the newest: round 1's
+    assert np.abs(sites[0, 2]["sent"] - fedavg(1, [0, 1, 2, 3])).max() < 1e-5
+    with h5py.File(ck.list_checkpoints(out / "checkpoints")[0], "r") as f:  # the newest: round 2's, set up ahead
         final = f["strategy/global"][()]
-    assert np.abs(final - fedavg(1, [0, 1, 2, 3])).max() < 1e-5
+    assert np.abs(final - fedavg(2, [0, 1, 2, 3])).max() < 1e-5
