@@ -213,10 +213,14 @@ class SecAggRound:
         core = self.core
         try:
             total, alive = state.result()
-            weighted_sum, examples = decode_sum(total, len(alive), self.spec)
         except ValueError as exc:  # ProtocolError included: too few answers to rebuild a mask
             raise FederationError(f"round {rnd}: secure aggregation could not unmask the sum ({exc}); "
                                   f"last checkpoint: {core.last_checkpoint or 'none'}") from None
+        try:
+            weighted_sum, examples = decode_sum(total, len(alive), self.spec)
+        except ValueError as exc:  # a site wrote a weight outside the encoding: one round lost, not the run
+            self._refuse_sum(rnd, str(exc))
+            return
         if not self._sum_ok(rnd, weighted_sum, examples, len(alive)):
             return
         if not isinstance(core.strategy, FedAvg):  # registry.check_secure_aggregation allows only FedAvg
@@ -230,8 +234,11 @@ class SecAggRound:
         bound = spec.clip_norm * examples + 4 * spec.noise_std * math.sqrt(count * weighted_sum.size)
         if math.isfinite(norm) and norm <= bound:
             return True
-        log.warning("round %d: the securely aggregated sum has norm %.4g, above what %d sites clipped to %g can "
-                    "make (%.4g): a site sent an input outside the encoding; the round's sum is refused",
-                    rnd, norm, count, spec.clip_norm, bound)
-        self.core.metrics.log(rnd, None, "secagg_sum_refused", 1)
+        self._refuse_sum(rnd, f"its norm {norm:.4g} is above what {count} sites clipped to {spec.clip_norm:g} can "
+                              f"make ({bound:.4g})")
         return False
+
+    def _refuse_sum(self, rnd: int, why: str) -> None:
+        log.warning("round %d: the securely aggregated sum is refused, the model stays: %s; a site sent an input "
+                    "outside the encoding (which one, secure aggregation hides)", rnd, why)
+        self.core.metrics.log(rnd, None, "secagg_sum_refused", 1)
