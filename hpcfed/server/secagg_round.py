@@ -4,16 +4,22 @@ machines are `hpcfed.privacy.secagg`, its wire forms `hpcfed.privacy.secagg_wire
 
 ```
 rank 0                                                        site k
-  |-- PARAMS (round r, model) ----------------------------------->|
-  |<-------------------------- SA_ADVERT (c, s public keys; signed in keys mode)
-  |-- SA_KEYS (its neighbours' adverts, relayed) ---------------->|  checks the signatures
-  |<-------------------------- SA_SHARES (Shamir shares of b_k and s_k, sealed to each neighbour)
+  |-- PARAMS (round r, model; secagg_prepared) ------------------>|
+  |<-------------------------- SA_ADVERT (c, s public keys; signed for round r in keys mode)    } not when
+  |-- SA_KEYS (its neighbours' adverts, relayed) ---------------->|  checks the signatures   } set up
+  |<-------------------------- SA_SHARES (Shamir shares of b_k and s_k, sealed to each neighbour) } ahead
   |-- SA_SHARES_FOR (the shares sealed to k) -------------------->|  fit, clip, fixed point, mask
-  |<-------------------------- SA_MASKED (y_k mod 2^32; metrics, shard)
-  |-- SA_UNMASK (alive: sent y; dropped: shared, sent no y) ----->|
-  |<-------------------------- SA_REVEAL (per neighbour: a seed share or a key share, never both)
+  |<-------------------------- SA_MASKED (y_k mod 2^32; metrics, shard; next_advert: round r+1's keys)
+  |-- SA_UNMASK (alive: sent y; dropped: shared, sent no y; next_adverts) ->|
+  |<-------------------------- SA_REVEAL (per neighbour: a seed share or a key share, never both;
+  |                                       next_to + shares: round r+1's, sealed to its neighbours)
   |   Σ y - masks = Σ_k w_k·δ_k and Σ n_k of the alive sites: all rank 0 learns of the round
 ```
+Round r+1 is set up ahead, with round r's messages, when every live site sent its masked input and
+its next keys and shares (`hpcfed.privacy.secagg`, "Keys set up a round ahead", says why this keeps
+SecAgg's guarantees): PARAMS then says `secagg_prepared` and SA_SHARES_FOR follows at once, so
+the round costs two exchanges, as plain FedAvg's one plus the unmasking. The first round, and any
+round after one that some live site missed, sets its keys up within the round.
 
 Each stage waits for the sites still in for at most `federation.round_deadline_s`; a site that stays silent is left
 out of the round (after it shared its keys: its pairwise masks are removed with its rebuilt key),

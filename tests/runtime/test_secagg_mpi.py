@@ -21,8 +21,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, mpiexec
+from conftest import REPO, mpiexec, run_cli
+from cryptography.exceptions import InvalidSignature
 
+from hpcfed.comm.keys import load_authorized_keys
+from hpcfed.privacy.secagg import Advert
 from hpcfed.store import checkpoint as ck
 
 pytestmark = pytest.mark.mpi
@@ -31,10 +34,11 @@ SPY = REPO / "tests" / "privacy" / "secagg_spy.py"
 DEADLINE_S = 4
 
 
-def _run(out: Path, spy: Path) -> subprocess.CompletedProcess:
-    cmd = [mpiexec(), "-n", "5", sys.executable, str(SPY), str(spy), "3", "run", "configs/quickstart.yaml",
-           "--out", str(out), "rounds=3", "checkpoint_every=1", "privacy.secure_aggregation=true",
-           "influence.enabled=false", "federation.quorum=0.75", f"federation.round_deadline_s={DEADLINE_S}"]
+def _run(out: Path, spy: Path, ranks: int = 5, silent: int = 3, args: tuple[str, ...] = (
+        "rounds=3", "checkpoint_every=1", "federation.quorum=0.75")) -> subprocess.CompletedProcess:
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(SPY), str(spy), str(silent), "run",
+           "configs/quickstart.yaml", "--out", str(out), *args, "privacy.secure_aggregation=true",
+           "influence.enabled=false", f"federation.round_deadline_s={DEADLINE_S}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32, "SPY_SILENT_S": str(DEADLINE_S + 2)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -88,3 +92,43 @@ def test_rank0_sees_only_masked_inputs_and_the_sum_equals_fedavg_of_the_survivor
     with h5py.File(ck.list_checkpoints(out / "checkpoints")[0], "r") as f:  # the newest: round 2's, set up ahead
         final = f["strategy/global"][()]
     assert np.abs(final - fedavg(2, [0, 1, 2, 3])).max() < 1e-5
+
+
+def test_keys_mode_every_agreement_key_rank0_relays_is_signed_by_its_site_for_its_round(tmp_path):
+    """Keys mode (security.mode=keys, each site's identity key bound to its rank): 3 sites, 2 rounds,
+    the second set up ahead. Every agreement key that crosses rank 0 carries its site's Ed25519
+    signature over (round, site, keys), checked here against the site's public key file."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for rank in range(4):
+        run_cli(["keygen", str(keys / f"rank{rank}")])
+    lines = []
+    for rank in (1, 2, 3):
+        kind, b64, *rest = (keys / f"rank{rank}.pub").read_text().split()
+        lines.append(" ".join([kind, b64, f"rank={rank}", *rest]))
+    (keys / "authorized").write_text("\n".join(lines) + "\n")
+    out, spy = tmp_path / "run", tmp_path / "spy"
+    _run(out, spy, ranks=4, silent=-1, args=(
+        "rounds=2", "checkpoint_every=0", "security.mode=keys", f"security.server_public_key={keys}/rank0.pub",
+        f"security.identity={keys}/rank{{rank}}", f"security.authorized_keys={keys}/authorized"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["clients"]) == {"0", "1", "2"} and summary["privacy"]["secure_aggregation"] is True
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["value"] for e in events if e["name"] == "num_updates"] == [3, 3]
+    assert not [e for e in events if e["name"] == "secagg_sum_refused"]
+    public = {rank - 1: key for rank, key in load_authorized_keys(keys / "authorized").items()}
+    received = [json.loads(p.read_text()) for p in sorted((spy / "rank0").glob("*.json"))]
+    adverts = [(h["header"]["round"], h["header"]["advert"]) for h in received if h["kind"] == 12]
+    adverts += [(h["header"]["round"] + 1, h["header"]["next_advert"]) for h in received
+                if h["kind"] == 16 and h["header"]["round"] == 0]  # round 1's keys, sent ahead
+    assert sorted((rnd, a[0]) for rnd, a in adverts) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert not [h for h in received if h["kind"] == 12 and h["header"]["round"] == 1]  # none within round 1
+    for rnd, (site, c, s, sig) in adverts:
+        advert = Advert(site, bytes.fromhex(c), bytes.fromhex(s))
+        public[site].verify(bytes.fromhex(sig), advert.signed_bytes(rnd))  # raises InvalidSignature if not
+        with pytest.raises(InvalidSignature):
+            public[site].verify(bytes.fromhex(sig), advert.signed_bytes(rnd + 1))
+    sites = {(c, r): np.load(spy / f"site{c}-r{r}.npz") for c in range(3) for r in range(2)}
+    w = np.array([float(sites[c, 0]["weight"]) for c in range(3)])
+    mean = sites[0, 0]["sent"] + (w[:, None] * np.stack([sites[c, 0]["delta"] for c in range(3)])).sum(0) / w.sum()
+    assert np.abs(sites[0, 1]["sent"] - mean).max() < 1e-5
