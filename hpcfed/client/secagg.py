@@ -98,6 +98,8 @@ class SecAggSite:
             reveal["next_to"], blob = W.shares_message(nxt.share_keys(adverts), by_sender=False)
             tensors, self.next = {W.SHARES_TENSOR: blob}, nxt
         self._send(P.SA_REVEAL, reveal, tensors)
+        if self.next is not None:
+            self.next.premask()  # while the server unmasks and sends the next model: off the round's path
 
     def _input(self, delta: np.ndarray, num_examples: int) -> tuple[np.ndarray, bool]:
         """The fixed-point input to mask and whether the delta was within C (a malicious site's

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import random
 import secrets as _secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,6 +126,7 @@ class SiteState:
         self.held: dict[int, tuple[int, bytes, bytes]] = {}  # sender -> (x, seed share, key share)
         self.seed = b""
         self.answered = False
+        self._premask: tuple[frozenset[int], np.ndarray] | None = None  # (peers, Σ masks) summed ahead
 
     def advertise(self) -> Advert:
         """Round 0: my public keys, signed in keys mode."""
@@ -191,13 +193,32 @@ class SiteState:
             raise ProtocolError(f"site {self.site}: shares from only {len(self.held)} neighbours, under the threshold")
         if codes.shape != (self.size,) or codes.dtype != np.uint32:
             raise ValueError(f"site {self.site}: input must be uint32 ({self.size},), got {codes.dtype} {codes.shape}")
+        premasked, self._premask = self._premask, None
+        if premasked is not None and premasked[0] == frozenset(self.held):
+            y = premasked[1]  # the masks were summed while the site waited: one addition left
+            np.add(y, codes, out=y)
+            return y
+        y = codes.copy()
+        apply_masks(y, self._masks(self.held))  # only neighbours whose shares came: the others are dropped
+        return y
+
+    def premask(self) -> None:
+        """Sum my masks ahead (after share_keys, while the site waits for its round to start), for the
+        case that every advertised neighbour's shares come; `masked_input` then only adds the input.
+        Masks depend on keys alone, never on the input: computing them early reveals nothing."""
+        if not self.seed:
+            raise ProtocolError(f"site {self.site}: masks summed before the keys were shared")
+        total = np.zeros(self.size, dtype=np.uint32)
+        apply_masks(total, self._masks(self.adverts))
+        self._premask = (frozenset(self.adverts), total)
+
+    def _masks(self, peers: Iterable[int]) -> list[tuple[bytes, bytes, int]]:
+        """(key, label, sign) of my self mask and my pairwise masks with `peers`."""
         masks = [(self.seed, b"self", 1)]
-        for peer in self.held:  # only neighbours whose shares came: the others are dropped for everyone
+        for peer in peers:
             k = agree(self.s_key, self.adverts[peer].s_public, self.site, peer, b"mask")
             masks.append((k, b"pair", 1 if peer > self.site else -1))
-        y = codes.copy()
-        apply_masks(y, masks)
-        return y
+        return masks
 
     def unmask(self, alive: set[int], dropped: set[int]) -> dict[int, tuple[str, int, bytes]]:
         """Round 3: for each neighbour that shared, its seed share if alive, its key share if dropped;

@@ -165,3 +165,30 @@ def test_fixed_point_with_a_folded_factor_equals_scaling_first():
     codes = masking.encode(x, 30, 100, 1.0, levels, factor=0.5)
     assert codes[-1] == 30 and codes[:-1].tolist() == masking.quantise(0.15 * x, 1.0, levels).tolist()
     assert masking.quantise(np.array([0.0]), 1.0, 10).tolist() == [5]  # (0 + R)·levels/2R
+
+
+@pytest.mark.parametrize("silent", [None, 3])
+def test_masks_summed_ahead_give_the_same_sum_and_are_dropped_when_a_neighbour_shares_nothing(silent):
+    k, size = 4, 6
+    graph = neighbours(k, b"ahead")
+    sites = {u: SiteState(u, graph, size + 1) for u in range(k)}
+    server = ServerState(graph, size + 1)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    for u, s in sites.items():
+        shares = s.share_keys(server.adverts_for(u))
+        s.premask()  # summed over every advertised neighbour
+        if u != silent:  # site 3 advertised, then shared nothing: the others' premasks do not apply
+            server.take_shares(u, shares)
+    levels = masking.levels_for(k)
+    codes = {u: masking.encode(np.full(size, 0.1 * u), 10, 100, 1.0, levels) for u in range(k)}
+    for u in sorted(server.shared):
+        server.take_masked(u, sites[u].masked_input(server.shares_for(u), codes[u]))
+    alive, dropped = server.unmask_request()
+    for u in alive:
+        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    total, who = server.result()
+    want = sum(codes[u].astype(np.uint64) for u in who) % (1 << 32)
+    assert who == set(server.shared) and total.tolist() == want.tolist()
+    with pytest.raises(ProtocolError, match="site 0: masks summed before the keys were shared"):
+        SiteState(0, graph, 3).premask()
