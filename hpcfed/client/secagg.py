@@ -88,6 +88,11 @@ class SecAggSite:
         y = state.masked_input(shares, codes)
         for _ in range(attacks.FLOOD_COPIES if self.attack == "flood" else 1):
             self._send(P.SA_MASKED, masked, {W.MASKED_TENSOR: y})
+        self._reveal(rnd, state, nxt)
+
+    def _reveal(self, rnd: int, state: SiteState, nxt: SiteState) -> None:
+        """Answer the unmask request of round `rnd`, and share `nxt`'s keys when it relays them."""
+        me, n = self.site, self.num_sites
         request = self._wait(rnd, P.SA_UNMASK)
         alive = set(W.site_ids(request.header.get("alive"), n, "the server's alive list", me))
         dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
