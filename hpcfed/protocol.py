@@ -28,9 +28,11 @@ SA_ADVERT = 12  # client -> server: two X25519 public keys (header: round, c, s,
 SA_KEYS = 13  # server -> client: the neighbours' adverts, relayed (header: round, adverts)
 SA_SHARES = 14  # client -> server: Shamir shares sealed to each neighbour (header: round, to; tensor "shares")
 SA_SHARES_FOR = 15  # server -> client: the shares sealed to it (header: round, from; tensor "shares")
-SA_MASKED = 16  # client -> server: the masked fixed-point input (tensor "masked"; header: round, metrics, shard)
-SA_UNMASK = 17  # server -> client: who is alive and who dropped (header: round, alive, dropped)
-SA_REVEAL = 18  # client -> server: per neighbour a seed share or a key share, never both (header: round, answers)
+SA_MASKED = 16  # client -> server: the masked fixed-point input (tensor "masked"; header: round, metrics, shard,
+#                 next_advert: its keys for round + 1)
+SA_UNMASK = 17  # server -> client: who is alive and who dropped (header: round, alive, dropped[, next_adverts])
+SA_REVEAL = 18  # client -> server: per neighbour a seed share or a key share, never both (header: round, answers;
+#                 with next_adverts: next_to and tensor "shares", round + 1's, set up ahead)
 
 NAMES = {SETUP: "SETUP", SETUP_REPLY: "SETUP_REPLY", PARAMS: "PARAMS", UPDATE: "UPDATE", FINAL: "FINAL",
          RESULT: "RESULT", STOP: "STOP", FAILED: "FAILED", CHECKPOINT: "CHECKPOINT",

@@ -1,6 +1,6 @@
 """What privacy costs: secure aggregation against plain FedAvg rounds, and DP's utility, side by side.
 
-    python tools/bench_privacy.py [--json] [--k 4 8 16] [--p 1M] [--rounds 3]
+    python tools/bench_privacy.py [--json] [--k 4 8 16] [--p 1M] [--rounds 3] [--baseline DIR]
                                   [--utility-k 8] [--utility-rounds 8] [--z 2.0] [--clip 0.3]
                                   [--skip-cost] [--skip-utility]
 
@@ -8,7 +8,9 @@ Cost: for each K, two real federations (`mpiexec -n K+1 python -m hpcfed run`) o
 carrying P float32 parameters (`task.ballast`, no local training), one plain, one with
 `privacy.secure_aggregation=true`, run one after the other; from what each wrote it reports the
 median round time (metrics.jsonl `round_time_s`, first round left out) and rank 0's bytes per round
-(summary.json `cost`), and their ratios secagg / plain.
+(summary.json `cost`), and their ratios secagg / plain. `--baseline DIR` (a checkout of an earlier
+hpcfed, e.g. `git archive main | tar -x -C /tmp/base`) adds that tree's secure aggregation rounds
+beside this one's, run in the same loop (plain, baseline, this tree, for each K): before and after.
 
 Utility: the quickstart (8 rounds, K sites) plain, with secure aggregation, with central DP-FedAvg and
 with distributed DP (secure aggregation, each site adding its share of the noise) at noise
@@ -41,17 +43,17 @@ QUIET = ["federation.round_deadline_s=3000", "federation.client_timeout_s=3000",
          "federation.status_every_s=3600", "influence.enabled=false"]
 
 
-def run(k: int, overrides: list[str], timeout: float) -> dict:
-    """One quickstart federation of K sites with `overrides`; its metrics and summary."""
+def run(k: int, overrides: list[str], timeout: float, repo: Path = REPO) -> dict:
+    """One quickstart federation of K sites with `overrides`, of the hpcfed in `repo`; its metrics and summary."""
     mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
     if mpiexec is None:
         raise SystemExit("no mpiexec on PATH; install an MPI (`pip install mpich`)")
     with tempfile.TemporaryDirectory(prefix="bench_privacy_") as tmp:
         out = Path(tmp) / "run"
-        cmd = [mpiexec, "-n", str(k + 1), sys.executable, "-m", "hpcfed", "run", str(REPO / "configs/quickstart.yaml"),
+        cmd = [mpiexec, "-n", str(k + 1), sys.executable, "-m", "hpcfed", "run", str(repo / "configs/quickstart.yaml"),
                "--out", str(out), *QUIET, *overrides]
-        env = {**os.environ, "HPCFED_PSK": secrets.token_hex(32), "PYTHONPATH": str(REPO)}
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        env = {**os.environ, "HPCFED_PSK": secrets.token_hex(32), "PYTHONPATH": str(repo)}
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"K={k} {overrides}: the federation failed (exit {proc.returncode}):\n"
                                f"{proc.stderr[-3000:]}")
@@ -59,11 +61,11 @@ def run(k: int, overrides: list[str], timeout: float) -> dict:
         return {"events": events, "summary": json.loads((out / "summary.json").read_text())}
 
 
-def cost(k: int, p: int, rounds: int, secure: bool, timeout: float) -> dict:
+def cost(k: int, p: int, rounds: int, secure: bool, timeout: float, repo: Path = REPO) -> dict:
     """Round time and rank 0's traffic per round, plain or with secure aggregation."""
     res = run(k, [f"rounds={rounds}", "checkpoint_every=0", "eval_every=0", f"task.ballast={p}",
                   "task.local_epochs=0", "task.samples_per_site=100", "task.hidden=16",
-                  *(SECAGG if secure else [])], timeout)
+                  *(SECAGG if secure else [])], timeout, repo)
     times = [e["value"] for e in res["events"] if e["name"] == "round_time_s"]
     server = res["summary"]["cost"]["0"]
     return {"round_time_s": statistics.median(times[1:] if len(times) > 1 else times), "round_times_s": times,
@@ -71,17 +73,24 @@ def cost(k: int, p: int, rounds: int, secure: bool, timeout: float) -> dict:
             "rank0_bytes_out_per_round": server["bytes_sent"] / rounds}
 
 
-def cost_table(ks: list[int], p: int, rounds: int, timeout: float) -> list[dict]:
+def cost_table(ks: list[int], p: int, rounds: int, timeout: float, baseline: Path | None = None) -> list[dict]:
     rows = []
     for k in ks:
-        plain, secure = cost(k, p, rounds, False, timeout), cost(k, p, rounds, True, timeout)
-        rows.append({"k": k, "p": p, "plain": plain, "secagg": secure,
-                     "time_ratio": secure["round_time_s"] / plain["round_time_s"],
-                     "bytes_in_ratio": secure["rank0_bytes_in_per_round"] / plain["rank0_bytes_in_per_round"]})
+        plain = cost(k, p, rounds, False, timeout)
+        before = cost(k, p, rounds, True, timeout, baseline) if baseline else None
+        secure = cost(k, p, rounds, True, timeout)
+        row = {"k": k, "p": p, "plain": plain, "secagg": secure,
+               "time_ratio": secure["round_time_s"] / plain["round_time_s"],
+               "bytes_in_ratio": secure["rank0_bytes_in_per_round"] / plain["rank0_bytes_in_per_round"]}
+        was = ""
+        if before is not None:
+            row.update(secagg_baseline=before, time_ratio_baseline=before["round_time_s"] / plain["round_time_s"])
+            was = f", baseline secagg {before['round_time_s']:.3f} s (x{row['time_ratio_baseline']:.2f})"
+        rows.append(row)
         print(f"  K={k:3d} P={p:,}: round {plain['round_time_s']:.3f} s plain, {secure['round_time_s']:.3f} s secagg "
-              f"(x{rows[-1]['time_ratio']:.2f}); rank 0 in {plain['rank0_bytes_in_per_round'] / 1e6:.1f} MB / "
-              f"{secure['rank0_bytes_in_per_round'] / 1e6:.1f} MB per round (x{rows[-1]['bytes_in_ratio']:.2f})",
-              flush=True)
+              f"(x{row['time_ratio']:.2f}){was}; rank 0 in {plain['rank0_bytes_in_per_round'] / 1e6:.1f} MB / "
+              f"{secure['rank0_bytes_in_per_round'] / 1e6:.1f} MB per round (x{row['bytes_in_ratio']:.2f}); "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
     return rows
 
 
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--utility-rounds", type=int, default=8)
     ap.add_argument("--z", type=float, default=2.0)
     ap.add_argument("--clip", type=float, default=0.3)
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="an earlier hpcfed checkout whose secure aggregation rounds run beside this tree's")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--skip-utility", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_privacy: {os.cpu_count()} cores, load average {load:.1f} at the start", flush=True)
     result: dict = {"load_average": load}
     if not args.skip_cost:
-        result["cost"] = cost_table(args.k, parse_count(args.p), args.rounds, args.timeout)
+        result["cost"] = cost_table(args.k, parse_count(args.p), args.rounds, args.timeout, args.baseline)
     if not args.skip_utility:
         result["utility"] = utility_table(args.utility_k, args.utility_rounds, args.z, args.clip, args.timeout)
     result["load_average_end"] = os.getloadavg()[0]

@@ -6,9 +6,15 @@ unrequested updates and a sign-flipper that trains 4x as fast as the honest site
 make most of the uploads), and prints the honest sites' mean test accuracy beside the no-attack run
 of the same mode:
 
-    python tools/insider_attacks.py [--json] [--out DIR] [key=value ...]
+    python tools/insider_attacks.py [--json] [--out DIR] [--secure-aggregation] [key=value ...]
 
 Overrides apply to every run (e.g. `influence.clip_factor=2` to measure another bound).
+
+`--secure-aggregation` runs the synchronous cases twice, side by side: as configured, and with
+`privacy.secure_aggregation=true` (and `influence.enabled=false`: the guard cannot see one site's
+update). There the attacks act on the malicious site's input before masking (it skips its own clip
+and count bound, `hpcfed.client.attacks.unbounded_input`); what bounds it is the fixed-point range
+and the server's check of the sum's norm (rounds refused: `secagg_sum_refused` in metrics.jsonl).
 
 Goal (issue 12): the honest mean drops by at most 0.05 in every case, summary.json names no
 honest client as failed or dropped, and the server refused none of their messages.
@@ -46,6 +52,7 @@ CASES = [  # (name, mode: the no-attack run each attack is compared with, overri
     ("async, honest 4x slower: no attack", "async-slow", SLOW_HONEST, None),
     ("async, honest 4x slower: sign flip x10", "async-slow", SLOW_HONEST, "sign_flip"),
 ]
+SECAGG = ["privacy.secure_aggregation=true", "influence.enabled=false"]
 _REJECTED = re.compile(r"rejected message from rank (\d+)")
 
 
@@ -79,6 +86,15 @@ def honest_rejected(out: Path) -> int:
     return sum(1 for rank in _REJECTED.findall(text) if str(int(rank) - 1) in HONEST)
 
 
+def sums_refused(out: Path) -> int:
+    """Rounds whose securely aggregated sum the server refused (metrics.jsonl)."""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(1 for line in lines if '"secagg_sum_refused"' in line)
+
+
 def honest_mean(summary: dict) -> float | None:
     """Mean accuracy of the honest sites, or None unless every one of them reported."""
     accs = [summary["clients"][c]["accuracy"] for c in HONEST if c in summary.get("clients", {})]
@@ -90,13 +106,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--secure-aggregation", action="store_true",
+                        help="the synchronous cases, each as configured and with secure aggregation")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="insider_"))
     root.mkdir(parents=True, exist_ok=True)
+    cases = [(name, mode, overrides, attack, []) for name, mode, overrides, attack in CASES]
+    if args.secure_aggregation:
+        cases = [c for (name, mode, overrides, attack) in CASES if mode == "sync"
+                 for c in ((name, mode, overrides, attack, []), (name, "sync+secagg", overrides, attack, SECAGG))]
     rows, baseline = [], {}
-    for i, (name, mode, overrides, attack) in enumerate(CASES):
-        summary = run_case(root / f"case{i}", overrides, attack, common=args.overrides)
+    for i, (name, mode, overrides, attack, extra) in enumerate(cases):
+        summary = run_case(root / f"case{i}", [*overrides, *extra], attack, common=args.overrides)
         mean = None if summary.get("failed") else honest_mean(summary)
         if attack is None:
             baseline[mode] = mean
@@ -108,18 +130,21 @@ def main() -> None:
                      "last_line": summary.get("last_line"),
                      "rejected": summary.get("rejected", {}).get("runtime"),
                      "honest_rejected": honest_rejected(root / f"case{i}"),
-                     "clipped_updates": summary.get("clipped_updates")})
+                     "clipped_updates": summary.get("clipped_updates"),
+                     "sums_refused": sums_refused(root / f"case{i}"),
+                     "evicted": [e.get("client") for e in summary.get("evicted", [])]})
     ok = all(r["drop"] is not None and r["drop"] <= 0.05 and not r["honest_blamed"] and not r["honest_rejected"]
              for r in rows if r["attack"])
     if args.json:
         print(json.dumps({"cases": rows, "goal_met": ok}, indent=2))
         return
-    print(f"{'case':42} {'mode':10} {'honest acc':>10} {'drop':>7}  rejected (of them honest) / clipped")
+    print(f"{'case':42} {'mode':11} {'honest acc':>10} {'drop':>7}  rejected (of them honest) / clipped / "
+          f"sums refused / evicted")
     for r in rows:
         acc = "failed" if r["honest_mean_accuracy"] is None else f"{r['honest_mean_accuracy']:.3f}"
         drop = "" if r["drop"] is None else f"{r['drop']:+.3f}"
-        print(f"{r['case']:42} {r['mode']:10} {acc:>10} {drop:>7}  {r['rejected']} ({r['honest_rejected']}) / "
-              f"{r['clipped_updates']}"
+        print(f"{r['case']:42} {r['mode']:11} {acc:>10} {drop:>7}  {r['rejected']} ({r['honest_rejected']}) / "
+              f"{r['clipped_updates']} / {r['sums_refused']} / {r['evicted']}"
               + (f"  ({r['last_line']})" if r["failed"] else ""))
     print(f"goal (every drop <= 0.05, no honest site blamed or refused): {'met' if ok else 'NOT met'}")
 

@@ -9,6 +9,11 @@ because they only rewrite what the site uploads:
 - ``sign_flip``: the received model minus 10 x the site's honest step.
 - ``flood``: 20 copies of every upload, none of them asked for (async).
 
+Under secure aggregation (`hpcfed.client.secagg`) the same four act on the site's input before
+masking: the tampered model's delta, weighted by the claimed count, goes into fixed point without
+the site's own clip to C or its bound on the count (`unbounded_input`: a modified binary keeps
+neither), within the range the encoding allows; ``flood`` sends 20 copies of each masked input.
+
 Misbehaviour the server evicts a site for (`hpcfed.server.eviction`): the site's first upload is
 replaced by one malformed UPDATE, and then it stays quiet (``then_flood``: it keeps sending after
 it is evicted):
@@ -27,11 +32,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hpcfed.params import Params
+from hpcfed.privacy import masking
+
+if TYPE_CHECKING:
+    from hpcfed.privacy.site_input import InputSpec
 
 RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood")
 FLOOD_COPIES = 20
@@ -54,6 +63,16 @@ def tamper(attack: str, trained: Params, received: Params, num_examples: int) ->
     if attack == "flood":
         return trained, num_examples, FLOOD_COPIES
     raise ValueError(f"unknown runtime attack {attack!r}; choose one of: {', '.join(RUNTIME_ATTACKS)}")
+
+
+def unbounded_input(delta: np.ndarray, claimed: int, spec: InputSpec) -> np.ndarray:
+    """A malicious site's secure aggregation input: w·delta in fixed point with w = claimed /
+    max_examples, NOT clipped to C, each coordinate still within the encoding's ±R, and the claimed
+    count written mod 2^32 where an honest site refuses one above max_examples."""
+    codes = np.empty(delta.size + 1, dtype=np.uint32)
+    masking.quantise(delta, spec.value_range, spec.levels, claimed / spec.max_examples, out=codes[:-1])
+    codes[-1] = claimed % (1 << 32)
+    return codes
 
 
 def _is_float(v: np.ndarray) -> bool:

@@ -135,7 +135,8 @@ class Client:
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
         self.layout = ParamLayout.of(self.task.get_parameters())
         if self.cfg.privacy.secure_aggregation:
-            self.secagg = SecAggSite(self.cfg, self.channel, self.layout.size)
+            attack = self.site.attack if self.site.attack in attacks.RUNTIME_ATTACKS else None
+            self.secagg = SecAggSite(self.cfg, self.channel, self.layout.size, attack)
         if reply.header.get("layout") != self.layout.describe():
             raise FederationError(
                 f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes/"
@@ -160,7 +161,8 @@ class Client:
         if self.secagg is not None:
             sent = self._layout.flatten(self.task.get_parameters())
             try:
-                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg))
+                prepared = msg.header.get("secagg_prepared") is True  # keys shared in the last round
+                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg), prepared)
             except Superseded as exc:  # the server went on without this site (a straggler): the next message
                 self._pending = exc.msg
             return
@@ -180,6 +182,8 @@ class Client:
 
     def _fit_for_secagg(self, msg: Message) -> tuple[np.ndarray, int, dict[str, Any]]:
         params, num_examples, header = self._fit(msg)
+        if self.site.attack in attacks.RUNTIME_ATTACKS:  # it tampers with its input before masking
+            params, num_examples, _ = attacks.tamper(self.site.attack, params, self._received, num_examples)
         return self._layout.flatten(params), num_examples, header
 
     def _fit(self, msg: Message) -> tuple[Params, int, dict[str, Any]]:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from hpcfed import protocol as P
+from hpcfed.client import attacks
 from hpcfed.comm.api import Channel, Message
 from hpcfed.config import Config
 from hpcfed.errors import FederationError
@@ -44,7 +45,7 @@ class Superseded(Exception):
 class SecAggSite:
     """One site's side of secure aggregation, one round at a time."""
 
-    def __init__(self, cfg: Config, channel: Channel, size: int) -> None:
+    def __init__(self, cfg: Config, channel: Channel, size: int, attack: str | None = None) -> None:
         from hpcfed.credentials import secagg_identities
 
         self.cfg, self.channel = cfg, channel
@@ -53,42 +54,82 @@ class SecAggSite:
         self.identity, self.peer_keys = secagg_identities(cfg.security, channel.rank)
         self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
         self.uniform = cfg.strategy.options.get("weighting", "num_examples") == "uniform"
+        self.attack = attack  # a runtime attack (hpcfed.client.attacks) this malicious site plays on its input
+        self.next: SiteState | None = None  # the next round's keys, shared ahead with this round's unmasking
 
-    def round(self, rnd: int, sent: np.ndarray, fit: Fit) -> None:
-        """Take part in round `rnd` whose model was `sent` (float32 aggregation vector). Raises
-        `Superseded` when the server moves on without this site, FederationError when it refuses."""
+    def round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False) -> None:
+        """Take part in round `rnd` whose model was `sent` (float32 aggregation vector); `prepared`: the
+        server says this round's keys and shares were exchanged in the last one. Raises `Superseded`
+        when the server moves on without this site, FederationError when it refuses."""
         try:
-            self._round(rnd, sent, fit)
+            self._round(rnd, sent, fit, prepared)
         except ProtocolError as exc:
             raise FederationError(f"client {self.site} (rank {self.site + 1}): secure aggregation refused in "
                                   f"round {rnd}: {exc}") from None
 
-    def _round(self, rnd: int, sent: np.ndarray, fit: Fit) -> None:
+    def _round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False) -> None:
         me, n = self.site, self.num_sites
-        state = SiteState(me, round_graph(n, rnd, self.cfg.privacy.secagg.degree), self.size,
-                          self.identity, self.peer_keys)
-        self._send(P.SA_ADVERT, {"round": rnd, "advert": W.advert_fields(state.advertise())})
-        keys = self._wait(rnd, P.SA_KEYS)
-        sealed = state.share_keys(W.parse_adverts(keys.header.get("adverts"), state.peers, n, me))
-        ids, blob = W.shares_message(sealed, by_sender=False)
-        self._send(P.SA_SHARES, {"round": rnd, "to": ids}, {W.SHARES_TENSOR: blob})
+        state, self.next = self.next, None
+        if not prepared:
+            state = self._setup(rnd)
+        elif state is None or state.rnd != rnd or not state.adverts:
+            raise ProtocolError(f"the server says round {rnd}'s keys were exchanged in round {rnd - 1}, but site "
+                                f"{me} shared none for it")
         relayed = self._wait(rnd, P.SA_SHARES_FOR)
         shares = W.parse_shares(me, relayed.header.get("from"), relayed.tensors, n, me, by_sender=True)
         trained, num_examples, header = fit()
-        weight = 1 if self.uniform or self.spec.noise_std > 0 else num_examples
-        if not 0 <= weight <= self.spec.max_examples:
-            raise FederationError(f"client {me}: {num_examples} training examples, outside 0.."
-                                  f"privacy.secagg.max_examples={self.spec.max_examples}; raise it on every rank")
-        delta = trained.astype(np.float64) - sent.astype(np.float64)
-        codes, within = encode_update(delta, weight, self.spec)
+        delta = np.subtract(trained, sent, dtype=np.float64)  # one pass, no float64 copies of the two
+        codes, within = self._input(delta, num_examples)
         # The example count travels masked only: the header keeps the metrics and the checkpoint shard.
         clear: dict[str, Any] = {k: header[k] for k in ("metrics", "shard") if k in header}
         clear["metrics"]["secagg_clipped"] = 0.0 if within else 1.0
-        self._send(P.SA_MASKED, {"round": rnd, **clear}, {W.MASKED_TENSOR: state.masked_input(shares, codes)})
+        nxt = self._state(rnd + 1)  # fresh keys for the next round, advertised with this round's input
+        masked = {"round": rnd, **clear, "next_advert": W.advert_fields(nxt.advertise())}
+        y = state.masked_input(shares, codes)
+        for _ in range(attacks.FLOOD_COPIES if self.attack == "flood" else 1):
+            self._send(P.SA_MASKED, masked, {W.MASKED_TENSOR: y})
+        self._reveal(rnd, state, nxt)
+
+    def _reveal(self, rnd: int, state: SiteState, nxt: SiteState) -> None:
+        """Answer the unmask request of round `rnd`, and share `nxt`'s keys when it relays them."""
+        me, n = self.site, self.num_sites
         request = self._wait(rnd, P.SA_UNMASK)
         alive = set(W.site_ids(request.header.get("alive"), n, "the server's alive list", me))
         dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
-        self._send(P.SA_REVEAL, {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped))})
+        reveal: dict[str, Any] = {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped))}
+        tensors = None
+        if request.header.get("next_adverts") is not None:  # the next round is set up now, off its path
+            adverts = W.parse_adverts(request.header["next_adverts"], nxt.peers, n, me)
+            reveal["next_to"], blob = W.shares_message(nxt.share_keys(adverts), by_sender=False)
+            tensors, self.next = {W.SHARES_TENSOR: blob}, nxt
+        self._send(P.SA_REVEAL, reveal, tensors)
+        if self.next is not None:
+            self.next.premask()  # while the server unmasks and sends the next model: off the round's path
+
+    def _input(self, delta: np.ndarray, num_examples: int) -> tuple[np.ndarray, bool]:
+        """The fixed-point input to mask and whether the delta was within C (a malicious site's
+        `attack` skips the clip and the count's bound: `attacks.unbounded_input`)."""
+        weight = 1 if self.uniform or self.spec.noise_std > 0 else num_examples
+        if self.attack is not None:
+            return attacks.unbounded_input(delta, weight, self.spec), False
+        if not 0 <= weight <= self.spec.max_examples:
+            raise FederationError(f"client {self.site}: {num_examples} training examples, outside 0.."
+                                  f"privacy.secagg.max_examples={self.spec.max_examples}; raise it on every rank")
+        return encode_update(delta, weight, self.spec)
+
+    def _state(self, rnd: int) -> SiteState:
+        return SiteState(self.site, round_graph(self.num_sites, rnd, self.cfg.privacy.secagg.degree), self.size,
+                         self.identity, self.peer_keys, rnd)
+
+    def _setup(self, rnd: int) -> SiteState:
+        """Round `rnd`'s keys advertised and shared within the round (the server asked for it)."""
+        state = self._state(rnd)
+        self._send(P.SA_ADVERT, {"round": rnd, "advert": W.advert_fields(state.advertise())})
+        keys = self._wait(rnd, P.SA_KEYS)
+        sealed = state.share_keys(W.parse_adverts(keys.header.get("adverts"), state.peers, self.num_sites, self.site))
+        ids, blob = W.shares_message(sealed, by_sender=False)
+        self._send(P.SA_SHARES, {"round": rnd, "to": ids}, {W.SHARES_TENSOR: blob})
+        return state
 
     def _send(self, kind: int, header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> None:
         self.channel.send(0, kind, header, tensors)

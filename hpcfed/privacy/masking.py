@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -28,14 +31,48 @@ def agree(private: X25519PrivateKey, peer_public: bytes, a: int, b: int, purpose
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
 
 
-def expand(key: bytes, size: int, label: bytes = b"mask") -> np.ndarray:
-    """`size` uint32 mask words from AES-256-CTR keyed with the whole 32-byte `key`."""
+# Masks are applied a block at a time: the block of y and its keystream stay in the L2 cache while
+# every mask is added, instead of one pass over memory per mask (AES-CTR's counter runs on between
+# blocks, so the keystream is the one `expand` gives).
+BLOCK_WORDS = 1 << 16
+
+
+def _cipher(key: bytes, label: bytes) -> Any:
     if len(key) != 32:
         raise ValueError(f"a mask key is 32 bytes, got {len(key)}")
     nonce = hashlib.sha256(b"hpcfed-secagg-ctr/" + label).digest()[:16]
-    enc = Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
-    stream = enc.update(bytes(4 * size)) + enc.finalize()
-    return np.frombuffer(stream, dtype="<u4").astype(np.uint32)
+    return Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
+
+
+@functools.lru_cache(maxsize=2)
+def _zeros(nbytes: int) -> memoryview:
+    """`nbytes` zero bytes, kept: the cipher encrypts them straight into a numpy buffer."""
+    return memoryview(bytes(nbytes))
+
+
+def expand(key: bytes, size: int, label: bytes = b"mask") -> np.ndarray:
+    """`size` uint32 mask words (little-endian) from AES-256-CTR keyed with the whole 32-byte `key`."""
+    out = np.empty(size, dtype="<u4")
+    _cipher(key, label).update_into(_zeros(out.nbytes), out.data.cast("B"))
+    return out.astype(np.uint32, copy=False)
+
+
+def apply_masks(y: np.ndarray, masks: Sequence[tuple[bytes, bytes, int]]) -> None:
+    """y += Σ sign·expand(key, y.size, label) mod 2^32 over `masks` (key, label, sign ±1), in place.
+    One AES-CTR stream per mask, encrypted a block at a time into one scratch block (no mask is
+    ever held whole); uint32 arithmetic wraps mod 2^32."""
+    if y.dtype != np.uint32 or y.ndim != 1 or not y.flags.c_contiguous:
+        raise ValueError(f"a masked vector is contiguous 1-D uint32, got {y.dtype} {y.shape}")
+    streams = [(_cipher(key, label), np.add if sign > 0 else np.subtract) for key, label, sign in masks]
+    scratch = np.empty(min(BLOCK_WORDS, y.size), dtype="<u4")
+    zeros = _zeros(scratch.nbytes)
+    for start in range(0, y.size, BLOCK_WORDS):
+        part = y[start:start + BLOCK_WORDS]
+        stream = scratch[:part.size]
+        view, zero = stream.data.cast("B"), zeros[:stream.nbytes]
+        for enc, op in streams:
+            enc.update_into(zero, view)
+            op(part, stream, out=part)
 
 
 def levels_for(num_sites: int) -> int:
@@ -45,26 +82,41 @@ def levels_for(num_sites: int) -> int:
     return ((1 << MODULUS_BITS) - 1) // num_sites
 
 
-def quantise(values: np.ndarray, clip_range: float, levels: int) -> np.ndarray:
-    """Values clipped to [-R, R], mapped to uint32 in [0, levels] (stochastic rounding is not used:
-    the round trip error is at most R / levels)."""
-    x = np.clip(np.asarray(values, dtype=np.float64), -clip_range, clip_range)
-    return np.rint((x + clip_range) * (levels / (2 * clip_range))).astype(np.uint32)
+def quantise(values: np.ndarray, clip_range: float, levels: int, factor: float = 1.0,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """factor·values clipped to [-R, R], mapped to uint32 in [0, levels] (round to nearest, not
+    stochastic: the round trip error is at most R / levels). One float64 temporary, worked on in
+    place; written into `out` (uint32, values' size) when given. `values` is not changed."""
+    scale = levels / (2 * clip_range)
+    x = np.multiply(values, factor * scale, dtype=np.float64)
+    np.clip(x, -clip_range * scale, clip_range * scale, out=x)
+    x += clip_range * scale
+    np.rint(x, out=x)
+    if out is None:
+        return x.astype(np.uint32)
+    np.copyto(out, x, casting="unsafe")
+    return out
 
 
 def dequantise_sum(total: np.ndarray, count: int, clip_range: float, levels: int) -> np.ndarray:
     """The float64 sum of `count` values from the (unwrapped) sum of their fixed-point codes."""
-    return total.astype(np.float64) * (2 * clip_range / levels) - count * clip_range
+    x = total.astype(np.float64)
+    x *= 2 * clip_range / levels
+    x -= count * clip_range
+    return x
 
 
-def encode(update: np.ndarray, num_examples: int, max_examples: int, clip_range: float, levels: int) -> np.ndarray:
-    """A site's input: w·update in fixed point with w = n/max_examples, and n itself as one extra
-    coordinate, so the weight travels masked too and the server learns only Σ n and Σ w·update."""
+def encode(update: np.ndarray, num_examples: int, max_examples: int, clip_range: float, levels: int,
+           factor: float = 1.0) -> np.ndarray:
+    """A site's input: w·factor·update in fixed point with w = n/max_examples, and n itself as one
+    extra coordinate, so the weight travels masked too and the server learns only Σ n and Σ w·update.
+    (`factor` folds a clip's scaling into the same pass.)"""
     if not 0 <= num_examples <= max_examples:
         raise ValueError(f"num_examples {num_examples} outside 0..{max_examples}")
-    w = num_examples / max_examples
-    return np.concatenate([quantise(w * np.asarray(update, np.float64), clip_range, levels),
-                           np.array([num_examples], dtype=np.uint32)])
+    out = np.empty(np.asarray(update).size + 1, dtype=np.uint32)
+    quantise(update, clip_range, levels, factor * num_examples / max_examples, out=out[:-1])
+    out[-1] = num_examples
+    return out
 
 
 def decode(total: np.ndarray, count: int, max_examples: int, clip_range: float, levels: int) -> tuple[np.ndarray, int]:

@@ -13,6 +13,17 @@ Rounds, each site `u` with neighbours N(u) (an O(log K) random graph from a publ
    and never a key share of a peer the server calls alive. The server rebuilds b_u of the alive and
    s_v of the dropped, removes their masks, and learns Σ x_u of the alive sites only.
 Every message from another party is checked and a bad one refused with `ProtocolError` naming the site.
+
+Keys set up a round ahead. Stages 0 and 1 need nothing of the round's model: the runtime may run
+round r+1's with round r's messages (its adverts with the masked inputs, the relayed adverts with
+the unmask request, its shares with the unmask answers), so a round costs the masked input and the
+unmasking only. What keeps SecAgg's guarantees (Bonawitz et al. 2017, §4; Bell et al. 2020, §3): each
+`SiteState` is one round's, with fresh X25519 keys and a fresh self-mask seed, used for that round
+only; signatures bind the keys to their round (`Advert.signed_bytes`), so an advert of another round,
+whose key a server may have rebuilt from a dropout's shares, cannot be replayed; the shares of round
+r+1 are sealed to the neighbours and cannot be opened by the server whenever they travel; and the
+unmask rule of round r (a seed share or a key share per peer, never both) is untouched, each state
+answering once for its own round.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import math
 import random
 import secrets as _secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hpcfed.privacy import shamir
-from hpcfed.privacy.masking import agree, expand
+from hpcfed.privacy.masking import agree, apply_masks
 
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 
@@ -77,8 +89,11 @@ class Advert:
     s_public: bytes
     signature: bytes | None = None
 
-    def signed_bytes(self) -> bytes:
-        return b"hpcfed-secagg-advert" + self.site.to_bytes(4, "big") + self.c_public + self.s_public
+    def signed_bytes(self, rnd: int) -> bytes:
+        """What the site signs: its keys bound to itself and to round `rnd`, so that a server cannot
+        replay an earlier round's advert (whose key it may have rebuilt from the shares of a dropout)."""
+        return (b"hpcfed-secagg-advert" + rnd.to_bytes(8, "big") + self.site.to_bytes(4, "big") + self.c_public
+                + self.s_public)
 
 
 @dataclass(frozen=True)
@@ -100,8 +115,9 @@ class SiteState:
     """One site's side of a secure aggregation round."""
 
     def __init__(self, site: int, graph: dict[int, set[int]], size: int,
-                 identity: Ed25519PrivateKey | None = None, peer_identities: dict[int, bytes] | None = None) -> None:
-        self.site, self.size = site, size
+                 identity: Ed25519PrivateKey | None = None, peer_identities: dict[int, bytes] | None = None,
+                 rnd: int = 0) -> None:
+        self.site, self.size, self.rnd = site, size, rnd
         self.peers = graph[site]
         self.threshold = threshold_for(len(self.peers))
         self.identity, self.peer_identities = identity, peer_identities
@@ -110,13 +126,14 @@ class SiteState:
         self.held: dict[int, tuple[int, bytes, bytes]] = {}  # sender -> (x, seed share, key share)
         self.seed = b""
         self.answered = False
+        self._premask: tuple[frozenset[int], np.ndarray] | None = None  # (peers, Σ masks) summed ahead
 
     def advertise(self) -> Advert:
         """Round 0: my public keys, signed in keys mode."""
         c, s = self.c_key.public_key().public_bytes(*_RAW), self.s_key.public_key().public_bytes(*_RAW)
         advert = Advert(self.site, c, s)
         if self.identity is not None:
-            advert = Advert(self.site, c, s, self.identity.sign(advert.signed_bytes()))
+            advert = Advert(self.site, c, s, self.identity.sign(advert.signed_bytes(self.rnd)))
         return advert
 
     def share_keys(self, adverts: dict[int, Advert]) -> list[SealedShare]:
@@ -150,9 +167,10 @@ class SiteState:
         if public is None or adv.signature is None:
             raise ProtocolError(f"site {adv.site}: its agreement keys carry no signature from a known identity")
         try:
-            Ed25519PublicKey.from_public_bytes(public).verify(adv.signature, adv.signed_bytes())
+            Ed25519PublicKey.from_public_bytes(public).verify(adv.signature, adv.signed_bytes(self.rnd))
         except InvalidSignature:
-            raise ProtocolError(f"site {adv.site}: forged agreement key (signature does not verify)") from None
+            raise ProtocolError(f"site {adv.site}: forged agreement key for round {self.rnd} (signature does not "
+                                f"verify: substituted, or replayed from another round)") from None
 
     def masked_input(self, shares: list[SealedShare], codes: np.ndarray) -> np.ndarray:
         """Round 2: open the shares sent to me, then my fixed-point `codes` masked mod 2^32."""
@@ -175,12 +193,32 @@ class SiteState:
             raise ProtocolError(f"site {self.site}: shares from only {len(self.held)} neighbours, under the threshold")
         if codes.shape != (self.size,) or codes.dtype != np.uint32:
             raise ValueError(f"site {self.site}: input must be uint32 ({self.size},), got {codes.dtype} {codes.shape}")
-        y = codes + expand(self.seed, self.size, b"self")
-        for peer in self.held:  # only neighbours whose shares came: the others are dropped for everyone
-            k = agree(self.s_key, self.adverts[peer].s_public, self.site, peer, b"mask")
-            mask = expand(k, self.size, b"pair")
-            y = y + mask if peer > self.site else y - mask
+        premasked, self._premask = self._premask, None
+        if premasked is not None and premasked[0] == frozenset(self.held):
+            y = premasked[1]  # the masks were summed while the site waited: one addition left
+            np.add(y, codes, out=y)
+            return y
+        y = codes.copy()
+        apply_masks(y, self._masks(self.held))  # only neighbours whose shares came: the others are dropped
         return y
+
+    def premask(self) -> None:
+        """Sum my masks ahead (after share_keys, while the site waits for its round to start), for the
+        case that every advertised neighbour's shares come; `masked_input` then only adds the input.
+        Masks depend on keys alone, never on the input: computing them early reveals nothing."""
+        if not self.seed:
+            raise ProtocolError(f"site {self.site}: masks summed before the keys were shared")
+        total = np.zeros(self.size, dtype=np.uint32)
+        apply_masks(total, self._masks(self.adverts))
+        self._premask = (frozenset(self.adverts), total)
+
+    def _masks(self, peers: Iterable[int]) -> list[tuple[bytes, bytes, int]]:
+        """(key, label, sign) of my self mask and my pairwise masks with `peers`."""
+        masks = [(self.seed, b"self", 1)]
+        for peer in peers:
+            k = agree(self.s_key, self.adverts[peer].s_public, self.site, peer, b"mask")
+            masks.append((k, b"pair", 1 if peer > self.site else -1))
+        return masks
 
     def unmask(self, alive: set[int], dropped: set[int]) -> dict[int, tuple[str, int, bytes]]:
         """Round 3: for each neighbour that shared, its seed share if alive, its key share if dropped;
@@ -208,12 +246,13 @@ class SiteState:
 class ServerState:
     """The relay and the unmasking on rank 0: it learns the sum of the alive sites' inputs only."""
 
-    def __init__(self, graph: dict[int, set[int]], size: int) -> None:
-        self.graph, self.size = graph, size
+    def __init__(self, graph: dict[int, set[int]], size: int, rnd: int = 0) -> None:
+        self.graph, self.size, self.rnd = graph, size, rnd
         self.adverts: dict[int, Advert] = {}
         self.shares: dict[int, list[SealedShare]] = {}  # receiver -> shares for it
         self.shared: set[int] = set()
         self.masked: dict[int, np.ndarray] = {}
+        self.total = np.zeros(size, dtype=np.uint32)  # Σ masked inputs so far
         self.answers: dict[int, dict[int, tuple[str, int, bytes]]] = {}
 
     def take_advert(self, site: int, adv: Advert) -> None:
@@ -245,6 +284,12 @@ class ServerState:
         if site in self.masked or y.shape != (self.size,) or y.dtype != np.uint32:
             raise ProtocolError(f"site {site}: masked input refused (a second one, or not uint32 ({self.size},))")
         self.masked[site] = y
+        np.add(self.total, y, out=self.total)  # summed on arrival (uint32: mod 2^32), off the unmasking's path
+
+    def withdraw(self, site: int) -> None:
+        """Leave `site`'s masked input out of the sum (it was evicted since): it counts as dropped."""
+        y = self.masked.pop(site)
+        np.subtract(self.total, y, out=self.total)
 
     def unmask_request(self) -> tuple[set[int], set[int]]:
         """Alive: sent a masked input; dropped: shared keys, sent no masked input."""
@@ -263,19 +308,16 @@ class ServerState:
     def result(self) -> tuple[np.ndarray, set[int]]:
         """The unwrapped uint32 sum of the alive sites' inputs, and who they are."""
         alive, dropped = self.unmask_request()
-        total = np.zeros(self.size, dtype=np.uint32)
-        for y in self.masked.values():
-            total = total + y
-        for u in alive:
-            seed = self._rebuild(u, "seed")
-            total = total - expand(seed, self.size, b"self")
+        masks = [(self._rebuild(u, "seed"), b"self", -1) for u in alive]
         for v in dropped:
             s_v = X25519PrivateKey.from_private_bytes(self._rebuild(v, "key"))
             for u in self.graph[v] & alive:
                 if v not in self._peers_of(u):
                     continue
-                mask = expand(agree(s_v, self.adverts[u].s_public, v, u, b"mask"), self.size, b"pair")
-                total = total - mask if v > u else total + mask  # undo what u added for its pair with v
+                # undo what u added for its pair with v: u added the mask when v > u, subtracted it otherwise
+                masks.append((agree(s_v, self.adverts[u].s_public, v, u, b"mask"), b"pair", -1 if v > u else 1))
+        total = self.total.copy()
+        apply_masks(total, masks)
         return total, alive
 
     def _peers_of(self, u: int) -> set[int]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hpcfed.privacy import masking
-from hpcfed.privacy.dp import clip
+from hpcfed.privacy.dp import clip_factor
 
 if TYPE_CHECKING:
     from hpcfed.config import PrivacyConfig
@@ -62,13 +62,15 @@ def input_spec(num_sites: int, clip_norm: float, max_examples: int, noise_multip
 
 
 def encode_update(delta: np.ndarray, num_examples: int, spec: InputSpec) -> tuple[np.ndarray, bool]:
-    """A site's fixed-point input (uint32, size + 1) and whether its delta was within C."""
-    clipped, within = clip(delta, spec.clip_norm)
+    """A site's fixed-point input (uint32, size + 1) and whether its delta was within C. The clip's
+    factor is folded into the fixed-point pass: one float64 temporary, `delta` left as it is."""
+    factor, within = clip_factor(delta, spec.clip_norm)
     if spec.noise_std > 0:
         rng = np.random.default_rng(secrets.randbits(256))
-        clipped = clipped + rng.normal(0.0, spec.noise_std, clipped.shape)
-        num_examples = 1
-    return masking.encode(clipped, num_examples, spec.max_examples, spec.value_range, spec.levels), within
+        noised = np.multiply(delta, factor, dtype=np.float64)
+        noised += rng.normal(0.0, spec.noise_std, noised.shape)
+        return masking.encode(noised, 1, spec.max_examples, spec.value_range, spec.levels), within
+    return masking.encode(delta, num_examples, spec.max_examples, spec.value_range, spec.levels, factor), within
 
 
 def decode_sum(total: np.ndarray, count: int, spec: InputSpec) -> tuple[np.ndarray, int]:
@@ -79,7 +81,8 @@ def decode_sum(total: np.ndarray, count: int, spec: InputSpec) -> tuple[np.ndarr
         raise ValueError(f"the masked weights sum to {examples}, outside 1..{count * spec.max_examples} for "
                          f"{count} sites: a site sent an input outside the encoding")
     weighted = masking.dequantise_sum(total[:-1], count, spec.value_range, spec.levels)
-    return weighted * spec.max_examples, examples
+    weighted *= spec.max_examples
+    return weighted, examples
 
 
 def sites_needed(num_sites: int, quorum: float) -> int:

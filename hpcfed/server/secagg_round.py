@@ -4,16 +4,22 @@ machines are `hpcfed.privacy.secagg`, its wire forms `hpcfed.privacy.secagg_wire
 
 ```
 rank 0                                                        site k
-  |-- PARAMS (round r, model) ----------------------------------->|
-  |<-------------------------- SA_ADVERT (c, s public keys; signed in keys mode)
-  |-- SA_KEYS (its neighbours' adverts, relayed) ---------------->|  checks the signatures
-  |<-------------------------- SA_SHARES (Shamir shares of b_k and s_k, sealed to each neighbour)
+  |-- PARAMS (round r, model; secagg_prepared) ------------------>|
+  |<-------------------------- SA_ADVERT (c, s public keys; signed for round r in keys mode)    } not when
+  |-- SA_KEYS (its neighbours' adverts, relayed) ---------------->|  checks the signatures   } set up
+  |<-------------------------- SA_SHARES (Shamir shares of b_k and s_k, sealed to each neighbour) } ahead
   |-- SA_SHARES_FOR (the shares sealed to k) -------------------->|  fit, clip, fixed point, mask
-  |<-------------------------- SA_MASKED (y_k mod 2^32; metrics, shard)
-  |-- SA_UNMASK (alive: sent y; dropped: shared, sent no y) ----->|
-  |<-------------------------- SA_REVEAL (per neighbour: a seed share or a key share, never both)
+  |<-------------------------- SA_MASKED (y_k mod 2^32; metrics, shard; next_advert: round r+1's keys)
+  |-- SA_UNMASK (alive: sent y; dropped: shared, sent no y; next_adverts) ->|
+  |<-------------------------- SA_REVEAL (per neighbour: a seed share or a key share, never both;
+  |                                       next_to + shares: round r+1's, sealed to its neighbours)
   |   Σ y - masks = Σ_k w_k·δ_k and Σ n_k of the alive sites: all rank 0 learns of the round
 ```
+Round r+1 is set up ahead, with round r's messages, when every live site sent its masked input and
+its next keys and shares (`hpcfed.privacy.secagg`, "Keys set up a round ahead", says why this keeps
+SecAgg's guarantees): PARAMS then says `secagg_prepared` and SA_SHARES_FOR follows at once, so
+the round costs two exchanges, as plain FedAvg's one plus the unmasking. The first round, and any
+round after one that some live site missed, sets its keys up within the round.
 
 Each stage waits for the sites still in for at most `federation.round_deadline_s`; a site that stays silent is left
 out of the round (after it shared its keys: its pairwise masks are removed with its rebuilt key),
@@ -36,6 +42,7 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
+from hpcfed.privacy.dp import l2_norm
 from hpcfed.privacy.secagg import ProtocolError, ServerState, round_graph
 from hpcfed.privacy.site_input import decode_sum, sites_needed, spec_for
 from hpcfed.server import validation as V
@@ -59,6 +66,7 @@ class SecAggRound:
         self.size = core.layout.size + 1  # the weighted delta and the weight
         self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
         self.dp = cfg.privacy.dp is not None
+        self.prepared: ServerState | None = None  # the next round's keys and shares, exchanged in this one
         if cfg.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
@@ -67,11 +75,59 @@ class SecAggRound:
     def collect(self, rnd: int, want_state: bool) -> Taken:
         """Run round `rnd`'s protocol and fold the sum into the strategy; the sites whose inputs are in it."""
         core = self.core
-        state = ServerState(round_graph(self.num_sites, rnd, core.cfg.privacy.secagg.degree), self.size)
+        state, self.prepared = self.prepared, None
+        if state is not None and (state.rnd != rnd or set(state.shared) != core.live):
+            state = None  # prepared for another round, or a site has joined the live ones since: set up anew
         for cid in sorted(core.live):
-            core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state},
+            core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state,
+                                         "secagg_prepared": state is not None},
                          core.model_tensors(core.strategy.model_for(cid)))
+            if state is not None:  # its keys and shares came in the last round: nothing to wait for
+                self._relay_shares(rnd, cid, state)
+        if state is None:
+            state = self._setup(rnd)
+        nxt = ServerState(self._graph(rnd + 1), self.size, rnd + 1) if rnd + 1 < core.cfg.rounds else None
+        taken: Taken = {}
+        self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
+            rnd, cid, msg, want_state, state, taken, nxt))
+        for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
+            state.withdraw(cid)
+        alive, dropped = state.unmask_request()
+        self._quorum(rnd, alive, "sent masked inputs")
+        # The next round is set up alongside this one's unmasking only when every live site is in both.
+        ahead = nxt is not None and alive == core.live == set(nxt.adverts)
+        for cid in sorted(alive):
+            header = {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped)}
+            if ahead and nxt is not None:
+                header["next_adverts"] = [W.advert_fields(a) for a in nxt.adverts_for(cid).values()]
+            core.send_to(cid, P.SA_UNMASK, header)
         n = self.num_sites
+
+        def reveal(cid: int, msg: Message) -> None:
+            answers = W.parse_answers(cid, msg.header.get("answers"), n)
+            shares = None
+            if ahead and nxt is not None:
+                shares = W.parse_shares(cid, msg.header.get("next_to"), msg.tensors, n, cid, by_sender=False)
+            elif msg.tensors or "next_to" in msg.header:
+                raise ProtocolError(f"site {cid}: shares for round {rnd + 1} that were not asked for")
+            if shares is not None and nxt is not None:
+                nxt.take_shares(cid, shares)
+            state.take_unmask(cid, answers)
+
+        self._gather(rnd, P.SA_REVEAL, alive, reveal)
+        if ahead and nxt is not None and set(nxt.shared) == core.live:
+            self.prepared = nxt
+        self._fold(rnd, state)
+        return {cid: taken[cid] for cid in alive}
+
+    def _graph(self, rnd: int) -> dict[int, set[int]]:
+        return round_graph(self.num_sites, rnd, self.core.cfg.privacy.secagg.degree)
+
+    def _setup(self, rnd: int) -> ServerState:
+        """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
+        round some live site missed): two more exchanges before the sites can mask."""
+        core, n = self.core, self.num_sites
+        state = ServerState(self._graph(rnd), self.size, rnd)
 
         def advert(cid: int, msg: Message) -> None:
             state.take_advert(cid, W.parse_advert(cid, msg.header.get("advert"), n))
@@ -88,24 +144,12 @@ class SecAggRound:
         shared = self._gather(rnd, P.SA_SHARES, advertised, shares)
         self._quorum(rnd, shared, "shared keys")
         for cid in sorted(shared):
-            ids, blob = W.shares_message(state.shares_for(cid), by_sender=True)
-            core.send_to(cid, P.SA_SHARES_FOR, {"round": rnd, "from": ids}, {W.SHARES_TENSOR: blob})
-        taken: Taken = {}
-        self._gather(rnd, P.SA_MASKED, shared, lambda cid, msg: self._take_masked(
-            rnd, cid, msg, want_state, state, taken))
-        for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
-            del state.masked[cid]
-        alive, dropped = state.unmask_request()
-        self._quorum(rnd, alive, "sent masked inputs")
-        for cid in sorted(alive):
-            core.send_to(cid, P.SA_UNMASK, {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped)})
+            self._relay_shares(rnd, cid, state)
+        return state
 
-        def reveal(cid: int, msg: Message) -> None:
-            state.take_unmask(cid, W.parse_answers(cid, msg.header.get("answers"), n))
-
-        self._gather(rnd, P.SA_REVEAL, alive, reveal)
-        self._fold(rnd, state)
-        return {cid: taken[cid] for cid in alive}
+    def _relay_shares(self, rnd: int, cid: int, state: ServerState) -> None:
+        ids, blob = W.shares_message(state.shares_for(cid), by_sender=True)
+        self.core.send_to(cid, P.SA_SHARES_FOR, {"round": rnd, "from": ids}, {W.SHARES_TENSOR: blob})
 
     # -- stages -----------------------------------------------------------------------------------------
     def _gather(self, rnd: int, kind: int, waiting: set[int], take: Callable[[int, Message], None]) -> set[int]:
@@ -142,14 +186,19 @@ class SecAggRound:
         done.add(cid)
 
     def _take_masked(self, rnd: int, cid: int, msg: Message, want_state: bool, state: ServerState,
-                     taken: Taken) -> None:
+                     taken: Taken, nxt: ServerState | None) -> None:
         y = W.parse_masked(cid, msg.tensors, self.size)
+        advert = None  # the site's keys for the next round, advertised with this round's input
+        if nxt is not None and msg.header.get("next_advert") is not None:
+            advert = W.parse_advert(cid, msg.header.get("next_advert"), self.num_sites)
         metrics, shard = msg.header.get("metrics", {}), V.shard_ref(msg.header.get("shard"))
         if not V.metrics_ok(metrics):
             raise ProtocolError(f"site {cid}: masked input's metrics are not at most {V.MAX_METRICS} named numbers")
         if want_state and (shard is None or shard["round"] != rnd):
             raise ProtocolError(f"site {cid}: masked input of checkpoint round {rnd} without a valid shard")
         state.take_masked(cid, y)
+        if advert is not None and nxt is not None:
+            nxt.take_advert(cid, advert)
         upd = Update(client_id=cid, flat=None, num_examples=0,
                      metrics={k: (float(v) if v is not None else math.nan) for k, v in metrics.items()})
         taken[cid] = (upd, shard if want_state else None)
@@ -170,10 +219,14 @@ class SecAggRound:
         core = self.core
         try:
             total, alive = state.result()
-            weighted_sum, examples = decode_sum(total, len(alive), self.spec)
         except ValueError as exc:  # ProtocolError included: too few answers to rebuild a mask
             raise FederationError(f"round {rnd}: secure aggregation could not unmask the sum ({exc}); "
                                   f"last checkpoint: {core.last_checkpoint or 'none'}") from None
+        try:
+            weighted_sum, examples = decode_sum(total, len(alive), self.spec)
+        except ValueError as exc:  # a site wrote a weight outside the encoding: one round lost, not the run
+            self._refuse_sum(rnd, str(exc))
+            return
         if not self._sum_ok(rnd, weighted_sum, examples, len(alive)):
             return
         if not isinstance(core.strategy, FedAvg):  # registry.check_secure_aggregation allows only FedAvg
@@ -183,12 +236,15 @@ class SecAggRound:
     def _sum_ok(self, rnd: int, weighted_sum: np.ndarray, examples: int, count: int) -> bool:
         """Honest sites clipped to C: ‖Σ n_k δ_k‖ ≤ C·Σ n_k (plus the noise's 4 stds under DP). Beyond
         it some site sent an input outside the encoding; the round's sum is refused, the model stays."""
-        spec, norm = self.spec, float(np.linalg.norm(weighted_sum))
+        spec, norm = self.spec, l2_norm(weighted_sum)
         bound = spec.clip_norm * examples + 4 * spec.noise_std * math.sqrt(count * weighted_sum.size)
         if math.isfinite(norm) and norm <= bound:
             return True
-        log.warning("round %d: the securely aggregated sum has norm %.4g, above what %d sites clipped to %g can "
-                    "make (%.4g): a site sent an input outside the encoding; the round's sum is refused",
-                    rnd, norm, count, spec.clip_norm, bound)
-        self.core.metrics.log(rnd, None, "secagg_sum_refused", 1)
+        self._refuse_sum(rnd, f"its norm {norm:.4g} is above what {count} sites clipped to {spec.clip_norm:g} can "
+                              f"make ({bound:.4g})")
         return False
+
+    def _refuse_sum(self, rnd: int, why: str) -> None:
+        log.warning("round %d: the securely aggregated sum is refused, the model stays: %s; a site sent an input "
+                    "outside the encoding (which one, secure aggregation hides)", rnd, why)
+        self.core.metrics.log(rnd, None, "secagg_sum_refused", 1)

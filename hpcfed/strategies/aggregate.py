@@ -78,6 +78,22 @@ class RunningMean:
             part = x[start: start + block]
             self.acc[start: start + block] += part if scale == 1.0 else np.multiply(part, scale, dtype=np.float64)
 
+    def add_sum(self, weighted_sum: np.ndarray, weight: float) -> None:
+        """Add Σ w_i x_i of vectors summed elsewhere, of total weight `weight` > 0 (secure aggregation
+        hands rank 0 only the sum). `weighted_sum` (float64) is taken over, not copied."""
+        w = float(weight)
+        if not math.isfinite(w) or w <= 0 or weighted_sum.shape != (self.size,) or weighted_sum.dtype != np.float64:
+            raise ValueError(f"a weighted sum needs a positive weight and float64 ({self.size},), got {weight}, "
+                             f"{weighted_sum.dtype} {weighted_sum.shape}")
+        if not self.weighted:  # as in `add`: zero-weight vectors stop counting once a weight arrives
+            self.weighted, self.denominator, self.acc = True, 0.0, None
+        if self.acc is None:
+            self.acc = weighted_sum
+        else:
+            self.acc += weighted_sum
+        self.count += 1
+        self.denominator += w
+
     def result(self, out: np.ndarray | None = None) -> np.ndarray:
         """The mean as float32, written into `out` when given."""
         if self.acc is None or self.denominator <= 0:

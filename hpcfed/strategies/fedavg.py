@@ -58,12 +58,15 @@ class FedAvg(SyncStrategy):
         self._mean = None
 
     def fold_secure_sum(self, weighted_sum: np.ndarray, total_weight: int, count: int) -> None:
-        """Secure aggregation: fold the round's Σ n_k·δ_k (deltas from the global model) and Σ n_k,
-        all rank 0 learns, as one upload of the mean model weighing Σ n_k."""
+        """Secure aggregation: fold the round's Σ n_k·δ_k (deltas from the global model; float64, taken
+        over) and Σ n_k, all rank 0 learns, as the weighted sum of the sites' models Σ n_k (g + δ_k)."""
         if self._mean is None:
             raise RuntimeError("secure aggregation needs FedAvg's mean rule")
-        mean = self.global_flat.astype(np.float64) + weighted_sum / max(total_weight, 1)
-        self._mean.add(mean.astype(np.float32), float(total_weight))
+        block = RunningMean.BLOCK  # Σ n_k (g + δ_k) = W·g + Σ n_k δ_k, in place, a block at a time
+        for start in range(0, weighted_sum.size, block):
+            weighted_sum[start:start + block] += np.multiply(self.global_flat[start:start + block], float(total_weight),
+                                                             dtype=np.float64)
+        self._mean.add_sum(weighted_sum, float(total_weight))
 
     def _weight(self, update: Update) -> float:
         return float(update.num_examples) if self.config.weighting == "num_examples" else 1.0

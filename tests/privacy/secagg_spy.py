@@ -49,9 +49,9 @@ def _spy_site(out: Path, client: int, silent: int, silent_s: float) -> None:
     encode, fit_round = secagg.encode_update, secagg.SecAggSite._round
     current: dict[str, object] = {}
 
-    def round_(self: secagg.SecAggSite, rnd: int, sent: np.ndarray, fit: secagg.Fit) -> None:
+    def round_(self: secagg.SecAggSite, rnd: int, sent: np.ndarray, fit: secagg.Fit, prepared: bool = False) -> None:
         current.update(rnd=rnd, sent=np.array(sent))
-        fit_round(self, rnd, sent, fit)
+        fit_round(self, rnd, sent, fit, prepared)
 
     def encode_update(delta: np.ndarray, weight: int, spec: object) -> tuple[np.ndarray, bool]:
         codes, within = encode(delta, weight, spec)  # type: ignore[arg-type]

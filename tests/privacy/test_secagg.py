@@ -140,3 +140,55 @@ def test_a_site_refuses_to_unmask_a_peer_the_server_calls_alive():
         sites[0].unmask({0, 1, 2, 3}, {1})
     with pytest.raises(ProtocolError, match="says site 0 dropped"):
         sites[0].unmask({1, 2, 3}, {0})
+
+
+def test_masks_applied_a_block_at_a_time_equal_the_whole_keystreams_mod_2_32(monkeypatch):
+    monkeypatch.setattr(masking, "BLOCK_WORDS", 7)  # 3 blocks, the last one short
+    size = 17
+    k1, k2 = secrets.token_bytes(32), secrets.token_bytes(32)
+    x = np.arange(size, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    y = x.copy()
+    masking.apply_masks(y, [(k1, b"self", 1), (k2, b"pair", -1)])
+    want = (x.astype(np.uint64) + masking.expand(k1, size, b"self") + (1 << 32) - masking.expand(k2, size, b"pair"))
+    assert y.tolist() == (want % (1 << 32)).astype(np.uint32).tolist()
+    masking.apply_masks(y, [(k2, b"pair", 1), (k1, b"self", -1)])
+    assert y.tolist() == x.tolist()  # the same streams taken off again: exact
+    # a hand case: the first AES-256-CTR block of an all-zero key encrypts the label's nonce
+    assert masking.expand(bytes(32), 4, b"self").tolist() == np.frombuffer(masking._cipher(bytes(32), b"self").update(
+        bytes(16)), "<u4").tolist()
+
+
+def test_fixed_point_with_a_folded_factor_equals_scaling_first():
+    levels = masking.levels_for(3)
+    x = np.array([-3.0, -0.25, 0.0, 0.4, 0.99, 7.0])
+    assert masking.quantise(x, 1.0, levels, factor=0.5).tolist() == masking.quantise(0.5 * x, 1.0, levels).tolist()
+    codes = masking.encode(x, 30, 100, 1.0, levels, factor=0.5)
+    assert codes[-1] == 30 and codes[:-1].tolist() == masking.quantise(0.15 * x, 1.0, levels).tolist()
+    assert masking.quantise(np.array([0.0]), 1.0, 10).tolist() == [5]  # (0 + R)·levels/2R
+
+
+@pytest.mark.parametrize("silent", [None, 3])
+def test_masks_summed_ahead_give_the_same_sum_and_are_dropped_when_a_neighbour_shares_nothing(silent):
+    k, size = 4, 6
+    graph = neighbours(k, b"ahead")
+    sites = {u: SiteState(u, graph, size + 1) for u in range(k)}
+    server = ServerState(graph, size + 1)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    for u, s in sites.items():
+        shares = s.share_keys(server.adverts_for(u))
+        s.premask()  # summed over every advertised neighbour
+        if u != silent:  # site 3 advertised, then shared nothing: the others' premasks do not apply
+            server.take_shares(u, shares)
+    levels = masking.levels_for(k)
+    codes = {u: masking.encode(np.full(size, 0.1 * u), 10, 100, 1.0, levels) for u in range(k)}
+    for u in sorted(server.shared):
+        server.take_masked(u, sites[u].masked_input(server.shares_for(u), codes[u]))
+    alive, dropped = server.unmask_request()
+    for u in alive:
+        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    total, who = server.result()
+    want = sum(codes[u].astype(np.uint64) for u in who) % (1 << 32)
+    assert who == set(server.shared) and total.tolist() == want.tolist()
+    with pytest.raises(ProtocolError, match="site 0: masks summed before the keys were shared"):
+        SiteState(0, graph, 3).premask()

@@ -171,3 +171,23 @@ def test_distributed_dp_widens_the_range_for_the_noise_and_weighs_every_site_ali
     assert examples == 1 and np.linalg.norm(weighted - [0.3, 0.4]) < 6 * private.noise_std
     with pytest.raises(ValueError, match="masked weights sum to 0"):
         decode_sum(np.zeros(3, np.uint32), 2, plain)
+
+
+def test_a_relayed_agreement_key_with_a_bad_signature_or_from_another_round_is_refused_naming_the_site():
+    ids = {u: Ed25519PrivateKey.generate() for u in range(K)}
+    pubs = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
+    graph0, graph1 = round_graph(K, 0), round_graph(K, 1)
+    old = {u: SiteState(u, graph0, SIZE + 1, ids[u], pubs, 0).advertise() for u in range(K)}
+    new = {u: SiteState(u, graph1, SIZE + 1, ids[u], pubs, 1) for u in range(K)}
+    me = new[0]
+    fields = [W.advert_fields(new[u].advertise()) for u in sorted(me.peers)]
+    victim = fields[-1][0]
+    fields[-1][3] = ("0" if fields[-1][3][0] != "0" else "1") + fields[-1][3][1:]  # one hex digit of the signature
+    with pytest.raises(ProtocolError, match=f"site {victim}: forged agreement key for round 1"):
+        me.share_keys(W.parse_adverts(fields, me.peers, K, 0))
+    replayed = [W.advert_fields(old[u]) for u in sorted(me.peers)]  # signed, but for round 0
+    with pytest.raises(ProtocolError, match=r"forged agreement key for round 1 \(signature does not verify: "
+                                            r"substituted, or replayed from another round\)"):
+        me.share_keys(W.parse_adverts(replayed, me.peers, K, 0))
+    honest = [W.advert_fields(new[u].advertise()) for u in sorted(me.peers)]
+    assert len(me.share_keys(W.parse_adverts(honest, me.peers, K, 0))) == len(me.peers)

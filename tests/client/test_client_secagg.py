@@ -1,0 +1,119 @@
+"""A site's side of secure aggregation (hpcfed.client.secagg) against a hostile server, over a real
+sealed channel on the in-process transport: the test plays rank 0 and two honest peers (protocol
+state machines with their own Ed25519 identities, keys mode), the site under test runs in a thread.
+
+- The next round's agreement keys, relayed with this round's unmask request, one with a bad
+  signature: the site refuses, naming the peer whose key it is, and shares nothing for that round.
+- A server that says a round's keys were exchanged ahead when this site shared none: refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from hpcfed import protocol as P
+from hpcfed.client.secagg import SecAggSite
+from hpcfed.comm.channel import SecureChannel
+from hpcfed.comm.crypto import Credentials
+from hpcfed.comm.transport import InProcTransport
+from hpcfed.config import from_mapping
+from hpcfed.errors import FederationError
+from hpcfed.privacy import secagg_wire as W
+from hpcfed.privacy.secagg import Advert, ServerState, SiteState, round_graph
+
+K, SIZE = 3, 5  # three sites: site 0 is the one under test, 1 and 2 are played by the test
+PSK = bytes(range(32))
+
+
+def _channels() -> tuple[SecureChannel, SecureChannel]:
+    """Rank 0 (the test's server) and rank 1 (site 0), connected, in a job of K + 1 ranks."""
+    ts = InProcTransport.group(K + 1)
+    chans = [SecureChannel(t, Credentials(mode="psk", psk=PSK), b"job-secagg", log=lambda *_: None) for t in ts[:2]]
+    site = threading.Thread(target=chans[1].connect, args=([0],), kwargs={"timeout": 10})
+    site.start()
+    chans[0].connect([1], timeout=10)
+    site.join()
+    for ch in chans:
+        ch.expect(None)
+    return chans[0], chans[1]
+
+
+def _site(channel: SecureChannel, ids: dict[int, Ed25519PrivateKey]) -> SecAggSite:
+    cfg = from_mapping({"rounds": 2, "task": {"name": "synthetic"}, "influence": {"enabled": False},
+                        "federation": {"client_timeout_s": 20}, "privacy": {"secure_aggregation": True}})
+    site = SecAggSite(cfg, channel, SIZE)
+    site.identity = ids[0]  # keys mode, as `credentials.secagg_identities` loads it from the key files
+    site.peer_keys = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
+    return site
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the test, which asserts on it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def _recv(server: SecureChannel, kind: int) -> Any:
+    msg = server.recv(source=1, kinds={kind}, timeout=20)
+    assert msg is not None, f"site 0 sent no {P.NAMES[kind]}"
+    return msg
+
+
+def test_a_next_round_key_with_a_bad_signature_relayed_with_the_unmask_request_is_refused_naming_the_site():
+    server, channel = _channels()
+    ids = {u: Ed25519PrivateKey.generate() for u in range(K)}
+    pubs = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
+    site = _site(channel, ids)
+    sent = np.zeros(SIZE, np.float32)
+    thread, errors = _in_thread(lambda: site.round(0, sent, lambda: (sent + 0.01, 10, {"metrics": {}})))
+    graph = round_graph(K, 0)
+    state = ServerState(graph, SIZE + 1, 0)
+    peers = {u: SiteState(u, graph, SIZE + 1, ids[u], pubs, 0) for u in (1, 2)}
+    state.take_advert(0, W.parse_advert(0, _recv(server, P.SA_ADVERT).header["advert"], K))
+    for u, peer in peers.items():
+        state.take_advert(u, peer.advertise())
+    server.send(1, P.SA_KEYS, {"round": 0, "adverts": [W.advert_fields(a) for a in state.adverts_for(0).values()]})
+    msg = _recv(server, P.SA_SHARES)
+    state.take_shares(0, W.parse_shares(0, msg.header["to"], msg.tensors, K, 0, by_sender=False))
+    for u, peer in peers.items():
+        state.take_shares(u, peer.share_keys(state.adverts_for(u)))
+    ids_for, blob = W.shares_message(state.shares_for(0), by_sender=True)
+    server.send(1, P.SA_SHARES_FOR, {"round": 0, "from": ids_for}, {W.SHARES_TENSOR: blob})
+    masked = _recv(server, P.SA_MASKED)
+    nxt = W.parse_advert(0, masked.header["next_advert"], K)  # its round-1 keys, signed for round 1
+    assert nxt.signature is not None and nxt.c_public != state.adverts[0].c_public
+    following = {u: SiteState(u, round_graph(K, 1), SIZE + 1, ids[u], pubs, 1).advertise() for u in (1, 2)}
+    bad = bytes([following[2].signature[0] ^ 1]) + following[2].signature[1:]  # type: ignore[index]
+    following[2] = Advert(2, following[2].c_public, following[2].s_public, bad)
+    server.send(1, P.SA_UNMASK, {"round": 0, "alive": [0, 1, 2], "dropped": [],
+                                 "next_adverts": [W.advert_fields(a) for a in following.values()]})
+    thread.join(30)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], FederationError), errors
+    assert "client 0 (rank 1): secure aggregation refused in round 0: site 2: forged agreement key for round 1" \
+        in str(errors[0])
+    assert server.recv(source=1, kinds={P.SA_REVEAL}, timeout=0.5) is None  # it shares nothing for round 1
+    assert site.next is None
+
+
+def test_a_server_that_claims_the_keys_were_exchanged_ahead_when_they_were_not_is_refused():
+    server, channel = _channels()
+    site = _site(channel, {u: Ed25519PrivateKey.generate() for u in range(K)})
+    sent = np.zeros(SIZE, np.float32)
+    with pytest.raises(FederationError, match=r"round 3: the server says round 3's keys were exchanged in round 2, "
+                                              r"but site 0 shared none for it"):
+        site.round(3, sent, lambda: (sent, 1, {"metrics": {}}), prepared=True)
+    assert server.recv(source=1, timeout=0.2) is None  # nothing was sent
