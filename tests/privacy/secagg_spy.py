@@ -8,6 +8,12 @@ mpiexec in place of ``python -m hpcfed``: ``secagg_spy.py SPY_DIR SILENT_CLIENT 
   test checks rank 0's view against;
 - site SILENT_CLIENT (-1: none) goes silent in round 0 after it shared its keys, past the stage
   deadline (SPY_SILENT_S seconds): a dropout after share submission.
+- SPY_KILL="CID:STAGE,..." with SPY_KILL_ROUND=R: in round R site CID SIGKILLs itself, STAGE
+  "before" when it is about to mask (it shared its keys, sent no masked input) or "after" just
+  after it sent SA_MASKED; the other sites then hold their masked input for SPY_HOLD_S seconds, so
+  that rank 0 learns of both deaths (`hpcfed.server.departures`) before it asks for the unmasking.
+  Needs `hpcfed run` (`hpcfed.rank_guard`): the test passes a wrapper as --mpiexec that starts
+  this file in place of ``-m hpcfed`` (``secagg_spy.py SPY_DIR -1 run ...``).
 
 Only the test uses this file; nothing in hpcfed imports it.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,10 +50,24 @@ def _spy_rank0(out: Path) -> None:
     api.Message.__init__ = recording_init  # type: ignore[method-assign]  # the spy's whole point
 
 
+def _kills() -> tuple[dict[int, str], int, float]:
+    spec = os.environ.get("SPY_KILL", "")
+    kills = {int(c): stage for c, stage in (item.split(":") for item in spec.split(",") if item)}
+    return kills, int(os.environ.get("SPY_KILL_ROUND", "0")), float(os.environ.get("SPY_HOLD_S", "0"))
+
+
 def _spy_site(out: Path, client: int, silent: int, silent_s: float) -> None:
+    from hpcfed import protocol as P
     from hpcfed.client import secagg
 
-    encode, fit_round = secagg.encode_update, secagg.SecAggSite._round
+    encode, fit_round, send = secagg.encode_update, secagg.SecAggSite._round, secagg.SecAggSite._send
+    kills, kill_round, hold_s = _kills()
+
+    def send_(self: secagg.SecAggSite, kind: int, header: dict, tensors: dict | None = None) -> None:
+        send(self, kind, header, tensors)
+        if kind == P.SA_MASKED and kills.get(client) == "after" and header.get("round") == kill_round:
+            os.kill(os.getpid(), signal.SIGKILL)  # its masked input is on its way; the unmasking is not
+
     current: dict[str, object] = {}
 
     def round_(self: secagg.SecAggSite, rnd: int, sent: np.ndarray, fit: secagg.Fit, prepared: bool = False) -> None:
@@ -59,9 +80,14 @@ def _spy_site(out: Path, client: int, silent: int, silent_s: float) -> None:
         np.savez(out / f"site{client}-r{rnd}.npz", sent=current["sent"], delta=delta, weight=weight, codes=codes)
         if client == silent and rnd == 0:
             time.sleep(silent_s)  # keys shared, masked input late: the server must go on without it
+        if rnd == kill_round and kills.get(client) == "before":
+            os.kill(os.getpid(), signal.SIGKILL)  # keys shared, no masked input
+        if rnd == kill_round and kills and client not in kills:
+            time.sleep(hold_s)  # the survivors mask once rank 0 has seen both sites die
         return codes, within
 
     secagg.SecAggSite._round = round_  # type: ignore[method-assign]
+    secagg.SecAggSite._send = send_  # type: ignore[method-assign]
     secagg.encode_update = encode_update  # type: ignore[assignment]
 
 
