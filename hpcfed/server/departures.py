@@ -49,6 +49,7 @@ class Departures:
         self.dropped: dict[int, Dropped] = {}
         self.unexplained = False  # a rank ended and none on this node: one on another node did
         self._signalled_at: float | None = None  # the last SIGUSR1 not yet explained
+        self._signals = 0  # SIGUSR1s so far, one a rank that ended (two within one handler call merge: rare)
         self._ended: dict[int, str] = {}  # client id -> how it ended, found but not yet handed out
         self._known: set[int] = set()  # every client found ended
         self._shards: dict[int, dict[str, Any]] = {}  # client id -> its newest shard {digest, path, round}
@@ -56,6 +57,7 @@ class Departures:
     def notify(self) -> None:
         """A rank of the job has ended (SIGUSR1 from hydra): find which, now and for a moment after."""
         self._signalled_at = time.monotonic()
+        self._signals += 1
         self.probe()
 
     def probe(self) -> None:
@@ -69,7 +71,10 @@ class Departures:
                 self._known.add(cid)
                 self._ended[cid] = cause
                 self.mark_gone(cid + 1)
-                self._signalled_at = None  # explained
+        if len(self._known) >= self._signals:
+            # explained: every signal has a rank found ended (two sites killed at once may both be
+            # found at the first signal; the second is theirs, not a remote rank's)
+            self._signalled_at = None
         if self._signalled_at is not None and time.monotonic() - self._signalled_at > _EXPLAIN_S:
             self._signalled_at = None
             if not self.unexplained:

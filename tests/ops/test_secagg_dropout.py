@@ -52,6 +52,7 @@ def test_two_sites_killed_before_and_after_masking_leave_the_survivors_sum(tmp_p
         kill_all(out, proc)
     took, text = time.monotonic() - t0, output(proc)
     assert rc == 0, text[-4000:]
+    assert "none on this node did" not in text, text[-3000:]  # both signals explained by the two local kills
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dropped_clients"] == [AFTER, BEFORE], summary["dropped"]
     assert all(d["round"] == 1 and "killed or crashed" in d["cause"] for d in summary["dropped"]), summary["dropped"]

@@ -55,6 +55,28 @@ def test_a_signal_with_no_site_ended_here_points_at_another_node(tmp_path, monke
         local.wait()
 
 
+def test_two_sites_found_at_the_first_signal_explain_the_second(tmp_path, monkeypatch):
+    """Two sites killed moments apart: the first SIGUSR1 finds both ended; the second is theirs, not
+    a sign that a rank on another node ended (which would drop a slow remote site at its deadline)."""
+    monkeypatch.setattr(D, "_EXPLAIN_S", 0.0)
+    ranks = {r: _rank(tmp_path, r) for r in (1, 2, 3)}
+    dep = D.Departures(tmp_path, 3)
+    try:
+        for r in (1, 3):
+            ranks[r].kill()
+            ranks[r].wait()
+        dep.notify()
+        assert set(dep.ended({0, 1, 2})) == {0, 2}
+        dep.notify()  # the second rank's signal
+        assert dep.ended({1}) == {} and not dep.unexplained
+        dep.notify()  # a third signal, and no third site ended here: one on another node did
+        assert dep.ended({1}) == {} and dep.unexplained
+    finally:
+        for proc in ranks.values():
+            proc.kill()
+            proc.wait()
+
+
 def test_the_manifest_keeps_a_dropped_sites_last_shard_with_its_round(tmp_path):
     dep = D.Departures(tmp_path, 3)
     ref = {i: {"digest": f"{i}" * 64, "path": f"/s/{i}"} for i in range(3)}
