@@ -22,6 +22,7 @@ import numpy as np
 from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
 from hpcfed.search.ann import SiteSearcher, open_site
 from hpcfed.search.index import MERGES, STANDARDIZED_MERGES, Hit, merge_results
+from hpcfed.search.pool import map_ordered, row_spans
 
 MODES = ("joint", "mapping", "nomapping")
 
@@ -73,9 +74,15 @@ class GlobalSearch:
                     mappers_dir: str | Path | None = None, merge: str = "score", exact: bool = False,
                     nprobe: int | None = None, ef_search: int | None = None) -> GlobalSearch:
         """A search over the site exports in `folder` (and, for mode=mapping, its mappers)."""
-        exports = site_exports(folder)
-        indexes = {site: open_site(path, entity, site, exact=exact, nprobe=nprobe, ef_search=ef_search)
-                   for site, path in exports.items()}
+        exports = list(site_exports(folder).items())
+
+        def load(item: tuple[str, Path]) -> SiteSearcher:
+            return open_site(item[1], entity, item[0], exact=exact, nprobe=nprobe, ef_search=ef_search)
+
+        # indexes load side by side (reading, hashing and FAISS parsing release the GIL); exact search
+        # loads one export at a time, each one's transient copies being a whole export's size
+        loaded = map_ordered(load, exports) if not exact else [load(item) for item in exports]
+        indexes = {site: index for (site, _), index in zip(exports, loaded)}
         mappers = {}
         if mode == "mapping":
             mdir = Path(mappers_dir) if mappers_dir else Path(folder) / "mappers"
@@ -97,9 +104,20 @@ class GlobalSearch:
         """Top-k merged over all sites for each query vector of site `home` (batched)."""
         vectors = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
         standardize = self.merge in STANDARDIZED_MERGES
-        per_site = [index.hits(map_query(self.mode, home, site, vectors, self.mappers), k, exclude, standardize)
-                    for site, index in self.indexes.items()]
-        return [merge_results([lists[i] for lists in per_site], k, self.merge, home) for i in range(len(vectors))]
+        mapped = {site: map_query(self.mode, home, site, vectors, self.mappers) for site in self.indexes}
+        tasks = [(site, lo, hi) for site in self.indexes for lo, hi in row_spans(len(vectors), len(self.indexes))]
+
+        def hits(task: tuple[str, int, int]) -> list[list[Hit]]:
+            site, lo, hi = task
+            skip = list(exclude[lo:hi]) if exclude is not None else None
+            return self.indexes[site].hits(mapped[site][lo:hi], k, skip, standardize)
+
+        per_site: dict[str, list[list[Hit]]] = {site: [] for site in self.indexes}
+        for (site, _, _), found in zip(tasks, map_ordered(hits, tasks)):  # the sites searched side by side
+            per_site[site] += found
+        lists = list(per_site.values())
+        return [merge_results([site_lists[i] for site_lists in lists], k, self.merge, home)
+                for i in range(len(vectors))]
 
     def search_id(self, doc_id: str, k: int) -> list[Hit]:
         """The merged top-k for document `doc_id`, asked from its home site (itself left out)."""

@@ -75,11 +75,12 @@ def test_flat_index_answers_like_exact_search_in_every_mode_and_merge(tmp_path: 
                 assert doc_id not in [h.id for h in got]
 
 
-def test_index_gives_back_the_exported_vector_and_labels(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("compress", "tolerance"), [("none", 1e-5), ("int8", 0.03)])
+def test_index_gives_back_the_exported_vector_and_labels(tmp_path: Path, compress: str, tolerance: float) -> None:
     vectors = write_sites(tmp_path, [500])["0"]
-    build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="ivf"), progress=False)
+    build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="ivf", compress=compress), progress=False)
     ann = AnnIndex.load(export_path(tmp_path, 0))
-    assert ann.vector_of("s0-42") == pytest.approx(vectors[42], rel=1e-5, abs=1e-5)
+    assert ann.vector_of("s0-42") == pytest.approx(vectors[42], rel=tolerance, abs=tolerance)
     assert {h.label for h in ann.hits(vectors[:1], 20)[0]} <= {0, 1, 2, 3, 4}
     with pytest.raises(ValueError, match="not in site 0"):
         ann.vector_of("s9-1")
