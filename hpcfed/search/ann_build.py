@@ -143,12 +143,9 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
 def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block_bytes: int,
            progress: Callable[[int], None], seed: int) -> str:
     """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest."""
-    import faiss
 
     n = header.num_rows
-    ivf = faiss.try_extract_index_ivf(index)
-    want = 64 * ivf.nlist if ivf is not None else 0
-    want = min(n, max(want, 256 * 64))  # PQ / SQ training: 256 centroids x ~64 points
+    want = training_rows(index, n)
     rows = np.sort(np.random.default_rng(seed).choice(n, size=want, replace=False))
     sample = np.zeros((want, header.dim), np.float32)
 
@@ -157,10 +154,27 @@ def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block
         sample[lo:hi] = normalize_rows(block[rows[lo:hi] - first])
 
     digest = stream_export(header.path, header.entity, auth, take, block_bytes=block_bytes, progress=progress).digest
+    train(index, sample)
+    return digest
+
+
+def training_rows(index: Any, n: int) -> int:
+    """How many of n vectors train `index`: 64 per IVF cell, and at least 256 x 64 for SQ/PQ codebooks."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
+    want = 64 * ivf.nlist if ivf is not None else 0
+    return min(n, max(want, 256 * 64))
+
+
+def train(index: Any, sample: np.ndarray) -> None:
+    """Train `index` on unit vectors (a `training_rows` sample), as `build_index` does."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.cp.max_points_per_centroid = 64  # the sample is already the size k-means needs
-    index.train(sample)
-    return digest
+    index.train(np.ascontiguousarray(sample, np.float32))
 
 
 class _Stats:
