@@ -1,11 +1,13 @@
 """The ``hpcfed`` command line.
 
     hpcfed run CONFIG [--np K] [--out DIR] [--resume | --force] [key=value ...]
+    hpcfed serve CONFIG --out DIR [--port-file F] [--port-range LO-HI] [--iface IF]   (docs/cluster.md)
+    hpcfed join CONFIG --server F|HOST:PORT --site N [--out DIR]
     hpcfed keygen PATH
     hpcfed inspect FILE.h5
     hpcfed bench comm [--json]
     hpcfed data import-hin|import-messages ...
-    hpcfed search ... / hpcfed report DIR
+    hpcfed search ... / hpcfed eval RUN [--central RUN] / hpcfed report DIR
     hpcfed new DIR [--template torch|lora]
 
 Subcommands that belong to one part of the system are listed in `DATA_COMMANDS` and
@@ -30,9 +32,12 @@ DATA_COMMANDS: dict[str, str] = {
 
 # `hpcfed NAME ...` -> function(argv) -> int
 EXTRA_COMMANDS: dict[str, str] = {
+    "eval": "hpcfed.search.evaluate:main",
     "report": "hpcfed.report:main",
     "search": "hpcfed.search.cli:main",
     "new": "hpcfed.scaffold:main",
+    "serve": "hpcfed.crossjob:serve_main",
+    "join": "hpcfed.crossjob:join_main",
 }
 
 USER_ERROR_EXIT = 2

@@ -84,6 +84,9 @@ class FederationConfig:
                 raise InvalidValue(f"slowdown.{cid}", f"must be > 0, got {factor!r}")
 
 
+TRACKING_KINDS = ("tensorboard", "mlflow")
+
+
 @dataclass(kw_only=True)
 class SecurityConfig:
     """Secure channel credentials (see README, "Security")."""
@@ -191,10 +194,27 @@ class DPConfig:
 
 
 @dataclass(kw_only=True)
+class SecAggConfig:
+    """How a site bounds and encodes its update before masking it (secure aggregation)."""
+
+    clip_norm: float = 10.0  # L2 bound on a site's update delta (privacy.dp.clip_norm replaces it with DP)
+    max_examples: int = 65536  # the masked weight is n / max_examples: a site claiming more is refused
+    degree: int | None = None  # SecAgg+ neighbours per site (default 2*ceil(log2 K), all when K is small)
+
+    def validate(self) -> None:
+        _positive(self, "clip_norm", "max_examples", "degree")
+        if not math.isfinite(self.clip_norm):
+            raise InvalidValue("clip_norm", f"must be a finite number, got {self.clip_norm!r}")
+        if self.max_examples >= 1 << 31:
+            raise InvalidValue("max_examples", f"must be below 2**31 (it travels as uint32), got {self.max_examples}")
+
+
+@dataclass(kw_only=True)
 class PrivacyConfig:
     """What the server may learn of each site (README, "What the server sees")."""
 
     secure_aggregation: bool = False
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
     dp: DPConfig | None = None
 
 
@@ -222,6 +242,7 @@ class Config:
     data_root: str | None = None
     attack: str | None = None  # task-defined malicious-site behaviour (the last client turns malicious)
     halt_after_round: int | None = None  # stop cleanly after this round's checkpoint (time-boxed jobs, resume tests)
+    tracking: str | None = None  # live view by rank 0: tensorboard, mlflow or both (server/tracking.py)
     federation: FederationConfig = field(default_factory=FederationConfig)
     influence: InfluenceConfig = field(default_factory=InfluenceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -234,6 +255,10 @@ class Config:
     def validate(self) -> None:
         _at_least(self, 1, "rounds", "keep_checkpoints", "threads_per_rank")
         _at_least(self, 0, "eval_every", "checkpoint_every", "halt_after_round")
+        bad = [k for k in (self.tracking or "").split(",") if k.strip() and k.strip() not in TRACKING_KINDS]
+        if bad:
+            raise InvalidValue("tracking", f"{bad[0].strip()!r} is not a tracker; use {', '.join(TRACKING_KINDS)} "
+                                           f"(comma-separated), or leave it out")
 
     @property
     def mode(self) -> Literal["sync", "async"]:
@@ -339,7 +364,8 @@ def _apply_override(data: dict[str, Any], item: str) -> str:
 # The privacy mechanism too (ε is a function of the rounds done and these); max_epsilon is a budget
 # like rounds and may change.
 RESUME_MUST_MATCH = ("seed", "method", "strategy", "task", "privacy.secure_aggregation", "privacy.dp.clip_norm",
-                     "privacy.dp.noise_multiplier", "privacy.dp.delta", "privacy.dp.adaptive")
+                     "privacy.dp.noise_multiplier", "privacy.dp.delta", "privacy.dp.adaptive",
+                     "privacy.secagg.clip_norm", "privacy.secagg.max_examples")
 
 
 def check_resume_compatible(saved: Mapping[str, Any], current: Config, where: str = "the checkpoint") -> None:

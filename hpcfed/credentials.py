@@ -17,7 +17,9 @@ import os
 import stat
 from pathlib import Path
 
-from hpcfed.comm.crypto import Credentials
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from hpcfed.comm.crypto import Credentials, public_raw
 from hpcfed.comm.keys import load_authorized_keys, load_identity, load_public_keys
 from hpcfed.config import ConfigError, SecurityConfig
 from hpcfed.store.sealed import FileAuth
@@ -109,6 +111,21 @@ def secret_seed(sec: SecurityConfig, rank: int, purpose: str) -> int:
     okm = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
                info=b"hpcfed secret seed v1/" + purpose.encode()).derive(ikm)
     return int.from_bytes(okm, "big")
+
+
+def secagg_identities(sec: SecurityConfig, rank: int) -> tuple[Ed25519PrivateKey | None, dict[int, bytes] | None]:
+    """Secure aggregation's signing key for this site and its peers' raw public keys by client id,
+    in keys mode (psk mode: none, agreement keys go unsigned; README "What the server sees")."""
+    if sec.mode == "psk":
+        return None, None
+    if not sec.identity or not sec.authorized_keys:
+        raise ConfigError("privacy.secure_aggregation in keys mode needs security.identity and "
+                          "security.authorized_keys on every site (to sign its agreement keys and check its peers')")
+    try:
+        peers = load_authorized_keys(_expand(sec.authorized_keys, rank))
+    except ValueError as exc:
+        raise ConfigError(f"security.authorized_keys: {exc}") from None
+    return load_identity(_expand(sec.identity, rank)), {r - 1: public_raw(key) for r, key in peers.items()}
 
 
 def job_psk(out_dir: Path, resume: bool) -> str:

@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from hpcfed import jobwatch
 from hpcfed.config import Config, ConfigError, check_resume_compatible, load
@@ -340,19 +341,14 @@ def _open_channel(cfg: Config, comm: object):
     """This rank's secure channel of the job's star (see `hpcfed.comm.star`), set up from `cfg`."""
     from hpcfed.comm.star import draw_job_id, open_star
     from hpcfed.comm.transport import MPITransport
-    from hpcfed.comm.wire import WireLimits
     from hpcfed.credentials import load_credentials
 
     transport = MPITransport(comm)
     job_id = draw_job_id(transport, os.environ.get("SLURM_JOB_ID", "").encode() + b":")
     credentials = load_credentials(cfg.security, transport.rank)
     log = logging.getLogger("hpcfed.comm")
-    limits = WireLimits(max_tensors=cfg.comm.max_tensors, max_total_bytes=cfg.comm.max_message_bytes)
     channel = open_star(transport, credentials, job_id, timeout=cfg.federation.setup_timeout_s, log=log.warning,
-                        chunk_bytes=cfg.comm.chunk_bytes, limits=limits, shared_memory=cfg.comm.shared_memory,
-                        crypto_threads=cfg.comm.crypto_threads, max_message_bytes=cfg.comm.max_message_bytes,
-                        backoff_max_s=cfg.comm.backoff_max_s, max_rejects=cfg.security.max_rejects,
-                        send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
+                        **channel_settings(cfg))
     if transport.rank == 0 and cfg.security.mode == "keys":
         for rank in channel.peers:  # who is who, for the record
             log.info("rank %d authenticated as site key %s", rank, channel.identity(rank))
@@ -361,6 +357,17 @@ def _open_channel(cfg: Config, comm: object):
 
         channel.expect({0: protocol.SERVER_KINDS})
     return channel
+
+
+def channel_settings(cfg: Config) -> dict[str, Any]:
+    """The secure channel's settings from the config's `comm:`, `security:` and `federation:`."""
+    from hpcfed.comm.wire import WireLimits
+
+    limits = WireLimits(max_tensors=cfg.comm.max_tensors, max_total_bytes=cfg.comm.max_message_bytes)
+    return dict(chunk_bytes=cfg.comm.chunk_bytes, limits=limits, shared_memory=cfg.comm.shared_memory,
+                crypto_threads=cfg.comm.crypto_threads, max_message_bytes=cfg.comm.max_message_bytes,
+                backoff_max_s=cfg.comm.backoff_max_s, max_rejects=cfg.security.max_rejects,
+                send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
 
 
 def _device(cfg: Config, rank: int) -> str:
@@ -401,14 +408,17 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     mean = summary.get("mean", {})
     figures = ", ".join(f"{k}={v:.4f}" for k, v in mean.items() if isinstance(v, float)) or "no metrics"
     clients = len(summary.get("clients", {}))
-    lines = [f"done: final test metrics, mean over {clients} site{'s' if clients != 1 else ''}: {figures} "
-             f"(on each site's test split)"]
     try:
         from hpcfed.registry import task_class
 
-        note = getattr(task_class(cfg.task.name, cfg.source), "evaluation_note", "")  # what the task's splits mean
+        task_cls = task_class(cfg.task.name, cfg.source)
     except ValueError:
-        note = ""
+        task_cls = None
+    note = getattr(task_cls, "evaluation_note", "")  # what the task's splits mean
+    # a task without a test split (doc2vec) says what its final figures are measured on
+    measured_on = getattr(task_cls, "final_figures_on", "")
+    kind, on = ("", measured_on) if measured_on else (" test", "each site's test split")
+    lines = [f"done: final{kind} metrics, mean over {clients} site{'s' if clients != 1 else ''}: {figures} (on {on})"]
     note = note or "the val_* figures of the round lines are on each site's validation split"
     lines.append(f"note: {note}")
     step = "round" if cfg.mode == "sync" else "accepted update"

@@ -23,10 +23,20 @@ FAILED = 8  # client -> server: this client failed (header: error); the server e
 CHECKPOINT = 9  # server -> client (async): write your state shard now (header: round)
 CHECKPOINT_DONE = 10  # client -> server: shard written (header: round, digest, path); no state on the wire
 EVICTED = 11  # server -> client: the last message to a misbehaving site (header: reason); it leaves
+# Secure aggregation (privacy.secure_aggregation; hpcfed.server.secagg_round, hpcfed.client.secagg), one round:
+SA_ADVERT = 12  # client -> server: two X25519 public keys (header: round, c, s, sig)
+SA_KEYS = 13  # server -> client: the neighbours' adverts, relayed (header: round, adverts)
+SA_SHARES = 14  # client -> server: Shamir shares sealed to each neighbour (header: round, to; tensor "shares")
+SA_SHARES_FOR = 15  # server -> client: the shares sealed to it (header: round, from; tensor "shares")
+SA_MASKED = 16  # client -> server: the masked fixed-point input (tensor "masked"; header: round, metrics, shard)
+SA_UNMASK = 17  # server -> client: who is alive and who dropped (header: round, alive, dropped)
+SA_REVEAL = 18  # client -> server: per neighbour a seed share or a key share, never both (header: round, answers)
 
 NAMES = {SETUP: "SETUP", SETUP_REPLY: "SETUP_REPLY", PARAMS: "PARAMS", UPDATE: "UPDATE", FINAL: "FINAL",
          RESULT: "RESULT", STOP: "STOP", FAILED: "FAILED", CHECKPOINT: "CHECKPOINT",
-         CHECKPOINT_DONE: "CHECKPOINT_DONE", EVICTED: "EVICTED"}
+         CHECKPOINT_DONE: "CHECKPOINT_DONE", EVICTED: "EVICTED", SA_ADVERT: "SA_ADVERT", SA_KEYS: "SA_KEYS",
+         SA_SHARES: "SA_SHARES", SA_SHARES_FOR: "SA_SHARES_FOR", SA_MASKED: "SA_MASKED", SA_UNMASK: "SA_UNMASK",
+         SA_REVEAL: "SA_REVEAL"}
 
 SETUP_PREFIX = "setup/"
 INIT_PREFIX = "init/"
@@ -67,8 +77,11 @@ def prefixed(tensors: Mapping[str, _T], prefix: str) -> dict[str, _T]:
 
 # -- what each side accepts (SecureChannel.expect): anything else is dropped on arrival ----------
 # what a client takes, from rank 0 only
-SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT, EVICTED})
-CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED, CHECKPOINT_DONE})  # what the server takes from a client
+SECAGG_SERVER_KINDS = frozenset({SA_KEYS, SA_SHARES_FOR, SA_UNMASK})
+SECAGG_CLIENT_KINDS = frozenset({SA_ADVERT, SA_SHARES, SA_MASKED, SA_REVEAL})
+SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT, EVICTED}) | SECAGG_SERVER_KINDS
+# what the server takes from a client
+CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED, CHECKPOINT_DONE}) | SECAGG_CLIENT_KINDS
 UPDATE_MARGIN = 4  # an UPDATE may be 4 x the model's float32 bytes (params + optimizer moments + a best copy) ...
 UPDATE_SLACK = 64 << 20  # ... + 64 MiB (task state: RNG, per-document vectors, and the JSON header)
 SMALL_MESSAGE = 2 << 20  # RESULT / FAILED carry a header only (<= 1 MiB) and no model
@@ -83,5 +96,7 @@ def server_bounds(model_floats: int, num_clients: int, evicted: Iterable[int] = 
     update = UPDATE_MARGIN * 4 * int(model_floats) + UPDATE_SLACK
     out = set(evicted)
     kinds = {rank: (frozenset() if rank - 1 in out else CLIENT_KINDS - {SETUP}) for rank in range(1, num_clients + 1)}
-    return kinds, {UPDATE: update, RESULT: SMALL_MESSAGE, FAILED: SMALL_MESSAGE, CHECKPOINT_DONE: SMALL_MESSAGE}, \
+    small = {kind: SMALL_MESSAGE for kind in (RESULT, FAILED, CHECKPOINT_DONE, SA_ADVERT, SA_SHARES, SA_REVEAL)}
+    # A masked input is one uint32 per parameter plus the masked weight, and a header like UPDATE's.
+    return kinds, {UPDATE: update, SA_MASKED: 4 * (int(model_floats) + 1) + SMALL_MESSAGE, **small}, \
         update + 3 * SMALL_MESSAGE

@@ -16,6 +16,7 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.client import attacks
+from hpcfed.client.secagg import SecAggSite, Superseded
 from hpcfed.comm.api import Channel, ChannelError, Message
 from hpcfed.config import Config, build
 from hpcfed.cost import rank_cost
@@ -55,6 +56,8 @@ class Client:
         self._held: Message | None = None
         self._misbehaved = False  # a MALFORMED_ATTACKS site has sent its malformed upload
         self._received: Params = {}  # the model as the server sent it (the runtime attacks tamper from it)
+        self.secagg: SecAggSite | None = None  # privacy.secure_aggregation, once the layout is known
+        self._pending: Message | None = None  # what ended a secure aggregation round early, handled next
         from hpcfed.credentials import state_file_auth
         from hpcfed.store import site_state
 
@@ -74,7 +77,8 @@ class Client:
             return
         try:
             while True:
-                msg = self._wait({P.PARAMS, P.FINAL, P.STOP, P.CHECKPOINT, P.EVICTED})
+                msg, self._pending = self._pending or self._wait({P.PARAMS, P.FINAL, P.STOP, P.CHECKPOINT,
+                                                                  P.EVICTED}), None
                 if msg.kind == P.CHECKPOINT:  # async: write the shard between training steps
                     self.channel.send(0, P.CHECKPOINT_DONE, self._write_shard(msg.header.get("round")))
                     continue
@@ -130,6 +134,8 @@ class Client:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
         self.layout = ParamLayout.of(self.task.get_parameters())
+        if self.cfg.privacy.secure_aggregation:
+            self.secagg = SecAggSite(self.cfg, self.channel, self.layout.size)
         if reply.header.get("layout") != self.layout.describe():
             raise FederationError(
                 f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes/"
@@ -151,6 +157,35 @@ class Client:
     def _train_and_upload(self, msg: Message) -> None:
         rnd = int(msg.header["round"])
         self._load(msg)
+        if self.secagg is not None:
+            sent = self._layout.flatten(self.task.get_parameters())
+            try:
+                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg))
+            except Superseded as exc:  # the server went on without this site (a straggler): the next message
+                self._pending = exc.msg
+            return
+        params, num_examples, header = self._fit(msg)
+        copies = 1
+        if self.site.attack in attacks.RUNTIME_ATTACKS:
+            params, num_examples, copies = attacks.tamper(self.site.attack, params, self._received, num_examples)
+        header["num_examples"] = num_examples
+        tensors = P.params_tensors(self._layout.pack(params))
+        if self.site.attack in attacks.MALFORMED_ATTACKS and not self._misbehaved:
+            self._misbehaved = True  # once, then quiet
+            attacks.malformed_update(self.site.attack, header, tensors,
+                                     lambda h, t: self.channel.send(0, P.UPDATE, h, t))
+            return
+        for _ in range(copies):
+            self.channel.send(0, P.UPDATE, header, tensors)
+
+    def _fit_for_secagg(self, msg: Message) -> tuple[np.ndarray, int, dict[str, Any]]:
+        params, num_examples, header = self._fit(msg)
+        return self._layout.flatten(params), num_examples, header
+
+    def _fit(self, msg: Message) -> tuple[Params, int, dict[str, Any]]:
+        """Train on the model loaded from `msg`: the parameters, the examples and the upload's header
+        (round, versions, metrics, and the shard written when PARAMS asked for a checkpoint)."""
+        rnd = int(msg.header["round"])
         t0 = time.monotonic()
         result = self.task.fit(rnd)
         if self.slowdown > 1.0:
@@ -161,23 +196,14 @@ class Client:
         if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.mode == "sync":
             metrics.update(self.task.evaluate(rnd))
         self.client_version += 1
-        params, num_examples, copies = self.task.get_parameters(), int(result.num_examples), 1
-        if self.site.attack in attacks.RUNTIME_ATTACKS:
-            params, num_examples, copies = attacks.tamper(self.site.attack, params, self._received, num_examples)
-        tensors = P.params_tensors(self._layout.pack(params))
+        num_examples = int(result.num_examples)
         header: dict[str, Any] = {"round": rnd, "version": msg.header.get("version", 0),
                                   "client_version": self.client_version, "num_examples": num_examples,
                                   "metrics": {k: _json_number(v) for k, v in metrics.items()}}
         if msg.header.get("checkpoint"):
             # After fit, before upload: the state the resumed twin needs to continue bit-identically.
             header["shard"] = self._write_shard(rnd)
-        if self.site.attack in attacks.MALFORMED_ATTACKS and not self._misbehaved:
-            self._misbehaved = True  # once, then quiet
-            attacks.malformed_update(self.site.attack, header, tensors,
-                                     lambda h, t: self.channel.send(0, P.UPDATE, h, t))
-            return
-        for _ in range(copies):
-            self.channel.send(0, P.UPDATE, header, tensors)
+        return self.task.get_parameters(), num_examples, header
 
     def _write_shard(self, rnd: object) -> dict[str, Any]:
         from hpcfed.store import site_state

@@ -189,6 +189,21 @@ def _verify(cred: Credentials, peer_id: Ed25519PublicKey | None, label: bytes, t
     return hmac.compare_digest(_auth(cred, label, th), tag)
 
 
+def prove(cred: Credentials, label: bytes, data: bytes) -> bytes:
+    """A 64-byte tag over `label` and SHA-256(`data`) only this rank's key makes: an Ed25519
+    signature (keys mode) or an HMAC under the PSK. For messages outside the handshake (the
+    rendezvous of separate jobs); `label` keeps them apart from the handshake's own tags."""
+    return _auth(cred, b"hpcfed-proof-v1 " + label, hashlib.sha256(data).digest())
+
+
+def check_proof(cred: Credentials, peer_id: Ed25519PublicKey | None, label: bytes, data: bytes,
+                tag: bytes) -> bool:
+    """Whether `tag` is `prove(...)` of the holder of `peer_id` (keys mode) or of the PSK."""
+    if len(tag) != 64 or (cred.mode == "keys" and peer_id is None):
+        return False
+    return _verify(cred, peer_id, b"hpcfed-proof-v1 " + label, hashlib.sha256(data).digest(), tag)
+
+
 def _exchange(eph: X25519PrivateKey, peer_raw: bytes) -> bytes:
     try:
         return eph.exchange(X25519PublicKey.from_public_bytes(peer_raw))

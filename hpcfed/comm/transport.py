@@ -1,4 +1,5 @@
-"""Moving opaque frames between ranks. The only module that calls mpi4py.
+"""Moving opaque frames between ranks. The only module that moves frames with mpi4py (`port`
+joins separate jobs with it).
 
 A transport moves byte frames and nothing else: no pickle, no objects. Frames between one pair of
 ranks arrive in the order they were sent (MPI's non-overtaking rule, one tag for everything).

@@ -1,5 +1,6 @@
 """Secure aggregation: SecAgg (Bonawitz et al., CCS 2017) with SecAgg+ neighbourhoods (Bell et al.,
-CCS 2020), as pure state machines driven in-process (the channel wiring is not done yet).
+CCS 2020), as pure state machines; the runtime drives them over the channel (`hpcfed.server.secagg_round`,
+`hpcfed.client.secagg`; the wire forms are `hpcfed.privacy.secagg_wire`).
 
 Rounds, each site `u` with neighbours N(u) (an O(log K) random graph from a public seed):
 0. advertise: two X25519 public keys, c (to encrypt shares) and s (to agree masks), signed with the
@@ -56,6 +57,12 @@ def neighbours(num_sites: int, seed: bytes, degree: int | None = None) -> dict[i
                 graph[u].add(v)
                 graph[v].add(u)
     return graph
+
+
+def round_graph(num_sites: int, rnd: int, degree: int | None = None) -> dict[int, set[int]]:
+    """The neighbour graph of round `rnd`: public, and computed alike by every rank from the round
+    number, so no message carries it and the server cannot pick a graph for one site."""
+    return neighbours(num_sites, b"hpcfed-secagg-graph/" + rnd.to_bytes(8, "big"), degree)
 
 
 def threshold_for(degree: int) -> int:

@@ -23,6 +23,7 @@ _AT_ONCE = {
     "malformed bundle": "malformed update",  # decoded after authentication, by the channel
     "unrequested update": "unrequested update",
     "duplicate update": "unrequested update",
+    "secure aggregation message": "malformed secure aggregation message",  # hpcfed.server.secagg_round
 }
 _COUNTED = {"update out of range": "refused by bounded influence"}
 MAX_DETAIL = 200  # characters of a rejection's detail kept in a reason

@@ -128,5 +128,6 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "last_checkpoint": str(core.last_checkpoint) if core.last_checkpoint else None,
         "config": core.cfg.to_dict(),
         "config_hash": core.cfg.hash(),
+        **({"privacy": {"secure_aggregation": True, "epsilon": None}} if core.cfg.privacy.secure_aggregation else {}),
         **core.strategy.report(),  # DP-FedAvg: "privacy" (ε, δ, z, C, rounds)
     }

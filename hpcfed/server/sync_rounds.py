@@ -18,6 +18,7 @@ from hpcfed.server.bounding import Bounding
 from hpcfed.server.core import ServerCore
 from hpcfed.server.progress import Progress
 from hpcfed.server.scratch import Parking
+from hpcfed.server.secagg_round import SecAggRound
 from hpcfed.server.validation import ShardRef
 from hpcfed.strategies.base import SyncStrategy, Update
 
@@ -44,6 +45,8 @@ class SyncRounds:
         # A round's upload is measured from the model the strategy sent: it holds still until the round ends.
         self.bounding = Bounding(core, lambda cid: core.strategy.model_for(cid))
         self.parking: Parking | None = None  # the first round's uploads wait here for their bounds
+        # privacy.secure_aggregation: rank 0 learns each round's sum only (hpcfed.server.secagg_round)
+        self.secagg = SecAggRound(core) if core.cfg.privacy.secure_aggregation else None
 
     def run(self) -> int | None:
         """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,
@@ -65,7 +68,10 @@ class SyncRounds:
         core.influence.begin_round(core.live)
         got: Uploads = {}
         refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
-        self.collect_uploads(rnd, t0, want_state, got, refused)
+        if self.secagg is not None:
+            got.update(self.secagg.collect(rnd, want_state))
+        else:
+            self.collect_uploads(rnd, t0, want_state, got, refused)
         missing = sorted(core.live - set(got))
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(core.live)))

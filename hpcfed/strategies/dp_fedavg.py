@@ -96,3 +96,34 @@ class DPFedAvg(FedAvg):
             raise ValueError(f"checkpoint's DP state is missing or malformed (dp_rounds={rounds!r}, "
                              f"dp_clip_norm={clip_norm!r}); resume with the config that wrote it")
         self.accountant.rounds, self.clip_norm = rounds, clip_norm
+
+
+class DistributedDPFedAvg(DPFedAvg):
+    """DP-FedAvg with secure aggregation (distributed mode): each site clips its delta to C and adds
+    its share of the noise before masking (`hpcfed.privacy.site_input`); rank 0 gets only the noised
+    sum Σ_k (clip_C(δ_k) + N(0, (zC)²/m)) and divides it by K. It adds no noise of its own."""
+
+    name = "fedavg+dp+secagg"
+
+    def begin_round(self, round: int) -> None:
+        self._secure_sum: np.ndarray | None = None
+
+    def fold(self, update: Update) -> None:
+        raise RuntimeError(f"client {update.client_id}: a plain update reached distributed DP-FedAvg; under secure "
+                           f"aggregation rank 0 receives masked inputs only")
+
+    def fold_secure_sum(self, weighted_sum: np.ndarray, total_weight: int, count: int) -> None:
+        """The round's noised sum of clipped deltas (every site weighs 1: total_weight is the count)."""
+        self._secure_sum = weighted_sum
+
+    def end_round(self, round: int) -> None:
+        if self._secure_sum is not None:
+            step = self._secure_sum / self.context.num_clients  # the fixed denominator K, as in central mode
+            self.global_flat[:] = (self.global_flat.astype(np.float64) + step).astype(np.float32)
+        self._secure_sum = None
+        self.accountant.step()  # a round released (even one whose sum was refused: the sites sent noise)
+
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        out["privacy"].update(secure_aggregation=True, noise="distributed (each site adds z*C/sqrt(m))")
+        return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from hpcfed.strategies.aggregate import RunningMean
 from hpcfed.strategies.base import SyncStrategy, Update
 from hpcfed.strategies.robust import RULES, robust_rule
@@ -54,6 +56,14 @@ class FedAvg(SyncStrategy):
         if self._mean.count:
             self._mean.result(out=self.global_flat)
         self._mean = None
+
+    def fold_secure_sum(self, weighted_sum: np.ndarray, total_weight: int, count: int) -> None:
+        """Secure aggregation: fold the round's Σ n_k·δ_k (deltas from the global model) and Σ n_k,
+        all rank 0 learns, as one upload of the mean model weighing Σ n_k."""
+        if self._mean is None:
+            raise RuntimeError("secure aggregation needs FedAvg's mean rule")
+        mean = self.global_flat.astype(np.float64) + weighted_sum / max(total_weight, 1)
+        self._mean.add(mean.astype(np.float32), float(total_weight))
 
     def _weight(self, update: Update) -> float:
         return float(update.num_examples) if self.config.weighting == "num_examples" else 1.0

@@ -23,6 +23,7 @@ messages (a cyclic relabelling would be a no-op for a clustering loss).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -183,6 +184,7 @@ class EventsTask(Task):
         self.x = torch.from_numpy(self._features(msgs))
         from hpcfed.data.message_graph import edge_index, message_adjacency, message_attributes
 
+        log.info("site %d: building the message graph of %d messages", cid, len(msgs))
         adjacency = message_adjacency(message_attributes(msgs))
         self.rowptr, self.col = to_csr(edge_index(adjacency), len(msgs))
         n = len(msgs)
@@ -228,8 +230,10 @@ class EventsTask(Task):
     def _features(self, msgs: Any) -> np.ndarray:
         from hpcfed.data.text_features import message_features
 
+        log.info("site %d: %d message features (%s), from the cache or encoded now", self.site.client_id,
+                 len(msgs), self.config.text_model)
         x = message_features(msgs.texts, msgs.times, self.config.text_model, cache=self.config.feature_cache,
-                             device="cpu")
+                             device="cpu", progress=f"site {self.site.client_id}")
         if x.shape[1] != self.input_dim(self.config):
             raise ValueError(f"text model {self.config.text_model!r} gives {x.shape[1] - 2} dims but task.text_dim="
                              f"{self.config.text_dim}; set task.text_dim={x.shape[1] - 2}")
@@ -451,7 +455,11 @@ class EventsTask(Task):
         return write_export(export_path(out_dir, self.site.client_id), vectors.astype(np.float32),
                             self.ids, self.labels.astype(np.int64), entity="message", model="dame-gat",
                             site=self.site.client_id, config_hash=self.site.config_hash, version=0,
-                            extra={"dataset": self.dataset, "events": ",".join(self.event_names)})
+                            extra={"dataset": self.dataset, "events": ",".join(self.event_names),
+                                   "label_names": json.dumps(self.event_names),
+                                   # BOLA and Ditto end with a model of each site's own: no shared space
+                                   "shared_space": not (self.config.bola or self.config.ditto
+                                                        or self.site.method == "local")})
 
     # ------------------------------------------------------------------------------------------
     # resumable state

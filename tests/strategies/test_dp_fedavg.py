@@ -14,7 +14,7 @@ from hpcfed.privacy import dp
 from hpcfed.privacy.accountant import epsilon
 from hpcfed.registry import private_strategy, resolve
 from hpcfed.strategies.base import StrategyContext, Update
-from hpcfed.strategies.dp_fedavg import DPFedAvg
+from hpcfed.strategies.dp_fedavg import DistributedDPFedAvg, DPFedAvg
 from hpcfed.strategies.fedavg import FedAvg
 
 
@@ -73,7 +73,7 @@ DP_OK = ["influence.enabled=false", "privacy.dp.clip_norm=1"]
     ("privacy.dp.adaptive.count_stddev=0.2", "count_stddev must be > noise_multiplier / 2"),
     ("privacy.dp.adaptive={count_stddev: 2, target_quantile: 1.5}", "target_quantile must be in (0, 1)"),
     ("privacy.dp.sigma=1", "unknown key"),
-    ("privacy.secure_aggregation=true", "not yet wired"),
+    ("privacy.secagg.clip_norm=0", "clip_norm must be > 0"),
     ("strategy.rule=median", "rule 'median'"),
     ("influence.enabled=true", "influence.enabled"),
 ])
@@ -95,3 +95,32 @@ def test_privacy_dp_selects_dp_fedavg_and_nothing_else_does():
     resolve(private)
     assert private_strategy(FedAvg, plain) is FedAvg
     assert private_strategy(FedAvg, private) is DPFedAvg
+
+
+SECAGG = ["privacy.secure_aggregation=true"]
+
+
+@pytest.mark.parametrize(("raw", "override", "says"), [
+    ({"strategy": {"name": "fedasync"}}, [], "synchronous rounds only"),
+    ({}, ["strategy.rule=krum"], "rule 'krum'"),
+    ({}, [*DP_OK, "privacy.dp.adaptive={count_stddev: 2}"], "clipped count is not masked"),
+    ({"security": {"mode": "keys", "identity": "k{rank}"}}, [], "security.authorized_keys"),
+    ({}, ["privacy.secagg.max_examples=4294967296"], "below 2**31"),
+])
+def test_secure_aggregation_configs_it_cannot_honour_are_refused_naming_the_key(raw, override, says):
+    with pytest.raises(ConfigError, match=r"privacy|max_examples") as err:
+        resolve(from_mapping({**QUICKSTART, **raw}, [*SECAGG, *override], source="q.yaml"))
+    assert says in str(err.value)
+
+
+def test_distributed_dp_adds_no_noise_of_its_own_and_divides_the_sites_noised_sum_by_k():
+    cfg = from_mapping(QUICKSTART, [*SECAGG, "privacy.dp.clip_norm=1"], source="q.yaml")
+    resolve(cfg)  # the influence guard may stay on: secure aggregation replaces it
+    assert private_strategy(FedAvg, cfg) is DistributedDPFedAvg
+    s = DistributedDPFedAvg(FedAvg.Config(), StrategyContext(num_clients=4, seed=1, dp=DPConfig(clip_norm=1.0)))
+    s.initialize({"w": np.array([1.0, 1.0], dtype=np.float32)})
+    s.begin_round(0)
+    s.fold_secure_sum(np.array([2.0, -1.0]), 3, 3)  # three sites answered; the denominator stays K = 4
+    s.end_round(0)
+    assert s.global_flat.tolist() == [1.5, 0.75] and s.accountant.rounds == 1
+    assert s.report()["privacy"]["secure_aggregation"] is True

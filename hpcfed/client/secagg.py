@@ -1,0 +1,109 @@
+"""Secure aggregation in a synchronous round, a site's side (the server's is
+`hpcfed.server.secagg_round`, which draws the exchange; the protocol is `hpcfed.privacy.secagg`).
+
+After PARAMS the site advertises two fresh X25519 keys (signed with its identity key in keys mode),
+checks its neighbours' adverts the server relays, shares its self-mask seed and mask key with them,
+trains, clips its delta, encodes it in fixed point with its weight, masks it and sends it; then, told
+who is alive and who dropped, it reveals once, per neighbour, a seed share or a key share. Whatever
+the server relays is hostile: a bad advert (a forged signature), share or unmask request makes the
+site refuse the round and leave, naming what was wrong; it never reveals both shares of one peer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hpcfed import protocol as P
+from hpcfed.comm.api import Channel, Message
+from hpcfed.config import Config
+from hpcfed.errors import FederationError
+from hpcfed.privacy import secagg_wire as W
+from hpcfed.privacy.secagg import ProtocolError, SiteState, round_graph
+from hpcfed.privacy.site_input import encode_update, spec_for
+
+log = logging.getLogger("hpcfed.client")
+
+# What ends a stage early: the server moved on (a newer round, the end), or evicted this site.
+_SUPERSEDING = frozenset({P.PARAMS, P.FINAL, P.STOP, P.EVICTED})
+# fit: () -> (the trained model as the float32 aggregation vector, num_examples, the upload header)
+Fit = Callable[[], tuple[np.ndarray, int, dict[str, Any]]]
+
+
+class Superseded(Exception):
+    """The server sent something else while a stage waited: the round is over for this site."""
+
+    def __init__(self, msg: Message) -> None:
+        super().__init__(f"{P.NAMES.get(msg.kind, msg.kind)} arrived during secure aggregation")
+        self.msg = msg
+
+
+class SecAggSite:
+    """One site's side of secure aggregation, one round at a time."""
+
+    def __init__(self, cfg: Config, channel: Channel, size: int) -> None:
+        from hpcfed.credentials import secagg_identities
+
+        self.cfg, self.channel = cfg, channel
+        self.site, self.num_sites = channel.rank - 1, channel.size - 1
+        self.size = size + 1  # the weighted delta and the weight
+        self.identity, self.peer_keys = secagg_identities(cfg.security, channel.rank)
+        self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
+        self.uniform = cfg.strategy.options.get("weighting", "num_examples") == "uniform"
+
+    def round(self, rnd: int, sent: np.ndarray, fit: Fit) -> None:
+        """Take part in round `rnd` whose model was `sent` (float32 aggregation vector). Raises
+        `Superseded` when the server moves on without this site, FederationError when it refuses."""
+        try:
+            self._round(rnd, sent, fit)
+        except ProtocolError as exc:
+            raise FederationError(f"client {self.site} (rank {self.site + 1}): secure aggregation refused in "
+                                  f"round {rnd}: {exc}") from None
+
+    def _round(self, rnd: int, sent: np.ndarray, fit: Fit) -> None:
+        me, n = self.site, self.num_sites
+        state = SiteState(me, round_graph(n, rnd, self.cfg.privacy.secagg.degree), self.size,
+                          self.identity, self.peer_keys)
+        self._send(P.SA_ADVERT, {"round": rnd, "advert": W.advert_fields(state.advertise())})
+        keys = self._wait(rnd, P.SA_KEYS)
+        sealed = state.share_keys(W.parse_adverts(keys.header.get("adverts"), state.peers, n, me))
+        ids, blob = W.shares_message(sealed, by_sender=False)
+        self._send(P.SA_SHARES, {"round": rnd, "to": ids}, {W.SHARES_TENSOR: blob})
+        relayed = self._wait(rnd, P.SA_SHARES_FOR)
+        shares = W.parse_shares(me, relayed.header.get("from"), relayed.tensors, n, me, by_sender=True)
+        trained, num_examples, header = fit()
+        weight = 1 if self.uniform or self.spec.noise_std > 0 else num_examples
+        if not 0 <= weight <= self.spec.max_examples:
+            raise FederationError(f"client {me}: {num_examples} training examples, outside 0.."
+                                  f"privacy.secagg.max_examples={self.spec.max_examples}; raise it on every rank")
+        delta = trained.astype(np.float64) - sent.astype(np.float64)
+        codes, within = encode_update(delta, weight, self.spec)
+        # The example count travels masked only: the header keeps the metrics and the checkpoint shard.
+        clear: dict[str, Any] = {k: header[k] for k in ("metrics", "shard") if k in header}
+        clear["metrics"]["secagg_clipped"] = 0.0 if within else 1.0
+        self._send(P.SA_MASKED, {"round": rnd, **clear}, {W.MASKED_TENSOR: state.masked_input(shares, codes)})
+        request = self._wait(rnd, P.SA_UNMASK)
+        alive = set(W.site_ids(request.header.get("alive"), n, "the server's alive list", me))
+        dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
+        self._send(P.SA_REVEAL, {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped))})
+
+    def _send(self, kind: int, header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> None:
+        self.channel.send(0, kind, header, tensors)
+
+    def _wait(self, rnd: int, kind: int) -> Message:
+        """The server's `kind` message of round `rnd` (one of an earlier round is left unread)."""
+        timeout = self.cfg.federation.client_timeout_s
+        while True:
+            msg = self.channel.recv(source=0, kinds=_SUPERSEDING | {kind}, timeout=timeout)
+            if msg is None:
+                raise FederationError(f"client {self.site} (rank {self.site + 1}): the server (rank 0) sent no "
+                                      f"{P.NAMES[kind]} for {timeout:g} s (federation.client_timeout_s); leaving")
+            if msg.kind != kind:
+                raise Superseded(msg)
+            if msg.header.get("round") == rnd:
+                return msg
+            log.warning("client %d: %s for round %r during round %d, ignored", self.site, P.NAMES[kind],
+                        str(msg.header.get("round"))[:20], rnd)

@@ -1,0 +1,402 @@
+"""`hpcfed serve` and `hpcfed join`: one federation whose server and sites are separate MPI jobs.
+
+    hpcfed serve CONFIG --out DIR [--port-file F] [--port-range LO-HI] [--iface IF] [key=value ...]
+    hpcfed join  CONFIG --server F|HOST:PORT --site N [--out DIR] [--iface IF] [key=value ...]
+
+`serve` runs rank 0 as a job of its own: it opens an MPI port, listens for knocks and publishes
+the knock address in the port file (`hpcfed.comm.rendezvous`). Each `join` is one site, as its
+own job (``mpiexec -n 1``, an ``sbatch`` on another cluster, a laptop with MPICH): it knocks,
+proves its key, connects to the MPI port and becomes rank N+1 of the star. One intercommunicator
+per site (`hpcfed.comm.spokes`), a lifeline per site (`hpcfed.comm.lifeline`); the server and
+client code are those of `hpcfed run`. See docs/cluster.md, "Across clusters".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hpcfed.config import Config, ConfigError
+from hpcfed.errors import FederationError
+from hpcfed.launcher import (
+    _setup_logging,  # one log format for every rank, however it was started
+    channel_settings,
+    closing_lines,
+    prepare_config,
+    prepare_out_dir,
+    under_mpi,
+)
+
+log = logging.getLogger("hpcfed")
+
+ACCEPT_S = 30.0  # a site told the port connects at once; past this its Accept is released
+CONNECT_S = 60.0  # a site's Connect to the port it was told; past this the site ends
+DISCONNECT_S = 20.0  # the closing Disconnects, all of them; past this the job ends without them
+SERVER_GONE_GRACE_S = 30.0  # a site whose server's lifeline closed ends after this, STOP or not
+
+
+# -- the command lines ---------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the federation's YAML config (the same on every side)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
+    p.add_argument("--iface", default=None, help="network interface MPI uses (sets FI_TCP_IFACE)")
+    p.add_argument("--lifeline-timeout", type=float, default=60.0,
+                   help="seconds of silence on a peer's lifeline before it is declared lost (default 60)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcfed serve", description="run rank 0 as a job of its own; sites join it")
+    _common(p)
+    p.add_argument("--out", required=True, help="the run's folder (summary, metrics, checkpoints)")
+    p.add_argument("--port-file", default=None, help="where to publish the knock address (default OUT/port.json)")
+    p.add_argument("--port-range", default=None, metavar="LO-HI",
+                   help="TCP ports for the knock and for MPI (open these in the firewall)")
+    p.add_argument("--force", action="store_true", help="OUT holds an earlier run: start over")
+    return p
+
+
+def _join_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcfed join", description="run one site as a job of its own")
+    _common(p)
+    p.add_argument("--server", required=True, help="the server's port file, or its knock address HOST:PORT")
+    p.add_argument("--site", required=True, type=int, help="this site's client id (0..K-1; it runs as rank N+1)")
+    p.add_argument("--out", default=None, help="this site's folder (exports, shards; default runs/NAME-siteN)")
+    return p
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in [*args.overrides, *extra] if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized argument {stray[0]!r} (overrides look like key=value)")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def port_range(text: str | None) -> tuple[int, int] | None:
+    """--port-range LO-HI -> (LO, HI), at least two ports (one knocks, the rest carry MPI)."""
+    if text is None:
+        return None
+    lo, sep, hi = text.partition("-")
+    if not sep or not lo.isdigit() or not hi.isdigit() or not 1024 <= int(lo) < int(hi) <= 65535:
+        raise ConfigError(f"--port-range {text!r}: write LO-HI with 1024 <= LO < HI <= 65535 (e.g. 50100-50199); "
+                          f"the first free port takes the knocks, MPI uses the range too")
+    return int(lo), int(hi)
+
+
+def _relaunch(command: str, argv: list[str]) -> int:
+    """Outside MPI: run this command again as a one-rank MPI job (MPI's ports need a process manager)."""
+    import shutil
+
+    exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        raise ConfigError("no mpiexec on PATH; install an MPI (`pip install mpich`) or use your site's module")
+    cmd = [exe, "-n", "1", sys.executable, "-m", "hpcfed", command, *argv]
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL, check=False).returncode
+
+
+# -- the server ----------------------------------------------------------------------------------------
+def serve_main(argv: list[str]) -> int:
+    """``hpcfed serve``: rank 0 of a federation whose sites join as jobs of their own."""
+    args = _parse(_serve_parser(), argv)
+    cfg = prepare_config(args.config, args.overrides)
+    ports = port_range(args.port_range)
+    if cfg.federation.num_clients is None:
+        raise ConfigError(f"{cfg.source}: hpcfed serve needs federation.num_clients (how many sites join)")
+    out = Path(args.out)
+    prepare_out_dir(out, cfg, resume=args.resume, force=args.force)
+    if not under_mpi():
+        return _relaunch("serve", [a for a in argv if a != "--force"])
+    from hpcfed.comm.port import network_env
+
+    os.environ.update(network_env(ports, args.iface))  # before MPI starts: libfabric reads them once
+    _setup_logging(0, out, cfg.federation.num_clients + 1)
+    return _contained(lambda: _Served(cfg, args, out, ports).run())
+
+
+class _Served:
+    """The server job: rendezvous, one link per site, then `Server.run` over the spokes."""
+
+    def __init__(self, cfg: Config, args: argparse.Namespace, out: Path, ports: tuple[int, int] | None) -> None:
+        from hpcfed.comm.lifeline import Lifelines
+        from hpcfed.comm.spokes import SpokeTransport
+
+        self.cfg, self.args, self.out, self.ports = cfg, args, out, ports
+        self.size = (cfg.federation.num_clients or 0) + 1
+        self.transport = SpokeTransport(0, self.size, {})
+        self.lifelines = Lifelines(self._lost, timeout=args.lifeline_timeout)
+        self.finished = threading.Event()
+
+    def _lost(self, rank: int, reason: str) -> None:
+        self.transport.mark_lost(rank)
+        if not self.finished.is_set():
+            log.warning("site %d (rank %d) lost: %s; nothing more is sent to it", rank - 1, rank, reason)
+
+    def run(self) -> int:
+        from hpcfed.comm import port as mpiport
+        from hpcfed.comm.rendezvous import Listener, write_port_file
+        from hpcfed.credentials import load_credentials
+
+        cred = load_credentials(self.cfg.security, 0)
+        job_id = secrets.token_bytes(32)
+        port_name = mpiport.open_port()
+        host = _advertised_host(self.args.iface)
+        listener = Listener(cred, size=self.size, job_id=job_id, port_name=port_name,
+                            bind=("0.0.0.0", self.ports or 0), log=log.warning)
+        port_file = Path(self.args.port_file or self.out / "port.json")
+        write_port_file(port_file, (host, listener.address[1]))
+        log.info("serving %d sites at %s:%d (port file %s): start each with `hpcfed join %s --server %s --site N`",
+                 self.size - 1, host, listener.address[1], port_file, self.args.config, port_file)
+        try:
+            self._gather(listener, port_name)
+            listener_thread = threading.Thread(target=_refuse_late, args=(listener, self.finished), daemon=True)
+            listener_thread.start()
+            summary = self._federate(cred, job_id)
+        finally:
+            self.finished.set()
+            listener.close()
+        for line in closing_lines(summary, self.out, self.cfg):
+            log.info("%s", line)
+        self._close()
+        return 0
+
+    def _gather(self, listener: Any, port_name: str) -> None:
+        from hpcfed.comm import port as mpiport
+
+        deadline = time.monotonic() + self.cfg.federation.setup_timeout_s
+        joined: set[int] = set()
+        while len(joined) < self.size - 1:
+            knock = listener.next_site(deadline, joined)
+            if knock is None:
+                break
+            comm = mpiport.accept(port_name, ACCEPT_S)
+            if comm is None:
+                log.warning("site %d knocked but never connected to the MPI port within %g s; it may knock again",
+                            knock.rank - 1, ACCEPT_S)
+                knock.sock.close()
+                continue
+            self.transport.add_link(knock.rank, mpiport.intercomm_transport(comm))
+            self.lifelines.add(knock.rank, knock.sock)
+            joined.add(knock.rank)
+            log.info("site %d joined as rank %d (key %s)", knock.rank - 1, knock.rank, knock.identity)
+        missing = sorted(set(range(self.size - 1)) - {r - 1 for r in joined})
+        if missing:
+            raise FederationError(
+                f"site{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not join within "
+                f"federation.setup_timeout_s={self.cfg.federation.setup_timeout_s:g} s: start "
+                f"`hpcfed join {self.args.config} --server PORT_FILE --site N` for each, or raise the timeout")
+
+    def _federate(self, cred: Any, job_id: bytes) -> dict[str, Any]:
+        from hpcfed.comm.channel import SecureChannel
+        from hpcfed.server.server import Server
+
+        channel = SecureChannel(self.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
+                                **channel_settings(self.cfg))
+        channel.connect(range(1, self.size), timeout=self.cfg.federation.setup_timeout_s)
+        for rank in channel.peers:
+            log.info("rank %d authenticated as %s", rank, channel.identity(rank))
+        server = Server(self.cfg, channel, self.out, resume=self.args.resume)
+        signal.signal(signal.SIGUSR1, lambda *_: server.request_halt())
+        summary = server.run()
+        self.live_at_end = sorted(set(self.transport.links()) - self.transport.lost())
+        self.finished.set()
+        channel.close()
+        return summary
+
+    def _close(self) -> None:
+        """Disconnect the sites still alive (each waits for it), then drop the lifelines."""
+        from hpcfed.comm import port as mpiport
+
+        links = self.transport.links()
+        comms = [links[r].comm for r in self.live_at_end]  # type: ignore[attr-defined]
+        done = mpiport.disconnect_all(comms, DISCONNECT_S)
+        self.lifelines.close()
+        if not done:
+            log.warning("a site did not disconnect within %g s; ending without it", DISCONNECT_S)
+
+
+def _refuse_late(listener: Any, finished: threading.Event) -> None:
+    """After the start, a knock is told why it is refused (rather than finding nothing there)."""
+    while not finished.is_set():
+        try:
+            listener.refuse_late("the federation has started without this site; late joining is not "
+                                 "supported yet: resume the server with it (hpcfed serve --resume)", 1.0)
+        except OSError:
+            return  # the listener was closed: the server is ending
+
+
+def _advertised_host(iface: str | None) -> str:
+    """The address sites reach this host at: that of `iface`, else of the host name."""
+    import socket
+
+    if iface:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                raise ConfigError(f"--iface {iface}: no IPv4 address on that interface (see `ip addr`)") from None
+        return socket.inet_ntoa(packed[20:24])
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+# -- a site --------------------------------------------------------------------------------------------
+def join_main(argv: list[str]) -> int:
+    """``hpcfed join``: one site of a federation served by `hpcfed serve`."""
+    args = _parse(_join_parser(), argv)
+    cfg = prepare_config(args.config, args.overrides)
+    want = cfg.federation.num_clients
+    if args.site < 0 or (want is not None and args.site >= want):
+        raise ConfigError(f"--site {args.site}: the config has {want} sites (client ids 0..{(want or 1) - 1})")
+    out = Path(args.out or Path("runs") / f"{cfg.name}-site{args.site}")
+    from hpcfed.comm.rendezvous import NoPortFile, read_server
+
+    with contextlib.suppress(NoPortFile):  # the server may start later: the site waits for its port file
+        read_server(args.server)  # a garbled --server fails here, before any launch
+    if not under_mpi():
+        return _relaunch("join", argv)
+    from hpcfed.comm.port import network_env
+
+    os.environ.update(network_env(None, args.iface))
+    out.mkdir(parents=True, exist_ok=True)
+    _setup_logging(args.site + 1, out, (want or 0) + 1)
+    return _contained(lambda: _Joined(cfg, args, out).run())
+
+
+class _Joined:
+    """A site job: knock, connect, then `Client.run` over its one spoke."""
+
+    def __init__(self, cfg: Config, args: argparse.Namespace, out: Path) -> None:
+        from hpcfed.comm.lifeline import Lifelines
+
+        self.cfg, self.args, self.out = cfg, args, out
+        self.rank = args.site + 1
+        self.finishing = threading.Event()
+        self.started = threading.Event()  # the secure channel is up: the federation runs
+        self.lifelines = Lifelines(self._server_gone, timeout=args.lifeline_timeout)
+        self.transport: Any = None
+
+    def _server_gone(self, rank: int, reason: str) -> None:
+        if self.transport is not None:
+            self.transport.mark_lost(0)
+        if self.finishing.is_set():
+            return
+        if not self.started.is_set():  # nothing learnt yet, nothing to wait for
+            log.error("the server is gone before the federation started: %s; this site ends", reason)
+            _end_now(2)
+        log.error("the server is gone: %s; this site ends in %g s", reason, SERVER_GONE_GRACE_S)
+        timer = threading.Timer(SERVER_GONE_GRACE_S, _end_now, args=(3,))
+        timer.daemon = True
+        timer.start()
+
+    def run(self) -> int:
+        from hpcfed.comm import port as mpiport
+        from hpcfed.comm.spokes import SpokeTransport
+        from hpcfed.credentials import load_credentials
+
+        cred = load_credentials(self.cfg.security, self.rank)
+        welcome, where = _knock_until(self.args.server, cred, self.args.site, self.cfg.federation.setup_timeout_s)
+        try:
+            comm = mpiport.connect(welcome.port, CONNECT_S)
+        except mpiport.PortError as exc:
+            log.error("site %d: %s", self.args.site, exc)
+            _end_now(1)  # the Connect is stuck inside MPI: no clean way out of this process
+        self.transport = SpokeTransport(welcome.rank, welcome.size, {0: mpiport.intercomm_transport(comm)})
+        self.lifelines.add(0, welcome.sock)
+        log.info("site %d joined the server at %s as rank %d of %d", self.args.site, where, welcome.rank,
+                 welcome.size)
+        self._federate(cred, welcome.job_id)
+        self.finishing.set()
+        if not mpiport.disconnect_all([comm], DISCONNECT_S):
+            log.warning("site %d: the server did not disconnect within %g s; ending without it", self.args.site,
+                        DISCONNECT_S)
+        self.lifelines.close()  # after the Disconnect: the server disconnects only sites it still sees alive
+        return 0
+
+    def _federate(self, cred: Any, job_id: bytes) -> None:
+        import torch
+
+        from hpcfed import protocol
+        from hpcfed.client.client import Client
+        from hpcfed.comm.channel import SecureChannel
+
+        channel = SecureChannel(self.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
+                                **channel_settings(self.cfg))
+        channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
+        channel.expect({0: protocol.SERVER_KINDS})
+        self.started.set()
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the server decides when to stop
+        torch.set_num_threads(max(1, self.cfg.threads_per_rank))
+        from hpcfed.device import select_device
+
+        device = select_device(self.rank, self.cfg.device)
+        Client(self.cfg, channel, self.out, device=device, resume=self.args.resume).run()
+        self.finishing.set()
+        channel.close()
+
+
+def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str]:
+    """Knock until the server answers, with a back-off, for at most `wait` s: it may start later
+    than this site, or be resuming (it rewrites its port file, read again at every try). A refusal
+    or a garbled port file ends the wait at once, with the reason. Returns (welcome, where)."""
+    from hpcfed.comm.rendezvous import NoPortFile, knock, read_server
+
+    deadline = time.monotonic() + wait
+    delay, last, where = 0.5, "", f"--server {spec}"
+    while True:
+        try:
+            address, where = read_server(spec)
+            return knock(address, cred, site, timeout=min(10.0, max(1.0, deadline - time.monotonic()))), where
+        except NoPortFile as exc:
+            last = str(exc)
+        except OSError as exc:  # nothing listens (yet), unreachable, timed out
+            last = f"nothing answered at {address[0]}:{address[1]} ({exc.strerror or exc or type(exc).__name__})"
+        if time.monotonic() + delay > deadline:
+            raise FederationError(
+                f"site {site}: no server within {wait:g} s (federation.setup_timeout_s) from {where}; last: {last}. "
+                f"The server is not running, the port file is stale (the server rewrites it at every start), "
+                f"or a firewall blocks the port (see docs/cluster.md, 'Across clusters')")
+        time.sleep(delay)
+        delay = min(2 * delay, 10.0)
+
+
+def _end_now(code: int) -> NoReturn:
+    """End this process without MPI_Finalize (a thread is stuck in MPI, or the peer is gone)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _contained(body: Callable[[], int]) -> NoReturn:
+    """Run a command's MPI part and end the process with its code, never through MPI_Finalize:
+    that is collective over every job still connected, and a lost peer would hold it forever."""
+    from hpcfed.errors import USER_ERRORS
+
+    try:
+        code = body()
+    except USER_ERRORS as exc:
+        log.error("%s", exc)
+        code = 2
+    except BaseException as exc:
+        log.error("%s: %s (a bug: the traceback follows)\n%s", type(exc).__name__, exc, traceback.format_exc())
+        code = 1
+    _end_now(code)

@@ -1,0 +1,95 @@
+"""What a site masks under secure aggregation, and what the server reads back from the sum.
+
+A site's input is its update delta (the model it trained minus the model it was sent), clipped to
+L2 norm C, weighted by w = n / max_examples, in fixed point, followed by n itself (`masking.encode`),
+so that the weight travels masked too. The fixed-point range R is C (no coordinate of a clipped
+delta exceeds its norm), widened under distributed DP to hold the noise.
+
+Distributed DP (DP-FedAvg with secure aggregation): every site weighs 1 and adds Gaussian noise of
+std z·C/√m to its clipped delta before fixed point, m being the fewest sites whose inputs a round
+may be summed from (the quorum): any m of them add up to noise of std ≥ z·C on the sum, the central
+mechanism's, so the accountant counts as in central mode, and no party ever sees a less noised sum.
+(Rounding each noised value to fixed point moves it by at most R / levels, ~1e-8·R: the continuous
+Gaussian analysis ignores it. Kairouz et al. 2021's distributed discrete Gaussian is the exact one.)
+The noise comes from a generator seeded with 256 fresh bits from the OS: nobody else can regenerate it.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hpcfed.privacy import masking
+from hpcfed.privacy.dp import clip
+
+if TYPE_CHECKING:
+    from hpcfed.config import PrivacyConfig
+
+NOISE_TAIL = 10.0  # R holds C plus this many noise stds: a coordinate clipped by R has odds below 1e-23
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The encoding every rank of a run agrees on (all from the config and K)."""
+
+    clip_norm: float  # C
+    value_range: float  # R
+    max_examples: int  # n / max_examples is the weight; 1 under DP (sites weigh alike)
+    levels: int  # fixed-point levels: K inputs sum below 2^32
+    noise_std: float  # each site's share of the DP noise; 0 without DP
+
+    @property
+    def step(self) -> float:
+        """One fixed-point step: the round trip moves a value by at most half of it."""
+        return 2 * self.value_range / self.levels
+
+
+def input_spec(num_sites: int, clip_norm: float, max_examples: int, noise_multiplier: float | None = None,
+               sites_needed: int | None = None) -> InputSpec:
+    """The spec for `num_sites` sites; with `noise_multiplier` z, distributed DP over at least
+    `sites_needed` sites per sum (default all)."""
+    if noise_multiplier is None:
+        return InputSpec(clip_norm, clip_norm, max_examples, masking.levels_for(num_sites), 0.0)
+    m = sites_needed or num_sites
+    if not 1 <= m <= num_sites:
+        raise ValueError(f"sites_needed must be in 1..{num_sites}, got {m}")
+    std = noise_multiplier * clip_norm / math.sqrt(m)
+    return InputSpec(clip_norm, clip_norm + NOISE_TAIL * std, 1, masking.levels_for(num_sites), std)
+
+
+def encode_update(delta: np.ndarray, num_examples: int, spec: InputSpec) -> tuple[np.ndarray, bool]:
+    """A site's fixed-point input (uint32, size + 1) and whether its delta was within C."""
+    clipped, within = clip(delta, spec.clip_norm)
+    if spec.noise_std > 0:
+        rng = np.random.default_rng(secrets.randbits(256))
+        clipped = clipped + rng.normal(0.0, spec.noise_std, clipped.shape)
+        num_examples = 1
+    return masking.encode(clipped, num_examples, spec.max_examples, spec.value_range, spec.levels), within
+
+
+def decode_sum(total: np.ndarray, count: int, spec: InputSpec) -> tuple[np.ndarray, int]:
+    """(Σ n_k·δ_k, Σ n_k) from the unmasked sum of `count` inputs (the sites encoded w_k·δ_k with
+    w_k = n_k / max_examples); the first over the second is the example-weighted mean delta."""
+    examples = int(total[-1])
+    if not 1 <= examples <= count * spec.max_examples:
+        raise ValueError(f"the masked weights sum to {examples}, outside 1..{count * spec.max_examples} for "
+                         f"{count} sites: a site sent an input outside the encoding")
+    weighted = masking.dequantise_sum(total[:-1], count, spec.value_range, spec.levels)
+    return weighted * spec.max_examples, examples
+
+
+def sites_needed(num_sites: int, quorum: float) -> int:
+    """The fewest sites whose inputs a round may be summed from: the quorum's count of K."""
+    return max(1, math.ceil(quorum * num_sites))
+
+
+def spec_for(privacy: PrivacyConfig, num_sites: int, quorum: float) -> InputSpec:
+    """The run's encoding from its ``privacy`` section (every rank computes the same one)."""
+    dp = privacy.dp
+    if dp is None:
+        return input_spec(num_sites, privacy.secagg.clip_norm, privacy.secagg.max_examples)
+    return input_spec(num_sites, dp.clip_norm, 1, dp.noise_multiplier, sites_needed(num_sites, quorum))

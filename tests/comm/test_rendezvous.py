@@ -1,0 +1,148 @@
+"""The knock of separate jobs over real TCP sockets: port files, proofs, and every refusal's reason."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from hpcfed.comm import crypto, rendezvous
+from hpcfed.comm.rendezvous import Listener, NoPortFile, RendezvousError, knock, read_server, write_port_file
+
+PSK = bytes(range(32))
+JOB = bytes(32)
+PORT_NAME = "tag#0$connentry#0123$"
+
+
+class _Server:
+    """A listener answering in a thread; `found` holds what `next_site` returned, `refusals` the log."""
+
+    def __init__(self, cred: crypto.Credentials, size: int = 3, taken: set[int] | None = None,
+                 wait: float = 10) -> None:
+        self.refusals: list[str] = []
+        self.listener = Listener(cred, size=size, job_id=JOB, port_name=PORT_NAME, bind=("127.0.0.1", 0),
+                                 log=self.refusals.append)
+        self.found: list = []
+        self.taken = taken or set()
+        self.wait = wait  # a refused knock leaves the listener waiting for the next one until then
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        knocked = self.listener.next_site(time.monotonic() + self.wait, self.taken)
+        self.found.append(knocked)
+
+    def close(self) -> None:
+        self._thread.join(15)
+        self.listener.close()
+        for k in self.found:
+            if k is not None:
+                k.sock.close()
+
+
+def _keys(n: int) -> list:
+    return [crypto.new_identity() for _ in range(n)]
+
+
+def test_a_site_with_the_key_learns_its_rank_the_job_and_the_port():
+    server = _Server(crypto.Credentials(mode="psk", psk=PSK))
+    welcome = knock(server.listener.address, crypto.Credentials(mode="psk", psk=PSK), 1, timeout=5)
+    server.close()
+    assert (welcome.rank, welcome.size, welcome.job_id, welcome.port) == (2, 3, JOB, PORT_NAME)
+    assert server.found[0].rank == 2 and server.found[0].identity == "psk"
+    welcome.sock.close()
+
+
+def test_keys_mode_binds_each_key_to_its_rank_and_the_site_pins_the_server():
+    srv, site0, site1, stranger = _keys(4)
+    authorized = {1: site0.public_key(), 2: site1.public_key()}
+    server_cred = crypto.Credentials(mode="keys", identity=srv, authorized=authorized)
+
+    def site(key, server_key=srv):
+        return crypto.Credentials(mode="keys", identity=key, server_public=server_key.public_key())
+
+    server = _Server(server_cred)
+    welcome = knock(server.listener.address, site(site1), 1, timeout=5)
+    server.close()
+    assert welcome.rank == 2 and server.found[0].identity == crypto.fingerprint(site1)
+    welcome.sock.close()
+
+    for key, cid, reason in [(stranger, 0, "not authorized for site 0"), (site0, 1, "not authorized for site 1")]:
+        server = _Server(server_cred, wait=0.4)
+        with pytest.raises(RendezvousError, match=f"refused site {cid}: key SHA256:.* {reason}"):
+            knock(server.listener.address, site(key), cid, timeout=5)
+        server.close()
+        assert server.found == [None] and reason in server.refusals[0]
+
+    server = _Server(server_cred)  # an impostor server (another key) is caught by the site
+    with pytest.raises(RendezvousError, match="does not prove the pinned server key"):
+        knock(server.listener.address, site(site0, server_key=stranger), 0, timeout=5)
+    server.close()
+
+
+def test_a_wrong_psk_a_stranger_rank_and_a_second_join_are_refused_with_the_reason():
+    cases = [(crypto.Credentials(mode="psk", psk=bytes(32)), 0, set(), "proof is invalid"),
+             (crypto.Credentials(mode="psk", psk=PSK), 5, set(), "not a site of this federation"),
+             (crypto.Credentials(mode="psk", psk=PSK), 0, {1}, "already joined")]
+    for cred, cid, taken, reason in cases:
+        server = _Server(crypto.Credentials(mode="psk", psk=PSK), taken=taken, wait=0.4)
+        with pytest.raises(RendezvousError, match=reason):
+            knock(server.listener.address, cred, cid, timeout=5)
+        server.close()
+        assert server.found == [None] and reason in server.refusals[0]
+
+
+def _raw_knock(address: tuple[str, int], payload: bytes) -> bytes:
+    with socket.create_connection(address, timeout=10) as s:
+        s.recv(4096)  # the challenge
+        s.sendall(payload)
+        try:
+            return s.recv(4096)
+        except OSError:
+            return b""
+
+
+@pytest.mark.parametrize("payload,reason", [
+    (struct.pack(">I", 1 << 30), "declares 1073741824 bytes"),
+    (struct.pack(">I", 5) + b"[1,2]", "must be a JSON object"),
+    (struct.pack(">I", 9) + b"\xff\xfe{}{}{}{", "not valid UTF-8"),
+    (struct.pack(">I", 40) + b'{"site": 0}', "sent 11 of 40 bytes"),
+])
+def test_hostile_knocks_are_refused_and_the_listener_keeps_going(payload, reason, monkeypatch):
+    monkeypatch.setattr(rendezvous, "KNOCK_STEP_S", 0.5)  # a knock that stalls is dropped after this
+    server = _Server(crypto.Credentials(mode="psk", psk=PSK))
+    answer = _raw_knock(server.listener.address, payload)
+    if "of 40" not in reason:
+        assert reason.split()[0] in answer.decode(errors="replace")
+    welcome = knock(server.listener.address, crypto.Credentials(mode="psk", psk=PSK), 0, timeout=5)
+    server.close()
+    assert reason in server.refusals[0] and server.found[0].rank == 1
+    welcome.sock.close()
+
+
+def test_port_files_are_read_with_the_fix_in_every_error(tmp_path):
+    path = tmp_path / "port.json"
+    write_port_file(path, ("10.0.0.7", 50100))
+    assert read_server(str(path))[0] == ("10.0.0.7", 50100)
+    assert read_server("node1:50100")[0] == ("node1", 50100)
+    assert read_server("[::1]:7")[0] == ("::1", 7)
+    with pytest.raises(NoPortFile, match="no such port file"):
+        read_server(str(tmp_path / "gone.json"))
+    path.write_bytes(b'{"hpcfed_rendezvous": 1, "address": "x:1"')
+    with pytest.raises(RendezvousError, match=r"port file .* is garbled .*restart the server"):
+        read_server(str(path))
+    path.write_text(json.dumps({"address": "x:1"}))
+    with pytest.raises(RendezvousError, match="not a port file of `hpcfed serve`"):
+        read_server(str(path))
+    path.write_text(json.dumps({"hpcfed_rendezvous": 1, "address": "x:99999"}))
+    with pytest.raises(RendezvousError, match="is not HOST:PORT"):
+        read_server(str(path))
+    path.write_bytes(b" " * 5000)
+    with pytest.raises(RendezvousError, match="over 4096 bytes"):
+        read_server(str(path))
+    with pytest.raises(RendezvousError, match="is not HOST:PORT"):
+        read_server("nonsense")

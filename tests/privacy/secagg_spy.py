@@ -1,0 +1,82 @@
+"""A test-side spy for the secure aggregation run (tests/runtime/test_secagg_mpi.py), started under
+mpiexec in place of ``python -m hpcfed``: ``secagg_spy.py SPY_DIR SILENT_CLIENT hpcfed-args...``.
+
+- rank 0: every message the channel decrypts and decodes on rank 0 (each `Message` built) is
+  written to SPY_DIR/rank0/ (its tensors as .npz, its kind, source and header as .json);
+- ranks 1..K: what each site fed secure aggregation, per round (the model it was sent, its update
+  delta, its weight, its fixed-point codes), to SPY_DIR/site<id>-r<round>.npz: the plaintext the
+  test checks rank 0's view against;
+- site SILENT_CLIENT (-1: none) goes silent in round 0 after it shared its keys, past the stage
+  deadline (SPY_SILENT_S seconds): a dropout after share submission.
+
+Only the test uses this file; nothing in hpcfed imports it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's hpcfed, not an installed one
+
+
+def _spy_rank0(out: Path) -> None:
+    from hpcfed.comm import api
+
+    out.mkdir(parents=True, exist_ok=True)
+    counter = itertools.count()
+    original = api.Message.__init__
+
+    def recording_init(self: api.Message, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]  # the dataclass's own signature
+        i = next(counter)
+        np.savez(out / f"msg-{i:05d}.npz", **{k.replace("/", "|"): np.asarray(v) for k, v in self.tensors.items()})
+        (out / f"msg-{i:05d}.json").write_text(json.dumps({"kind": self.kind, "source": self.source,
+                                                           "header": self.header}, default=str))
+
+    api.Message.__init__ = recording_init  # type: ignore[method-assign]  # the spy's whole point
+
+
+def _spy_site(out: Path, client: int, silent: int, silent_s: float) -> None:
+    from hpcfed.client import secagg
+
+    encode, fit_round = secagg.encode_update, secagg.SecAggSite._round
+    current: dict[str, object] = {}
+
+    def round_(self: secagg.SecAggSite, rnd: int, sent: np.ndarray, fit: secagg.Fit) -> None:
+        current.update(rnd=rnd, sent=np.array(sent))
+        fit_round(self, rnd, sent, fit)
+
+    def encode_update(delta: np.ndarray, weight: int, spec: object) -> tuple[np.ndarray, bool]:
+        codes, within = encode(delta, weight, spec)  # type: ignore[arg-type]
+        rnd = current["rnd"]
+        np.savez(out / f"site{client}-r{rnd}.npz", sent=current["sent"], delta=delta, weight=weight, codes=codes)
+        if client == silent and rnd == 0:
+            time.sleep(silent_s)  # keys shared, masked input late: the server must go on without it
+        return codes, within
+
+    secagg.SecAggSite._round = round_  # type: ignore[method-assign]
+    secagg.encode_update = encode_update  # type: ignore[assignment]
+
+
+def main() -> None:
+    spy_dir, silent, args = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    if rank == 0:
+        _spy_rank0(spy_dir / "rank0")
+    else:
+        spy_dir.mkdir(parents=True, exist_ok=True)
+        _spy_site(spy_dir, rank - 1, silent, float(os.environ.get("SPY_SILENT_S", "0")))
+    from hpcfed.cli import main as cli_main
+
+    sys.exit(cli_main(args))
+
+
+if __name__ == "__main__":
+    main()
