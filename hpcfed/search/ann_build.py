@@ -91,8 +91,8 @@ def auto_nprobe(nlist: int, n: int) -> int:
     """Cells searched per query: those holding about `SCAN_ROWS` vectors, at least 64 (every cell of a
     small index). A query costs about the same whatever the collection's size, and a denser collection
     keeps its neighbours in fewer cells: on 88,015 real MiniLM tweet vectors (one index, 512 cells)
-    recall@10 is .919 at 1/16 of the cells, .946 at 1/8, .961 at 1/4 (this rule: 116, .23); on
-    4 x 250,000 synthetic ones (1,024 cells each) .98 at 64 (this rule: 82). See docs/search.md."""
+    recall@10 is .919 at 1/16 of the cells, .946 at 1/8, .961 at 1/4 (this rule: 117, .23); for a
+    250,000-vector site (1,024 cells) the rule gives 82. See docs/search.md."""
     return min(nlist, max(64, math.ceil(SCAN_ROWS * nlist / max(n, 1))))
 
 
