@@ -1,17 +1,20 @@
 """Build a site's search index (`hpcfed.search.ann`) from its export, reading the export in blocks.
 
-    hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress none|int8|pq] [--read-mib 64]
+    hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress auto|none|int8|pq] [--read-mib 64]
 
 Kinds (FAISS factory strings, inner product over unit vectors = cosine):
 
     flat   Flat            exact, brute force in FAISS; `auto` for up to 20,000 vectors
-    ivf    IVF<nlist>,Flat k-means cells, `nprobe` of them searched; `auto` above 20,000
-    hnsw   HNSW32,Flat     graph; the fastest queries, but the slowest build on few cores
+    ivf    IVF<nlist>,SQ8  k-means cells, `nprobe` of them searched; `auto` above 20,000
+    hnsw   HNSW32,SQ8      graph; the fastest queries, but the slowest build on few cores
 
-``--compress int8`` stores each dimension in a byte (SQ8, 4x smaller), ``--compress pq`` as product
-codes of d/8 bytes per vector (IVF-PQ, 32x smaller for d = 384; lower recall) for collections that
-do not fit in memory. The export is read twice for trained kinds (a sample to train, then every
-vector), never more than ``--read-mib`` of vectors at a time; both passes must see the same digest.
+Compression (``--compress auto``: int8 for ivf and hnsw, none for flat): ``int8`` stores each
+dimension of a unit vector in a byte (SQ8: 4x smaller than float32, and on 88k real MiniLM vectors
+within .01 of the uncompressed index's recall, docs/search.md), so an index loads, verifies and scans
+4x fewer bytes; ``none`` keeps float32 (scores exact to the float); ``pq`` product codes of d/8 bytes
+per vector (IVF-PQ, 32x smaller for d = 384; much lower recall) for collections that do not fit in
+memory. The export is read twice for trained kinds (a sample to train, then every vector), never more
+than ``--read-mib`` of vectors at a time; both passes must see the same digest.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from hpcfed.search.ann import (
+    FAISS_CHUNK,
     FORMAT,
     FORMAT_VERSION,
-    PART_BYTES,
     SearchIndexError,
     check_matches,
     index_auth,
@@ -39,11 +42,12 @@ from hpcfed.search.index import normalize_rows
 from hpcfed.store import atomic, sealed
 from hpcfed.store.embeddings import export_auth
 from hpcfed.store.vectors import BLOCK_BYTES, ExportHeader, StreamedExport, read_header, stream_export
-from hpcfed.store.walk import read_verified
+from hpcfed.store.walk import read_verified, seal_streamed
 
 KINDS = ("auto", "flat", "ivf", "hnsw")
-COMPRESSIONS = ("none", "int8", "pq")
+COMPRESSIONS = ("auto", "none", "int8", "pq")
 FLAT_UP_TO = 20_000  # `auto`: brute force is exact and fast enough below this many vectors
+SCAN_ROWS = 20_000  # IVF: vectors a query scans by default (`auto_nprobe`)
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class IndexSpec:
     """How to index: kind, compression and their knobs (0 = chosen from the collection's size)."""
 
     kind: str = "auto"
-    compress: str = "none"
+    compress: str = "auto"
     nlist: int = 0
     nprobe: int = 0
     hnsw_m: int = 32
@@ -64,15 +68,16 @@ class IndexSpec:
             raise ValueError(f"index kind {self.kind!r} / compress {self.compress!r}; choose a kind of "
                              f"{', '.join(KINDS)} and a compression of {', '.join(COMPRESSIONS)}")
         kind = self.kind if self.kind != "auto" else ("flat" if n <= FLAT_UP_TO else "ivf")
-        codes = {"none": "Flat", "int8": "SQ8", "pq": _pq(n, d)}[self.compress]
+        compress = self.compress if self.compress != "auto" else ("none" if kind == "flat" else "int8")
+        codes = {"none": "Flat", "int8": "SQ8", "pq": _pq(n, d)}[compress]
         if kind == "flat":
             return codes, {}
         if kind == "hnsw":
-            if self.compress == "pq":
+            if compress == "pq":
                 raise ValueError("--compress pq goes with --kind ivf (IVF-PQ); HNSW takes none or int8")
             return f"HNSW{self.hnsw_m},{codes}", {"efSearch": self.ef_search or 64}
         nlist = self.nlist or auto_nlist(n)
-        return f"IVF{nlist},{codes}", {"nprobe": min(nlist, self.nprobe or auto_nprobe(nlist))}
+        return f"IVF{nlist},{codes}", {"nprobe": min(nlist, self.nprobe or auto_nprobe(nlist, n))}
 
 
 def auto_nlist(n: int) -> int:
@@ -82,10 +87,13 @@ def auto_nlist(n: int) -> int:
     return max(1, min(nlist, n // 39 if n >= 39 else 1))
 
 
-def auto_nprobe(nlist: int) -> int:
-    """Cells searched per query: 1/8 of them, at least 8. On 88,015 real MiniLM tweet vectors (one index,
-    512 cells) recall@10 is .919 at 1/16, .946 at 1/8, .961 at 1/4 (docs/search.md)."""
-    return max(min(8, nlist), nlist // 8)
+def auto_nprobe(nlist: int, n: int) -> int:
+    """Cells searched per query: those holding about `SCAN_ROWS` vectors, at least 64 (every cell of a
+    small index). A query costs about the same whatever the collection's size, and a denser collection
+    keeps its neighbours in fewer cells: on 88,015 real MiniLM tweet vectors (one index, 512 cells)
+    recall@10 is .919 at 1/16 of the cells, .946 at 1/8, .961 at 1/4 (this rule: 117, .23); for a
+    250,000-vector site (1,024 cells) the rule gives 82. See docs/search.md."""
+    return min(nlist, max(64, math.ceil(SCAN_ROWS * nlist / max(n, 1))))
 
 
 def _pq(n: int, d: int) -> str:
@@ -139,12 +147,9 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
 def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block_bytes: int,
            progress: Callable[[int], None], seed: int) -> str:
     """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest."""
-    import faiss
 
     n = header.num_rows
-    ivf = faiss.try_extract_index_ivf(index)
-    want = 64 * ivf.nlist if ivf is not None else 0
-    want = min(n, max(want, 256 * 64))  # PQ / SQ training: 256 centroids x ~64 points
+    want = training_rows(index, n)
     rows = np.sort(np.random.default_rng(seed).choice(n, size=want, replace=False))
     sample = np.zeros((want, header.dim), np.float32)
 
@@ -153,10 +158,27 @@ def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block
         sample[lo:hi] = normalize_rows(block[rows[lo:hi] - first])
 
     digest = stream_export(header.path, header.entity, auth, take, block_bytes=block_bytes, progress=progress).digest
+    train(index, sample)
+    return digest
+
+
+def training_rows(index: Any, n: int) -> int:
+    """How many of n vectors train `index`: 64 per IVF cell, and at least 256 x 64 for SQ/PQ codebooks."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
+    want = 64 * ivf.nlist if ivf is not None else 0
+    return min(n, max(want, 256 * 64))
+
+
+def train(index: Any, sample: np.ndarray) -> None:
+    """Train `index` on unit vectors (a `training_rows` sample), as `build_index` does."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.cp.max_points_per_centroid = 64  # the sample is already the size k-means needs
-    index.train(sample)
-    return digest
+    index.train(np.ascontiguousarray(sample, np.float32))
 
 
 class _Stats:
@@ -205,9 +227,9 @@ def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats
             f.create_dataset("norms", data=stats.norms)
             f.create_dataset("moments/mean", data=stats.sum / n)
             f.create_dataset("moments/second", data=stats.outer / n)
-            faiss_bytes = _write_parts(f, index)
-        index.reset()  # the file is read back whole to be tagged: do not hold the index beside it
-        sealed.seal(tmp, index_auth())
+            faiss_bytes = _write_faiss(f, index)
+        index.reset()
+        seal_streamed(tmp, index_auth())
     return path.stat().st_size, faiss_bytes
 
 
@@ -219,19 +241,20 @@ def pack_ids(ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(encoded), np.uint8), offsets
 
 
-def _write_parts(f: Any, index: Any) -> int:
-    """Serialize the FAISS index straight into datasets of at most PART_BYTES each."""
+def _write_faiss(f: Any, index: Any) -> int:
+    """Serialize the FAISS index straight into one chunked dataset, `FAISS_CHUNK` bytes at a time (the
+    serialized index is never held whole beside the index); returns its size in bytes."""
     import faiss
 
+    ds = f.create_dataset("faiss", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(FAISS_CHUNK,))
     buf = bytearray()
-    count = [0]
 
     def flush(final: bool) -> None:
-        while len(buf) >= PART_BYTES or (final and (buf or count[0] == 0)):
-            part = bytes(buf[:PART_BYTES])
-            del buf[:PART_BYTES]
-            f.create_dataset(f"faiss/part{count[0]:05d}", data=np.frombuffer(part, np.uint8))
-            count[0] += 1
+        while len(buf) >= FAISS_CHUNK or (final and buf):
+            part = np.frombuffer(bytes(buf[:FAISS_CHUNK]), np.uint8)
+            del buf[:FAISS_CHUNK]
+            ds.resize((ds.shape[0] + len(part),))
+            ds[-len(part):] = part
 
     def write(data: bytes) -> int:
         buf.extend(data)
@@ -242,9 +265,8 @@ def _write_parts(f: Any, index: Any) -> int:
     writer = swig.PyCallbackIOWriter(write)
     faiss.write_index(index, writer)
     del writer
-    total = (count[0]) * PART_BYTES + len(buf)
     flush(True)
-    return total
+    return int(ds.shape[0])
 
 
 def _bar(total: int, desc: str, enabled: bool) -> Any:

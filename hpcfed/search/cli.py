@@ -3,7 +3,7 @@
     hpcfed search query RUN (--id ID | --text TEXT [--home S] | --ids-file F | --texts-file F)
                             [--mode joint|mapping|nomapping] [--k 10] [--jsonl] [--exact]
     mpiexec -n K+1 python -m hpcfed search live RUN (--id ID | --text TEXT [--home S]) [...]
-    hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress none|int8|pq]
+    hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress auto|none|int8|pq]
     hpcfed search serve RUN [--host 127.0.0.1] [--port 8765] [--token-file F]
     hpcfed search train-mappers RUN [--lr 1e-4] [--epochs 20] [--batch-size 64] [--hidden 1200] [--holdout 0.1]
 
@@ -98,8 +98,9 @@ def _index_parser(x: argparse.ArgumentParser) -> None:
     x.add_argument("--entity", default=None, help="export entity (default: the first, e.g. doc or node)")
     x.add_argument("--kind", choices=list(KINDS), default="auto",
                    help="auto: flat up to 20,000 vectors, else ivf; hnsw: fastest queries, slowest build")
-    x.add_argument("--compress", choices=list(COMPRESSIONS), default="none",
-                   help="int8: 1 byte per dimension; pq: d/8 bytes per vector (IVF-PQ), lower recall")
+    x.add_argument("--compress", choices=list(COMPRESSIONS), default="auto",
+                   help="auto: int8 for ivf/hnsw, none for flat; int8: 1 byte per dimension (SQ8); none: float32; "
+                        "pq: d/8 bytes per vector (IVF-PQ), lower recall")
     x.add_argument("--nlist", type=int, default=0, help="IVF cells (default about 2*sqrt(n), a power of two)")
     x.add_argument("--nprobe", type=int, default=0, help="IVF cells searched per query (default nlist/8, >= 8)")
     x.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per vector")

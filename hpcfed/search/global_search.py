@@ -24,6 +24,7 @@ import numpy as np
 from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
 from hpcfed.search.ann import SiteSearcher, open_site
 from hpcfed.search.index import MERGES, STANDARDIZED_MERGES, Hit, merge_results
+from hpcfed.search.pool import map_ordered, row_spans
 from hpcfed.store.vectors import read_header
 
 MODES = ("joint", "mapping", "nomapping")
@@ -117,8 +118,8 @@ class GlobalSearch:
         ``mode="joint"`` over sites that each trained their own space (DAMe's personalised models,
         doc2vec mapping/nomapping runs) is refused unless `force`: it would rank cosines from
         different spaces as if they were one."""
-        exports = site_exports(folder)
-        infos = {site: read_header(path, entity).attrs for site, path in exports.items()}
+        exports = list(site_exports(folder).items())
+        infos = {site: read_header(path, entity).attrs for site, path in exports}
         own = [site for site, attrs in infos.items() if shared_space(attrs) is False]
         if mode == "joint" and own and len(exports) > 1 and not force:
             what = infos[own[0]].get("model", "?")
@@ -127,8 +128,14 @@ class GlobalSearch:
                              f"independently trained doc2vec): use --mode nomapping (each site answers in its own "
                              f"space, which is what joint would do here, named for what it is) or --mode mapping "
                              f"with mappers; --force searches as joint anyway")
-        indexes = {site: open_site(path, entity, site, exact=exact, nprobe=nprobe, ef_search=ef_search)
-                   for site, path in exports.items()}
+
+        def load(item: tuple[str, Path]) -> SiteSearcher:
+            return open_site(item[1], entity, item[0], exact=exact, nprobe=nprobe, ef_search=ef_search)
+
+        # indexes load side by side (reading, hashing and FAISS parsing release the GIL); exact search
+        # loads one export at a time, each one's transient copies being a whole export's size
+        loaded = map_ordered(load, exports) if not exact else [load(item) for item in exports]
+        indexes = {site: index for (site, _), index in zip(exports, loaded)}
         mappers = {}
         if mode == "mapping":
             mdir = Path(mappers_dir) if mappers_dir else Path(folder) / "mappers"
@@ -150,9 +157,20 @@ class GlobalSearch:
         """Top-k merged over all sites for each query vector of site `home` (batched)."""
         vectors = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
         standardize = self.merge in STANDARDIZED_MERGES
-        per_site = [index.hits(map_query(self.mode, home, site, vectors, self.mappers), k, exclude, standardize)
-                    for site, index in self.indexes.items()]
-        return [merge_results([lists[i] for lists in per_site], k, self.merge, home) for i in range(len(vectors))]
+        mapped = {site: map_query(self.mode, home, site, vectors, self.mappers) for site in self.indexes}
+        tasks = [(site, lo, hi) for site in self.indexes for lo, hi in row_spans(len(vectors), len(self.indexes))]
+
+        def hits(task: tuple[str, int, int]) -> list[list[Hit]]:
+            site, lo, hi = task
+            skip = list(exclude[lo:hi]) if exclude is not None else None
+            return self.indexes[site].hits(mapped[site][lo:hi], k, skip, standardize)
+
+        per_site: dict[str, list[list[Hit]]] = {site: [] for site in self.indexes}
+        for (site, _, _), found in zip(tasks, map_ordered(hits, tasks)):  # the sites searched side by side
+            per_site[site] += found
+        lists = list(per_site.values())
+        return [merge_results([site_lists[i] for site_lists in lists], k, self.merge, home)
+                for i in range(len(vectors))]
 
     def search_id(self, doc_id: str, k: int) -> list[Hit]:
         """The merged top-k for document `doc_id`, asked from its home site (itself left out)."""

@@ -184,10 +184,17 @@ def seal(path: str | Path, auth: FileAuth) -> bytes:
         if AUTH_ATTR in f.attrs:
             del f.attrs[AUTH_ATTR]
     tree = read(path, None, require_auth=False)
-    with h5py.File(path, "r+") as f:
-        f.attrs[AUTH_ATTR] = json.dumps({"alg": auth.alg, "purpose": auth.purpose, "digest": tree.digest.hex(),
-                                         "tag": auth.tag(tree.digest)}, sort_keys=True)
+    write_tag(path, auth, tree.digest)
     return tree.digest
+
+
+def write_tag(path: str | Path, auth: FileAuth, digest: bytes) -> None:
+    """Record the canonical digest of a file written by us, and its tag, in the ``auth`` attribute."""
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        f.attrs[AUTH_ATTR] = json.dumps({"alg": auth.alg, "purpose": auth.purpose, "digest": digest.hex(),
+                                         "tag": auth.tag(digest)}, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import numpy as np
 from hpcfed.store import sealed
 
 Consumer = Callable[[int, np.ndarray], None]
+HASH_SLICE_BYTES = 4 << 20  # a kept dataset is read and hashed this much at a time (stays in cache)
 
 
 @dataclass
@@ -38,27 +39,50 @@ class Verified:
 def read_verified(path: str | Path, auth: sealed.FileAuth | None, *, require_auth: bool = True,
                   max_bytes: int = 64 << 30) -> Verified:
     """`sealed.read` with one copy of each dataset: every array read, hashed in place, and kept."""
-    import h5py
-
     path = Path(path)
     try:
         size = path.stat().st_size
     except OSError as exc:
         raise sealed.SealError(f"{path}: cannot read ({exc.strerror or exc})") from None
     walk = CanonicalWalk(path, memory=min(max_bytes, size * sealed._MAX_EXPANSION + sealed._FILL_ONLY_BYTES))
-    try:
-        with h5py.File(path, "r") as f:
-            walk.group(f, "", 0)
-    except sealed.SealError:
-        raise
-    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
-        raise sealed.SealError(f"{path} is not a readable HDF5 file ({sealed._brief(exc)})") from None
-    except MemoryError:
-        raise sealed.SealError(f"{path}: declares more data than fits in memory; refusing it") from None
+    _walk_file(walk)
     if walk.auth_record is None and require_auth:
         raise sealed.SealError(f"{path}: not authenticated (no '{sealed.AUTH_ATTR}' tag); refusing it")
     verified = check_tag(path, walk.auth_record, walk.digest.digest(), auth)
     return Verified(walk.attrs, walk.kept, verified)
+
+
+def seal_streamed(path: str | Path, auth: sealed.FileAuth, *, block_bytes: int = 64 << 20) -> bytes:
+    """`sealed.seal` in one bounded pass: datasets over `block_bytes` are hashed block by block and
+    dropped (`sealed.seal` holds the whole file, in three copies); returns the canonical digest."""
+    import h5py
+
+    path = Path(path)
+    with h5py.File(path, "r+") as f:
+        if sealed.AUTH_ATTR in f.attrs:
+            del f.attrs[sealed.AUTH_ATTR]
+    size = path.stat().st_size
+    walk = CanonicalWalk(path, memory=size * sealed._MAX_EXPANSION + sealed._FILL_ONLY_BYTES,
+                         consume=lambda first, block: None, block_bytes=block_bytes)  # no target: hash only
+    _walk_file(walk)
+    digest = walk.digest.digest()
+    sealed.write_tag(path, auth, digest)
+    return digest
+
+
+def _walk_file(walk: CanonicalWalk) -> None:
+    """Walk the whole file; anything HDF5 or numpy raises becomes a `SealError` naming the file."""
+    import h5py
+
+    try:
+        with h5py.File(walk.path, "r") as f:
+            walk.group(f, "", 0)
+    except sealed.SealError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise sealed.SealError(f"{walk.path} is not a readable HDF5 file ({sealed._brief(exc)})") from None
+    except MemoryError:
+        raise sealed.SealError(f"{walk.path}: declares more data than fits in memory; refusing it") from None
 
 
 def check_tag(path: Path, record: str | None, digest: bytes, auth: sealed.FileAuth | None) -> bool:
@@ -144,13 +168,25 @@ class CanonicalWalk:
             self.memory -= nbytes
             if self.memory < 0:
                 raise sealed.SealError(f"{self.path}: /{name}: the file's arrays exceed the memory budget")
-            arr = np.ascontiguousarray(np.asarray(ds[()]).astype(le, copy=False))
-            if arr.shape != shape:
-                raise sealed.SealError(f"{self.path}: /{name} changed while it was read")
-            self.digest.update(arr.reshape(-1).view(np.uint8).data)
-            self.kept[name] = arr
+            self.kept[name] = self._read_hashed(ds, shape, le)
             return
         self._stream(ds, name, shape, dtype, le)
+
+    def _read_hashed(self, ds: Any, shape: tuple[int, ...], le: np.dtype[Any]) -> np.ndarray:
+        """Read a kept dataset into its array a slice of rows at a time, hashing each slice as it lands:
+        the bytes are hashed while still in cache, not in a second pass over the whole array."""
+        arr = np.empty(shape, le)
+        if arr.ndim == 0 or arr.size == 0:
+            arr[...] = ds[()]
+        else:
+            step = max(1, HASH_SLICE_BYTES // max(1, arr[0].nbytes))
+            for start in range(0, shape[0], step):
+                rows = np.s_[start:start + step]
+                ds.read_direct(arr, rows, rows)
+                self.digest.update(arr[rows].reshape(-1).view(np.uint8).data)
+            return arr
+        self.digest.update(arr.reshape(-1).view(np.uint8).data)
+        return arr
 
     def _stream(self, ds: Any, name: str, shape: tuple[int, ...], dtype: np.dtype[Any], le: np.dtype[Any]) -> None:
         row_bytes = max(1, _nbytes(shape[1:], dtype))

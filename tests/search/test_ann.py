@@ -75,11 +75,12 @@ def test_flat_index_answers_like_exact_search_in_every_mode_and_merge(tmp_path: 
                 assert doc_id not in [h.id for h in got]
 
 
-def test_index_gives_back_the_exported_vector_and_labels(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("compress", "tolerance"), [("none", 1e-5), ("int8", 0.03)])
+def test_index_gives_back_the_exported_vector_and_labels(tmp_path: Path, compress: str, tolerance: float) -> None:
     vectors = write_sites(tmp_path, [500])["0"]
-    build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="ivf"), progress=False)
+    build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="ivf", compress=compress), progress=False)
     ann = AnnIndex.load(export_path(tmp_path, 0))
-    assert ann.vector_of("s0-42") == pytest.approx(vectors[42], rel=1e-5, abs=1e-5)
+    assert ann.vector_of("s0-42") == pytest.approx(vectors[42], rel=tolerance, abs=tolerance)
     assert {h.label for h in ann.hits(vectors[:1], 20)[0]} <= {0, 1, 2, 3, 4}
     with pytest.raises(ValueError, match="not in site 0"):
         ann.vector_of("s9-1")
@@ -196,3 +197,30 @@ def test_ids_of_any_script_survive_the_index(tmp_path: Path) -> None:
     build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="flat"), progress=False)
     ann = AnnIndex.load(export_path(tmp_path, 0))
     assert ann.ids == ids and ann.hits(vectors[1:2], 1)[0][0].id == "東京-1"
+
+
+def test_big_exports_get_an_int8_ivf_index_by_default() -> None:
+    assert IndexSpec().factory(20_000, 384) == ("Flat", {})  # small: exact
+    factory, params = IndexSpec().factory(250_000, 384)
+    assert factory == "IVF1024,SQ8" and params["nprobe"] >= 64
+    assert IndexSpec(compress="none").factory(250_000, 384)[0] == "IVF1024,Flat"
+    assert IndexSpec(kind="hnsw").factory(250_000, 384)[0] == "HNSW32,SQ8"
+    with pytest.raises(ValueError, match="HNSW takes none or int8"):
+        IndexSpec(kind="hnsw", compress="pq").factory(250_000, 384)
+
+
+def test_index_of_an_older_format_is_refused_with_the_rebuild_command(tmp_path: Path) -> None:
+    """An index written by an older hpcfed (FAISS parts, format 1) is refused before FAISS reads it,
+    even with a valid tag, and `hpcfed search index` rebuilds it."""
+    from hpcfed.search.ann import index_auth
+
+    write_sites(tmp_path, [300])
+    build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="flat"), progress=False)
+    path = index_path(export_path(tmp_path, 0), "doc")
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 1
+    sealed.seal(path, index_auth())
+    with pytest.raises(SearchIndexError, match=r"index format version 1, this hpcfed reads 2; rebuild it with "
+                                               r"`hpcfed search index"):
+        AnnIndex.load(export_path(tmp_path, 0))
+    assert not index_is_current(export_path(tmp_path, 0), None, IndexSpec(kind="flat"))
