@@ -197,6 +197,10 @@ class SecureChannel:
         sending to it again raises, instead of each waiting for `send_timeout_s`."""
         self._session.gone.add(rank)
 
+    def routes(self) -> dict[int, str]:
+        """Per peer, how big messages travel: "ring", "declined" or "mpi" (see `Rings.route`)."""
+        return {rank: self._rings.route(rank) for rank in self.peers}
+
     def watch_peers(self, look: Callable[[], None] | None) -> None:
         """Call `look()` every few tenths of a second while a send waits; it may call `peer_gone`."""
         self._session.watch = look
