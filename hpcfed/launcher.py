@@ -9,6 +9,7 @@ job never hangs on a dead peer.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -273,7 +274,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             prepare_out_dir(out_dir, cfg, resume=resume, force=force, keep_logs=True)
             (out_dir / "embeddings").mkdir(exist_ok=True)
         comm.Barrier()
-        channel = _open_channel(cfg, comm)
+        channel = _open_channel(cfg, comm, out_dir)
         device = _device(cfg, rank)
         log.info("rank %d on %s uses %s", rank, socket.gethostname(), device)
         if rank == 0:
@@ -385,8 +386,10 @@ def _check_world(cfg: Config, size: int) -> None:
                           f"(world size {size}); start it with -n {want + 1} or drop the key")
 
 
-def _open_channel(cfg: Config, comm: object):
-    """This rank's secure channel of the job's star (see `hpcfed.comm.star`), set up from `cfg`."""
+def _open_channel(cfg: Config, comm: object, out_dir: Path):
+    """This rank's secure channel of the job's star (see `hpcfed.comm.star`), set up from `cfg`.
+    With on_client_failure=continue the server does not wait for a site that ended during the
+    handshake: the setup exchange drops it (`hpcfed.server.setup`)."""
     from hpcfed.comm.star import draw_job_id, open_star
     from hpcfed.comm.transport import MPITransport
     from hpcfed.credentials import load_credentials
@@ -395,8 +398,15 @@ def _open_channel(cfg: Config, comm: object):
     job_id = draw_job_id(transport, os.environ.get("SLURM_JOB_ID", "").encode() + b":")
     credentials = load_credentials(cfg.security, transport.rank)
     log = logging.getLogger("hpcfed.comm")
+    if os.environ.get("HPCFED_FAULT_KILL_IN_HANDSHAKE") == str(transport.rank):
+        log.error("fault injection: killing rank %d before the secure handshake", transport.rank)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+    ended = None
+    if transport.rank == 0 and cfg.federation.on_client_failure == "continue":
+        ended = functools.partial(jobwatch.rank_ended, out_dir / "logs")
     channel = open_star(transport, credentials, job_id, timeout=cfg.federation.setup_timeout_s, log=log.warning,
-                        **channel_settings(cfg))
+                        ended=ended, **channel_settings(cfg))
     if transport.rank == 0 and cfg.security.mode == "keys":
         for rank in channel.peers:  # who is who, for the record
             log.info("rank %d authenticated as site key %s", rank, channel.identity(rank))

@@ -38,7 +38,7 @@ from hpcfed.comm.receiver import Receiver
 from hpcfed.comm.ring import Rings
 from hpcfed.comm.sealing import CryptoPool
 from hpcfed.comm.sender import Outgoing, Sender
-from hpcfed.comm.session import Session
+from hpcfed.comm.session import Peer, Session
 from hpcfed.comm.stats import ChannelStats
 from hpcfed.comm.transport import Transport
 
@@ -159,11 +159,13 @@ class SecureChannel:
     def connect(self, peers: Collection[int], timeout: float, *, require_all: bool = True) -> None:
         """Authenticate with each peer (rank 0 answers, the others initiate). Afterwards
         `self.peers` lists the peers with a session. Raises ChannelError naming the ranks that
-        did not answer within `timeout` s, or (with `require_all`) that failed authentication."""
+        did not answer within `timeout` s, or (with `require_all`) that failed authentication. A
+        peer marked gone meanwhile (`watch_peers`, `peer_gone`) is left out, named by no error."""
         todo = self._handshake.start(peers)
         deadline = time.monotonic() + timeout
         backoff = polling.Backoff(self.options.spin_s, self.options.backoff_max_s)
         while any(p.state not in ("ready", "failed") for p in todo):
+            self._give_up_on_gone(todo)
             if self._rx.pump():
                 backoff.reset()
                 continue
@@ -172,9 +174,17 @@ class SecureChannel:
             self._tx.reap()
             backoff.pause(deadline)
         self.peers = sorted(r for r, p in self._session.peers.items() if p.state == "ready")
-        problems = Handshake.outcome(todo, timeout, require_all)
+        problems = Handshake.outcome([p for p in todo if p.rank not in self._session.gone], timeout, require_all)
         if problems:
             raise ChannelError(problems)
+
+    def _give_up_on_gone(self, todo: list[Peer]) -> None:
+        """A peer its owner found ended (`peer_gone`, via `watch_peers`) fails its handshake at
+        once: waiting out the timeout for a dead rank would only delay the others."""
+        self._session.look_for_gone()
+        for p in todo:
+            if p.rank in self._session.gone and p.state not in ("ready", "failed"):
+                p.state, p.error, p.hs = "failed", f"rank {p.rank} ended during the secure handshake", None
 
     def identity(self, rank: int) -> str:
         """The fingerprint of the identity key `rank` authenticated with ("psk" in psk mode)."""
@@ -186,6 +196,10 @@ class SecureChannel:
         """Rank `rank` has ended (its owner knows how): a send waiting on it fails at once, and
         sending to it again raises, instead of each waiting for `send_timeout_s`."""
         self._session.gone.add(rank)
+
+    def routes(self) -> dict[int, str]:
+        """Per peer, how big messages travel: "ring", "declined" or "mpi" (see `Rings.route`)."""
+        return {rank: self._rings.route(rank) for rank in self.peers}
 
     def watch_peers(self, look: Callable[[], None] | None) -> None:
         """Call `look()` every few tenths of a second while a send waits; it may call `peer_gone`."""

@@ -55,6 +55,15 @@ class Rings:
         return (sum(r.nslots * r.slot_bytes for r in self.tx.values() if r.buf is not None)
                 + sum(r.nslots * r.slot_bytes for r in self.rx.values()))
 
+    def route(self, peer: int) -> str:
+        """How big messages go to and from `peer`: "ring" (a shared-memory ring is in use), "declined"
+        (a ring was offered and refused or not made: another node, or no room; MPI carries all) or
+        "mpi" (none offered yet: no multi-chunk message, or shared memory off)."""
+        ring = self.tx.get(peer)
+        if (ring is not None and ring.state == "ready") or peer in self.rx:
+            return "ring"
+        return "declined" if ring is not None and ring.state == "declined" else "mpi"
+
     def offer(self, dest: int) -> bytes | None:
         """Make a ring for `dest` and return the offer's body; None when there is no shared memory
         here or no room in the budget (the peer is then declined for good: MPI carries all)."""

@@ -37,9 +37,22 @@ def star_peers(rank: int, size: int) -> list[int]:
 
 
 def open_star(transport: Transport, credentials: Credentials, job_id: bytes, *, timeout: float,
-              log: Callable[[str], None] | None = None, **channel_options: Unpack[ChannelSettings]) -> SecureChannel:
+              log: Callable[[str], None] | None = None, ended: Callable[[int], object] | None = None,
+              **channel_options: Unpack[ChannelSettings]) -> SecureChannel:
     """This rank's channel, authenticated with its star peers within `timeout` s (ChannelError
-    naming the ranks that did not answer or failed). `channel_options`: `ChannelOptions`' fields."""
+    naming the ranks that did not answer or failed). `ended(rank)`: true once that rank is known to
+    have ended; it is then left out of `channel.peers` at once instead of failing the whole star
+    (its owner goes on without it). `channel_options`: `ChannelOptions`' fields."""
     channel = SecureChannel(transport, credentials, job_id, log=log, **channel_options)
+    if ended is not None:
+        peers = star_peers(transport.rank, transport.size)
+
+        def look() -> None:
+            for r in peers:
+                if ended(r):
+                    channel.peer_gone(r)
+
+        channel.watch_peers(look)
     channel.connect(star_peers(transport.rank, transport.size), timeout=timeout)
+    channel.watch_peers(None)
     return channel

@@ -284,7 +284,7 @@ class ServerCore:
         self.channel.peer_gone(cid + 1)  # sent nothing more, whatever state it is in
         log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
         self.live.discard(cid)
-        self.departures.record(cid, max(self.round, 0), why)
+        self.departures.record(cid, max(self.round, 0) if self._metrics is not None else -1, why)  # -1: during setup
         if self.on_drop is not None:
             self.on_drop(cid)
         if self._metrics is not None:

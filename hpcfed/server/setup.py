@@ -34,6 +34,7 @@ def exchange(core: ServerCore, resume: bool) -> int:
     held: Held = {}
     initial = None
     out = _left_out(core, resume)
+    _drop_unconnected(core)
     deadline = time.monotonic() + core.cfg.federation.setup_timeout_s
     while len(payloads) < len(core.live):
         msg = core.recv_until(deadline, {P.SETUP, P.FAILED}, "the setup exchange",
@@ -81,6 +82,15 @@ def exchange(core: ServerCore, resume: bool) -> int:
              f", resumed from {resumed.path} (round {resumed.round})" if resumed else "")
     core.start(layout, metrics)
     return start_round
+
+
+def _drop_unconnected(core: ServerCore) -> None:
+    """Sites that ended during the secure handshake (the channel left them out; see
+    `hpcfed.comm.star.open_star`): dropped at round -1, or the federation ends naming them."""
+    for cid in sorted(core.live):
+        if cid + 1 not in core.channel.peers:
+            cause = core.departures.cause_of_silence(cid) or "did not complete the secure handshake"
+            core.client_failed(cid, f"{cause} during setup")
 
 
 def _left_out(core: ServerCore, resume: bool) -> set[int]:

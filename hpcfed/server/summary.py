@@ -121,6 +121,9 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
                                                    else core.round + 1),
         # sites evicted for misbehaviour (security.on_misbehaviour) or left out (federation.exclude_sites)
         "evicted": core.ledger.state(),
+        # per site, how the server's big messages reached it: "ring" (shared memory, same node),
+        # "declined" (ring refused: another node or no room) or "mpi" (no ring offered)
+        "transport": {str(rank - 1): route for rank, route in sorted(core.channel.routes().items())},
         "rounds": core.cfg.rounds,
         "updates_accepted": core.updates_accepted,
         "server_version": core.strategy.version,

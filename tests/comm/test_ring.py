@@ -44,6 +44,7 @@ def test_an_offer_accepted_makes_a_ready_ring_and_no_segment_is_left():
     assert s0.transport._hub.shm == {}  # type: ignore[attr-defined]  # unlinked once both sides mapped it
     assert s0.stats.rejected == {} and s1.stats.rejected == {}
     assert rx.mapped_bytes() == tx.mapped_bytes() == RING_SLOTS * ring.slot_bytes
+    assert tx.route(0) == rx.route(1) == "ring"  # what summary.json's `transport` reports
 
 
 def test_a_chunk_names_its_slot_and_a_credit_gives_it_back():
@@ -122,7 +123,9 @@ def test_an_unsound_offer_maps_nothing(body):
 
 def test_offers_beyond_the_budget_are_declined_both_ways():
     _, tx, _, _ = _pair(shm_budget_bytes=1000)
+    assert tx.route(0) == "mpi"  # nothing offered yet
     assert tx.offer(0) is None and tx.tx[0].state == "declined" and tx.tx[0].buf is None
+    assert tx.route(0) == "declined"
     rx2, tx2, _, _ = _pair()
     offer = tx2.offer(0)
     assert offer is not None
@@ -135,3 +138,12 @@ def test_close_unlinks_an_offer_never_answered():
     assert tx.offer(0) is not None and len(s0.transport._hub.shm) == 1  # type: ignore[attr-defined]
     tx.close()
     assert s0.transport._hub.shm == {} and tx.tx == {}  # type: ignore[attr-defined]
+
+
+def test_a_peer_that_answers_no_is_routed_over_mpi():
+    """A peer on another node cannot map the segment and says no: the ring is declined for good."""
+    _, tx, _, s1 = _pair()
+    offer = tx.offer(0)
+    assert offer is not None and tx.route(0) == "mpi"  # offered, not yet answered: MPI still carries all
+    tx.on_answer(0, b"\x00" + offer[OFFER.size:])
+    assert tx.route(0) == "declined" and tx.tx[0].buf is None and s1.stats.rejected == {}

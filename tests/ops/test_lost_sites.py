@@ -154,3 +154,24 @@ def test_a_late_site_is_counted_never_refused_and_takes_part_again(tmp_path):
     after = {e["round"] for e in events(out) if e["name"] == "fit_time_s" and e["client"] == 1}
     assert {r for r in after if r > late[-1]["round"]} == set(range(late[-1]["round"] + 1, 25)), sorted(after)
     assert "late update of round" in text and "rejected message" not in text, text[-3000:]
+
+
+def test_a_site_killed_during_the_handshake_is_dropped_in_setup_and_the_rest_finish(tmp_path):
+    out = tmp_path / "run"
+    # Client 1 (rank 2) kills itself before its secure handshake; setup_timeout_s is 300 s, so a
+    # run that finishes in well under that did not wait the timeout out.
+    started = time.monotonic()
+    proc = start(out, [*CONTINUE, "rounds=3", "checkpoint_every=0", "federation.min_sites=2"], np_=4,
+                 extra_env={"HPCFED_FAULT_KILL_IN_HANDSHAKE": "2"})
+    try:
+        text = _finish(proc, out, timeout=150)
+    finally:
+        kill_all(out, proc)
+    assert time.monotonic() - started < 150
+    summary = json.loads((out / "summary.json").read_text())
+    [dropped] = summary["dropped"]
+    assert dropped["client"] == 1 and dropped["round"] == -1, dropped
+    assert "ended" in dropped["cause"] and "during setup" in dropped["cause"], dropped
+    assert sorted(summary["clients"]) == ["0", "2"] and summary["dropped_clients"] == [1], summary["clients"]
+    assert max(e["round"] for e in events(out) if e["name"] == "num_updates") == 2
+    assert "continuing without it" in text, text[-3000:]

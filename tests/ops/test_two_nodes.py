@@ -69,6 +69,9 @@ def test_a_site_killed_on_the_other_node_is_dropped_and_the_rest_finish(two_node
     assert sorted(summary["clients"]) == ["0", "1"] and summary["accuracy"] > 0.5, summary["clients"]
     [dropped] = summary["dropped"]
     assert dropped["client"] == 2 and "another node" in dropped["cause"], dropped
+    # rings ready within a node and declined across nodes: the server (node1) shares memory with
+    # client 0 (node1); client 1 (node2) cannot map the ring it was offered, so MPI carries all
+    assert summary["transport"]["0"] == "ring" and summary["transport"]["1"] == "declined", summary["transport"]
     part = summary["participation"]
     assert part["0"]["contributed"] == part["1"]["contributed"] == 16 > part["2"]["contributed"], part
     # the two-chunk models crossed the nodes (ranks 2 and 3 are on node2), each round
