@@ -119,6 +119,27 @@ def exit_status(log_dir: Path, rank: int) -> int | None:
         return None
 
 
+def rank_ended(log_dir: Path, rank: int) -> str | None:
+    """How rank `rank` ended, as far as this host can tell: from its exit record, or (a rank on this
+    host that recorded nothing) from its process being gone; None while it runs, or when it runs on
+    another host, whose processes this one cannot see."""
+    try:
+        lines = (log_dir / f"rank{rank}.exit").read_text().split("\n")
+        code = int(lines[0])
+        reason = lines[1].strip() if len(lines) > 1 else ""
+        return f"exited with status {code}" + (f": {reason}" if reason else "")
+    except (OSError, ValueError):
+        pass
+    try:
+        pid_text, host = (log_dir / f"rank{rank}.pid").read_text().split(maxsplit=1)
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return None  # not started yet, or its record is unreadable: no evidence either way
+    if host.strip() != socket.gethostname() or pid <= 0:
+        return None
+    return None if alive(pid) else "ended without a word (killed or crashed)"
+
+
 @dataclass(frozen=True)
 class Failure:
     """One rank's recorded failure: rank, exit code, one-line reason, when, and whether it was secondary."""

@@ -154,7 +154,9 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
         env[cfg.security.psk_env] = job_psk(out, resume)
     cmd = [exe, "-n", str(np)]
     if cfg.federation.on_client_failure == "continue" and _is_hydra(exe):
-        cmd.append("-disable-auto-cleanup")  # let the server outlive a dead client
+        # Let the server outlive a dead client: hydra must not clean up, and each rank runs under a
+        # guard, since hydra's proxy kills a node's ranks when one of them ends by a signal.
+        cmd += ["-disable-auto-cleanup", sys.executable, "-m", "hpcfed.rank_guard"]
     cmd += [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--out", str(out)]
     if resume:
         cmd.append("--resume")
@@ -261,21 +263,26 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             from hpcfed.server.server import Server
 
             server = Server(cfg, channel, out_dir, resume=resume)
-            # SIGUSR1 (e.g. `scancel --signal=USR1` before a requeue): checkpoint after this round and stop.
-            signal.signal(signal.SIGUSR1, lambda *_: server.request_halt())
+            # SIGUSR2 (Slurm's warning signal, see slurm/requeue.sbatch) or OUT/HALT: checkpoint
+            # after this round and stop. SIGUSR1 is hydra's word that some rank has ended.
+            signal.signal(HALT_SIGNAL, lambda *_: server.request_halt())
+            signal.signal(signal.SIGUSR1, lambda *_: (_PEER_LOST.append(1), server.peer_ended()))
             summary = server.run()
             for line in closing_lines(summary, out_dir, cfg):
                 log.info("%s", line)
         else:
             import torch
 
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the server decides when to stop
+            signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
+            signal.signal(signal.SIGUSR1, lambda *_: _PEER_LOST.append(1))
             torch.set_num_threads(max(1, cfg.threads_per_rank))
             from hpcfed.client.client import Client
 
             Client(cfg, channel, out_dir, device=device, resume=resume).run()
         channel.close()
         jobwatch.write_exit(out_dir / "logs", rank, 0)
+        if _PEER_LOST:
+            _leave_without_finalize(log)
         return 0
     except Exception as exc:
         secondary = _is_mpi_error(exc)
@@ -293,6 +300,21 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         log.error("rank %d stopped: %s", rank, type(exc).__name__)
         _abort(comm, out_dir, rank, 1, f"stopped by {type(exc).__name__}")
     return 1
+
+
+# The signal that halts a federation cleanly (checkpoint after the current round, stop): SIGUSR1 is
+# taken by MPICH's hydra, which sends it to every rank when one ends (-disable-auto-cleanup).
+HALT_SIGNAL = signal.SIGUSR2
+_PEER_LOST: list[int] = []  # non-empty once hydra has said that a rank of this job ended
+
+
+def _leave_without_finalize(log: logging.Logger) -> None:
+    """Exit now, skipping MPI_Finalize: with a rank of the job gone it never returns (hydra 5.0.2)."""
+    log.info("a rank of this job has ended: leaving without MPI_Finalize")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _expected(exc: BaseException) -> bool:

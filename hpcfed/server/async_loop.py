@@ -59,7 +59,7 @@ class AsyncLoop:
         self.last_seen: dict[int, float] = {}  # client id -> when it was last heard from
 
     def run(self) -> bool:
-        """Accept uploads until the budget is spent; True when it stopped early to halt (SIGUSR1, or
+        """Accept uploads until the budget is spent; True when it stopped early to halt (SIGUSR2, OUT/HALT, or
         `halt_after_round` = this many accepted updates) after a checkpoint."""
         core = self.core
         try:
@@ -109,6 +109,7 @@ class AsyncLoop:
         wait = _OWED_POLL_S if self.outbox.waiting() else min(1.0, core.cfg.federation.status_every_s)
         msg = self.deferred.popleft() if self.deferred else core.channel.recv(kinds={P.UPDATE, P.FAILED},
                                                                               timeout=wait)
+        core.check_departures()  # after SIGUSR1: drop the sites that ended
         self.outbox.flush()
         if msg is not None and msg.kind == P.UPDATE:
             return core.contained(msg.source, self.update, msg) or []
@@ -176,6 +177,7 @@ class AsyncLoop:
         core.round = core.updates_accepted
         self.progress.advance_to(core.updates_accepted)
         core.metrics.log_many(core.updates_accepted, upd.client_id, upd.metrics)
+        core.participation.folded([upd.client_id])
         core.metrics.log(core.updates_accepted, None, "broadcast", int(len(targets) > 1))
         for name, value in core.strategy.metrics().items():
             core.metrics.log(core.updates_accepted, None, name, value)

@@ -24,6 +24,8 @@ from hpcfed.config import Config
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
+from hpcfed.server.departures import Departures
+from hpcfed.server.participation import Participation
 from hpcfed.server.eviction import ChannelRefusals, Eviction, Ledger
 from hpcfed.server.influence import InfluenceGuard
 from hpcfed.server.metrics import MetricsLog
@@ -56,7 +58,10 @@ class ServerCore:
         self.updates_accepted = 0
         self.round = -1
         self.last_checkpoint: Path | None = None
-        self.halt_requested = False  # set by SIGUSR1 (see launcher): checkpoint after this round and stop
+        self._halt = False  # checkpoint after this round and stop: SIGUSR2 (see launcher) or OUT/HALT
+        self._halt_checked = 0.0
+        self.departures = Departures(out_dir / "logs")  # sites that ended mid-run, and their last shards
+        self.participation = Participation(self.num_clients)  # who the model was built from, who was late
         self.progress: Progress | None = None  # rounds (sync) or accepted updates (async), once they start
         self.status = StatusLine(cfg.federation.status_every_s)
         self.cpu0 = time.process_time()
@@ -69,6 +74,28 @@ class ServerCore:
         self.ledger = Ledger(cfg.security.on_misbehaviour, cfg.security.max_refused_updates)
         self.channel_refusals = ChannelRefusals()
         channel.on_reject = self.channel_refusals
+
+    # -- halting -------------------------------------------------------------------------------------
+    @property
+    def halt_requested(self) -> bool:
+        """Whether to checkpoint after this round (async: this update) and stop: SIGUSR2, or a file
+        named HALT in the run's folder (taken away here, so that the resumed run goes on)."""
+        now = time.monotonic()
+        if not self._halt and now - self._halt_checked >= _HALT_FILE_POLL_S:
+            self._halt_checked = now
+            path = self.out_dir / HALT_FILE
+            try:
+                path.unlink()
+            except OSError:
+                return False  # none there (or not ours to take): no request
+            self.request_halt(f"{path} found")
+        return self._halt
+
+    def request_halt(self, why: str) -> None:
+        """Halt after this round's checkpoint (signal-safe: it only sets a flag and logs)."""
+        self._halt = True
+        log.warning("halt requested (%s): the federation stops after this round's checkpoint; resume with "
+                    "--resume", why)
 
     # -- after the setup exchange ------------------------------------------------------------------
     def start(self, layout: ParamLayout, metrics: MetricsLog) -> None:
@@ -116,8 +143,8 @@ class ServerCore:
     def stop_all(self, reason: str) -> None:
         """Best effort: tell every client to leave (a dead one cannot hear it; its timeout ends it)."""
         for cid in range(self.num_clients):
-            if cid in self.ledger.evicted:
-                continue  # told already, and gone
+            if cid in self.ledger.evicted or cid in self.departures.dropped:
+                continue  # told already, or gone
             try:
                 self.channel.send(cid + 1, P.STOP, {"reason": reason})
             except ChannelError as exc:
@@ -145,6 +172,7 @@ class ServerCore:
                                       f"last checkpoint: {self.last_checkpoint or 'none'}")
             msg = self.channel.recv(kinds=kinds, timeout=min(remaining, 1.0))
             self.take_channel_evidence()
+            self.check_departures()
             if not fatal and not waiting_for & self.live:
                 return msg  # every site still waited for has been evicted: nothing more to wait for
             if msg is None:
@@ -233,21 +261,31 @@ class ServerCore:
     def client_failed(self, cid: int, why: str) -> None:
         """Client `cid` failed: go on without it where the federation may, else end it naming the client."""
         text = f"client {cid} (rank {cid + 1}) {why}"
-        if self._may_go_on_without():
-            log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
-            self.live.discard(cid)
-            if self.on_drop is not None:
-                self.on_drop(cid)
+        if self.cfg.federation.on_client_failure != "continue":
+            raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
+        if cid not in self.live:
+            return  # dropped or evicted already
+        log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
+        self.live.discard(cid)
+        self.departures.record(cid, max(self.round, 0), why)
+        if self.on_drop is not None:
+            self.on_drop(cid)
+        if self._metrics is not None:
             self.metrics.log(self.round, cid, "client_failed", 1)
-            return
-        raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
+        floor = self.cfg.federation.min_sites
+        if len(self.live) < floor:
+            raise BelowFloor(f"only {len(self.live)} site(s) left after client {cid} (rank {cid + 1}) {why}, fewer "
+                             f"than federation.min_sites={floor}: the federation stops; continue it with --resume; "
+                             f"last checkpoint: {self.last_checkpoint or 'none'}")
 
-    def _may_go_on_without(self) -> bool:
-        """Only an asynchronous federation goes on without a failed site (a synchronous round's
-        model needs every site's state to resume), and only once every site has joined: the setup
-        exchange waits for them all."""
-        return (self.cfg.federation.on_client_failure == "continue" and not self.strategy.synchronous
-                and self._metrics is not None)
+    def peer_ended(self) -> None:
+        """A rank of the job has ended (SIGUSR1 from hydra): see which at the next chance (signal-safe)."""
+        self.departures.notify()
+
+    def check_departures(self) -> None:
+        """Drop every live site that has ended since the last SIGUSR1."""
+        for cid, cause in self.departures.ended(self.live).items():
+            self.client_failed(cid, cause)
 
     # -- checkpoints and status ------------------------------------------------------------------------
     def commit_checkpoint(self, rnd: int, sites: dict[int, V.ShardRef | None]) -> None:
@@ -258,9 +296,9 @@ class ServerCore:
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
         meta = {"elapsed": self.metrics.elapsed(), "updates_accepted": self.updates_accepted,
-                "rejected": self.rejected, "influence": self.influence.state(), "evicted": self.ledger.state()}
-        refs: dict[int, dict[str, Any]] = {cid: {"digest": ref["digest"], "path": ref["path"]}
-                                           for cid, ref in sites.items() if ref}
+                "rejected": self.rejected, "influence": self.influence.state(), "evicted": self.ledger.state(),
+                "participation": self.participation.state()}
+        refs = self.departures.manifest(rnd, {cid: dict(ref) for cid, ref in sites.items() if ref})
         ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
                                    strategy=self.strategy.state_dict(), sites=refs, meta=meta)
         self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints,
@@ -270,6 +308,10 @@ class ServerCore:
     def maybe_status(self) -> None:
         """The periodic status line, when it is due."""
         self.status.maybe_log(self.progress, self.strategy.version, sum(self.rejected.values()), self.channel.stats)
+
+
+HALT_FILE = "HALT"  # `touch OUT/HALT`: halt cleanly after the current round (any launcher, any node)
+_HALT_FILE_POLL_S = 1.0
 
 
 class BelowFloor(FederationError):

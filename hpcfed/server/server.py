@@ -74,8 +74,11 @@ class Server:
 
     def request_halt(self) -> None:
         """Finish the current sync round (async: the update being handled), checkpoint, and stop (Slurm pre-emption)."""
-        self.core.halt_requested = True
-        log.warning("halt requested: the federation stops after this round's checkpoint; resume with --resume")
+        self.core.request_halt("SIGUSR2")
+
+    def peer_ended(self) -> None:
+        """Hydra says a rank of the job ended (SIGUSR1): the server finds out which and goes on without it."""
+        self.core.peer_ended()
 
 
 def _noise_seed(cfg: Config) -> int | None:

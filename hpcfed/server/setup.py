@@ -67,7 +67,8 @@ def exchange(core: ServerCore, resume: bool) -> int:
         reply_header, reply_tensors = replies.get(cid, ({}, {}))
         shard = None  # which of its own shards the site loads (it verifies it against this digest)
         if resumed and cid in resumed.sites:
-            shard = {"round": resumed.round, "digest": resumed.sites[cid]["digest"]}
+            ref = resumed.sites[cid]  # a site dropped before this checkpoint loads its last shard
+            shard = {"round": ref.get("round", resumed.round), "digest": ref["digest"]}
         core.channel.send(cid + 1, P.SETUP_REPLY, {
             "task": reply_header, "layout": layout_header, "start_round": start_round,
             "shard": shard, "resumed": bool(resumed),
@@ -121,8 +122,10 @@ def _load_checkpoint(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | No
     core.strategy.load_state_dict(ckpt.strategy)
     core.updates_accepted = int(ckpt.meta.get("updates_accepted", 0))
     core.influence.load_state(ckpt.meta.get("influence"))
+    core.participation.load_state(ckpt.meta.get("participation"))
     core.last_checkpoint = ckpt.path
     core.round = ckpt.round
+    core.departures.load_shards(ckpt.round, ckpt.sites)
     return ckpt
 
 
@@ -139,7 +142,7 @@ def _newest_held(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
             log.warning("skipping checkpoint: %s", exc)
             continue
         gaps = [(cid, ref) for cid, ref in sorted(ckpt.sites.items())  # a site left out needs no shard
-                if cid in core.live and (ckpt.round, ref["digest"]) not in held.get(cid, set())]
+                if cid in core.live and (ref.get("round", ckpt.round), ref["digest"]) not in held.get(cid, set())]
         if not gaps:
             return ckpt
         cid, ref = gaps[0]

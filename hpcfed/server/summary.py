@@ -28,7 +28,7 @@ Results = dict[int, dict[str, float]]  # client id -> its final metrics
 
 
 def halt(core: ServerCore, rnd: int) -> dict[str, Any]:
-    """Stop every rank cleanly after round `rnd` (halt_after_round, SIGUSR1); resume with --resume."""
+    """Stop every rank cleanly after round `rnd` (halt_after_round, SIGUSR2, OUT/HALT); resume with --resume."""
     core.stop_all(f"halted after round {rnd}")
     log.info("halted after round %d as configured (halt_after_round); checkpoint %s", rnd, core.last_checkpoint)
     core.metrics.close()
@@ -45,7 +45,8 @@ def below_floor(core: ServerCore, why: str) -> dict[str, Any]:
     until = time.monotonic() + core.cfg.federation.round_deadline_s
     while time.monotonic() < until and core.channel.recv(timeout=1.0) is not None:
         pass
-    summary = {"stopped": why, "evicted": core.ledger.state(), "last_checkpoint":
+    summary = {"stopped": why, "evicted": core.ledger.state(), "dropped": core.departures.state(),
+               "dropped_clients": sorted(core.departures.dropped), "last_checkpoint":
                str(core.last_checkpoint) if core.last_checkpoint else None, "round": core.round,
                "channel": core.channel.stats.as_dict(), "rejected": {"runtime": core.rejected}}
     atomic.write_text(core.out_dir / "summary.json", json.dumps(summary, indent=2, default=str))
@@ -112,6 +113,11 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "clients": {str(c): results[c] for c in sorted(results)},
         "missing_clients": missing,
         "dropped_clients": sorted(set(range(core.num_clients)) - core.live - set(core.ledger.evicted)),
+        # sites that ended mid-run (federation.on_client_failure=continue): round and cause
+        "dropped": core.departures.state(),
+        # per site: rounds (async: accepted updates) it contributed to, their share, late uploads
+        "participation": core.participation.report(core.updates_accepted if not core.strategy.synchronous
+                                                   else core.round + 1),
         # sites evicted for misbehaviour (security.on_misbehaviour) or left out (federation.exclude_sites)
         "evicted": core.ledger.state(),
         "rounds": core.cfg.rounds,

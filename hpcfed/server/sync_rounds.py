@@ -50,7 +50,7 @@ class SyncRounds:
 
     def run(self) -> int | None:
         """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,
-        SIGUSR1) to be resumed later, or None when every round is done."""
+        SIGUSR2, OUT/HALT) to be resumed later, or None when every round is done."""
         cfg = self.core.cfg
         for rnd in range(self.start_round, self.end):
             self.round(rnd)
@@ -72,6 +72,7 @@ class SyncRounds:
             got.update(self.secagg.collect(rnd, want_state))
         else:
             self.collect_uploads(rnd, t0, want_state, got, refused)
+        self.drop_departed(sorted(core.live - set(got)))
         missing = sorted(core.live - set(got))
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(core.live)))
@@ -86,6 +87,7 @@ class SyncRounds:
             for c in missing:
                 core.metrics.log(rnd, c, "straggler", 1)
         updates = [got[c][0] for c in sorted(got) if c not in refused]
+        core.participation.folded([u.client_id for u in updates])
         self.strategy.end_round(rnd)
         core.influence.settle()
         core.strategy.version += 1
@@ -95,7 +97,7 @@ class SyncRounds:
         core.metrics.log_many(rnd, None, {"round_time_s": time.monotonic() - t0, "num_updates": len(updates),
                                           **core.strategy.metrics()})
         if want_state:
-            core.commit_checkpoint(rnd, {c: got[c][1] for c in sorted(got) if c in core.live})  # phase 2: the manifest
+            core.commit_checkpoint(rnd, {c: got[c][1] for c in sorted(got)})  # phase 2: the manifest
         # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
         self.progress.advance_to(rnd + 1)
         saved = f", saved {core.last_checkpoint.name}" if want_state and core.last_checkpoint else ""
@@ -120,6 +122,7 @@ class SyncRounds:
         try:
             core.channel.on_message = fold_early
             try:
+                core.check_departures()  # a site known to have ended is sent nothing
                 for cid in sorted(core.live):
                     core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version,
                                                  "checkpoint": want_state},
@@ -148,8 +151,15 @@ class SyncRounds:
         strategy (FedAvg's mean) adds it to its running sum and drops it, so rank 0 never holds the
         K updates of a round together. (In a calibrating first round it is parked on disk instead.)"""
         core = self.core
-        if msg.header.get("round") != rnd:
-            core.reject(msg.source, "stale update", f"for round {msg.header.get('round')!r} during round {rnd}")
+        claimed = msg.header.get("round")
+        if claimed != rnd:
+            if core.participation.take_late(msg.source - 1, claimed, rnd, self.start_round):
+                # the site trained on an earlier round's model: dropped, unmeasured, not held against it
+                core.metrics.log(rnd, msg.source - 1, "late_update", claimed)
+                log.info("round %d: late update of round %s from client %d (rank %d) dropped; its current model "
+                         "is waiting for it", rnd, claimed, msg.source - 1, msg.source)
+                return
+            core.reject(msg.source, "stale update", f"for round {claimed!r} during round {rnd}")
             return
         if msg.source - 1 in got:
             core.reject(msg.source, "duplicate update", f"a second update for round {rnd}")
@@ -162,6 +172,7 @@ class SyncRounds:
             return
         upd = parsed[0]
         got[upd.client_id] = parsed
+        core.participation.on_time(upd.client_id, rnd)
         if self.parking is not None:
             if not self.bounding.park(self.parking, msg.source, upd):
                 refused.add(upd.client_id)
@@ -169,6 +180,18 @@ class SyncRounds:
             self.strategy.fold(upd)
         else:
             refused.add(upd.client_id)
+
+    def drop_departed(self, silent: list[int]) -> None:
+        """Past the deadline (or after SIGUSR1): drop the silent sites that have ended
+        (federation.on_client_failure=continue); the others are stragglers."""
+        core = self.core
+        core.check_departures()
+        if core.cfg.federation.on_client_failure != "continue":
+            return
+        for cid in silent:
+            cause = core.departures.cause_of_silence(cid)
+            if cause is not None and cid in core.live:
+                core.client_failed(cid, cause)
 
     def checkpoint_due(self, rnd: int) -> bool:
         """Whether round `rnd` ends with a checkpoint (every `checkpoint_every`, the last, or a halt's)."""

@@ -6,7 +6,8 @@ One file per checkpoint, ``checkpoints/ckpt-<round>.h5``::
             auth (JSON: alg, purpose, digest, tag; see `hpcfed.store.sealed`)
     /strategy            arrays of Strategy.state_dict(); attr "header" = its JSON scalars
     /sites/<id>          attrs digest, path: the site's own shard of this round (see store.site_state);
-                         no site state is ever in this file
+                         attr round when the shard is of an earlier round (a site the federation
+                         went on without keeps its last one); no site state is ever in this file
     /meta                attr "header" = JSON (metrics so far, rejected counts, wall time)
 
 Written to a temporary file, fsynced, then ``os.replace``d and the folder fsynced: a kill at any
@@ -82,6 +83,8 @@ def save(directory: str | Path, ckpt: Checkpoint, keep: int = 3, auth: sealed.Fi
                 g = sites.create_group(str(cid))
                 g.attrs["digest"] = str(ckpt.sites[cid]["digest"])
                 g.attrs["path"] = str(ckpt.sites[cid]["path"])
+                if "round" in ckpt.sites[cid]:
+                    g.attrs["round"] = int(ckpt.sites[cid]["round"])
             _write_group(f.create_group("meta"), ckpt.meta, {})
         sealed.seal(tmp, auth)
     atomic.fsync_dir(directory)
@@ -102,8 +105,7 @@ def load(path: str | Path, auth: sealed.FileAuth | None = None) -> Checkpoint:
         if root.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not an hpcfed checkpoint (format={root.get('format')!r})")
         strategy = _read_group(tree, "strategy")
-        sites = {int(k): {"digest": str(tree.attrs[f"sites/{k}"]["digest"]),
-                          "path": str(tree.attrs[f"sites/{k}"]["path"])} for k in tree.children("sites")}
+        sites = {int(k): _site_ref(tree.attrs[f"sites/{k}"]) for k in tree.children("sites")}
         meta = _read_group(tree, "meta")[0]
         ck = Checkpoint(round=int(root["round"]), version=int(root["version"]),
                         config=json.loads(root["config"]), strategy=strategy, sites=sites,
@@ -159,6 +161,16 @@ def _read_group(tree: sealed.Tree, group: str) -> tuple[dict[str, Any], Arrays]:
               if f"{group}/{name}" in tree.datasets}
     return header, arrays
 
+
+def _site_ref(attrs: dict[str, Any]) -> dict[str, Any]:
+    """One site's entry of the manifest: digest, path, and the round of a shard older than the checkpoint."""
+    ref: dict[str, Any] = {"digest": str(attrs["digest"]), "path": str(attrs["path"])}
+    if "round" in attrs:
+        rnd = int(attrs["round"])  # a file that verified, but bound it all the same
+        if rnd < 0:
+            raise ValueError(f"site shard round {rnd} is negative")
+        ref["round"] = rnd
+    return ref
 
 
 def _prune(directory: Path, keep: int) -> None:

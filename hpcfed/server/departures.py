@@ -1,0 +1,100 @@
+"""Sites that ended mid-run (`federation.on_client_failure: continue`): how the server learns of
+it, the record of each site dropped, and the last checkpoint shard of every site.
+
+Under ``hpcfed run`` (hydra, ``-disable-auto-cleanup``, `hpcfed.rank_guard`) every surviving rank
+gets SIGUSR1 when one ends. The signal does not say which, so the server then looks at each live
+site's records (`hpcfed.jobwatch.rank_ended`: its exit record, or its process gone from this host)
+and drops the ones that ended at once: nothing more is sent to them and no round or checkpoint
+waits for them. A site on another node cannot be seen from here: once the signal came and no site
+on this node had ended, a remote site that stays silent past a deadline is dropped as well (alive
+and merely slow, it would still be there; its rank is gone).
+
+A dropped site's last checkpoint shard stays in every later manifest (with its round), so a later
+``--resume`` with the site back finds the state it had.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcfed import jobwatch
+
+log = logging.getLogger("hpcfed.server")
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """One site the federation went on without, as summary.json and the checkpoint record it."""
+
+    client: int
+    rank: int
+    round: int  # the round (sync) or accepted updates (async) at which it was dropped
+    cause: str  # e.g. "ended without a word (killed or crashed)"
+
+
+class Departures:
+    """Which sites ended, and each site's newest checkpoint shard. `notify` is signal-safe."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.dropped: dict[int, Dropped] = {}
+        self.unexplained = False  # a rank ended and none on this node: one on another node did
+        self._signalled = False
+        self._shards: dict[int, dict[str, Any]] = {}  # client id -> {digest, path, round}
+
+    def notify(self) -> None:
+        """A rank of the job has ended (SIGUSR1 from hydra); looked into at the server's next chance."""
+        self._signalled = True
+
+    def ended(self, live: set[int]) -> dict[int, str]:
+        """After a `notify`: the live sites that have ended, with how (once per signal; else empty)."""
+        if not self._signalled:
+            return {}
+        self._signalled = False
+        found = {cid: cause for cid in sorted(live) if (cause := jobwatch.rank_ended(self.log_dir, cid + 1))}
+        if not found and not self.unexplained:
+            self.unexplained = True
+            log.warning("MPI reports that a rank of this job ended, and none on this node did: a site on another "
+                        "node that stays silent past its deadline is dropped")
+        return found
+
+    def cause_of_silence(self, cid: int) -> str | None:
+        """Why site `cid`, silent past a deadline, is gone (None: it may be merely slow)."""
+        cause = jobwatch.rank_ended(self.log_dir, cid + 1)
+        if cause is None and self.unexplained and not self._on_this_host(cid):
+            cause = "silent past the deadline after MPI reported a rank ended on another node"
+        return cause
+
+    def _on_this_host(self, cid: int) -> bool:
+        try:
+            return (self.log_dir / f"rank{cid + 1}.pid").read_text().split()[1] == socket.gethostname()
+        except (OSError, IndexError):
+            return False
+
+    def record(self, cid: int, rnd: int, cause: str) -> None:
+        """Site `cid` is dropped at round `rnd`."""
+        self.dropped.setdefault(cid, Dropped(client=cid, rank=cid + 1, round=rnd, cause=" ".join(cause.split())[:300]))
+
+    def state(self) -> list[dict[str, object]]:
+        """The dropped sites as plain data (summary.json)."""
+        return [asdict(self.dropped[c]) for c in sorted(self.dropped)]
+
+    # -- checkpoint shards -------------------------------------------------------------------------
+    def load_shards(self, rnd: int, sites: dict[int, dict[str, Any]]) -> None:
+        """The shards of the checkpoint resumed from (round `rnd`)."""
+        self._shards = {cid: {**ref, "round": int(ref.get("round", rnd))} for cid, ref in sites.items()}
+
+    def manifest(self, rnd: int, fresh: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """The sites of checkpoint `rnd`: the shards written for it, and for each dropped site its
+        newest earlier one, marked with its round. (A live site that missed this checkpoint is left
+        out as before: it resumes from its own start, not from a shard it may have pruned since.)"""
+        for cid, ref in fresh.items():
+            self._shards[cid] = {"digest": ref["digest"], "path": ref["path"], "round": rnd}
+        sites = {cid: {"digest": ref["digest"], "path": ref["path"]} for cid, ref in fresh.items()}
+        for cid in self.dropped.keys() & self._shards.keys() - fresh.keys():
+            sites[cid] = dict(self._shards[cid])
+        return dict(sorted(sites.items()))

@@ -1,0 +1,71 @@
+"""Which sites the model was built from: per site, the rounds (sync) or updates (async) it
+contributed to, and its late uploads.
+
+A synchronous round closes at its deadline with the uploads it has (`federation.quorum` of the
+live sites at least). An upload that arrives after its round closed is a *late update of that
+round*: counted here and dropped, never measured by bounded influence and never held against the
+site (lateness is not evidence). Dropped rather than folded into the next round with a staleness
+weight: a round's FedAvg mean is defined over models trained from the same global model, and one
+trained from an older model pulls the mean back toward it, with no staleness term in the
+synchronous strategies to discount it (asynchronous mode is the one built for stale updates). The
+site loses little: the next round's model is already waiting for it (sent when that round began),
+so it trains on the current model at once and takes part in the next round.
+
+Each site's share of the rounds is in summary.json (``participation``): with equal sites and
+``quorum < 1`` the shares should be equal; a site that is late again and again shows up there,
+instead of silently contributing nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcfed.server.validation import is_int
+
+
+class Participation:
+    """Per site: contributions, late uploads, and the newest round it uploaded for."""
+
+    def __init__(self, num_clients: int) -> None:
+        self.contributed = dict.fromkeys(range(num_clients), 0)
+        self.late = dict.fromkeys(range(num_clients), 0)
+        self._newest: dict[int, int] = {}  # client id -> the newest round it has uploaded for
+
+    def on_time(self, cid: int, rnd: int) -> None:
+        """Client `cid` uploaded for the round now running, `rnd`."""
+        self._newest[cid] = rnd
+
+    def take_late(self, cid: int, claimed: object, rnd: int, first_round: int) -> bool:
+        """Whether an upload of client `cid` for round `claimed`, arriving during round `rnd`, is a
+        late update (counted here; the caller drops it). One per earlier round of this run, newer
+        than anything the site uploaded before: a copy or a replay is not late but refused."""
+        if not is_int(claimed) or not first_round <= claimed < rnd or claimed <= self._newest.get(cid, -1):
+            return False
+        self._newest[cid] = claimed
+        self.late[cid] += 1
+        return True
+
+    def folded(self, cids: list[int]) -> None:
+        """These sites' uploads went into the model (a round's aggregate, or one async update each)."""
+        for cid in cids:
+            self.contributed[cid] += 1
+
+    def state(self) -> dict[str, list[int]]:
+        """The counts as plain data (a checkpoint's meta)."""
+        return {"contributed": [self.contributed[c] for c in sorted(self.contributed)],
+                "late": [self.late[c] for c in sorted(self.late)]}
+
+    def load_state(self, state: object) -> None:
+        """The counts of the checkpoint resumed from (anything malformed or of another size: start from zero)."""
+        if not isinstance(state, dict):
+            return
+        for name, counts in (("contributed", self.contributed), ("late", self.late)):
+            saved = state.get(name)
+            if isinstance(saved, list) and len(saved) == len(counts) and all(is_int(n) and n >= 0 for n in saved):
+                counts.update(enumerate(saved))
+
+    def report(self, steps: int) -> dict[str, dict[str, Any]]:
+        """summary.json's ``participation``: per site its contributions, their share of the `steps`
+        (rounds run, or updates accepted in async mode), and its late uploads."""
+        return {str(cid): {"contributed": n, "share": round(n / steps, 4) if steps else None, "late": self.late[cid]}
+                for cid, n in sorted(self.contributed.items())}
