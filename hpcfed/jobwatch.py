@@ -65,6 +65,9 @@ def clear(log_dir: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
+# `touch OUT/HALT`: the server checkpoints after the current round and stops (any launcher, any node).
+HALT_FILE = "HALT"
+
 # The folder of the lifelines, set by the launcher in the ranks' environment. Node-local on purpose:
 # a rank on another node finds none and goes without.
 LIFELINES_ENV = "HPCFED_LIFELINES"

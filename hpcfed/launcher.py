@@ -19,12 +19,14 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hpcfed import jobwatch
 from hpcfed.config import Config, ConfigError, check_resume_compatible, load
 from hpcfed.errors import FederationError
+from hpcfed.jobwatch import HALT_FILE
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
 
@@ -105,6 +107,9 @@ def prepare_out_dir(out: Path, cfg: Config, *, resume: bool, force: bool, keep_l
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot create the folder ({exc.strerror}); choose another --out") from None
+    if (out / HALT_FILE).exists():  # left by an earlier attempt that stopped before its server saw it
+        (out / HALT_FILE).unlink(missing_ok=True)
+        print(f"hpcfed: removed {out / HALT_FILE} left from an earlier attempt (a halt request)", file=sys.stderr)
 
 
 def existing_results(out: Path) -> list[str]:
@@ -163,6 +168,9 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     log_dir = out / "logs"
     jobwatch.clear(log_dir)
     launched = time.time()
+    # SIGUSR2 to `hpcfed run` halts the federation the way it does on rank 0 (through OUT/HALT, which
+    # the server looks for every second: mpiexec forwards no SIGUSR2).
+    signal.signal(HALT_SIGNAL, lambda *_: (out / HALT_FILE).touch())
     watch = jobwatch.RankWatch(log_dir, np)
     env.update(watch.open_lifelines())
     # No rank reads stdin: mpiexec has nothing to forward (and leaves the terminal alone).
@@ -176,11 +184,15 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
         return 0
     dropped = _dropped_clients(out, launched)
     failed = [r for r in range(1, np) if jobwatch.exit_status(log_dir, r) != 0]
+    if dropped is None and cfg.federation.on_client_failure == "continue" and jobwatch.exit_status(log_dir, 0) == 0:
+        dropped = failed  # the server ended well (a halt writes no summary): it went on without them
     if dropped is not None and set(failed) <= set(dropped):
         # The results are written; only clients the federation went on without ended badly
         # (federation.on_client_failure=continue), or the server after its summary.
         gone = f" without {_rank_names(failed)}, dropped during the run" if failed else ""
-        print(f"hpcfed: the federation finished{gone}; results in {out}/summary.json", file=sys.stderr)
+        done = f"finished{gone}; results in {out}/summary.json" if (out / "summary.json").exists() else \
+            f"halted{gone}; continue it with --resume"
+        print(f"hpcfed: the federation {done}", file=sys.stderr)
         return 0
     print(failure_diagnosis(code, out, np, watch), file=sys.stderr)
     return code
@@ -266,7 +278,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             # SIGUSR2 (Slurm's warning signal, see slurm/requeue.sbatch) or OUT/HALT: checkpoint
             # after this round and stop. SIGUSR1 is hydra's word that some rank has ended.
             signal.signal(HALT_SIGNAL, lambda *_: server.request_halt())
-            signal.signal(signal.SIGUSR1, lambda *_: (_PEER_LOST.append(1), server.peer_ended()))
+            signal.signal(signal.SIGUSR1, lambda *_: _peer_lost(server.peer_ended))
             summary = server.run()
             for line in closing_lines(summary, out_dir, cfg):
                 log.info("%s", line)
@@ -274,7 +286,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             import torch
 
             signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
-            signal.signal(signal.SIGUSR1, lambda *_: _PEER_LOST.append(1))
+            signal.signal(signal.SIGUSR1, lambda *_: _peer_lost())
             torch.set_num_threads(max(1, cfg.threads_per_rank))
             from hpcfed.client.client import Client
 
@@ -306,6 +318,13 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
 # taken by MPICH's hydra, which sends it to every rank when one ends (-disable-auto-cleanup).
 HALT_SIGNAL = signal.SIGUSR2
 _PEER_LOST: list[int] = []  # non-empty once hydra has said that a rank of this job ended
+
+
+def _peer_lost(then: Callable[[], None] | None = None) -> None:
+    """SIGUSR1: a rank of this job ended (this one leaves without MPI_Finalize); the server finds which."""
+    _PEER_LOST.append(1)
+    if then is not None:
+        then()
 
 
 def _leave_without_finalize(log: logging.Logger) -> None:
@@ -421,7 +440,8 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     """What the run ends with on the console: its final figures, what they were measured on, and
     where everything it wrote is."""
     if "halted_after_round" in summary:
-        return [f"halted after round {summary['halted_after_round']} (halt_after_round); continue with --resume "
+        return [f"halted after round {summary['halted_after_round']} (halt_after_round, SIGUSR2 or OUT/HALT); "
+                f"continue with --resume "
                 f"from {summary.get('last_checkpoint')}"]
     if "stopped" in summary:
         return [f"stopped: {summary['stopped']}"]

@@ -15,6 +15,7 @@ of them itself) and forwards SIGTERM and SIGHUP, which an operator may send to i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,10 +44,8 @@ def main(argv: list[str]) -> int:
 
 
 def _forward(child: subprocess.Popen[bytes], signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it has ended already
         os.kill(child.pid, signum)
-    except ProcessLookupError:
-        pass  # it has ended already
 
 
 if __name__ == "__main__":

@@ -220,3 +220,23 @@ def test_exit_markers_carry_the_reason_and_whether_it_was_the_cause(tmp_path):
     found = jobwatch.failures(tmp_path, 4)
     assert [(f.rank, f.secondary) for f in found] == [(1, True), (2, False)]
     assert found[1].reason == "dataset 'hin/acm' not found at /x; set HPCFED_DATA"  # one line
+
+
+def test_rank_ended_reads_the_exit_record_or_a_vanished_process(tmp_path):
+    assert jobwatch.rank_ended(tmp_path, 1) is None  # not started: no evidence
+    proc = _fake_rank(tmp_path, 1)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "rank1.pid").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert jobwatch.rank_ended(tmp_path, 1) is None  # running
+        proc.kill()
+        proc.wait(timeout=30)
+        assert jobwatch.rank_ended(tmp_path, 1) == "ended without a word (killed or crashed)"
+        jobwatch.write_exit(tmp_path, 1, 2, "bad config")
+        assert jobwatch.rank_ended(tmp_path, 1) == "exited with status 2: bad config"
+    finally:
+        _reap([proc])
+    (tmp_path / "rank2.pid").write_text("1 another-host")  # pid 1 of another node: not ours to judge
+    assert jobwatch.rank_ended(tmp_path, 2) is None

@@ -181,6 +181,16 @@ class SecureChannel:
         peer = self._session.peers.get(rank)
         return peer.identity if peer is not None else ""
 
+    # -- peers that end ---------------------------------------------------------------------------
+    def peer_gone(self, rank: int) -> None:
+        """Rank `rank` has ended (its owner knows how): a send waiting on it fails at once, and
+        sending to it again raises, instead of each waiting for `send_timeout_s`."""
+        self._session.gone.add(rank)
+
+    def watch_peers(self, look: Callable[[], None] | None) -> None:
+        """Call `look()` every few tenths of a second while a send waits; it may call `peer_gone`."""
+        self._session.watch = look
+
     # -- messages ---------------------------------------------------------------------------------
     def send(self, dest: int, kind: int, header: dict[str, Any], tensors: Mapping[str, Any] | None = None) -> None:
         """Encrypt and send one message; returns when `tensors` may be modified again."""

@@ -75,6 +75,8 @@ class Sender:
         if not isinstance(kind, int) or not 0 <= kind <= 255:
             raise ValueError(f"message kind {kind!r} must be an int in 0..255")
         peer = self._s.peers.get(dest)
+        if dest in self._s.gone:
+            raise ChannelError(f"rank {dest} has ended: nothing more is sent to it")
         if peer is None or peer.state != "ready":
             raise ChannelError(f"no secure session with rank {dest}; connect() first"
                                + (f" ({peer.error})" if peer is not None and peer.error else ""))
@@ -300,6 +302,9 @@ class Sender:
                 if self._pump():
                     backoff.reset()
                     continue
+                self._s.look_for_gone()
+                if dest in self._s.gone:
+                    raise ChannelError(f"rank {dest} has ended")
                 if time.monotonic() > deadline:
                     raise ChannelError(f"rank {dest} took no chunk from shared memory for {opts.send_timeout_s:g} s "
                                        f"(is rank {dest} alive and receiving?)")
@@ -348,12 +353,15 @@ class Sender:
             if self._pump():
                 backoff.reset()
                 continue
-            if time.monotonic() > deadline:
+            self._s.look_for_gone()
+            gone = dest in self._s.gone
+            if gone or time.monotonic() > deadline:
                 req.cancel()
                 # The abandoned send may still read its buffer whenever the peer wakes up: later
                 # messages must be sealed into fresh buffers, not over it.
                 self._slots.clear()
-                raise ChannelError(f"sending to rank {dest} did not complete within {opts.send_timeout_s:g} s "
+                raise ChannelError(f"rank {dest} has ended" if gone else
+                                   f"sending to rank {dest} did not complete within {opts.send_timeout_s:g} s "
                                    f"(is rank {dest} alive and receiving?)")
             backoff.pause()
 

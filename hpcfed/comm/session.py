@@ -8,6 +8,7 @@ raises; a rank with `max_rejects` rejections is cut off: its frames are dropped 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from hpcfed.comm import crypto
@@ -17,6 +18,7 @@ from hpcfed.comm.stats import ChannelStats
 from hpcfed.comm.transport import Transport
 
 LOG_FIRST = 10  # log the first rejections of each rank in full, then every 1000th
+WATCH_EVERY_S = 0.2  # how often a waiting send asks whether a peer has ended
 
 
 class Peer:
@@ -82,6 +84,11 @@ class Session:
         self.on_cut_off: Callable[[int], None] = lambda rank: None
         # The channel's owner, told of every refused frame (rank, reason, detail); see SecureChannel.on_reject.
         self.on_reject: Callable[[int, str, str], None] | None = None
+        # Ranks known to have ended (SecureChannel.peer_gone): nothing more is sent to them, and a
+        # send already waiting on one fails at once instead of at its timeout.
+        self.gone: set[int] = set()
+        self.watch: Callable[[], None] | None = None  # see SecureChannel.watch_peers
+        self._watched = 0.0
 
     def peer_of(self, rank: int) -> Peer:
         """The record of `rank` (made on first use)."""
@@ -105,6 +112,13 @@ class Session:
             self.on_cut_off(src)
             self.log(f"rank {src} cut off after {peer.rejects} rejected messages (security.max_rejects); "
                      f"its frames are dropped from now on")
+
+    def look_for_gone(self) -> None:
+        """While a send waits: let the owner mark ended peers gone (at most every WATCH_EVERY_S)."""
+        now = time.monotonic()
+        if self.watch is not None and now - self._watched >= WATCH_EVERY_S:
+            self._watched = now
+            self.watch()
 
     def count_cut_off_frame(self) -> None:
         """A frame from a cut-off rank, dropped unread (counted by reason only)."""

@@ -19,16 +19,17 @@ from typing import Any, ParamSpec, TypeVar, overload
 import numpy as np
 
 from hpcfed import protocol as P
-from hpcfed.comm.api import Channel, ChannelError, Message
+from hpcfed.comm.api import Channel, ChannelError, Message, Outgoing
 from hpcfed.config import Config
 from hpcfed.errors import FederationError
+from hpcfed.jobwatch import HALT_FILE
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
 from hpcfed.server.departures import Departures
-from hpcfed.server.participation import Participation
 from hpcfed.server.eviction import ChannelRefusals, Eviction, Ledger
 from hpcfed.server.influence import InfluenceGuard
 from hpcfed.server.metrics import MetricsLog
+from hpcfed.server.participation import Participation
 from hpcfed.server.progress import Progress, StatusLine
 from hpcfed.store import checkpoint as ckpt_store
 from hpcfed.store.sealed import FileAuth
@@ -60,7 +61,9 @@ class ServerCore:
         self.last_checkpoint: Path | None = None
         self._halt = False  # checkpoint after this round and stop: SIGUSR2 (see launcher) or OUT/HALT
         self._halt_checked = 0.0
-        self.departures = Departures(out_dir / "logs")  # sites that ended mid-run, and their last shards
+        # sites that ended mid-run, and their last shards; a send waiting on one that ended fails at once
+        self.departures = Departures(out_dir / "logs", self.num_clients, channel.peer_gone)
+        channel.watch_peers(self.departures.probe)
         self.participation = Participation(self.num_clients)  # who the model was built from, who was late
         self.progress: Progress | None = None  # rounds (sync) or accepted updates (async), once they start
         self.status = StatusLine(cfg.federation.status_every_s)
@@ -133,7 +136,20 @@ class ServerCore:
         try:
             self.channel.send(cid + 1, kind, header, tensors)
         except ChannelError as exc:
-            self.client_failed(cid, f"did not take a {P.NAMES.get(kind, kind)} message within the deadline ({exc})")
+            ended = self.departures.cause_of_silence(cid)  # a rank that ended is not merely slow
+            self.client_failed(cid, ended or f"did not take a {P.NAMES.get(kind, kind)} message within the deadline "
+                                             f"({exc})")
+
+    def post_to(self, cid: int, kind: int, header: dict[str, Any],
+                tensors: dict[str, np.ndarray] | None = None) -> Outgoing | None:
+        """Post to a client without waiting for it to take the message (None: it has failed)."""
+        if cid in self.ledger.evicted:
+            return None
+        try:
+            return self.channel.post(cid + 1, kind, header, tensors)
+        except ChannelError as exc:
+            self.client_failed(cid, f"cannot be sent a {P.NAMES.get(kind, kind)} message ({exc})")
+            return None
 
     def model_tensors(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The float32 model as the wire carries it: one buffer per dtype group, in each parameter's dtype."""
@@ -265,6 +281,7 @@ class ServerCore:
             raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
         if cid not in self.live:
             return  # dropped or evicted already
+        self.channel.peer_gone(cid + 1)  # sent nothing more, whatever state it is in
         log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
         self.live.discard(cid)
         self.departures.record(cid, max(self.round, 0), why)
@@ -310,7 +327,6 @@ class ServerCore:
         self.status.maybe_log(self.progress, self.strategy.version, sum(self.rejected.values()), self.channel.stats)
 
 
-HALT_FILE = "HALT"  # `touch OUT/HALT`: halt cleanly after the current round (any launcher, any node)
 _HALT_FILE_POLL_S = 1.0
 
 

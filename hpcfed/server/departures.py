@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from typing import Any
 from hpcfed import jobwatch
 
 log = logging.getLogger("hpcfed.server")
+
+_EXPLAIN_S = 3.0  # how long after a SIGUSR1 the server looks for the rank that ended on this node
 
 
 @dataclass(frozen=True)
@@ -37,29 +41,47 @@ class Dropped:
 
 
 class Departures:
-    """Which sites ended, and each site's newest checkpoint shard. `notify` is signal-safe."""
+    """Which sites ended, and each site's newest checkpoint shard. `notify` and `probe` only read
+    small files and set flags: they may run in a signal handler and inside a channel's wait."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
+    def __init__(self, log_dir: Path, num_clients: int, mark_gone: Callable[[int], None] = lambda rank: None) -> None:
+        self.log_dir, self.num_clients, self.mark_gone = log_dir, num_clients, mark_gone
         self.dropped: dict[int, Dropped] = {}
         self.unexplained = False  # a rank ended and none on this node: one on another node did
-        self._signalled = False
-        self._shards: dict[int, dict[str, Any]] = {}  # client id -> {digest, path, round}
+        self._signalled_at: float | None = None  # the last SIGUSR1 not yet explained
+        self._ended: dict[int, str] = {}  # client id -> how it ended, found but not yet handed out
+        self._known: set[int] = set()  # every client found ended
+        self._shards: dict[int, dict[str, Any]] = {}  # client id -> its newest shard {digest, path, round}
 
     def notify(self) -> None:
-        """A rank of the job has ended (SIGUSR1 from hydra); looked into at the server's next chance."""
-        self._signalled = True
+        """A rank of the job has ended (SIGUSR1 from hydra): find which, now and for a moment after."""
+        self._signalled_at = time.monotonic()
+        self.probe()
+
+    def probe(self) -> None:
+        """After a SIGUSR1: look for sites that have ended, and tell the channel (`mark_gone`). The
+        signal may come while the rank is still being torn down; looked for again until
+        `_EXPLAIN_S` has passed, after which the rank that ended is taken to be on another node."""
+        if self._signalled_at is None:
+            return
+        for cid in range(self.num_clients):
+            if cid not in self._known and (cause := jobwatch.rank_ended(self.log_dir, cid + 1)):
+                self._known.add(cid)
+                self._ended[cid] = cause
+                self.mark_gone(cid + 1)
+                self._signalled_at = None  # explained
+        if self._signalled_at is not None and time.monotonic() - self._signalled_at > _EXPLAIN_S:
+            self._signalled_at = None
+            if not self.unexplained:
+                self.unexplained = True
+                log.warning("MPI reports that a rank of this job ended, and none on this node did: a site on "
+                            "another node that stays silent past its deadline is dropped")
 
     def ended(self, live: set[int]) -> dict[int, str]:
-        """After a `notify`: the live sites that have ended, with how (once per signal; else empty)."""
-        if not self._signalled:
-            return {}
-        self._signalled = False
-        found = {cid: cause for cid in sorted(live) if (cause := jobwatch.rank_ended(self.log_dir, cid + 1))}
-        if not found and not self.unexplained:
-            self.unexplained = True
-            log.warning("MPI reports that a rank of this job ended, and none on this node did: a site on another "
-                        "node that stays silent past its deadline is dropped")
+        """The live sites found ended since the last call, with how."""
+        self.probe()
+        found = {cid: self._ended.pop(cid) for cid in sorted(self._ended) if cid in live}
+        self._ended.clear()
         return found
 
     def cause_of_silence(self, cid: int) -> str | None:
@@ -67,6 +89,8 @@ class Departures:
         cause = jobwatch.rank_ended(self.log_dir, cid + 1)
         if cause is None and self.unexplained and not self._on_this_host(cid):
             cause = "silent past the deadline after MPI reported a rank ended on another node"
+        if cause is not None:
+            self.mark_gone(cid + 1)
         return cause
 
     def _on_this_host(self, cid: int) -> bool:

@@ -55,6 +55,7 @@ class Server:
             return summary.below_floor(self.core, str(exc))
         finally:
             self.core.channel.on_reject = None
+            self.core.channel.watch_peers(None)
 
     def _run(self) -> dict[str, Any]:
         core = self.core

@@ -30,7 +30,8 @@ Results = dict[int, dict[str, float]]  # client id -> its final metrics
 def halt(core: ServerCore, rnd: int) -> dict[str, Any]:
     """Stop every rank cleanly after round `rnd` (halt_after_round, SIGUSR2, OUT/HALT); resume with --resume."""
     core.stop_all(f"halted after round {rnd}")
-    log.info("halted after round %d as configured (halt_after_round); checkpoint %s", rnd, core.last_checkpoint)
+    log.info("halted after round %d as asked (halt_after_round, SIGUSR2 or OUT/HALT); checkpoint %s", rnd,
+             core.last_checkpoint)
     core.metrics.close()
     return {"halted_after_round": rnd, "last_checkpoint": str(core.last_checkpoint)}
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from hpcfed import protocol as P
-from hpcfed.comm.api import Message
+from hpcfed.comm.api import Message, Outgoing
 from hpcfed.errors import FederationError
 from hpcfed.server.bounding import Bounding
 from hpcfed.server.core import ServerCore
@@ -47,6 +47,14 @@ class SyncRounds:
         self.parking: Parking | None = None  # the first round's uploads wait here for their bounds
         # privacy.secure_aggregation: rank 0 learns each round's sum only (hpcfed.server.secagg_round)
         self.secagg = SecAggRound(core) if core.cfg.privacy.secure_aggregation else None
+        # A site still busy with an earlier round (a straggler) takes no message: its model is
+        # posted, not sent, so it cannot hold the round up; one at a time, and once its late
+        # upload arrives it is posted the current one at once.
+        self.behind: set[int] = set()  # sites missing when the last round closed
+        self.posted: dict[int, Outgoing] = {}  # the model last posted to each of them
+        self.sent_round: dict[int, int] = {}  # client id -> the round whose model it was last given
+        self.owed: set[int] = set()  # late sites owed the current round's model
+        self.checkpointed = False  # whether the last round ended with a checkpoint
 
     def run(self) -> int | None:
         """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,
@@ -54,7 +62,9 @@ class SyncRounds:
         cfg = self.core.cfg
         for rnd in range(self.start_round, self.end):
             self.round(rnd)
-            if (cfg.halt_after_round == rnd or self.core.halt_requested) and rnd < self.end - 1:
+            # A halt asked for during a round without a checkpoint waits for the next round's.
+            halt = cfg.halt_after_round == rnd or (self.core.halt_requested and self.checkpointed)
+            if halt and rnd < self.end - 1:
                 return rnd
         return None
 
@@ -74,6 +84,8 @@ class SyncRounds:
             self.collect_uploads(rnd, t0, want_state, got, refused)
         self.drop_departed(sorted(core.live - set(got)))
         missing = sorted(core.live - set(got))
+        self.behind = set(missing)
+        self.checkpointed = want_state
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(core.live)))
             who = ", ".join(f"client {c} (rank {c + 1})" for c in missing)
@@ -124,13 +136,12 @@ class SyncRounds:
             try:
                 core.check_departures()  # a site known to have ended is sent nothing
                 for cid in sorted(core.live):
-                    core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version,
-                                                 "checkpoint": want_state},
-                                 core.model_tensors(core.strategy.model_for(cid)))
+                    self.dispatch(cid, rnd, want_state)
             finally:
                 core.channel.on_message = None
             deadline = t0 + core.cfg.federation.round_deadline_s
             while core.live - set(got):  # an evicted site is waited for no more
+                self.pay_owed(rnd, want_state)
                 msg = core.recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
                                       waiting_for=core.live - set(got), fatal=False)
                 if msg is None:
@@ -146,6 +157,31 @@ class SyncRounds:
                 self.parking.close()
                 self.parking = None
 
+    def dispatch(self, cid: int, rnd: int, want_state: bool) -> None:
+        """Give site `cid` round `rnd`'s model: sent to a site in step with the rounds, posted to
+        one still busy with an earlier round (none while the last one posted to it waits)."""
+        core = self.core
+        header = {"round": rnd, "version": core.strategy.version, "checkpoint": want_state}
+        if cid not in self.behind:
+            core.send_to(cid, P.PARAMS, header, core.model_tensors(core.strategy.model_for(cid)))
+        elif cid in self.posted and not self.posted[cid].done():
+            return  # it has a model waiting: the current one follows its late upload
+        else:
+            posted = core.post_to(cid, P.PARAMS, header, core.model_tensors(core.strategy.model_for(cid)))
+            if posted is None:
+                return
+            self.posted[cid] = posted
+        self.sent_round[cid] = rnd
+
+    def pay_owed(self, rnd: int, want_state: bool) -> None:
+        """Post the current round's model to the late sites that have not had it."""
+        owed, self.owed = self.owed, set()
+        for cid in sorted(owed & self.core.live):
+            if self.sent_round.get(cid) != rnd:
+                self.behind.add(cid)
+                self.posted.pop(cid, None)  # it answered: the model posted before has been taken
+                self.dispatch(cid, rnd, want_state)
+
     def take_update(self, rnd: int, msg: Message, got: Uploads, want_state: bool, refused: set[int]) -> None:
         """Validate one upload of round `rnd` and fold it into the strategy at once: a streaming
         strategy (FedAvg's mean) adds it to its running sum and drops it, so rank 0 never holds the
@@ -156,8 +192,9 @@ class SyncRounds:
             if core.participation.take_late(msg.source - 1, claimed, rnd, self.start_round):
                 # the site trained on an earlier round's model: dropped, unmeasured, not held against it
                 core.metrics.log(rnd, msg.source - 1, "late_update", claimed)
-                log.info("round %d: late update of round %s from client %d (rank %d) dropped; its current model "
-                         "is waiting for it", rnd, claimed, msg.source - 1, msg.source)
+                log.info("round %d: late update of round %s from client %d (rank %d) dropped; it gets the current "
+                         "model at once", rnd, claimed, msg.source - 1, msg.source)
+                self.owed.add(msg.source - 1)  # posted from the receive loop (not here: inside a send)
                 return
             core.reject(msg.source, "stale update", f"for round {claimed!r} during round {rnd}")
             return

@@ -527,3 +527,47 @@ def test_on_message_consumes_what_it_takes_and_queues_the_rest():
     assert msg is not None and msg.kind == 5 and msg.header == {"i": 1}
     assert chans[0].recv(timeout=0.2) is None  # the kind-4 messages never reached the inbox
     assert taken == [0, 2] and chans[0].stats.messages_received == 3
+
+
+class _NeverTaken:
+    """A send the peer never takes (it has died mid-message)."""
+
+    def test(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        pass
+
+
+class _DeadPeer:
+    """Rank 0's transport, with rank 2 dead: what is sent to it is never taken."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def isend(self, frame, dest):
+        return _NeverTaken() if dest == 2 else self._inner.isend(frame, dest)
+
+
+def test_a_send_to_a_peer_that_ended_fails_at_once_not_at_its_timeout():
+    chans = _job([_psk()] * 3, send_timeout_s=60)
+    assert _connect(chans) == {}
+    chans[0].transport = _DeadPeer(chans[0].transport)
+    looked = []
+
+    def look() -> None:  # the owner learns that rank 2 ended (the server: hydra's SIGUSR1 and its records)
+        looked.append(1)
+        if len(looked) >= 2:
+            chans[0].peer_gone(2)
+
+    chans[0].watch_peers(look)
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError, match="rank 2 has ended"):
+        chans[0].send(2, 4, {}, {"x": np.zeros(1000, np.float32)})
+    assert time.monotonic() - t0 < 5 and len(looked) >= 2
+    with pytest.raises(ChannelError, match="rank 2 has ended"):  # nothing more is sent to it
+        chans[0].post(2, 4, {})
+    _echo(chans, 1)  # the others are untouched

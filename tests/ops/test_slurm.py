@@ -207,7 +207,7 @@ def _signal_batch(env: dict, job: str, sig: str) -> bool:
 
 def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_env, tmp_path):
     # 8 rounds, the first requeue at the first checkpoint: however far the first attempt gets while
-    # it is being stopped, the second has rounds left to checkpoint one and then take SIGUSR1.
+    # it is being stopped, the second has rounds left to checkpoint one and then take SIGUSR2.
     common = ["rounds=8", "checkpoint_every=1", "federation.slowdown={0: 15, 1: 15}"]
     ref_out = tmp_path / "reference"
     ref = start(ref_out, common)  # the uninterrupted run, side by side (plain mpiexec, same config)
@@ -222,18 +222,18 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
         first = checkpoints(out)[-1]
         subprocess.run(["scontrol", "requeue", job], env=slurm_env, check=True, timeout=30)
         _restart_when_pending(slurm_env, job, 1)
-        # 2. A graceful one in the second attempt: SIGUSR1 (what Slurm sends before the time limit)
+        # 2. A graceful one in the second attempt: SIGUSR2 (what Slurm sends before the time limit)
         #    makes the server checkpoint after the current round and stop, then the script requeues.
         #    The first attempt may have written one more checkpoint while it was being stopped, so
         #    "newer" is measured from what is on disk once the job is back in the queue.
         restart_point = checkpoints(out)[-1]
         wait_for(lambda: (checkpoints(out)[-1] > restart_point and _job(slurm_env, job).get("JobState") == "RUNNING")
                  or _job(slurm_env, job).get("JobState") in DONE_STATES, 420, "a checkpoint of the second attempt")
-        assert not (out / "summary.json").exists(), "the second attempt finished before SIGUSR1; slow it down"
+        assert not (out / "summary.json").exists(), "the second attempt finished before SIGUSR2; slow it down"
         assert _job(slurm_env, job).get("JobState") == "RUNNING", log.read_text()[-3000:]
         try:
-            wait_for(lambda: _signal_batch(slurm_env, job, "USR1"), 30,
-                     "scancel --signal=USR1 to reach the batch script")
+            wait_for(lambda: _signal_batch(slurm_env, job, "USR2"), 30,
+                     "scancel --signal=USR2 to reach the batch script")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; job {_job(slurm_env, job).get('JobState')}, checkpoints {checkpoints(out)}, "
                                  f"scancel said {SCANCEL_ERRORS[-1:]}\n{log.read_text()[-3000:]}") from None
@@ -249,7 +249,7 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
     assert info.get("Restarts") == "2"
     assert "SIGTERM (requeue, preemption or scancel)" in text
     assert "attempt 2: resuming from the newest valid checkpoint" in text
-    assert "SIGUSR1 (time limit near)" in text and "halted after round" in text
+    assert "SIGUSR2 (time limit near)" in text and "halted after round" in text
     assert "attempt 3: resuming from the newest valid checkpoint" in text
     resumed = [int(r) for r in re.findall(r"resumed from \S+ckpt-\d+\.h5 \(round (\d+)\)", text)]
     assert len(resumed) == 2 and resumed[0] >= int(first[5:11]) and resumed[1] > resumed[0], (resumed, text[-3000:])

@@ -70,3 +70,12 @@ def test_embedding_export_roundtrip_and_inspect(tmp_path):
     assert "checksum OK" in inspect_file(ck.save(tmp_path / "c", _ckpt(1), auth=KEY))
     with pytest.raises(ExportError, match="ids for"):
         write_export(tmp_path / "bad.h5", vec, ["a"], model="m", site=0)
+
+
+def test_a_dropped_sites_older_shard_keeps_its_round(tmp_path):
+    ckpt = _ckpt(7)
+    ckpt.sites[1] = {"digest": "cd" * 32, "path": "/node/local/sites/1/shard-000003.h5", "round": 3}
+    ck.save(tmp_path, ckpt, keep=2, auth=KEY)
+    got = ck.load(ck.list_checkpoints(tmp_path)[0], KEY)
+    assert got.sites[1] == {"digest": "cd" * 32, "path": "/node/local/sites/1/shard-000003.h5", "round": 3}
+    assert "round" not in got.sites[0]  # a shard of the checkpoint's own round carries none
