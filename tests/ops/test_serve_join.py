@@ -9,9 +9,10 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 from crossjob_helpers import CONFIG, SMALL, finish, join, serve, summary, values, wait_for
 
+from hpcfed.cli import main
 from hpcfed.store import checkpoint as ck
 from hpcfed.store.embeddings import read_export
 
@@ -59,7 +60,8 @@ def test_a_wrong_key_is_refused_and_too_few_sites_end_the_server_at_its_deadline
     assert not (srv / "summary.json").exists()
 
 
-def test_a_stale_or_garbled_port_file_is_a_clear_error(tmp_path):
+def test_a_stale_or_garbled_port_file_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
     port_file = tmp_path / "port.json"
     with __import__("socket").socket() as s:  # a port nothing listens on any more
         s.bind(("127.0.0.1", 0))
@@ -74,7 +76,8 @@ def test_a_stale_or_garbled_port_file_is_a_clear_error(tmp_path):
     assert proc.returncode == 2 and "site 0: no server within 2 s" in text and "written yesterday by pid 1" in text
     assert "the port file is stale" in text and "Connection refused" in text, text
     port_file.write_text('{"hpcfed_rendezvous": 1, "addr')
-    proc = run_cli(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "0"], timeout=60, check=False)
-    assert proc.returncode == 2 and f"port file {port_file} is garbled" in proc.stderr, proc.stderr
-    proc = run_cli(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "7"], timeout=60, check=False)
-    assert proc.returncode == 2 and "--site 7: the config has 2 sites" in proc.stderr
+    # refused before any MPI or import of torch: in this process (a start of `python -m hpcfed` costs seconds)
+    assert main(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "0"]) == 2
+    assert f"port file {port_file} is garbled" in capsys.readouterr().err
+    assert main(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "7"]) == 2
+    assert "--site 7: the config has 2 sites" in capsys.readouterr().err
