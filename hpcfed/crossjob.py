@@ -245,34 +245,68 @@ def join_main(argv: list[str]) -> int:
     return _contained(lambda: _Joined(cfg, args, out).run())
 
 
+class _ServerGone(BaseException):
+    """Raised in a site's main thread when its server's lifeline closed: it knocks again. (Not an
+    Exception: nothing on the way out may take it for an error of its own.)"""
+
+
+_GONE_SIGNAL = signal.SIGUSR1  # the lifelines' thread interrupts the main thread with it
+
+
 class _Joined:
-    """A site job: knock, connect, then `Client.run` over its one spoke."""
+    """A site job: knock, connect, then `Client.run` over its one spoke; when the server's job
+    goes away, knock again (a resumed server rewrites its port file) and resume from its checkpoint."""
 
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path) -> None:
-        from hpcfed.comm.lifeline import Lifelines
-
         self.cfg, self.args, self.out = cfg, args, out
         self.rank = args.site + 1
         self.finishing = threading.Event()
-        self.started = threading.Event()  # the secure channel is up: the federation runs
-        self.lifelines = Lifelines(self._server_gone, timeout=args.lifeline_timeout)
+        self.gone: str | None = None  # why the server went away, until the main thread has heard it
+        self.recovering = threading.Event()  # the main thread has left the lost federation
         self.transport: Any = None
+        self.lifelines: Any = None
 
     def _server_gone(self, rank: int, reason: str) -> None:
+        """From the lifelines' thread: stop sending to the server and make the main thread knock again."""
         if self.transport is not None:
             self.transport.mark_lost(0)
         if self.finishing.is_set():
             return
-        if not self.started.is_set():  # nothing learnt yet, nothing to wait for
-            log.error("the server is gone before the federation started: %s; this site ends", reason)
-            _end_now(2)
-        log.error("the server is gone: %s; this site ends in %g s", reason, SERVER_GONE_GRACE_S)
-        timer = threading.Timer(SERVER_GONE_GRACE_S, _end_now, args=(3,))
+        log.error("the server is gone: %s; site %d knocks again for up to %g s (federation.setup_timeout_s): "
+                  "restart it with `hpcfed serve ... --resume`", reason, self.args.site,
+                  self.cfg.federation.setup_timeout_s)
+        self.recovering.clear()
+        self.gone = reason
+        signal.pthread_kill(threading.main_thread().ident or 0, _GONE_SIGNAL)
+        timer = threading.Timer(SERVER_GONE_GRACE_S, self._stuck)
         timer.daemon = True
         timer.start()
 
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        if self.gone is not None and not self.finishing.is_set():
+            self.gone = None
+            raise _ServerGone()
+
+    def _stuck(self) -> None:
+        if not self.recovering.is_set() and not self.finishing.is_set():
+            log.error("site %d: still inside MPI %g s after its server went away; ending", self.args.site,
+                      SERVER_GONE_GRACE_S)
+            _end_now(3)
+
     def run(self) -> int:
+        signal.signal(_GONE_SIGNAL, self._interrupt)
+        resume = self.args.resume
+        while True:
+            try:
+                return self._attempt(resume)
+            except _ServerGone:
+                self.recovering.set()
+                self.lifelines.close()
+                resume = True  # the resumed server continues from its checkpoint, and so does this site
+
+    def _attempt(self, resume: bool) -> int:
         from hpcfed.comm import port as mpiport
+        from hpcfed.comm.lifeline import Lifelines
         from hpcfed.comm.rendezvous import await_go
         from hpcfed.comm.spokes import SpokeTransport
         from hpcfed.credentials import load_credentials
@@ -288,10 +322,11 @@ class _Joined:
             log.error("site %d: %s", self.args.site, exc)
             _end_now(1)  # the Connect is stuck inside MPI: no clean way out of this process
         self.transport = SpokeTransport(welcome.rank, welcome.size, {0: mpiport.intercomm_transport(comm)})
+        self.lifelines = Lifelines(self._server_gone, timeout=self.args.lifeline_timeout)
         self.lifelines.add(0, welcome.sock)
         log.info("site %d joined the server at %s as rank %d of %d", self.args.site, where, welcome.rank,
                  welcome.size)
-        self._federate(cred, welcome.job_id)
+        self._federate(cred, welcome.job_id, resume)
         self.finishing.set()
         if not mpiport.disconnect_all([comm], DISCONNECT_S):
             log.warning("site %d: the server did not disconnect within %g s; ending without it", self.args.site,
@@ -299,7 +334,7 @@ class _Joined:
         self.lifelines.close()  # after the Disconnect: the server disconnects only sites it still sees alive
         return 0
 
-    def _federate(self, cred: Any, job_id: bytes) -> None:
+    def _federate(self, cred: Any, job_id: bytes, resume: bool) -> None:
         import torch
 
         from hpcfed import protocol
@@ -310,13 +345,12 @@ class _Joined:
                                 **channel_settings(self.cfg))
         channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
         channel.expect({0: protocol.SERVER_KINDS})
-        self.started.set()
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))
         from hpcfed.device import select_device
 
         device = select_device(self.rank, self.cfg.device)
-        Client(self.cfg, channel, self.out, device=device, resume=self.args.resume).run()
+        Client(self.cfg, channel, self.out, device=device, resume=resume).run()
         self.finishing.set()
         channel.close()
 

@@ -42,7 +42,7 @@ def test_sites_joining_as_separate_jobs_reach_the_numbers_of_one_job(tmp_path):
 
 
 def test_a_wrong_key_is_refused_and_too_few_sites_end_the_server_at_its_deadline(tmp_path):
-    overrides = [*SMALL, "federation.min_sites=2"]
+    overrides = [*SMALL, "federation.min_sites=2", "federation.setup_timeout_s=20"]  # the sites knock that long
     srv = tmp_path / "srv"
     server = serve(srv, overrides, "--start-deadline", "20")
     wait_for("a port file", lambda: (srv / "port.json").exists(), [server])

@@ -4,6 +4,7 @@ real server job and real site jobs, judged by what the server wrote."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import crossjob_helpers as H
@@ -49,3 +50,23 @@ def test_a_late_site_takes_part_and_when_killed_is_dropped_while_the_run_goes_on
     assert H.trained(out, 0)[0] < joined[0]  # site 0 alone before
     assert dropped_after < 15, f"the drop took {dropped_after:.1f} s"  # the lifeline, not a 30 s deadline
     assert "halted after round" in srv_text and "Traceback" not in srv_text
+
+
+def test_the_sites_reconnect_to_a_resumed_server_and_the_run_completes(tmp_path):
+    overrides = [*H.SMALL, "rounds=40", "checkpoint_every=2", "federation.slowdown={0: 20, 1: 20}"]
+    out, port = tmp_path / "srv", tmp_path / "srv" / "port.json"
+    server = H.serve(out, overrides)
+    sites = [H.join(port, i, tmp_path / f"site{i}", overrides) for i in (0, 1)]
+    H.wait_for("four rounds and a checkpoint", lambda: len(H.trained(out, 0)) >= 4
+               and any((out / "checkpoints").glob("ckpt-*.h5")), [server, *sites])
+    H.kill_job(server)  # the server's whole job, mid-round: no STOP reaches the sites
+    assert max(H.trained(out, 0)) < 39
+    resumed = H.serve(out, overrides, "--resume")  # a new job: a new knock port, MPI port and job id
+    (code, text), *joined = H.finish([resumed, *sites], 240)
+    assert code == 0 and [c for c, _ in joined] == [0, 0], text[-3000:] + joined[0][1][-2000:]
+    assert re.search(r"resumed from \S*ckpt-0000\d\d\.h5", text), text[-3000:]
+    for i, (_, site_text) in enumerate(joined):
+        assert f"the server is gone: its job ended (its lifeline closed); site {i} knocks again" in site_text
+        assert (tmp_path / f"site{i}" / "logs" / f"rank{i + 1}.log").read_text().count("joined the server") == 2
+        assert H.trained(out, i) == list(range(40))  # every round once, as in a run never interrupted
+    assert set(H.summary(out)["clients"]) == {"0", "1"}
