@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["comm"])
     bench.add_argument("--json", action="store_true")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument("--no-shared-memory", action="store_true", help="every chunk through MPI")
+    bench.add_argument("--mpiexec", default=None, help="start the two ranks with this mpiexec (e.g. across two nodes)")
 
     data = sub.add_parser("data", help="dataset tools: " + ", ".join(sorted(DATA_COMMANDS)))
     data.add_argument("action", choices=sorted(DATA_COMMANDS) or ["(none)"])
@@ -126,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from hpcfed.comm.bench import main as bench_main
 
-        return _guard(lambda: bench_main(["--json"] if args.json else []))
+        flags = [f for f, on in (("--json", args.json), ("--quick", args.quick),
+                                 ("--no-shared-memory", args.no_shared_memory)) if on]
+        return _guard(lambda: bench_main(flags + (["--mpiexec", args.mpiexec] if args.mpiexec else [])))
     if args.command == "data":
         return _guard(lambda: _load(DATA_COMMANDS[args.action])(args.args))
     return 1

@@ -49,6 +49,11 @@ def prepare_config(path: str, overrides: list[str]) -> Config:
 
 def run_command(config: str, overrides: list[str], *, np: int | None, out: str | None, resume: bool,
                 mpiexec: str | None = None, force: bool = False) -> int:
+    if under_mpi():
+        # From the start: a peer that dies while this rank still loads would otherwise end it too
+        # (SIGUSR1's default action), and a halt before the server is up is dropped.
+        signal.signal(signal.SIGUSR1, lambda *_: _peer_lost())
+        signal.signal(HALT_SIGNAL, signal.SIG_IGN)
     cfg = prepare_config(config, overrides)  # validate before spending a launch
     out_dir = Path(out or Path("runs") / cfg.name)
     if not under_mpi():
@@ -279,6 +284,8 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             # after this round and stop. SIGUSR1 is hydra's word that some rank has ended.
             signal.signal(HALT_SIGNAL, lambda *_: server.request_halt())
             signal.signal(signal.SIGUSR1, lambda *_: _peer_lost(server.peer_ended))
+            if _PEER_LOST:  # a rank ended while this one was starting: find which
+                server.peer_ended()
             summary = server.run()
             for line in closing_lines(summary, out_dir, cfg):
                 log.info("%s", line)

@@ -328,12 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=4 << 20)
     p.add_argument("--no-shared-memory", action="store_true",
                    help="send every chunk through MPI (compare with the same-node shared-memory ring)")
+    p.add_argument("--mpiexec", default=None,
+                   help="the mpiexec to start the two ranks with; across two nodes, e.g. two-nodes.sh's wrapper "
+                        "with MPIEXEC_2NODE_HOSTS=node1:1,node2:1 (one rank per node: TCP between them)")
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)  # used by the relaunch
     args = p.parse_args(argv)
     if args.out is not None:
         _in_mpi(args.out, args.quick, args.chunk_bytes, not args.no_shared_memory)
         return 0
-    run_bench(args.json, quick=args.quick, chunk_bytes=args.chunk_bytes, shared_memory=not args.no_shared_memory)
+    run_bench(args.json, quick=args.quick, chunk_bytes=args.chunk_bytes, shared_memory=not args.no_shared_memory,
+              mpiexec=args.mpiexec)
     return 0
 
 

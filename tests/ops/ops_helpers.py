@@ -20,13 +20,15 @@ QUICKSTART = "configs/quickstart.yaml"
 
 
 def start(out: Path, overrides: list[str], *, np_: int = 3, resume: bool = False,
-          extra_env: dict | None = None, config: str = QUICKSTART) -> subprocess.Popen:
+          extra_env: dict | None = None, config: str = QUICKSTART, launcher: str | None = None) -> subprocess.Popen:
     """`hpcfed run quickstart OVERRIDES --np NP --out OUT [--resume]` (the user's path: it relaunches
     itself under mpiexec and watches the ranks), in the background."""
     mpiexec()  # skips without MPI
     cmd = [sys.executable, "-m", "hpcfed", "run", str(config), *overrides, "--np", str(np_), "--out", str(out)]
     if resume:
         cmd.append("--resume")
+    if launcher:  # another mpiexec (e.g. the two-node wrapper)
+        cmd += ["--mpiexec", launcher]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HPCFED_PSK": "ab" * 32, **(extra_env or {})}
     log_path = out.parent / f"{out.name}.{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:

@@ -69,7 +69,7 @@ def test_sync_site_killed_mid_run_is_dropped_at_once_and_rejoins_on_resume(tmp_p
     assert "client 1 (rank 2) ended without a word (killed or crashed); continuing without it" in text, text[-3000:]
     assert text.count("continuing without it") == 1, text[-3000:]
     # dropped at once: no round waited for the dead site (the deadline is 60 s)
-    assert max(_round_times(out)) < 20, max(_round_times(out))
+    assert max(_round_times(out)) < 30, max(_round_times(out))  # a hang, not a figure: wide margin
     failed = [e for e in events(out) if e["name"] == "client_failed"]
     assert [e["client"] for e in failed] == [1]
     # The newest manifest: clients 0 and 2 of its own round, client 1's last shard with its round.
@@ -113,7 +113,7 @@ def test_async_site_killed_mid_run_is_dropped_and_the_rest_finish(tmp_path):
         text = _finish(proc, out)
     finally:
         kill_all(out, proc)
-    assert took < 20, f"dropped {took:.0f} s after the kill (the silence deadline is 60 s)"
+    assert took < 30, f"dropped {took:.0f} s after the kill (the silence deadline is 60 s)"
     assert "the federation finished without rank 3 (client 2)" in text, text[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates_accepted"] == 45 and sorted(summary["clients"]) == ["0", "1"], summary["clients"]
