@@ -104,8 +104,11 @@ class SiteDoor:
         while not self.finished.is_set():
             try:
                 knock = self.listener.next_site(time.monotonic() + _KNOCK_POLL_S, self.taken())
-            except OSError:
+            except (OSError, ValueError):  # ValueError: select() on the closed socket
                 return  # the listener was closed: the server is ending
+            except Exception as exc:  # one knock's fault is that knock's: the door stays open
+                log.warning("a knock failed: %s: %s", type(exc).__name__, exc)
+                continue
             if knock is None:
                 continue
             with self._lock:
