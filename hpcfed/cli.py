@@ -7,7 +7,7 @@
     hpcfed inspect FILE.h5
     hpcfed bench comm [--json]
     hpcfed data import-hin|import-messages ...
-    hpcfed search ... / hpcfed report DIR
+    hpcfed search ... / hpcfed eval RUN [--central RUN] / hpcfed report DIR
     hpcfed new DIR [--template torch|lora]
 
 Subcommands that belong to one part of the system are listed in `DATA_COMMANDS` and
@@ -32,6 +32,7 @@ DATA_COMMANDS: dict[str, str] = {
 
 # `hpcfed NAME ...` -> function(argv) -> int
 EXTRA_COMMANDS: dict[str, str] = {
+    "eval": "hpcfed.search.evaluate:main",
     "report": "hpcfed.report:main",
     "search": "hpcfed.search.cli:main",
     "new": "hpcfed.scaffold:main",

@@ -84,6 +84,9 @@ class FederationConfig:
                 raise InvalidValue(f"slowdown.{cid}", f"must be > 0, got {factor!r}")
 
 
+TRACKING_KINDS = ("tensorboard", "mlflow")
+
+
 @dataclass(kw_only=True)
 class SecurityConfig:
     """Secure channel credentials (see README, "Security")."""
@@ -239,6 +242,7 @@ class Config:
     data_root: str | None = None
     attack: str | None = None  # task-defined malicious-site behaviour (the last client turns malicious)
     halt_after_round: int | None = None  # stop cleanly after this round's checkpoint (time-boxed jobs, resume tests)
+    tracking: str | None = None  # live view by rank 0: tensorboard, mlflow or both (server/tracking.py)
     federation: FederationConfig = field(default_factory=FederationConfig)
     influence: InfluenceConfig = field(default_factory=InfluenceConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -251,6 +255,10 @@ class Config:
     def validate(self) -> None:
         _at_least(self, 1, "rounds", "keep_checkpoints", "threads_per_rank")
         _at_least(self, 0, "eval_every", "checkpoint_every", "halt_after_round")
+        bad = [k for k in (self.tracking or "").split(",") if k.strip() and k.strip() not in TRACKING_KINDS]
+        if bad:
+            raise InvalidValue("tracking", f"{bad[0].strip()!r} is not a tracker; use {', '.join(TRACKING_KINDS)} "
+                                           f"(comma-separated), or leave it out")
 
     @property
     def mode(self) -> Literal["sync", "async"]:

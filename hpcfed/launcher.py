@@ -457,14 +457,18 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     mean = summary.get("mean", {})
     figures = ", ".join(f"{k}={v:.4f}" for k, v in mean.items() if isinstance(v, float)) or "no metrics"
     clients = len(summary.get("clients", {}))
-    lines = [f"done: final test metrics, mean over {clients} site{'s' if clients != 1 else ''}: {figures} "
-             f"(on each site's test split)"]
     try:
         from hpcfed.registry import task_class
 
-        note = getattr(task_class(cfg.task.name, cfg.source), "evaluation_note", "")  # what the task's splits mean
+        task_cls: object = task_class(cfg.task.name, cfg.source)
     except ValueError:
-        note = ""
+        task_cls = None
+    note = getattr(task_cls, "evaluation_note", "")  # what the task's splits mean
+    # a task without a test split (doc2vec) says what its final figures are measured on
+    measured_on = getattr(task_cls, "final_figures_on", "")
+    kind, on = ("", measured_on) if measured_on else (" test", "each site's test split")
+    lines = [f"done: final{kind} metrics, mean over {clients} site{'s' if clients != 1 else ''}: {figures} (on {on})"]
+    lines += getattr(task_cls, "summary_lines", lambda _: [])(summary)  # e.g. DAMe: personalised vs Local
     note = note or "the val_* figures of the round lines are on each site's validation split"
     lines.append(f"note: {note}")
     step = "round" if cfg.mode == "sync" else "accepted update"

@@ -120,8 +120,42 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _site_label(client: int) -> str:
-    return "server" if client == SERVER else f"site {client}"
+def _site_label(client: int, names: dict[int, str] | None = None) -> str:
+    if client == SERVER:
+        return "server"
+    name = (names or {}).get(client)
+    return f"site {client} ({name})" if name else f"site {client}"
+
+
+def site_names(summary: dict[str, Any] | None) -> dict[int, str]:
+    """Each site's name from the run's config: ``task.site_names`` when set, else the datasets of
+    ``task.sites`` (the events task: client k reads sites[k]); {} when the config names none."""
+    cfg = (summary or {}).get("config")
+    task = cfg.get("task") if isinstance(cfg, dict) else None
+    options = task.get("options") if isinstance(task, dict) else None
+    if not isinstance(options, dict):
+        return {}
+    for key in ("site_names", "sites"):
+        names = options.get(key)
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            return {k: n[:80] for k, n in enumerate(names)}
+    return {}
+
+
+# Metric names that are scores: higher is better, or lower for the LOWER ones. Anything else
+# (a weight such as bola_lambda, a learning rate, a count) has no "best" and is not ranked.
+HIGHER = ("acc", "nmi", "ami", "ari", "f1", "precision", "recall", "auc", "sim_", "score", "mrr", "hits")
+LOWER = ("loss", "error", "perplexity", "rmse", "mae")
+
+
+def best_of(name: str) -> str | None:
+    """"max" or "min" for a score of that name, None for a metric that is not a score."""
+    low = name.lower()
+    if any(k in low for k in LOWER):
+        return "min"
+    if any(k in low for k in HIGHER) and not low.startswith("num_"):
+        return "max"
+    return None
 
 
 def _slug(name: str) -> str:
@@ -157,7 +191,8 @@ def single_valued(metrics: Metrics) -> list[str]:
                   if all(sum(math.isfinite(v) for v in s.values) <= 1 for s in per_site.values()))
 
 
-def plot_metrics(metrics: Metrics, out_dir: str | Path, mode: str | None = None) -> list[Path]:
+def plot_metrics(metrics: Metrics, out_dir: str | Path, mode: str | None = None,
+                 names: dict[int, str] | None = None) -> list[Path]:
     """One PNG per numeric metric with more than one value at some site (panels: per round, per wall
     time; one line per site). The x axis is the round in sync runs, accepted updates in async runs."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -178,8 +213,8 @@ def plot_metrics(metrics: Metrics, out_dir: str | Path, mode: str | None = None)
             s = per_site[client]
             style = {"linestyle": "--", "color": "black"} if client == SERVER else {}
             marker = "o" if len(s.values) < 30 else None
-            ax_round.plot(s.rounds, s.values, marker=marker, markersize=3, label=_site_label(client), **style)
-            ax_time.plot(s.times, s.values, marker=marker, markersize=3, label=_site_label(client), **style)
+            ax_round.plot(s.rounds, s.values, marker=marker, markersize=3, label=_site_label(client, names), **style)
+            ax_time.plot(s.times, s.values, marker=marker, markersize=3, label=_site_label(client, names), **style)
         ax_round.set_xlabel(X_LABELS[mode])
         ax_time.set_xlabel("wall time since start (s)")
         for ax in (ax_round, ax_time):
@@ -210,10 +245,6 @@ def _fmt(v: Any) -> str:
 
 def _round(r: float) -> str:
     return str(int(r)) if math.isfinite(r) else "–"
-
-
-def _lower_is_better(name: str) -> bool:
-    return any(k in name for k in ("loss", "error", "time", "rejected", "gap", "straggler", "failed"))
 
 
 def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary: dict[str, Any] | None) -> str:
@@ -254,7 +285,8 @@ def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary:
             lines.append("|---|" + "---|" * len(names))
             for cid in sorted(clients, key=lambda c: int(c) if str(c).lstrip("-").isdigit() else 0):
                 r = clients[cid]
-                lines.append(f"| {cid} | " + " | ".join(_fmt(r.get(n)) for n in names) + " |")
+                who = _site_label(int(cid), site_names(summary)) if str(cid).isdigit() else str(cid)
+                lines.append(f"| {who} | " + " | ".join(_fmt(r.get(n)) for n in names) + " |")
             mean = summary.get("mean")
             if isinstance(mean, dict):
                 lines.append("| **mean** | " + " | ".join(_fmt(mean.get(n)) for n in names) + " |")
@@ -263,28 +295,34 @@ def render_markdown(metrics: Metrics, plots: list[Path], run_dir: Path, summary:
         lines += ["No `summary.json` in the run directory: the run has not finished (killed, halted, or still "
                   "running); the tables below cover what `metrics.jsonl` holds so far.", ""]
 
+    who_is = site_names(summary)
     lines += ["## Metrics", "", "Last value (at its round) and best value per site; best = lowest for losses and "
-              "times, highest otherwise.", ""]
+              "errors, highest for accuracies, NMI/AMI/ARI, F1, precision and similarity; other metrics "
+              "(weights such as bola_lambda, learning rates, counts, times) are not scores and are not ranked (–).",
+              ""]
     lines += ["| metric | site | points | last | last round | best | best round |", "|---|---|---|---|---|---|---|"]
     for name in sorted(metrics.series):
         for client in sorted(metrics.series[name]):
             s = metrics.series[name][client]
             finite = [(v, r) for v, r in zip(s.values, s.rounds) if math.isfinite(v)]
             if not finite:
-                lines.append(f"| {name} | {_site_label(client)} | {len(s.values)} | nan | | | |")
+                lines.append(f"| {name} | {_site_label(client, who_is)} | {len(s.values)} | nan | | | |")
                 continue
             last_v, last_r = finite[-1]
-            pick = min if _lower_is_better(name) else max
-            best_v, best_r = pick(finite, key=lambda vr: vr[0])
-            lines.append(f"| {name} | {_site_label(client)} | {len(s.values)} | {_fmt(last_v)} | {_round(last_r)} | "
-                         f"{_fmt(best_v)} | {_round(best_r)} |")
+            best = best_of(name)
+            shown = "– | –"
+            if best is not None:
+                best_v, best_r = (min if best == "min" else max)(finite, key=lambda vr: vr[0])
+                shown = f"{_fmt(best_v)} | {_round(best_r)}"
+            lines.append(f"| {name} | {_site_label(client, who_is)} | {len(s.values)} | {_fmt(last_v)} | "
+                         f"{_round(last_r)} | {shown} |")
     lines.append("")
 
     if metrics.events:
         lines += ["## Events", "", "| time (s) | round | who | event | value |", "|---|---|---|---|---|"]
         for e in metrics.events[:200]:
-            lines.append(f"| {_fmt(e['time'])} | {_fmt(e['round'])} | {_site_label(e['client'])} | {e['name']} | "
-                         f"{_fmt(e['value'])} |")
+            who = _site_label(e["client"], who_is)
+            lines.append(f"| {_fmt(e['time'])} | {_fmt(e['round'])} | {who} | {e['name']} | {_fmt(e['value'])} |")
         if len(metrics.events) > 200:
             lines.append(f"| | | | … {len(metrics.events) - 200} more | |")
         lines.append("")
@@ -356,7 +394,7 @@ def make_report(run_dir: str | Path, *, out: str | Path | None = None, tensorboa
         if not isinstance(summary, dict):
             raise ValueError(f"{summary_path}: expected a JSON object, got {type(summary).__name__}")
     out_dir = Path(out) if out else run_dir
-    plots = plot_metrics(metrics, out_dir / "report", run_mode(metrics, summary))
+    plots = plot_metrics(metrics, out_dir / "report", run_mode(metrics, summary), site_names(summary))
     md_path = out_dir / "report.md"
     md_path.write_text(render_markdown(metrics, plots, out_dir, summary))
     result: dict[str, Any] = {"report": str(md_path), "plots": [str(p) for p in plots],

@@ -48,7 +48,7 @@ def test_report_writes_plots_and_markdown(tmp_path):
     for p in result["plots"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (run / "report.md").read_text()
-    assert "| site | accuracy |" in md and "| 1 | 0.8 |" in md and "| **mean** | 0.75 |" in md
+    assert "| site | accuracy |" in md and "| site 1 | 0.8 |" in md and "| **mean** | 0.75 |" in md
     assert "| rejected messages | 3 |" in md
     # loss: best is the lowest; site 0's loss at round 4 is 1/5; the null at round 2 is kept as a point.
     assert "| loss | site 0 | 6 | 0.2 | 4 | 0.2 | 4 |" in md
@@ -127,3 +127,21 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
     events = acc.Scalars("val_accuracy/site1")
     assert [e.step for e in events] == [0, 1, 2, 3, 4]
     assert events[-1].value == pytest.approx(0.9)
+
+
+def test_sites_are_named_and_only_scores_are_ranked(tmp_path):
+    run = tmp_path / "dame"
+    run.mkdir()
+    lines = [{"round": r, "client": c, "name": name, "value": value, "time": float(r)}
+             for r in range(3) for c in (0, 1)
+             for name, value in (("val_nmi", 0.5 + 0.1 * r - 0.2 * (r == 2)), ("bola_lambda", 0.1 * r),
+                                 ("train_loss", 1.0 - 0.1 * r))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (run / "summary.json").write_text(json.dumps({
+        "clients": {"0": {"nmi": 0.6}, "1": {"nmi": 0.7}},
+        "config": {"task": {"name": "events", "options": {"sites": ["crisislext26:1/2", "arabic"]}}}}))
+    text = Path(make_report(run)["report"]).read_text()
+    assert "| site 0 (crisislext26:1/2) | 0.6 |" in text and "| site 1 (arabic) | 0.7 |" in text
+    assert "| bola_lambda | site 0 (crisislext26:1/2) | 3 | 0.2 | 2 | – | – |" in text  # a weight: not ranked
+    assert "| val_nmi | site 1 (arabic) | 3 | 0.5 | 2 | 0.6 | 1 |" in text
+    assert "| train_loss | site 0 (crisislext26:1/2) | 3 | 0.8 | 2 | 0.8 | 2 |" in text

@@ -4,16 +4,15 @@
     python tools/seec_eval.py doc2vec  --out runs/seec_eval [--launcher inprocess|mpi] [key=value ...]
     python tools/seec_eval.py node2vec --out runs/seec_eval_n2v [--launcher inprocess|mpi] [key=value ...]
     python tools/seec_eval.py score --central RUN --fed RUN [--mode joint|mapping|nomapping] [--k 10]
+                                    (the same as the installed `hpcfed eval RUN --central RUN`)
 
 ``doc2vec`` runs, on 20 Newsgroups: the centralized model (one site, the union), joint learning
 (2 sites), independent training + mappers (mapping and no-mapping), then scores each against the
-centralized one (paper §V.A.3: sim_k = |top_k^central ∩ top_k^fed| / k, mean over documents).
+centralized one with `hpcfed.search.evaluate.score` (the figures of ``hpcfed eval``: sim_k,
+label precision@k, their cross-site views and the remote share; see docs/seec.md).
 ``node2vec`` runs Cora: centralized, joint without and with retention of cross-site edges.
 Every score is written into that run's ``summary.json`` (``sim_10``, ``label_precision_at_10``)
-and all of them into ``<out>/results.json``. Besides the merged search, ``score`` reports the
-cross-site view: ``cross_site_sim_k`` compares only the other sites' answers with the central
-top-k among those sites' documents (what joint learning or a mapper adds; the home site needs
-neither), and ``remote_share_of_results`` is the fraction of merged results from other sites.
+and all of them into ``<out>/results.json``.
 
 ``--launcher mpi`` runs each federation with ``hpcfed run --np K`` (the real runtime);
 ``inprocess`` drives the same Task and FedAvg classes in one process, round by round, as the sync
@@ -36,9 +35,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcfed.search.global_search import GlobalSearch, map_query  # noqa: E402
-from hpcfed.search.index import MERGE_HELP, MERGES, STANDARDIZED_MERGES, SiteIndex, merge_results  # noqa: E402
-from hpcfed.search.metrics import label_precision_at_k, mean_sim_k  # noqa: E402
+from hpcfed.search.evaluate import score  # noqa: E402
+from hpcfed.search.index import MERGE_HELP, MERGES  # noqa: E402
 
 
 # -- running federations ---------------------------------------------------------------------------------
@@ -106,81 +104,6 @@ def run_mpi(config: str, overrides: list[str], num_clients: int, out: Path) -> d
     print("  $", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
     return json.loads((out / "summary.json").read_text())
-
-
-# -- scoring ------------------------------------------------------------------------------------------------
-def score(central: Path, fed: Path, *, mode: str, k: int = 10, entity: str | None = None,
-          max_queries: int | None = None, seed: int = 0, mappers_dir: Path | None = None,
-          write_summary: bool = True, merge: str = "score") -> dict:
-    """sim_k and label precision@k of `fed`'s global search against `central` (one site with every id).
-
-    `merge` = score (spec §4.4), interleave (rank by rank, home first) or zscore (by standardized
-    scores); the result is stored in ``summary.json`` under ``sim_k[mode]`` (score) or
-    ``sim_k[mode + "_" + merge]``.
-    """
-    central_search = GlobalSearch.from_folder(central, entity=entity, exact=True)  # the reference: no index
-    if len(central_search.indexes) != 1:
-        raise ValueError(f"{central}: the centralized run must have exactly one site, "
-                         f"found {len(central_search.indexes)}")
-    cidx = next(iter(central_search.indexes.values()))
-    fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge,
-                                          exact=True)
-    central_lists, fed_lists, labels, fed_labels, central_labels = [], [], [], [], []
-    # Cross-site view: only the other sites' answers, against the central top-k among those sites'
-    # documents. The merged sim_k mixes in the home site's own answers (the same space, no mapping
-    # needed); this isolates what joint learning / a mapper contributes.
-    x_central, x_fed, x_fed_labels, x_labels = [], [], [], []
-    remote_share = []
-    rng = np.random.default_rng(seed)
-    for home, index in fed_search.indexes.items():
-        ids = [i for i in index.ids if i in cidx.position]
-        if max_queries is not None:
-            share = max(1, max_queries // len(fed_search.indexes))
-            if share < len(ids):
-                ids = [ids[i] for i in sorted(rng.choice(len(ids), share, replace=False))]
-        if not ids:
-            continue
-        fed_hits = fed_search.search(home, np.stack([index.vector_of(i) for i in ids]), k, ids)
-        c_hits = cidx.hits(np.stack([cidx.vector_of(i) for i in ids]), k, ids)
-        central_lists += [[h.id for h in r] for r in c_hits]
-        fed_lists += [[h.id for h in r] for r in fed_hits]
-        labels += [int(index.labels[index.position[i]]) for i in ids]
-        fed_labels += [[h.label for h in r] for r in fed_hits]
-        central_labels += [[h.label for h in r] for r in c_hits]
-        remote_share += [sum(h.site != home for h in r) / max(len(r), 1) for r in fed_hits]
-        others = [s for s in fed_search.indexes if s != home]
-        if others:
-            other_ids = [i for s in others for i in fed_search.indexes[s].ids if i in cidx.position]
-            c_other = SiteIndex("central", other_ids, np.stack([cidx.vector_of(i) for i in other_ids]),
-                                np.array([cidx.labels[cidx.position[i]] for i in other_ids]))
-            qc = np.stack([cidx.vector_of(i) for i in ids])
-            qf = np.stack([index.vector_of(i) for i in ids])
-            per_site = [fed_search.indexes[s].hits(map_query(fed_search.mode, home, s, qf, fed_search.mappers), k,
-                                                   standardize=merge in STANDARDIZED_MERGES)
-                        for s in others]
-            remote = [merge_results([lists[n] for lists in per_site], k, merge, home) for n in range(len(ids))]
-            x_fed += [[h.id for h in r] for r in remote]
-            x_fed_labels += [[h.label for h in r] for r in remote]
-            x_central += [[h.id for h in r] for r in c_other.hits(qc, k)]
-            x_labels += [int(index.labels[index.position[i]]) for i in ids]
-    result = {f"sim_{k}": mean_sim_k(central_lists, fed_lists, k),
-              f"label_precision_at_{k}": label_precision_at_k(labels, fed_labels, k),
-              f"central_label_precision_at_{k}": label_precision_at_k(labels, central_labels, k),
-              "num_queries": len(labels), "mode": mode, "merge": merge, "k": k,
-              "remote_share_of_results": float(np.mean(remote_share)) if remote_share else float("nan")}
-    if x_central:
-        result[f"cross_site_sim_{k}"] = mean_sim_k(x_central, x_fed, k)
-        result[f"cross_site_label_precision_at_{k}"] = label_precision_at_k(x_labels, x_fed_labels, k)
-    if write_summary:
-        path = fed / "summary.json"
-        summary = json.loads(path.read_text()) if path.is_file() else {}
-        name = mode if merge == "score" else f"{mode}_{merge}"
-        key = "" if name == "joint" else f"_{name}"
-        summary[f"sim_{k}{key}"] = result[f"sim_{k}"]
-        summary[f"label_precision_at_{k}{key}"] = result[f"label_precision_at_{k}"]
-        summary.setdefault("sim_k", {})[name] = result
-        path.write_text(json.dumps(summary, indent=2, default=str))
-    return result
 
 
 # -- experiments -------------------------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ Users' documents come in one of two formats, chosen by the file suffix:
 
 * ``.jsonl`` — one JSON object per line: ``{"id": "doc-17", "text": "...", "label": 3}``;
   ``id`` and ``text`` are required (id: a non-empty string or integer, unique in the file),
-  ``label`` is optional (integer; used only for label precision@k).
+  ``label`` is optional (a class name such as ``"earn"``, or an integer; used for label
+  precision@k and shown in search results). Integer labels keep their values; where some label is
+  a name, the names are numbered in sorted order (numbers in numeric order) and each document keeps
+  its name in ``group``.
 * anything else (``.txt``) — plain text, one document per line; the id is the 0-based line number.
   Empty lines are kept as empty documents so that ids stay line numbers.
 
@@ -58,7 +61,7 @@ class Document:
     id: str
     text: str
     label: int = -1  # -1 = unlabelled
-    group: str = ""  # 20NG: the newsgroup name
+    group: str = ""  # 20NG: the newsgroup name; a user corpus: the label's name
 
 
 def tokenize(text: str) -> list[str]:
@@ -108,10 +111,7 @@ def load_20newsgroups(data_root: str | Path | None = None, *, subset: str = "all
     if not docs:
         raise DataError(f"{path}: no posts found under 20news-bydate-{'/'.join(wanted)}")
     docs.sort(key=lambda d: d.id)  # archive order is not guaranteed; ids are
-    if max_docs is not None and max_docs < len(docs):
-        keep = np.sort(np.random.default_rng(seed).choice(len(docs), size=max_docs, replace=False))
-        docs = [docs[i] for i in keep]
-    return docs
+    return sample(docs, max_docs, seed)
 
 
 def check_remove(remove: Sequence[str], where: str = "remove") -> None:
@@ -185,6 +185,7 @@ def load_corpus_file(path: str | Path) -> list[Document]:
         if path.suffix.lower() != ".jsonl":
             return [Document(str(i), line.rstrip("\n")) for i, line in enumerate(f)]
         seen: set[str] = set()
+        named = False  # some label is a class name, not an integer
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -201,13 +202,44 @@ def load_corpus_file(path: str | Path) -> list[Document]:
                 raise DataError(f"{path}:{lineno}: field 'text' must be a string")
             if label is None:
                 label = -1
-            if isinstance(label, bool) or not isinstance(label, int):
-                raise DataError(f"{path}:{lineno}: field 'label' must be an integer (or absent)")
+            if isinstance(label, bool) or not isinstance(label, (int, str)) or label == "":
+                raise DataError(f"{path}:{lineno}: field 'label' must be a class name or an integer (or absent), "
+                                f"got {label!r}")
             if str(doc_id) in seen:
                 raise DataError(f"{path}:{lineno}: duplicate id {doc_id!r}; ids must be unique")
             seen.add(str(doc_id))
-            docs.append(Document(str(doc_id), text, label))
-    return docs
+            docs.append(Document(str(doc_id), text, -1, "" if label == -1 else str(label)))
+            named = named or isinstance(label, str)
+    if not named:  # integer labels keep their values
+        return [Document(d.id, d.text, int(d.group) if d.group else -1) for d in docs]
+    names = label_order({d.group for d in docs if d.group})
+    code = {name: c for c, name in enumerate(names)}
+    return [Document(d.id, d.text, code[d.group], d.group) if d.group else d for d in docs]
+
+
+def label_order(names: set[str]) -> list[str]:
+    """Class names in the order they are numbered: integers numerically, other names alphabetically."""
+    if all(n.lstrip("-").isdigit() for n in names):
+        return sorted(names, key=int)
+    return sorted(names)
+
+
+def label_names(docs: Sequence[Document]) -> list[str]:
+    """Name of each label 0..max (the newsgroup or the corpus's class name; "" where none is known)."""
+    top = max((d.label for d in docs), default=-1)
+    names = [""] * (top + 1)
+    for d in docs:
+        if d.label >= 0 and d.group:
+            names[d.label] = d.group
+    return names
+
+
+def sample(docs: list[Document], max_docs: int | None, seed: int) -> list[Document]:
+    """A seeded random sample of `max_docs` documents, in corpus order (all when None or fewer)."""
+    if max_docs is None or max_docs >= len(docs):
+        return docs
+    keep = np.sort(np.random.default_rng(seed).choice(len(docs), size=max_docs, replace=False))
+    return [docs[i] for i in keep]
 
 
 def gensim_test_corpus(name: str = "lee_background.cor") -> list[Document]:

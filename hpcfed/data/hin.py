@@ -31,33 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 
-from hpcfed.data.root import DataError, dataset_dir
+from hpcfed.data.root import DataError
 
 FORMAT = "hpcfed-hin"
 FORMAT_VERSION = 1
-
-
-class HecoSpec(TypedDict):
-    """One HeCo release's layout: node counts per type letter, edge files, meta-paths, feature file."""
-
-    types: dict[str, int]
-    edges: dict[str, str]
-    metapaths: list[str]
-    features: str | None
-
-
-# HeCo release layout: edge files, type letters, default meta-paths, node counts per type.
-HECO: dict[str, HecoSpec] = {
-    "hin/acm": {"types": {"P": 4019, "A": 7167, "S": 60}, "edges": {"PA": "pa.txt", "PS": "ps.txt"},
-                "metapaths": ["PAP", "PSP"], "features": "p_feat.npz"},
-    "hin/aminer": {"types": {"P": 6564, "A": 13329, "R": 35890}, "edges": {"PA": "pa.txt", "PR": "pr.txt"},
-                   "metapaths": ["PAP", "PRP"], "features": None},
-}
 
 
 @dataclass
@@ -177,38 +159,6 @@ def metapath_instances(hin: HIN, metapath: str) -> int:
 # loaders
 
 
-def load_heco(name: str, data_root: str | Path | None = None) -> HIN:
-    """Load a HeCo-release graph (``hin/acm`` or ``hin/aminer``) from the data root."""
-    if name not in HECO:
-        raise DataError(f"unknown HeCo dataset {name!r}; choose one of: {', '.join(sorted(HECO))}")
-    spec = HECO[name]
-    folder = dataset_dir(name, data_root)
-    counts = dict(spec["types"])
-    relations = {}
-    for key, fname in spec["edges"].items():
-        path = folder / fname
-        if not path.is_file():
-            raise DataError(f"{path} is missing; the HeCo {name} release has it (see data_manifest.yaml)")
-        edges = np.loadtxt(path, dtype=np.int64).reshape(-1, 2)
-        relations[key] = edges
-        for col, t in enumerate(key):  # trust the files over the table if they hold more nodes
-            counts[t] = max(counts[t], int(edges[:, col].max()) + 1)
-    labels = np.load(folder / "labels.npy").astype(np.int64)
-    counts["P"] = max(counts["P"], len(labels))
-    splits = {}
-    for path in sorted(folder.glob("*_[0-9]*.npy")):
-        kind = path.stem.split("_")[0]
-        if kind in ("train", "val", "test"):
-            splits[path.stem] = np.load(path).astype(np.int64)
-    features = None
-    if spec["features"] and (folder / spec["features"]).is_file():
-        features = sp.load_npz(folder / spec["features"]).tocsr().astype(np.float32)
-    hin = HIN(counts=counts, relations=relations, target="P", labels=labels, metapaths=list(spec["metapaths"]),
-              splits=splits, features=features, name=name)
-    hin.validate(str(folder))
-    return hin
-
-
 def save_hin(hin: HIN, path: str | Path) -> Path:
     """Write the project's HIN file (format in the module docstring); atomic via a temporary name."""
     path = Path(path)
@@ -284,15 +234,19 @@ def load_hin_file(path: str | Path) -> HIN:
 
 
 def load_dataset(dataset: str, data_root: str | Path | None = None, **synthetic: Any) -> HIN:
-    """``synthetic`` | ``hin/acm`` | ``hin/aminer`` | a path to a project HIN file (``.npz``)."""
+    """``synthetic`` | ``hin/acm`` | ``hin/aminer`` | a HeCo-layout folder | a project HIN file (``.npz``)."""
+    from hpcfed.data import heco
+
     if dataset == "synthetic":
         return synthetic_hin(**synthetic)
-    if dataset in HECO:
-        return load_heco(dataset, data_root)
+    if dataset in heco.HECO:
+        return heco.load_heco(dataset, data_root)
     if dataset.endswith(".npz"):
         return load_hin_file(dataset)
-    raise DataError(f"dataset {dataset!r}: use synthetic, {', '.join(sorted(HECO))}, or a .npz file "
-                    f"written by `hpcfed data import-hin`")
+    if Path(dataset).expanduser().is_dir():
+        return heco.read_heco_folder(Path(dataset).expanduser())
+    raise DataError(f"dataset {dataset!r}: use synthetic, {', '.join(sorted(heco.HECO))}, the path of a HeCo-layout "
+                    f"folder (xy.txt edge lists, labels.npy), or a .npz file written by `hpcfed data import-hin`")
 
 
 def stratified_split(labels: np.ndarray, train_fraction: float, val_fraction: float,

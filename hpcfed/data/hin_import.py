@@ -1,7 +1,9 @@
 """``hpcfed data import-hin``: users' own heterogeneous graphs -> the project's HIN file.
 
-Input: one folder of CSV files (UTF-8, a header line, comma-separated). Node types are named by
-one letter each (``P``, ``A`` ...), so meta-paths are strings of those letters::
+Input: a folder in the HeCo release layout (``xy.txt`` edge lists and ``labels.npy``: acm, aminer,
+dblp, freebase; read by `hpcfed.data.heco`), or one folder of CSV files (UTF-8, a header line,
+comma-separated; ``.tsv`` files are read tab-separated). Node types are named by one letter each
+(``P``, ``A`` ...), so meta-paths are strings of those letters::
 
     nodes_<T>.csv    one per node type T; column ``id`` (unique string), any other columns are
                      attributes; attributes of the target type are kept (``attr/NAME``) and can
@@ -15,7 +17,11 @@ one letter each (``P``, ``A`` ...), so meta-paths are strings of those letters::
                      absent, a stratified random train/val/test split of the labelled nodes is drawn
 
     hpcfed data import-hin DIR --out graph.npz [--target P] [--metapaths PAP,PSP]
+                           [--columns id=node_id,src=from,dst=to,label=class]
                            [--train-fraction 0.3] [--val-fraction 0.1] [--seed 0]
+
+``--columns`` gives the files' own names for the columns ``id``, ``src``, ``dst``, ``label`` and
+``split`` (the same mapping for every file).
 
 Every problem is reported with the file and line (line 1 is the header): unknown node ids,
 duplicate ids or edges, missing columns, a missing labels file, non-numeric features. The output
@@ -30,17 +36,34 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcfed.data.columns import parse_columns
+from hpcfed.data.corpus import label_order
+from hpcfed.data.heco import is_heco_folder, read_heco_folder
 from hpcfed.data.hin import HIN, save_hin, stratified_split
 from hpcfed.data.root import DataError
 
+COLUMNS = ("id", "src", "dst", "label", "split")
 
-def _read_csv(path: Path, required: tuple[str, ...]) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    """Header and (line number, row) pairs; DataError names the file and the missing column."""
+
+def _tables(folder: Path, stem: str) -> list[Path]:
+    """``<stem>.csv`` / ``<stem>.tsv`` files of `folder` (stem may hold a glob), sorted."""
+    return sorted(p for p in folder.glob(stem + ".*") if p.suffix in (".csv", ".tsv"))
+
+
+def _read_csv(path: Path, required: tuple[str, ...],
+              columns: dict[str, str] | None = None) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
+    """Header and (line number, row) pairs, the file's column names mapped to ours by `columns`;
+    DataError names the file and the missing column."""
+    theirs = {v: k for k, v in (columns or {}).items()}
     with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        header = [h.strip() for h in (reader.fieldnames or [])]
+        reader = csv.DictReader(fh, delimiter="\t" if path.suffix == ".tsv" else ",")
+        header = [theirs.get(h.strip(), h.strip()) for h in (reader.fieldnames or [])]
         missing = [c for c in required if c not in header]
         if missing:
+            mapped = [f"{c}={columns[c]}" for c in missing if columns and c in columns]
+            if mapped:
+                raise DataError(f"{path}: line 1: --columns {mapped[0]}: no such column (found: "
+                                f"{', '.join(reader.fieldnames or []) or 'nothing'})")
             raise DataError(f"{path}: line 1: missing column(s) {', '.join(missing)}; the header must have "
                             f"{', '.join(required)} (found: {', '.join(header) or 'nothing'})")
         reader.fieldnames = header
@@ -53,14 +76,16 @@ def _read_csv(path: Path, required: tuple[str, ...]) -> tuple[list[str], list[tu
 
 
 def read_hin_folder(folder: str | Path, *, target: str | None = None, metapaths: list[str] | None = None,
-                    train_fraction: float = 0.3, val_fraction: float = 0.1, seed: int = 0) -> HIN:
+                    train_fraction: float = 0.3, val_fraction: float = 0.1, seed: int = 0,
+                    columns: dict[str, str] | None = None) -> HIN:
     """Parse and validate the CSV layout above into a `HIN`."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder; import-hin reads nodes_*.csv, edges_*.csv and labels.csv from one")
-    node_files = sorted(folder.glob("nodes_*.csv"))
+    node_files = _tables(folder, "nodes_*")
     if not node_files:
-        raise DataError(f"{folder}: no nodes_<T>.csv files; write one per node type (column id)")
+        raise DataError(f"{folder}: no nodes_<T>.csv files; write one per node type (column id), "
+                        f"or give a HeCo-layout folder (xy.txt edge lists, labels.npy)")
     ids: dict[str, list[str]] = {}
     index: dict[str, dict[str, int]] = {}
     attrs: dict[str, dict[str, list[str]]] = {}
@@ -68,7 +93,7 @@ def read_hin_folder(folder: str | Path, *, target: str | None = None, metapaths:
         t = path.stem[len("nodes_"):]
         if len(t) != 1 or not t.isalpha():
             raise DataError(f"{path}: node type {t!r} must be one letter (e.g. nodes_P.csv), so meta-paths read as PAP")
-        header, rows = _read_csv(path, ("id",))
+        header, rows = _read_csv(path, ("id",), columns)
         seen: dict[str, int] = {}
         for line, row in rows:
             nid = row["id"]
@@ -82,12 +107,12 @@ def read_hin_folder(folder: str | Path, *, target: str | None = None, metapaths:
         attrs[t] = {c: [row[c] for _, row in rows] for c in header if c != "id"}
 
     relations: dict[str, np.ndarray] = {}
-    for path in sorted(folder.glob("edges_*.csv")):
+    for path in _tables(folder, "edges_*"):
         key = path.stem[len("edges_"):]
         if len(key) != 2 or any(t not in index for t in key):
             raise DataError(f"{path}: relation {key!r} must be two node-type letters with nodes_<T>.csv files "
                             f"(types here: {', '.join(sorted(index))})")
-        _, rows = _read_csv(path, ("src", "dst"))
+        _, rows = _read_csv(path, ("src", "dst"), columns)
         edges = np.empty((len(rows), 2), dtype=np.int64)
         first: dict[tuple[int, int], int] = {}
         for k, (line, row) in enumerate(rows):
@@ -105,10 +130,10 @@ def read_hin_folder(folder: str | Path, *, target: str | None = None, metapaths:
     if not relations:
         raise DataError(f"{folder}: no edges_<XY>.csv files; write one per relation (columns src,dst)")
 
-    labels_path = folder / "labels.csv"
+    labels_path = next(iter(_tables(folder, "labels")), folder / "labels.csv")
     if not labels_path.is_file():
         raise DataError(f"{labels_path}: missing; every HIN needs labels.csv (columns id,label) for its target nodes")
-    _, label_rows = _read_csv(labels_path, ("id", "label"))
+    _, label_rows = _read_csv(labels_path, ("id", "label"), columns)
     if not label_rows:
         raise DataError(f"{labels_path}: no labelled nodes")
     if target is None:
@@ -130,16 +155,16 @@ def read_hin_folder(folder: str | Path, *, target: str | None = None, metapaths:
         if j in label_text:
             raise DataError(f"{labels_path}: line {line}: {row['id']!r} is labelled twice")
         label_text[j] = row["label"]
-    names = _sorted_labels(set(label_text.values()))
+    names = label_order(set(label_text.values()))
     code = {name: c for c, name in enumerate(names)}
     labels = np.full(n, -1, dtype=np.int64)
     for j, text in label_text.items():
         labels[j] = code[text]
 
     features = None
-    feat_path = folder / "features.csv"
+    feat_path = next(iter(_tables(folder, "features")), folder / "features.csv")
     if feat_path.is_file():
-        header, rows = _read_csv(feat_path, ("id",))
+        header, rows = _read_csv(feat_path, ("id",), columns)
         cols = [c for c in header if c != "id"]
         features = np.zeros((n, len(cols)), dtype=np.float32)
         seen_rows: dict[int, int] = {}
@@ -156,9 +181,9 @@ def read_hin_folder(folder: str | Path, *, target: str | None = None, metapaths:
                 bad = next(c for c in cols if not _is_float(row[c]))
                 raise DataError(f"{feat_path}: line {line}: column {bad!r} = {row[bad]!r} is not a number") from None
 
-    split_path = folder / "splits.csv"
+    split_path = next(iter(_tables(folder, "splits")), folder / "splits.csv")
     if split_path.is_file():
-        _, rows = _read_csv(split_path, ("id", "split"))
+        _, rows = _read_csv(split_path, ("id", "split"), columns)
         split_lists: dict[str, list[int]] = {}
         for line, row in rows:
             j = index[target].get(row["id"])
@@ -196,30 +221,35 @@ def _is_float(text: str) -> bool:
         return False
 
 
-def _sorted_labels(values: set[str]) -> list[str]:
-    """Integer labels in numeric order (so "0".."9" keep their codes), other labels alphabetically."""
-    if all(v.lstrip("-").isdigit() for v in values):
-        return sorted(values, key=int)
-    return sorted(values)
-
-
 def import_main(argv: list[str]) -> int:
     """`hpcfed data import-hin FOLDER --out FILE`: check the CSV tables, write the HIN file; exit status."""
     p = argparse.ArgumentParser(prog="hpcfed data import-hin",
                                 description="Validate a HIN given as CSV tables and write the project's HIN file.")
-    p.add_argument("folder", help="folder with nodes_<T>.csv, edges_<XY>.csv, labels.csv [features.csv, splits.csv]")
+    p.add_argument("folder", help="folder with nodes_<T>.csv, edges_<XY>.csv, labels.csv [features.csv, splits.csv] "
+                                  "(or .tsv), or a HeCo-layout folder (xy.txt, labels.npy)")
     p.add_argument("--out", required=True, help="output .npz (use it as task.dataset)")
     p.add_argument("--target", default=None, help="labelled node type letter (default: inferred from labels.csv)")
     p.add_argument("--metapaths", default=None, help="comma-separated, e.g. PAP,PSP (default: T?T per relation of T)")
+    p.add_argument("--columns", default=None, help="the files' names for id, src, dst, label, split, "
+                                                  "e.g. id=node_id,label=class")
     p.add_argument("--train-fraction", type=float, default=0.3)
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not args.out.endswith(".npz"):
         raise DataError(f"--out {args.out}: the HIN file must end in .npz")
-    hin = read_hin_folder(args.folder, target=args.target,
-                          metapaths=args.metapaths.split(",") if args.metapaths else None,
-                          train_fraction=args.train_fraction, val_fraction=args.val_fraction, seed=args.seed)
+    metapaths = args.metapaths.split(",") if args.metapaths else None
+    if is_heco_folder(args.folder):
+        if args.columns:
+            raise DataError(f"--columns: {args.folder} is a HeCo-layout folder (xy.txt, labels.npy), which has no "
+                            f"named columns; leave --columns out")
+        hin = read_heco_folder(args.folder, target=args.target, metapaths=metapaths)
+        if not hin.splits:
+            hin.splits = stratified_split(hin.labels, args.train_fraction, args.val_fraction, args.seed)
+    else:
+        hin = read_hin_folder(args.folder, target=args.target, metapaths=metapaths,
+                              train_fraction=args.train_fraction, val_fraction=args.val_fraction, seed=args.seed,
+                              columns=parse_columns(args.columns, COLUMNS))
     path = save_hin(hin, args.out)
     from hpcfed.data.hin import metapath_instances
 

@@ -45,6 +45,8 @@ COLUMNS = ("id", "text", "time", "user", "mentions", "hashtags", "entities", "ev
 REQUIRED = ("id", "text", "time", "event")
 LIST_COLUMNS = ("mentions", "hashtags", "entities")
 TWITTER_EPOCH_MS = 1288834974657  # snowflake ids: time_ms = (id >> 22) + this
+# Ids below one day after the snowflake epoch are the sequential ids of older tweets: they hold no time.
+SNOWFLAKE_MIN = (86_400_000 << 22)
 
 
 @dataclass
@@ -167,12 +169,22 @@ def snowflake_time(tweet_id: int | str) -> np.datetime64:
     return np.datetime64(ms // 1000, "s")
 
 
+def parse_snowflake(tweet_id: str) -> np.datetime64:
+    """`snowflake_time` of an id that is one; ValueError naming the id for any other."""
+    if not tweet_id.isdigit() or not SNOWFLAKE_MIN <= int(tweet_id) < 2**63:
+        raise ValueError(f"id {tweet_id[:40]!r} is not a Twitter snowflake id (a positive integer of 15-19 digits, "
+                         f"from Nov 2010 on); give the file a time column instead of --time-from-id snowflake")
+    return snowflake_time(tweet_id)
+
+
 def from_records(records: Iterable[dict[str, Any]], source: str, *, on_error: str = "raise",
-                 first_row: int = 2) -> tuple[Messages, LoadReport]:
+                 first_row: int = 2, time_from_id: bool = False) -> tuple[Messages, LoadReport]:
     """Validate rows (dicts keyed by `COLUMNS`) into `Messages`.
 
     `first_row` is the file row number of the first record (2 for a CSV with a header) so that
     messages name the row a user sees in an editor. ``on_error`` is ``raise`` or ``skip``.
+    `time_from_id`: the time is read from each id as a Twitter snowflake (`snowflake_time`), and a
+    ``time`` column is neither needed nor read.
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error={on_error!r}; choose raise or skip")
@@ -184,10 +196,12 @@ def from_records(records: Iterable[dict[str, Any]], source: str, *, on_error: st
         row = first_row + n
         report.num_rows += 1
         if n == 0:
-            missing = [c for c in REQUIRED if c not in rec]
+            missing = [c for c in REQUIRED if c not in rec and not (c == "time" and time_from_id)]
             if missing:
                 raise DataError(f"{source}: missing required column(s) {missing}; a message table needs "
-                                f"{', '.join(REQUIRED)} (optional: user, mentions, hashtags, entities)")
+                                f"{', '.join(REQUIRED)} (optional: user, mentions, hashtags, entities); "
+                                f"`hpcfed data import-messages --columns event=YOURS` maps other names, "
+                                f"--time-from-id snowflake reads tweet times from the ids")
             has = {c: c in rec for c in ("user", *LIST_COLUMNS)}
         try:
             mid = rec.get("id")
@@ -201,7 +215,7 @@ def from_records(records: Iterable[dict[str, Any]], source: str, *, on_error: st
             if _is_missing(rec.get("event")):
                 raise _RowError("event", "missing event label")
             try:
-                t = parse_time(rec.get("time"))
+                t = parse_snowflake(mid) if time_from_id else parse_time(rec.get("time"))
             except ValueError as exc:
                 raise _RowError("time", str(exc)) from None
             text = rec.get("text")
@@ -249,7 +263,14 @@ class _RowError(ValueError):
 
 
 def read_messages(path: str | Path, *, fmt: str | None = None, on_error: str = "raise") -> tuple[Messages, LoadReport]:
-    """Read a message table from CSV, JSONL or Parquet (format from `fmt` or the file suffix)."""
+    """Read a message table from CSV, TSV, JSONL or Parquet (format from `fmt` or the file suffix)."""
+    records, first_row = read_records(path, fmt=fmt, on_error=on_error)
+    return from_records(records, str(path), on_error=on_error, first_row=first_row)
+
+
+def read_records(path: str | Path, *, fmt: str | None = None,
+                 on_error: str = "raise") -> tuple[Iterable[dict[str, Any]], int]:
+    """The rows of a CSV/TSV/JSONL/Parquet file as dicts, and the file row number of the first one."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"message file {path} does not exist")
@@ -258,16 +279,18 @@ def read_messages(path: str | Path, *, fmt: str | None = None, on_error: str = "
         import csv
 
         with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",")
+            reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",", skipinitialspace=True)
+            # headers such as "Tweet ID, Tweet Text" (CrisisLexT26) carry spaces after the commas
+            reader.fieldnames = [h.strip() for h in (reader.fieldnames or [])]
             rows = []
             for rec in reader:
                 if None in rec:  # more cells than header fields
                     rec = {k: v for k, v in rec.items() if k is not None} | {"__extra__": rec[None]}
                 rows.append(rec)
-            header = reader.fieldnames or []
+            header = reader.fieldnames
         if not header:
             raise DataError(f"{path}: empty file; expected a header row with {', '.join(REQUIRED)}")
-        return from_records(_check_extra(rows, path), str(path), on_error=on_error, first_row=2)
+        return _check_extra(rows, path), 2
     if fmt in ("jsonl", "ndjson", "json"):
         def records() -> Iterable[dict[str, Any]]:
             with path.open(encoding="utf-8") as f:
@@ -281,13 +304,13 @@ def read_messages(path: str | Path, *, fmt: str | None = None, on_error: str = "
                     if not isinstance(rec, dict):
                         rec = {"__bad__": f"line {line_no}: not a JSON object"}
                     yield rec
-        return from_records(_check_bad(records(), path, on_error), str(path), on_error=on_error, first_row=1)
+        return _check_bad(records(), path, on_error), 1
     if fmt == "parquet":
         import pandas as pd
 
         frame = pd.read_parquet(path)
-        return from_records(frame.to_dict("records"), str(path), on_error=on_error, first_row=1)
-    raise DataError(f"{path}: unknown message format {fmt!r}; use .csv, .jsonl or .parquet (or --format)")
+        return frame.to_dict("records"), 1
+    raise DataError(f"{path}: unknown message format {fmt!r}; use .csv, .tsv, .jsonl or .parquet (or --format)")
 
 
 def _check_extra(rows: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
@@ -428,12 +451,38 @@ def event_part(messages: Messages, part: int, parts: int) -> Messages:
     return messages.take(np.flatnonzero(np.isin(events, list(keep))).tolist())
 
 
+def event_subset(messages: Messages, pattern: str, site: str = "") -> Messages:
+    """The messages of the events whose label matches `pattern` (a regular expression, case-insensitive,
+    searched anywhere in the label), e.g. ``quake|flood``: one site per disaster type."""
+    where = f"site {site!r}: " if site else ""
+    if not pattern or len(pattern) > 200:
+        raise DataError(f"{where}event pattern must be 1 to 200 characters, e.g. crisislext26~quake")
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)
+    except re.error as exc:
+        raise DataError(f"{where}event pattern {pattern!r} is not a regular expression ({exc}); "
+                        "write it like quake|flood") from None
+    events = np.asarray(messages.events)
+    names = np.unique(events)
+    keep = [e for e in names.tolist() if regex.search(str(e))]
+    if not keep:
+        raise DataError(f"{where}no event label matches {pattern!r}; the labels are: {', '.join(map(str, names))}")
+    return messages.take(np.flatnonzero(np.isin(events, keep)).tolist())
+
+
 def load_site(name: str, data_root: str | Path | None = None) -> tuple[Messages, LoadReport]:
     """A built-in dataset name (`LOADERS`) or a path to a message file in the documented format.
 
     ``NAME:I/K`` (e.g. ``crisislext26:2/4``) is the I-th of K groups of NAME's events in time order
-    (`event_part`): one dataset split into K sites with distinct events.
+    (`event_part`): one dataset split into K sites with distinct events. ``NAME~PATTERN`` (e.g.
+    ``crisislext26~quake``) keeps the events whose label matches PATTERN (`event_subset`).
     """
+    base, _, pattern = name.rpartition("~")
+    if base and "/" not in pattern:  # NAME~PATTERN: the events whose label matches PATTERN (not ~/a.csv)
+        msgs, report = load_site(base, data_root)
+        msgs = event_subset(msgs, pattern, name)
+        report.source += f" (events matching {pattern!r}: {len(set(msgs.events))} events, {len(msgs)} messages)"
+        return msgs, report
     m = _PART.match(name)
     if m:
         msgs, report = load_site(m["base"], data_root)

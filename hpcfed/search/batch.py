@@ -12,6 +12,7 @@ searches, not 1,000 Python round trips.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,8 @@ import numpy as np
 from hpcfed.search.global_search import GlobalSearch
 
 MAX_LINES = 1_000_000
+# exports of the project's tasks whose vectors no model computes for a new text (`check_text_queries`)
+NO_TEXT_MODELS = ("dame-gat", "fedahe", "node2vec", "synthetic-mlp")
 MAX_LINE_CHARS = 100_000
 
 
@@ -96,8 +99,11 @@ def answer_vectors(search: GlobalSearch, vectors: np.ndarray, home: str, k: int,
 class TextVectorizer:
     """Each home site's doc2vec model, loaded once, inferring one text at a time (thread-safe)."""
 
-    def __init__(self, models_dir: Path) -> None:
+    def __init__(self, models_dir: Path, infer_epochs: int | None = None) -> None:
+        if infer_epochs is not None and infer_epochs < 1:
+            raise ValueError(f"--infer-epochs must be >= 1, got {infer_epochs}")
         self.models_dir = Path(models_dir)
+        self.infer_epochs = infer_epochs
         self._models: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -111,7 +117,10 @@ class TextVectorizer:
                 if not path.is_file():
                     raise ValueError(f"a text query needs site {home}'s doc2vec model, {path} does not exist "
                                      f"(--models DIR; text queries work for doc2vec runs)")
-                self._models[home] = load_model(path)
+                model, settings = load_model(path)
+                if self.infer_epochs is not None:
+                    settings = dataclasses.replace(settings, infer_epochs=self.infer_epochs)
+                self._models[home] = model, settings
             model, settings = self._models[home]
             return np.asarray(infer(model, tokenize(text), settings), np.float32)
 
@@ -123,13 +132,34 @@ def answer_texts(search: GlobalSearch, texts: Sequence[str], home: str, k: int,
         raise ValueError(f"--home {home}: no such site (sites: {', '.join(search.indexes)})")
     if not texts:
         return []
+    check_text_queries(search, home)
     vectors = np.stack([vectorize(home, t) for t in texts])
     return answer_vectors(search, vectors, home, k, [{"text": t, "home": home} for t in texts])
 
 
 def _answer(search: GlobalSearch, query: dict[str, Any], home: str, hits: Iterable[Any]) -> dict[str, Any]:
     return {"query": query, "home": home, "mode": search.mode, "merge": search.merge,
-            "results": [h.as_dict() for h in hits]}
+            "results": [_named(search, h) for h in hits]}
+
+
+def _named(search: GlobalSearch, hit: Any) -> dict[str, Any]:
+    """The hit's JSON, with ``label_name`` where its site's export names the label (an event, a class)."""
+    out: dict[str, Any] = hit.as_dict()
+    name = search.label_name(hit.site, hit.label)
+    if name is not None:
+        out["label_name"] = name
+    return out
+
+
+def check_text_queries(search: GlobalSearch, home: str) -> None:
+    """Refuse text queries where the home site's export is not a doc2vec model's, saying what works."""
+    attrs = search.infos.get(home, {})
+    model = str(attrs.get("model", ""))
+    if attrs.get("kind", "doc2vec") != "doc2vec" or model.startswith(NO_TEXT_MODELS):
+        raise ValueError(f"text queries are doc2vec-only: site {home}'s export holds {model or 'non-doc2vec'} "
+                         f"vectors, which no model here computes for a new text (a DAMe vector comes from a GAT "
+                         f"over the message graph); query by the id of a message or document instead (--id, "
+                         f"--ids-file)")
 
 
 def write_answers(out: IO[str], answers: list[dict[str, Any]], sites: int, *, jsonl: bool = False,

@@ -9,7 +9,8 @@
 
 RUN is a run directory (``RUN/embeddings/site<k>.h5``, ``RUN/models``, ``RUN/mappers``) or a folder
 of ``site<k>.h5`` exports. Output is JSON: ``{"queries": [{"query", "home", "mode", "results":
-[{"site", "id", "score", "label"}, ...]}]}``, results merged by score over all sites (``--merge
+[{"site", "id", "score", "label", "label_name"}, ...]}]}`` (``label_name`` where the export names
+its labels: DAMe's events, a doc2vec corpus's classes), results merged by score over all sites (``--merge
 score``, spec §4.4), rank by rank, home site first (``--merge interleave``, the paper's Table III),
 or by each site's standardized score (``--merge zscore``; the reported scores are then z-scores).
 ``--jsonl`` prints one query's answer per line instead.
@@ -85,6 +86,11 @@ def _search_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--exact", action="store_true", help="search every export exactly, even where an index exists")
     q.add_argument("--nprobe", type=int, default=None, help="IVF cells searched per query (default: the index's)")
     q.add_argument("--ef-search", type=int, default=None, help="HNSW candidates per query (default: the index's)")
+    q.add_argument("--force", action="store_true",
+                   help="--mode joint even where the sites trained spaces of their own (DAMe, doc2vec mapping runs)")
+    q.add_argument("--infer-epochs", type=int, default=None,
+                   help="doc2vec inference epochs for --text queries (default: the model's; more steadies "
+                        "short keyword queries, see docs/seec.md)")
 
 
 def _index_parser(x: argparse.ArgumentParser) -> None:
@@ -148,10 +154,11 @@ def _offline(args: argparse.Namespace) -> int:
     base = run if (run / "embeddings").is_dir() else run.parent
     search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode, merge=args.merge,
                                       mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
-                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search)
+                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search,
+                                      force=args.force)
     answers = answer_ids(search, args.id, args.k)
     if args.text:
-        vectorize = TextVectorizer(Path(args.models) if args.models else base / "models")
+        vectorize = TextVectorizer(Path(args.models) if args.models else base / "models", args.infer_epochs)
         answers += answer_texts(search, args.text, str(args.home), args.k, vectorize)
     write_answers(sys.stdout, answers, len(search.indexes), jsonl=args.jsonl, compact=args.compact)
     return 0

@@ -67,7 +67,7 @@ class SearchService:
 
     def __init__(self, search: GlobalSearch, vectorize: TextVectorizer, *, token: str | None, max_k: int,
                  max_batch: int, max_body: int) -> None:
-        self.searches = {m: GlobalSearch(search.indexes, search.mode, search.mappers, m) for m in MERGES}
+        self.searches = {m: GlobalSearch(search.indexes, search.mode, search.mappers, m, search.infos) for m in MERGES}
         self.default = search
         self.vectorize = vectorize
         self.token = token
@@ -339,8 +339,10 @@ def serve(args: argparse.Namespace) -> int:
     base = run if (run / "embeddings").is_dir() else run.parent
     search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode, merge=args.merge,
                                       mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
-                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search)
-    service = SearchService(search, TextVectorizer(Path(args.models) if args.models else base / "models"),
+                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search,
+                                      force=args.force)
+    models = Path(args.models) if args.models else base / "models"
+    service = SearchService(search, TextVectorizer(models, args.infer_epochs),
                             token=token, max_k=args.max_k, max_batch=args.max_batch, max_body=args.max_body_kib << 10)
     try:
         server = _Server((args.host, args.port), service, args.max_connections, args.request_timeout)

@@ -12,11 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcfed.server.tracking import Mirror
+
 
 class MetricsLog:
-    def __init__(self, path: Path, resume_round: int | None = None, time_offset: float = 0.0) -> None:
+    def __init__(self, path: Path, resume_round: int | None = None, time_offset: float = 0.0,
+                 mirror: Mirror | None = None) -> None:
         self.path = path
         self.t0 = time.monotonic() - time_offset
+        self.mirror = mirror  # TensorBoard / MLflow (`tracking:`), fed every record as it is written
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_round is not None and path.exists():
             self._truncate_after(resume_round)
@@ -33,6 +37,8 @@ class MetricsLog:
         record = {"round": round, "client": client, "name": name, "value": value, "time": round_time(self.elapsed())}
         record.update(extra)
         self._fh.write(json.dumps(record) + "\n")
+        if self.mirror is not None:
+            self.mirror.record(round, client, name, value, record["time"])
 
     def log_many(self, round: int | None, client: int | None, values: dict[str, Any]) -> None:
         for name, value in values.items():
@@ -40,6 +46,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self._fh.close()
+        if self.mirror is not None:
+            self.mirror.close()
 
     def _truncate_after(self, last_round: int) -> None:
         """On resume, drop events of rounds the checkpoint does not contain (they will be redone)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from hpcfed.errors import FederationError
 from hpcfed.server import validation as V
 from hpcfed.server.core import ServerCore
 from hpcfed.server.metrics import MetricsLog
+from hpcfed.server.tracking import Mirror
 from hpcfed.store import checkpoint as ckpt_store
 
 log = logging.getLogger("hpcfed.server")
@@ -60,8 +62,10 @@ def exchange(core: ServerCore, resume: bool) -> int:
         raise FederationError(f"strategy {core.cfg.strategy.name!r} set no layout in initialize()")
     resumed = _load_checkpoint(core, held) if resume else None
     start_round = resumed.round + 1 if resumed else 0
+    elapsed = float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0
+    mirror = live_view(core.cfg, core.out_dir, elapsed)
     metrics = MetricsLog(core.out_dir / "metrics.jsonl", resume_round=resumed.round if resumed else None,
-                         time_offset=float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0)
+                         time_offset=elapsed, mirror=mirror)
     layout_header = layout.describe()
     for cid in sorted(out - set(core.cfg.federation.exclude_sites)):  # evicted in an earlier attempt: tell it
         core.channel.post(cid + 1, P.EVICTED, {"reason": core.ledger.evicted[cid].reason})
@@ -155,3 +159,15 @@ def _newest_held(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
         raise FederationError(f"--resume: no checkpoint is held intact by every site: {first_gap}; "
                               f"restore that site's shards, or rerun with --force to start over")
     return None
+
+
+def live_view(cfg: Any, out_dir: Path, elapsed: float) -> Mirror | None:
+    """The `tracking:` trackers of the run, or None; wall times continue a resumed run's clock."""
+    if not cfg.tracking:
+        return None
+    from hpcfed.server.tracking import open_trackers
+
+    params = {"config_hash": cfg.hash(), "seed": cfg.seed, "rounds": cfg.rounds, "method": cfg.method,
+              "strategy": cfg.strategy.name, "task": cfg.task.name,
+              **{f"task.{k}": v for k, v in cfg.task.options.items()}}
+    return Mirror(open_trackers(cfg.tracking, out_dir, cfg.name, params), time.time() - elapsed)

@@ -46,8 +46,6 @@ class SyncRounds:
         # A round's upload is measured from the model the strategy sent: it holds still until the round ends.
         self.bounding = Bounding(core, lambda cid: core.strategy.model_for(cid))
         self.parking: Parking | None = None  # the first round's uploads wait here for their bounds
-        # privacy.secure_aggregation: rank 0 learns each round's sum only (hpcfed.server.secagg_round)
-        self.secagg = SecAggRound(core) if core.cfg.privacy.secure_aggregation else None
         # A site still busy with an earlier round (a straggler) takes no message: its model is
         # posted, not sent, so it cannot hold the round up; one at a time, and once its late
         # upload arrives it is posted the current one at once.
@@ -56,6 +54,8 @@ class SyncRounds:
         self.sent_round: dict[int, int] = {}  # client id -> the round whose model it was last given
         self.owed: set[int] = set()  # late sites owed the current round's model
         self.checkpointed = False  # whether the last round ended with a checkpoint
+        # privacy.secure_aggregation: rank 0 learns each round's sum only (hpcfed.server.secagg_round)
+        self.secagg = SecAggRound(core) if core.cfg.privacy.secure_aggregation else None
 
     def run(self) -> int | None:
         """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,

@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class ExportHeader:
     fingerprint: str  # SHA-256 over the root's and the entity's attributes and the vectors' shape
     size: int  # bytes and modification time: what tells an unsealed export's rewrite without reading it
     mtime_ns: int
+    attrs: dict[str, Any] = field(default_factory=dict)  # the entity's attributes (model, mode, label_names ...)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _header(f: Any, path: Path, entity: str | None, size: int, mtime_ns: int) ->
     return ExportHeader(path=path, entity=name, num_rows=vshape[0], dim=vshape[1],
                         format_version=_int(root.get("format_version"), path, "format_version"),
                         site=str(attrs.get("site", "")), recorded_digest=recorded, fingerprint=fp.hexdigest(),
-                        size=size, mtime_ns=mtime_ns)
+                        size=size, mtime_ns=mtime_ns, attrs=dict(attrs))
 
 
 def stream_export(path: str | Path, entity: str | None, auth: sealed.FileAuth | None, consume: Consumer, *,

@@ -16,7 +16,7 @@ with raw λ values although skopt normalised the space to [0, 1], and EI uses ``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -31,13 +31,17 @@ def _finite(y: float) -> float:
 
 
 def bola(f: Callable[[float], float], lo: float = 0.6, hi: float = 1.0, n_init: int = 5, n_calls: int = 20,
-         seed: int = 42) -> tuple[float, list[tuple[float, float]]]:
+         seed: int = 42, anchors: Sequence[float] = ()) -> tuple[float, list[tuple[float, float]]]:
     """Maximise f(λ) over [lo, hi]; returns (best λ, [(λ, f(λ)) in call order]).
 
-    ``hi − lo < 1e-12`` (α = 1) returns `hi` without calling f.
+    `anchors` (points of [lo, hi]) are scored first and count towards `n_calls`; the safe DAMe passes
+    λ = 1, so the purely local model is always a candidate (`hpcfed.tasks.dame_safe`). Of equal scores
+    the larger λ (more local) wins. ``hi − lo < 1e-12`` (α = 1) returns `hi` without calling f.
     """
     if hi - lo < 1e-12:
         return hi, []
+    if any(not lo <= a <= hi for a in anchors):
+        raise ValueError(f"BOLA anchors {list(anchors)} must lie in [{lo}, {hi}]")
     from skopt import Optimizer
     from skopt.space import Real
 
@@ -47,8 +51,8 @@ def bola(f: Callable[[float], float], lo: float = 0.6, hi: float = 1.0, n_init: 
                     n_initial_points=min(n_init, n_calls), random_state=seed)
     history: list[tuple[float, float]] = []
     best = (-math.inf, hi)
-    for _ in range(n_calls):
-        lam = float(opt.ask()[0])
+    for i in range(n_calls):
+        lam = float(anchors[i]) if i < len(anchors) else float(opt.ask()[0])
         y = _finite(f(lam))
         opt.tell([lam], -y)
         history.append((lam, y))

@@ -22,6 +22,7 @@ ids, labels; entity ``public``: inferred public-corpus vectors in mapping mode) 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -251,6 +252,8 @@ class Doc2VecTask(GensimJointTask):
         method: gensim_method(method) for method in ("joint", "centralized", "mapping", "nomapping")}
     kind = "doc2vec"
     entity = "doc"
+    final_figures_on = ("each site's own documents, as doc2vec has no test split: label P@k ranks a site's "
+                        "documents among its own; the cross-site figures: `hpcfed eval RUN --central RUN`")
 
     @dataclass(kw_only=True)
     class Config(GensimJointOptions):
@@ -258,12 +261,14 @@ class Doc2VecTask(GensimJointTask):
         dataset: Literal["20newsgroups", "file", "gensim"] = "20newsgroups"
         subset: Literal["train", "test", "all"] = "train"  # 20NG posts the sites own
         path: str | None = None  # dataset=file: JSONL/plain text; dataset=gensim: corpus name
-        max_docs: int | None = None  # random sample of the corpus (quick runs)
+        max_docs: int | None = None  # seeded random sample of the corpus (quick runs), the same at every site
         split: Literal["random", "family"] = "random"
         # 20NG cleaning (scikit-learn's remove=): headers give the label away; see hpcfed.data.corpus
         remove: list[str] = field(default_factory=lambda: ["headers"])
         keep_subject: bool = False  # put the Subject: line back in front of the body
-        public_corpus: str = "20newsgroups:test"  # mapping: "20newsgroups:test" | "file:PATH" | "gensim:NAME"
+        # mapping/nomapping: the corpus every site vectorises to fit the mappers on ("none": no public corpus,
+        # nomapping only): "20newsgroups:test" | "file:PATH" | "gensim:NAME" | "none"
+        public_corpus: str = "20newsgroups:test"
         public_max_docs: int | None = None
         # trained: gensim's document vectors (dv) as training left them; inferred: every document
         # re-vectorised with the final model (infer_vector, seed 0), as the paper's "vectorize"
@@ -277,6 +282,10 @@ class Doc2VecTask(GensimJointTask):
             from hpcfed.data.corpus import check_remove
 
             check_remove(self.remove, "task.remove")
+            if self.mode == "mapping" and self.public_corpus in ("", "none"):
+                raise ValueError("method=mapping fits its mappers on a public corpus every site vectorises: set "
+                                 "task.public_corpus (20newsgroups:test, file:PATH or gensim:NAME), or use "
+                                 "method=nomapping with task.public_corpus=none")
 
     def __init__(self, config: Config, site: Site) -> None:
         super().__init__(config, site)
@@ -308,17 +317,22 @@ class Doc2VecTask(GensimJointTask):
                                             seed=self.site.seed)
         docs = corpus.gensim_test_corpus(path or "lee_background.cor") if dataset == "gensim" \
             else corpus.load_corpus_file(path)  # type: ignore[arg-type]
-        if max_docs is not None:
-            docs = docs[:max_docs]
-        return docs
+        return corpus.sample(docs, max_docs, self.site.seed)
 
     def _load_public(self, spec: str, max_docs: int | None) -> list[Any]:
+        from hpcfed.data.root import DataError
+
         kind, _, arg = spec.partition(":")
-        if kind == "20newsgroups":
-            return self._load("20newsgroups", None, arg or "test", max_docs)
-        if kind in ("file", "gensim"):
-            return self._load(kind, arg or None, "all", max_docs)
-        raise ValueError(f"task.public_corpus={spec!r}; use 20newsgroups:test, file:PATH or gensim:NAME")
+        try:
+            if kind == "20newsgroups":
+                return self._load("20newsgroups", None, arg or "test", max_docs)
+            if kind in ("file", "gensim"):
+                return self._load(kind, arg or None, "all", max_docs)
+        except DataError as exc:
+            raise DataError(f"task.public_corpus={spec!r} (the corpus method={self.config.mode} vectorises at every "
+                            f"site for the mappers): {exc}; set task.public_corpus=file:PATH, or none with "
+                            f"method=nomapping") from None
+        raise ValueError(f"task.public_corpus={spec!r}; use 20newsgroups:test, file:PATH, gensim:NAME or none")
 
     def _local_counts(self) -> Counter[str]:
         counts: Counter[str] = Counter()
@@ -368,7 +382,9 @@ class Doc2VecTask(GensimJointTask):
 
         cid = self.site.client_id
         path = export_path(out_dir, cid)
-        extra = {"mode": self.config.mode, "kind": "doc2vec"}
+        from hpcfed.data.corpus import label_names
+
+        extra = {"mode": self.config.mode, "kind": "doc2vec", "label_names": json.dumps(label_names(self.docs))}
         write_export(path, self.doc_vectors(), [d.id for d in self.docs], np.array([d.label for d in self.docs]),
                      entity="doc", model=f"doc2vec-pvdm{self.config.vector_size}", site=cid,
                      config_hash=self.site.config_hash, extra=extra)
@@ -376,7 +392,8 @@ class Doc2VecTask(GensimJointTask):
             vectors = g.infer_many(self.model, [tokenize(d.text) for d in self.public], self.settings, seed=0)
             write_export(path, vectors, [d.id for d in self.public], np.array([d.label for d in self.public]),
                          entity="public", model=f"doc2vec-pvdm{self.config.vector_size}", site=cid,
-                         config_hash=self.site.config_hash, extra=extra, append=True)
+                         config_hash=self.site.config_hash, append=True,
+                         extra={**extra, "label_names": json.dumps(label_names(self.public))})
         g.save_model(model_path(out_dir, cid), self.model, self.settings, site=cid)
         return path
 

@@ -1,8 +1,7 @@
 """DAMe task: personalised federated social event detection on one site (paper §4; spec 1.1–1.7).
 
-A site holds a message table (`hpcfed.data.messages`), builds its message graph
-(`hpcfed.data.message_graph`) and features ``[SBERT ‖ time]`` (`hpcfed.data.text_features`), and trains
-the two-layer GAT (`hpcfed.models.gat`) with the triplet loss. Per round (spec 1.6)::
+A site holds messages (`hpcfed.data.messages`), their graph (`hpcfed.data.message_graph`) and features
+``[SBERT ‖ time]`` (`hpcfed.data.text_features`); it trains a 2-layer GAT (`hpcfed.models.gat`). Per round::
 
     θ^g = model from the server (SEGA's personalised model for DAMe)
     θ^l = BOLA(θ^l, θ^g)  = λ*θ^l + (1−λ*)θ^g           if bola and round ≥ 1, else θ^g      (eq. 2–3)
@@ -10,19 +9,19 @@ the two-layer GAT (`hpcfed.models.gat`) with the triplet loss. Per round (spec 1
                     (glecc_own_model=false: no GLECC in a round where θ^g is the client's own upload)
     upload θ^l
 
-Evaluation (spec 1.7): embed a split, k-means with k = number of distinct events in it
-(``random_state=0, n_init=10``), report NMI, AMI (arithmetic) and ARI. ``evaluate(final=True)`` first
-applies one last BOLA merge of the received final model (spec 1.6 [RECON]) and scores the test split.
+Evaluation (spec 1.7): k-means (k = distinct events) on a split's embeddings; NMI, AMI, ARI. The final
+evaluation first applies one last BOLA merge of the received final model (spec 1.6 [RECON]).
 
-Baselines through the same task (``method=``, `EventsTask.METHODS`): Local, FedAvg, FedProx (client-side proximal term
-``μ/2·||θ − θ^g||²``), Ditto (a personal model trained with ``λ/2·||v − θ^g||²`` beside the shared one,
-which is what is uploaded), and the ablations without BOLA, SEGA or GLECC. Attacks on the last client
-(`Site.attack`): ``model`` uploads scaled or random parameters, ``data`` trains on randomly relabelled
-messages (a cyclic relabelling would be a no-op for a clustering loss).
+``method=dame`` adds the safety rules of `hpcfed.tasks.dame_safe` (``dame-paper``: the paper's method).
+Baselines (``method=``, `EventsTask.METHODS`): Local, FedAvg, FedProx (``μ/2·||θ − θ^g||²``), Ditto (a
+personal model with ``λ/2·||v − θ^g||²`` beside the uploaded shared one), ablations without BOLA, SEGA
+or GLECC. Attacks on the last client (`Site.attack`): ``model`` uploads scaled or random parameters,
+``data`` trains on randomly relabelled messages (a cyclic relabelling is a no-op for a clustering loss).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,10 @@ import numpy as np
 from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
+from hpcfed.tasks.dame_safe import LocalTrack, choose_personal, closing_lines, glecc_gate
+from hpcfed.tasks.event_training import TrainData, kmeans_metrics, train_epochs
+from hpcfed.tasks.event_training import seeded_rng as _rng
+from hpcfed.tasks.event_training import site_key as _site_key
 
 log = logging.getLogger("hpcfed.tasks.events")
 
@@ -47,38 +50,12 @@ def _method(strategy: str, *, bola: bool = False, glecc: bool = False, ditto: bo
     return MethodPreset(strategy=strategy, task_options={"bola": bola, "glecc": glecc, "prox_mu": 0.0, "ditto": ditto})
 
 
-def kmeans_metrics(embeddings: np.ndarray, labels: np.ndarray, seed: int = 0) -> dict[str, float]:
-    """k-means (k = distinct labels in `labels`) on `embeddings`; NMI, AMI, ARI (spec 1.7)."""
-    from sklearn.cluster import KMeans
-    from sklearn.metrics import adjusted_mutual_info_score, adjusted_rand_score, normalized_mutual_info_score
-
-    k = len(np.unique(labels))
-    if len(labels) < 2 or k < 1:
-        return {"nmi": 0.0, "ami": 0.0, "ari": 0.0}
-    x = np.nan_to_num(np.asarray(embeddings, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
-    pred = KMeans(n_clusters=min(k, len(np.unique(x, axis=0))) or 1, random_state=seed, n_init=10).fit_predict(x)
-    return {"nmi": float(normalized_mutual_info_score(labels, pred)),
-            "ami": float(adjusted_mutual_info_score(labels, pred, average_method="arithmetic")),
-            "ari": float(adjusted_rand_score(labels, pred))}
-
-
-def _rng(*keys: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([abs(int(k)) for k in keys]))
-
-
-def _site_key(name: str, attacker_id: int | None = None) -> int:
-    """Seed key of a site's subsample and split: its dataset name, so a site draws the same messages and
-    test split in every config and at every client position (an attacker with the same data draws its own)."""
-    import zlib
-
-    key = zlib.crc32(name.encode("utf-8"))
-    return key if attacker_id is None else key + 1 + attacker_id
-
-
 class EventsTask(Task):
     name = "events"
     METHODS: ClassVar[Mapping[str, MethodPreset]] = {
-        "dame": _method("sega", bola=True, glecc=True),
+        # safe by construction (`hpcfed.tasks.dame_safe`): never worse than the site's own Local model
+        "dame": MethodPreset(strategy="sega", task_options={"bola": True, "glecc": True, "prox_mu": 0.0,
+                                                            "ditto": False, "safe": True}),
         "local": _method("local"),
         "fedavg": _method("fedavg"),
         "fedprox": _method("fedavg", prox=True),
@@ -86,6 +63,10 @@ class EventsTask(Task):
         "dame-no-bola": _method("sega", glecc=True),
         "dame-no-sega": _method("fedavg", bola=True, glecc=True),
         "dame-no-glecc": _method("sega", bola=True),
+        # the paper's method as published (issue 26): no safety rules, BOLA over [0.6, 1], GLECC always
+        "dame-paper": MethodPreset(strategy="sega", task_options={
+            "bola": True, "glecc": True, "prox_mu": 0.0, "ditto": False, "safe": False, "bola_alpha": 0.6,
+            "glecc_own_model": True}),
     }
 
     @dataclass(kw_only=True)
@@ -125,6 +106,11 @@ class EventsTask(Task):
         # knowledge). False skips GLECC in that case, so a singleton client trains as Local does.
         glecc_own_model: bool = True
         detach_alpha: bool = False
+        # safe DAMe (`hpcfed.tasks.dame_safe`, method=dame): BOLA scores λ=1 first, GLECC gated on validation
+        # NMI, and a shadow Local model is a candidate in the final per-site selection on validation
+        safe: bool = False
+        glecc_gate_tol: float = 0.0  # GLECC runs if val NMI(θ^g) >= val NMI(θ^l) − tol
+        select_margin: float = 0.0  # keep the personalised model if its val NMI > Local's + margin
         # baselines
         prox_mu: float = 0.0  # FedProx
         ditto: bool = False
@@ -148,11 +134,12 @@ class EventsTask(Task):
                 raise ValueError("bola_calls and bola_init must be >= 1")
             if self.attack_model not in ("random", "scaled"):
                 raise ValueError(f"attack_model={self.attack_model!r}; choose random or scaled")
+            if not (0.0 <= self.glecc_gate_tol <= 1.0 and 0.0 <= self.select_margin <= 1.0):
+                raise ValueError("glecc_gate_tol and select_margin are NMI differences: each must be in [0, 1]")
             if self.max_messages_per_site is not None and self.max_messages_per_site < 20:
                 raise ValueError("max_messages_per_site must be >= 20 (or null for all)")
 
-    # ------------------------------------------------------------------------------------------
-    # construction
+    # -- construction ------------------------------------------------------------------------------
 
     def __init__(self, config: Config, site: Site) -> None:
         super().__init__(config, site)
@@ -183,6 +170,7 @@ class EventsTask(Task):
         self.x = torch.from_numpy(self._features(msgs))
         from hpcfed.data.message_graph import edge_index, message_adjacency, message_attributes
 
+        log.info("site %d: building the message graph of %d messages", cid, len(msgs))
         adjacency = message_adjacency(message_attributes(msgs))
         self.rowptr, self.col = to_csr(edge_index(adjacency), len(msgs))
         n = len(msgs)
@@ -202,15 +190,25 @@ class EventsTask(Task):
         self.scratch = self.build_model(c)  # BOLA candidates and final evaluation
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.layout = ParamLayout.of(torch_state.module_parameters(self.model))
-        self.personal = self.personal_optimizer = None
-        if c.ditto:
-            self.personal = self.build_model(c)
-            self.personal.load_state_dict(self.model.state_dict())
-            self.personal_optimizer = torch.optim.Adam(self.personal.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        personal: tuple[Any, Any] = self._twin() if c.ditto else (None, None)
+        self.personal, self.personal_optimizer = personal
+        # safe DAMe: the Local model, trained beside the personalised one from the same start
+        self.shadow = LocalTrack(*self._twin()) if c.safe else None
+        self.glecc_on = not c.safe  # the gate's verdict for this round (safe DAMe)
+        self.gate_scores = (float("nan"), float("nan"))  # val NMI of θ^g and θ^l this round
+        self.final: tuple[Any, Any, dict[str, float]] | None = None  # safe: (chosen, Local candidate, why)
         self.local_flat: np.ndarray | None = None  # θ^l after the last training
         self.received: np.ndarray | None = None  # θ^g from the server
         self.received_used = False
         self.last_lambda = 1.0
+
+    def _twin(self) -> tuple[Any, Any]:
+        """A copy of the initial model and its own Adam (Ditto's personal model, the safe DAMe's Local)."""
+        import torch
+
+        model = self.build_model(self.config)
+        model.load_state_dict(self.model.state_dict())
+        return model, torch.optim.Adam(model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
 
     def _load(self, name: str) -> Any:
         from hpcfed.data.messages import load_site
@@ -228,12 +226,19 @@ class EventsTask(Task):
     def _features(self, msgs: Any) -> np.ndarray:
         from hpcfed.data.text_features import message_features
 
+        log.info("site %d: %d message features (%s), from the cache or encoded now", self.site.client_id,
+                 len(msgs), self.config.text_model)
         x = message_features(msgs.texts, msgs.times, self.config.text_model, cache=self.config.feature_cache,
-                             device="cpu")
+                             device="cpu", progress=f"site {self.site.client_id}")
         if x.shape[1] != self.input_dim(self.config):
             raise ValueError(f"text model {self.config.text_model!r} gives {x.shape[1] - 2} dims but task.text_dim="
                              f"{self.config.text_dim}; set task.text_dim={x.shape[1] - 2}")
         return x
+
+    @classmethod
+    def summary_lines(cls, summary: dict[str, Any]) -> list[str]:
+        """Console lines after ``done:`` (launcher): personalised vs each site's own Local model."""
+        return closing_lines(summary)
 
     @classmethod
     def input_dim(cls, config: Config) -> int:
@@ -265,8 +270,7 @@ class EventsTask(Task):
                 outs.append(model(xs, ei_t)[: len(seeds)].numpy().astype(np.float64))
         return outs
 
-    # ------------------------------------------------------------------------------------------
-    # parameters
+    # -- parameters --------------------------------------------------------------------------------
 
     def _flat(self, module: Any) -> np.ndarray:
         return self.layout.flatten(torch_state.module_parameters(module))
@@ -289,8 +293,7 @@ class EventsTask(Task):
         self.received = self.layout.flatten(params).copy()
         self.received_used = False
 
-    # ------------------------------------------------------------------------------------------
-    # BOLA
+    # -- BOLA --------------------------------------------------------------------------------------
 
     def _score(self, flat: np.ndarray, nodes: np.ndarray, round: int) -> float:
         """NMI of k-means on `nodes` with the model `flat` (BOLA's objective f)."""
@@ -303,6 +306,7 @@ class EventsTask(Task):
         from hpcfed.tasks.bola import bola, bola_reference, merge
 
         c = self.config
+        self.glecc_on, self.gate_scores = not c.safe, (float("nan"), float("nan"))
         if not c.bola or self.local_flat is None or round == 0:
             self.last_lambda = 0.0 if self.local_flat is None or not c.bola else 1.0
             return theta_g.copy()
@@ -314,9 +318,16 @@ class EventsTask(Task):
         if len(val) < 2 or len(val) < len(np.unique(self.labels[val])) or not np.isfinite(theta_g).all():
             self.last_lambda = 1.0
             return theta_l.copy()
+        scores: dict[float, float] = {}
 
         def f(lam: float) -> float:
-            return self._score(merge(theta_l, theta_g, lam), val, round)
+            if lam not in scores:
+                scores[lam] = self._score(merge(theta_l, theta_g, lam), val, round)
+            return scores[lam]
+
+        if c.safe:  # the gate: does θ^g separate this site's validation events as well as θ^l?
+            self.gate_scores = (f(0.0), f(1.0))
+            self.glecc_on = glecc_gate(*self.gate_scores, own_model=False, tol=c.glecc_gate_tol)
 
         seed = 42 + self.site.client_id
         if c.reference_compat:
@@ -328,12 +339,12 @@ class EventsTask(Task):
             lam, _ = bola_reference(f_pair, s_l, s_g, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls,
                                     seed=seed)
         else:
-            lam, _ = bola(f, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls, seed=seed)
+            lam, _ = bola(f, lo=c.bola_alpha, n_init=c.bola_init, n_calls=c.bola_calls, seed=seed,
+                          anchors=(1.0,) if c.safe else ())
         self.last_lambda = float(lam)
         return merge(theta_l, theta_g, lam)
 
-    # ------------------------------------------------------------------------------------------
-    # training
+    # -- training ----------------------------------------------------------------------------------
 
     def _embed(self, model: Any, nodes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         import torch
@@ -346,10 +357,6 @@ class EventsTask(Task):
                          self.config.eval_batch_size, rng).numpy()
 
     def fit(self, round: int) -> FitResult:
-        import torch
-
-        from hpcfed.models.gat import glecc_loss, glecc_weight, sample_subgraph, select_triplets, triplet_loss
-
         c = self.config
         self._round = round
         if self.received is None:
@@ -363,68 +370,73 @@ class EventsTask(Task):
         self._load_flat(self.model, start)
         self._load_flat(self.global_model, theta_g)
         self.global_model.eval()
-        use_glecc = c.glecc and round >= 1
+        use_glecc = c.glecc and round >= 1 and self.glecc_on
         if use_glecc and not c.glecc_own_model:
             # θ^g is this client's own last upload: nothing global to align with
             use_glecc = not (self.local_flat is not None and np.array_equal(self.local_flat, theta_g))
-        gen = torch.Generator().manual_seed(int(_rng(self.site.seed, 31, self.site.client_id, round).integers(2**62)))
-        rng = _rng(self.site.seed, 37, self.site.client_id, round)
-        global_params = [p.detach().clone() for p in self.global_model.parameters()]
-        labels_all = torch.from_numpy(self.train_labels)
-        stats = {"loss": 0.0, "triplet": 0.0, "glecc": 0.0, "alpha": 0.0}
-        steps = 0
+        data = TrainData(self.x, self.rowptr, self.col, self.train_idx, self.train_labels)
         models: list[tuple[Any, Any, float]] = [(self.model, self.optimizer, c.prox_mu)]
         if c.ditto:
             models.append((self.personal, self.personal_optimizer, c.ditto_mu))
-        for _ in range(c.local_epochs):
-            order = rng.permutation(self.train_idx)
-            for start_i in range(0, len(order), c.batch_size):
-                seeds = order[start_i:start_i + c.batch_size]
-                n_id, ei = sample_subgraph(self.rowptr, self.col, seeds, c.fanouts, rng)
-                xb, eib = self.x[torch.from_numpy(n_id)], torch.from_numpy(ei)
-                yb = labels_all[torch.from_numpy(seeds)]
-                for idx, (model, optimizer, mu) in enumerate(models):
-                    model.train()
-                    optimizer.zero_grad()
-                    h = model(xb, eib)[: len(seeds)]
-                    triplets = select_triplets(h, yb, c.margin, gen, c.max_pairs_per_class)
-                    loss_t = triplet_loss(h, triplets, c.margin)
-                    loss = loss_t
-                    if use_glecc and idx == 0 and triplets.numel():
-                        with torch.no_grad():
-                            h_g = self.global_model(xb, eib)[: len(seeds)]
-                        loss_tg = triplet_loss(h_g, triplets, c.margin)
-                        l_glecc = glecc_loss(h, h_g, yb)
-                        alpha = glecc_weight(loss_t, loss_tg, c.detach_alpha)
-                        loss = loss_t + alpha * l_glecc  # eq. 17
-                        stats["glecc"] += float(l_glecc.detach())
-                        stats["alpha"] += float(alpha.detach())
-                    if mu > 0:  # FedProx / Ditto proximal term μ/2·||θ − θ^g||²
-                        prox = sum(((p - g) ** 2).sum() for p, g in zip(model.parameters(), global_params))
-                        loss = loss + 0.5 * mu * prox
-                    loss.backward()
-                    optimizer.step()
-                    if idx == 0:
-                        stats["loss"] += float(loss.detach())
-                        stats["triplet"] += float(loss_t.detach())
-                steps += 1
+        stats = train_epochs(models, data, c, global_model=self.global_model, use_glecc=use_glecc,
+                             rng=self._train_rng(round), gen=self._triplet_gen(round))
         self.local_flat = self._flat(self.model)
-        metrics = {f"train_{k}": v / max(steps, 1) for k, v in stats.items()}
+        metrics = {f"train_{k}": v for k, v in stats.items()}
         metrics["bola_lambda"] = self.last_lambda
+        if self.shadow is not None:
+            metrics.update(self._fit_shadow(round, data))
         return FitResult(num_examples=len(self.train_idx), metrics=metrics)
 
-    # ------------------------------------------------------------------------------------------
-    # evaluation
+    def _train_rng(self, round: int) -> np.random.Generator:
+        return _rng(self.site.seed, 37, self.site.client_id, round)
+
+    def _triplet_gen(self, round: int) -> Any:
+        import torch
+
+        return torch.Generator().manual_seed(int(_rng(self.site.seed, 31, self.site.client_id, round).integers(2**62)))
+
+    def _fit_shadow(self, round: int, data: TrainData) -> dict[str, float]:
+        """One round of the shadow Local model, on fresh copies of the round's generators (so it is
+        ``method=local``'s model bit for bit), and its validation NMI; the gate's figures beside it."""
+        assert self.shadow is not None
+        train_epochs([(self.shadow.model, self.shadow.optimizer, 0.0)], data, self.config,
+                     global_model=self.global_model, use_glecc=False, rng=self._train_rng(round),
+                     gen=self._triplet_gen(round))
+        h = self._embed(self.shadow.model, self.val_idx, _rng(self.site.seed, 41, self.site.client_id, round))
+        val = kmeans_metrics(h, self.labels[self.val_idx])["nmi"]
+        self.shadow.rounds += 1
+        out = {"local_val_nmi": val, "glecc_on": float(self.glecc_on and round >= 1)}
+        if all(np.isfinite(self.gate_scores)):
+            out.update(gate_val_nmi_global=self.gate_scores[0], gate_val_nmi_local=self.gate_scores[1])
+        return out
+
+    # -- evaluation --------------------------------------------------------------------------------
 
     def _final_model(self) -> Any:
-        """The model a site ends with: personal (Ditto), or θ^g merged by one last BOLA step."""
+        """The model a site ends with: personal (Ditto), or θ^g merged by one last BOLA step; with
+        ``safe``, that or the shadow Local model, whichever `choose_personal` keeps on validation."""
         if self.config.ditto:
             return self.personal
         if self.received is not None and not self.received_used:
             flat = self._local_aggregate(getattr(self, "_round", 0) + 1, self.received)
             self.received_used = True
             self._load_flat(self.model, flat)
-        return self.model
+        if self.shadow is None or self.shadow.rounds == 0:
+            return self.model
+        if self.final is None:
+            local = self.shadow.model
+            val_p, val_l = (self._scores(m, self.val_idx, 53)["nmi"] for m in (self.model, local))
+            keep = choose_personal(val_p, val_l, self.config.select_margin)
+            self.final = (self.model if keep else local, local, {
+                "kept_personal": float(keep), "val_personal_nmi": val_p, "val_local_nmi": val_l})
+        return self.final[0]
+
+    def _scores(self, model: Any, nodes: np.ndarray, key: int) -> dict[str, float]:
+        """NMI/AMI/ARI of `model` on `nodes`, the mean over ``eval_repeats`` sampled embeddings (the same
+        draws for any model: key 43 for the test split, 53 for the final validation)."""
+        runs = [kmeans_metrics(self._embed(model, nodes, _rng(self.site.seed, key, self.site.client_id, r)),
+                               self.labels[nodes]) for r in range(self.config.eval_repeats)]
+        return {k: float(np.mean([m[k] for m in runs])) for k in ("nmi", "ami", "ari")}
 
     def evaluate(self, round: int, final: bool = False) -> dict[str, float]:
         c = self.config
@@ -432,12 +444,10 @@ class EventsTask(Task):
             model = self.personal if c.ditto else self.model
             h = self._embed(model, self.val_idx, _rng(self.site.seed, 41, self.site.client_id, round))
             return {f"val_{k}": v for k, v in kmeans_metrics(h, self.labels[self.val_idx]).items()}
-        model = self._final_model()
-        runs = []
-        for r in range(c.eval_repeats):
-            h = self._embed(model, self.test_idx, _rng(self.site.seed, 43, self.site.client_id, r))
-            runs.append(kmeans_metrics(h, self.labels[self.test_idx]))
-        out = {k: float(np.mean([m[k] for m in runs])) for k in ("nmi", "ami", "ari")}
+        out = self._scores(self._final_model(), self.test_idx, 43)
+        if self.final is not None:  # safe DAMe: both candidates' test NMI, and what the site kept
+            personal, local = (self._scores(m, self.test_idx, 43)["nmi"] for m in (self.model, self.final[1]))
+            out.update(self.final[2], personal_nmi=personal, local_nmi=local, vs_local_nmi=personal - local)
         out["num_test"] = float(len(self.test_idx))
         out["num_events"] = float(len(np.unique(self.labels[self.test_idx])))
         return out
@@ -451,10 +461,13 @@ class EventsTask(Task):
         return write_export(export_path(out_dir, self.site.client_id), vectors.astype(np.float32),
                             self.ids, self.labels.astype(np.int64), entity="message", model="dame-gat",
                             site=self.site.client_id, config_hash=self.site.config_hash, version=0,
-                            extra={"dataset": self.dataset, "events": ",".join(self.event_names)})
+                            extra={"dataset": self.dataset, "events": ",".join(self.event_names),
+                                   "label_names": json.dumps(self.event_names),
+                                   # BOLA and Ditto end with a model of each site's own: no shared space
+                                   "shared_space": not (self.config.bola or self.config.ditto
+                                                        or self.site.method == "local")})
 
-    # ------------------------------------------------------------------------------------------
-    # resumable state
+    # -- resumable state ---------------------------------------------------------------------------
 
     def state_dict(self) -> Bundle:
         head, out = torch_state.training_state(self.optimizer)
@@ -466,6 +479,10 @@ class EventsTask(Task):
             head["personal_optimizer"] = ph
             out.update({"p" + k: v for k, v in pa.items()})
             out["personal"] = self._flat(self.personal)
+        if self.shadow is not None:
+            shadow_head, shadow_arrays = self.shadow.state(self._flat(self.shadow.model))
+            head.update(shadow_head)
+            out.update(shadow_arrays)
         return head, out
 
     def load_state_dict(self, state: Bundle) -> None:
@@ -478,3 +495,5 @@ class EventsTask(Task):
             self._load_flat(self.personal, arrays["personal"])
             torch_state.load_optimizer_state(self.personal_optimizer, header["personal_optimizer"],
                                              {k[1:]: v for k, v in arrays.items() if k.startswith("popt/")})
+        if self.shadow is not None and (shadow := self.shadow.load(header, arrays)) is not None:
+            self._load_flat(self.shadow.model, shadow)

@@ -55,7 +55,7 @@ class HINTask(Task):
 
     @dataclass(kw_only=True)
     class Config:
-        dataset: str = "synthetic"  # synthetic | hin/acm | hin/aminer | path/to/graph.npz
+        dataset: str = "synthetic"  # synthetic | hin/acm | hin/aminer | a HeCo-layout folder | path/to/graph.npz
         metapaths: list[str] | None = None  # default: the dataset's (ACM: PAP, PSP)
         split: str = "20"  # HeCo train_20/val_20/test_20; files without it use train/val/test;
         # "frac:0.3" draws a stratified 30% train / 10% val / 60% test split (HAHE's --train 0.3)

@@ -11,8 +11,10 @@ from hpcfed.data.corpus import (
     Document,
     clean_post,
     gensim_test_corpus,
+    label_names,
     load_20newsgroups,
     load_corpus_file,
+    sample,
     split_documents,
 )
 from hpcfed.data.root import DataError
@@ -32,7 +34,9 @@ def test_jsonl_and_plain_text(tmp_path: Path) -> None:
     ("not json", "docs.jsonl:2: not valid JSON"),
     ('{"text": "x"}', "docs.jsonl:2: field 'id'"),
     ('{"id": "b", "text": 3}', "docs.jsonl:2: field 'text'"),
-    ('{"id": "b", "text": "x", "label": "sport"}', "docs.jsonl:2: field 'label'"),
+    ('{"id": "b", "text": "x", "label": 1.5}', "docs.jsonl:2: field 'label' must be a class name or an integer"),
+    ('{"id": "b", "text": "x", "label": ""}', "docs.jsonl:2: field 'label'"),
+    ('{"id": "b", "text": "x", "label": ["a"]}', "docs.jsonl:2: field 'label'"),
     ('{"id": "a", "text": "x"}', "docs.jsonl:2: duplicate id"),
 ])
 def test_jsonl_errors_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
@@ -40,6 +44,28 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path, line: str, message: str
     p.write_text('{"id": "a", "text": "ok"}\n' + line + "\n")
     with pytest.raises(DataError, match=message):
         load_corpus_file(p)
+
+
+def test_class_names_are_numbered_in_sorted_order_and_kept(tmp_path: Path) -> None:
+    p = tmp_path / "reuters.jsonl"
+    p.write_text('{"id": "a", "text": "x", "label": "trade"}\n{"id": "b", "text": "y", "label": "earn"}\n'
+                 '{"id": "c", "text": "z"}\n{"id": "d", "text": "w", "label": "trade"}\n')
+    docs = load_corpus_file(p)
+    assert [(d.label, d.group) for d in docs] == [(1, "trade"), (0, "earn"), (-1, ""), (1, "trade")]
+    assert label_names(docs) == ["earn", "trade"]
+    p.write_text('{"id": "a", "text": "x", "label": "10"}\n{"id": "b", "text": "y", "label": 9}\n')
+    assert [d.label for d in load_corpus_file(p)] == [1, 0]  # names, in numeric order
+    p.write_text('{"id": "a", "text": "x", "label": 10}\n{"id": "b", "text": "y", "label": 9}\n')
+    assert [d.label for d in load_corpus_file(p)] == [10, 9]  # integers keep their values
+
+
+def test_max_docs_is_a_seeded_sample_not_the_first_n() -> None:
+    docs = gensim_test_corpus()
+    picked = sample(docs, 30, seed=0)
+    assert len(picked) == 30 and picked == sample(docs, 30, seed=0)
+    assert [d.id for d in picked] != [d.id for d in docs[:30]] and max(int(d.id) for d in picked) > 100
+    assert [int(d.id) for d in picked] == sorted(int(d.id) for d in picked)  # corpus order kept
+    assert sample(docs, None, 0) is docs and sample(docs, 500, 0) is docs
 
 
 def test_gensim_corpus_and_random_split() -> None:

@@ -178,7 +178,7 @@ def test_owner_partitions_hold_each_node_once() -> None:
 
 
 def test_heco_loader_matches_the_released_metapath_matrices(shared_data: Path) -> None:
-    from hpcfed.data.hin import load_heco
+    from hpcfed.data.heco import load_heco
 
     hin = load_heco("hin/aminer", shared_data)
     assert hin.counts["P"] == 6564 and hin.metapaths == ["PAP", "PRP"]
@@ -197,3 +197,23 @@ def test_partition_report_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert out[0].startswith("site 0: ") and "train labels; meta-path instances kept: PAP" in out[0]
     assert out[3].startswith("held by some site: PAP ") and "(100.0%)" in out[3]  # each instance at its author's site
     assert out[4].startswith("sites holding a target node, mean: ")
+
+
+def test_import_tsv_tables_with_mapped_column_names(tmp_path: Path) -> None:
+    renamed = {"id": "node", "src": "from", "dst": "to", "label": "class"}
+    files = {}
+    for name, text in GRAPH.items():
+        if name == "splits.csv":
+            continue
+        header, _, body = text.partition("\n")
+        header = ",".join(renamed.get(h, h) for h in header.split(","))
+        files[name.replace(".csv", ".tsv")] = (header + "\n" + body).replace(",", "\t")
+    folder = _write(tmp_path / "g", files)
+    hin = read_hin_folder(folder, columns=renamed)
+    assert hin.counts == {"P": 5, "A": 3, "S": 2} and len(hin.relations["PA"]) == 6
+    assert list(hin.label_names) == ["databases", "learning"] and hin.features.shape == (5, 2)
+    with pytest.raises(DataError, match=r"edges_PA.tsv: line 1: --columns src=source: no such column "
+                                        r"\(found: from, to\)"):
+        read_hin_folder(folder, columns={**renamed, "src": "source"})
+    assert cli_main(["data", "import-hin", str(folder), "--columns", "id=node,bad", "--out",
+                     str(tmp_path / "x.npz")]) == 2

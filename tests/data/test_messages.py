@@ -19,6 +19,7 @@ from hpcfed.data.message_graph import (
 from hpcfed.data.messages import (
     Messages,
     event_part,
+    event_subset,
     load_arabic,
     load_crisislext6,
     load_crisislext26,
@@ -189,6 +190,22 @@ def test_site_parts_of_a_message_file(tmp_path):
     path.write_text(GOOD_CSV)
     msgs, report = load_site(f"{path}:2/2")  # events flood (June) then quake (October)
     assert msgs.events == ["quake"] and "events part 2/2: 1 events, 1 messages" in report.source
+
+
+def test_event_subsets_by_pattern(tmp_path):
+    msgs = _timed(["2012_Italy_earthquakes", "2013_Alberta_floods", "2013_Bohol_earthquake", "fire"], [0, 1, 2, 3])
+    assert event_subset(msgs, "QUAKE").events == ["2012_Italy_earthquakes", "2013_Bohol_earthquake"]
+    assert event_subset(msgs, "flood|fire").events == ["2013_Alberta_floods", "fire"]
+    with pytest.raises(DataError, match=r"site 'x~storm': no event label matches 'storm'; the labels are: 2012_"):
+        event_subset(msgs, "storm", "x~storm")
+    with pytest.raises(DataError, match="is not a regular expression"):
+        event_subset(msgs, "(quake")
+    with pytest.raises(DataError, match="1 to 200 characters"):
+        event_subset(msgs, "a" * 201)
+    path = tmp_path / "m.csv"
+    path.write_text(GOOD_CSV)
+    msgs, report = load_site(f"{path}~qua")
+    assert msgs.events == ["quake"] and "events matching 'qua': 1 events, 1 messages" in report.source
 
 
 

@@ -78,3 +78,50 @@ def test_read_lines_bounds_and_encoding(tmp_path: Path) -> None:
         read_lines(tmp_path / "long.txt", "text")
     (tmp_path / "ok.txt").write_text(" a \n\nb\n")
     assert read_lines(tmp_path / "ok.txt", "id") == ["a", "b"]
+
+
+def _dame_like(folder: Path) -> Path:
+    """Two sites' exports as a DAMe run writes them: personalised spaces, labels named by events."""
+    import numpy as np
+
+    from hpcfed.store.embeddings import export_path, write_export
+
+    for site, events in ((0, ["flood", "quake"]), (1, ["fire"])):
+        vectors = np.random.default_rng(site).normal(size=(6, 4)).astype(np.float32)
+        write_export(export_path(folder, site), vectors, [f"m{site}-{i}" for i in range(6)],
+                     np.arange(6) % len(events), entity="message", model="dame-gat", site=site,
+                     extra={"events": ",".join(events), "label_names": json.dumps(events), "shared_space": False})
+    return folder
+
+
+def test_dame_runs_refuse_joint_and_text_but_name_their_events(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcfed.cli import main as cli_main
+
+    run = _dame_like(tmp_path / "dame")
+    assert cli_main(["search", "query", str(run), "--id", "m0-1"]) == 2
+    assert "--mode joint treats the sites' vectors as one space" in capsys.readouterr().err
+    assert cli_main(["search", "query", str(run), "--id", "m0-1", "--mode", "nomapping", "--k", "12",
+                     "--compact"]) == 0
+    results = json.loads(capsys.readouterr().out)["queries"][0]["results"]
+    names = {(r["site"], r["label"]): r["label_name"] for r in results}
+    assert names == {("0", 0): "flood", ("0", 1): "quake", ("1", 0): "fire"}
+    assert cli_main(["search", "query", str(run), "--id", "m0-1", "--force", "--compact"]) == 0  # joint anyway
+    capsys.readouterr()
+    assert cli_main(["search", "query", str(run), "--text", "flood", "--mode", "nomapping"]) == 2
+    err = capsys.readouterr().err
+    assert "text queries are doc2vec-only" in err and "--id" in err and "does not exist" not in err
+
+
+def test_malformed_label_names_are_left_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    from hpcfed.cli import main as cli_main
+    from hpcfed.store.embeddings import export_path, write_export
+
+    for site, names in ((0, "not json"), (1, json.dumps([1, 2]))):
+        write_export(export_path(tmp_path, site), np.eye(3, dtype=np.float32), [f"d{site}{i}" for i in range(3)],
+                     np.arange(3), entity="doc", model="doc2vec-pvdm3", site=site, extra={"label_names": names})
+    assert cli_main(["search", "query", str(tmp_path), "--id", "d00", "--compact"]) == 0
+    results = json.loads(capsys.readouterr().out)["queries"][0]["results"]
+    assert results and all("label_name" not in r for r in results)

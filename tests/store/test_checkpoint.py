@@ -79,3 +79,11 @@ def test_a_dropped_sites_older_shard_keeps_its_round(tmp_path):
     got = ck.load(ck.list_checkpoints(tmp_path)[0], KEY)
     assert got.sites[1] == {"digest": "cd" * 32, "path": "/node/local/sites/1/shard-000003.h5", "round": 3}
     assert "round" not in got.sites[0]  # a shard of the checkpoint's own round carries none
+
+
+def test_a_negative_shard_round_is_refused(tmp_path):
+    ckpt = _ckpt(2)
+    ckpt.sites[1] = {"digest": "cd" * 32, "path": "/node/local/sites/1/shard-000001.h5", "round": -1}
+    path = ck.save(tmp_path, ckpt, keep=2, auth=KEY)
+    with pytest.raises(ck.CheckpointError, match="negative"):
+        ck.load(path, KEY)

@@ -191,3 +191,32 @@ def test_inferred_doc_vectors_are_what_a_text_query_of_the_same_words_gives(tmp_
     np.testing.assert_allclose(exported[0], g.infer(model, tokenize(t.docs[0].text), settings), atol=1e-6)
     t.fit(1)  # a new model: the cached vectors are dropped
     assert not np.allclose(t.doc_vectors(), exported)
+
+
+def test_class_names_reach_the_export_and_public_corpus_errors_name_the_key(tmp_path) -> None:
+    import json
+
+    from hpcfed.data.root import DataError
+    from hpcfed.store.embeddings import read_export
+
+    corpus = tmp_path / "news.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"n{i}", "text": f"{w} prices rose again today", "label": w}) + "\n"
+                              for i, w in enumerate(["grain", "earn", "trade", "earn"])))
+    cfg = Doc2VecTask.Config(dataset="file", path=str(corpus), vector_size=8, sample=0, min_count=1, total_epochs=1)
+    task = Doc2VecTask(cfg, Site(client_id=0, num_clients=1, seed=0, out_dir=tmp_path))
+    replies, init = Doc2VecTask.server_setup(cfg, {0: task.setup()})
+    task.on_setup(replies[0])
+    task.set_parameters(init)
+    export = read_export(task.export_embeddings(tmp_path), "doc")
+    assert json.loads(export.attrs["label_names"]) == ["earn", "grain", "trade"]
+    assert export.labels.tolist() == [1, 0, 2, 0]
+    assert Doc2VecTask.final_figures_on.startswith("each site's own documents, as doc2vec has no test split")
+    missing = Doc2VecTask.Config(dataset="file", path=str(corpus), mode="nomapping",
+                                 public_corpus=f"file:{tmp_path / 'nope.jsonl'}")
+    with pytest.raises(DataError, match=r"task.public_corpus='file:.*nope.jsonl' .* or none with method=nomapping"):
+        Doc2VecTask(missing, Site(client_id=0, num_clients=1, seed=0, out_dir=tmp_path))
+    alone = Doc2VecTask(Doc2VecTask.Config(dataset="file", path=str(corpus), mode="nomapping", public_corpus="none"),
+                        Site(client_id=0, num_clients=1, seed=0, out_dir=tmp_path))
+    assert alone.public == []
+    with pytest.raises(ValueError, match="method=mapping fits its mappers on a public corpus"):
+        Doc2VecTask.Config(dataset="file", path=str(corpus), mode="mapping", public_corpus="none").validate()

@@ -95,6 +95,9 @@ def test_method_presets_map_to_strategy_and_switches():
     assert cfg.strategy.name == "fedavg" and cfg.strategy.options == {} and cfg.task.options["prox_mu"] > 0
     cfg = resolved("local")
     assert cfg.strategy.name == "local" and not cfg.task.options["bola"] and not cfg.task.options["glecc"]
+    assert resolved("dame").task.options["safe"] is True  # issue 26: the default DAMe is the safe one
+    paper = resolved("dame-paper").task.options
+    assert paper["safe"] is False and paper["bola_alpha"] == 0.6 and paper["glecc_own_model"] is True
     with pytest.raises(ConfigError, match="choose one of"):
         resolved("fedsgd")
 

@@ -20,14 +20,19 @@ OVERRIDES = [
 
 def test_dame_federation_with_a_malicious_site(tmp_path):
     out = tmp_path / "run"
-    run_cli(["run", "configs/dame_crisis.yaml", "--out", str(out), *OVERRIDES], np=5, timeout=420,
-            env={"OMP_NUM_THREADS": "1"})
+    proc = run_cli(["run", "configs/dame_crisis.yaml", "--out", str(out), *OVERRIDES], np=5, timeout=420,
+                   env={"OMP_NUM_THREADS": "1"})
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary["clients"]) == ["0", "1", "2", "3"]
     for cid in "012":
         site = summary["clients"][cid]
         assert {"nmi", "ami", "ari"} <= set(site) and 0.0 <= site["nmi"] <= 1.0
         assert site["num_events"] == 6
+        # the safe DAMe (issue 26): the personalised model against the site's own Local model, one figure
+        assert site["vs_local_nmi"] == site["personal_nmi"] - site["local_nmi"]
+        assert site["nmi"] == (site["personal_nmi"] if site["kept_personal"] == 1.0 else site["local_nmi"])
+    line = next(x for x in proc.stderr.splitlines() if "personalised minus each site's own Local model" in x)
+    assert all(f"site {cid} " in line for cid in "0123")
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     names = {e["name"] for e in events}
     assert "sega_clusters" in names and "bola_lambda" in names

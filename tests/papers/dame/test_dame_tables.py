@@ -75,3 +75,39 @@ def test_sweep_tables_levels_test_sizes_and_paired_gains(tmp_path, capsys):
             "| +0.025, +0.035 | 1 of 2 |") in text
     assert "| 200 | fedavg | " in text and "2 of 2 |" in text
     assert "-attack-" not in "".join(p.name for p in root.rglob("*"))  # a sweep runs no attacks
+
+
+def _safe_run(out: Path, nmis: list[float], extra: dict | None = None, rounds: dict | None = None) -> None:
+    out.mkdir(parents=True)
+    clients = {str(c): {"nmi": v, **(extra or {})} for c, v in enumerate(nmis)}
+    (out / "summary.json").write_text(json.dumps({"clients": clients}))
+    lines = [json.dumps({"round": r, "client": c, "name": name, "value": v})
+             for name, per in (rounds or {}).items() for c in range(len(nmis)) for r, v in enumerate(per)]
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_safe_tables_goals_kept_models_and_round_means(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("dame_safe_tables", REPO / "tools" / "dame_safe_tables.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root = tmp_path / "split"
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        _safe_run(root / "local" / f"seed{seed}", [0.80 + shift, 0.70, 0.90])
+        _safe_run(root / "fedavg" / f"seed{seed}", [0.60, 0.60, 0.60])
+        _safe_run(root / "dame-paper" / f"seed{seed}", [0.70, 0.75, 0.90],
+                  rounds={"train_alpha": [0.0, 0.9, 1.0], "bola_lambda": [0.0, 0.6, 0.8], "val_nmi": [0.5, 0.6, 0.7]})
+        _safe_run(root / "dame" / f"seed{seed}", [0.80 + shift, 0.72, 0.885],
+                  {"kept_personal": float(seed), "vs_local_nmi": -0.02}, rounds={"glecc_on": [0.0, 1.0, 0.0]})
+    assert tool.main(["--config", "c.yaml", "--out", str(root), "--sites", "A", "B", "C", "--shared", "0", "1",
+                      "--seeds", "0", "1", "--tables-only", "--figure", str(tmp_path / "f.png")]) == 0
+    text = (root / "safe.md").read_text()
+    assert text.strip() == capsys.readouterr().out.strip()
+    assert "| dame − local | +0.000 (+0.000) | +0.020 (+0.020) | -0.015 (-0.015) | +0.002 (+0.002) |" in text
+    assert "| dame-paper − local | -0.110 (-0.120) |" in text
+    assert "DAMe ≥ Local − 0.01 on every site (mean over seeds): NOT met (worst site -0.015)" in text
+    assert "DAMe ahead of FedAvg on the mean: met (+0.205)" in text
+    assert "DAMe above Local on the sites that share events (A, B): NOT met (+0.000, +0.020)" in text
+    assert "| kept personalised | 0 of 2 | 0 of 2 | 0 of 2 |" not in text and "| kept personalised | 1 of 2 |" in text
+    assert "| dame-paper | A | 0.950 | – | 0.700 | – | 0.700 |" in text  # rounds ≥ 1; last val NMI
+    assert "| dame | A | – | – | – | 0.500 | – |" in text
+    assert (tmp_path / "f.png").stat().st_size > 0

@@ -1,0 +1,95 @@
+"""Safe personalisation for DAMe (issue 26): rules that keep a site at least as good as training alone.
+
+``method=dame`` sets ``task.safe=true``; ``method=dame-paper`` is the paper's method without them.
+On a corpus split by disaster type the paper's DAMe fell 0.13 NMI behind Local (issue 26): GLECC kept
+pulling a site's event centroids towards a received model that separated its events worse, and
+nothing let a site fall back to training alone. The rules (evidence in docs/dame.md, "Safe DAMe"):
+
+1. **BOLA keeps the local model reachable.** The search scores λ = 1 (the purely local model) first
+   and a tie goes to the larger λ, so BOLA merges in the received model only where that scored higher
+   on the site's validation split (`hpcfed.tasks.bola.bola` ``anchors``).
+2. **GLECC is gated per site and round** (`glecc_gate`): it runs only if the received model θ^g is
+   not the site's own upload and its validation NMI is at least the local model's minus
+   ``task.glecc_gate_tol``. GLECC pulls the local event centroids towards θ^g's; that helps only if
+   θ^g separates this site's events at least as well.
+3. **Model selection with Local always a candidate** (`LocalTrack`, `choose_personal`): each site
+   also trains a shadow Local model on the same seeded batches as ``method=local`` (so it is that
+   model, bit for bit). At the end the personalised model is kept only if its validation NMI (mean
+   of ``eval_repeats`` embeddings) beats the Local model's by more than ``task.select_margin``; the
+   site reports both models' test NMI, and their difference, in its final metrics. The Local
+   candidate is Local's final model, not its best round on validation: a per-round snapshot chosen
+   on one embedding of a small validation split picked an undertrained round-0 model (docs/dame.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def glecc_gate(val_global: float, val_local: float, own_model: bool, tol: float = 0.0) -> bool:
+    """Whether GLECC runs this round: θ^g is another model and scores ≥ the local model − `tol`.
+
+    A non-finite score (a failed evaluation, a hostile θ^g) turns GLECC off.
+    """
+    if own_model or not (math.isfinite(val_global) and math.isfinite(val_local)):
+        return False
+    return val_global >= val_local - tol
+
+
+def choose_personal(val_personal: float, val_local: float, margin: float = 0.0) -> bool:
+    """Keep the personalised model only if it beats the local one on validation by more than `margin`."""
+    if not math.isfinite(val_personal):
+        return False
+    return not math.isfinite(val_local) or val_personal > val_local + margin
+
+
+class LocalTrack:
+    """A site's shadow Local model, trained as ``method=local`` would be, and its Adam."""
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.rounds = 0  # rounds trained: no candidate before the first
+
+    def state(self, flat: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Header and arrays to resume from: the shadow's parameters and optimizer."""
+        from hpcfed.tasks import torch_state
+
+        head, arrays = torch_state.optimizer_state(self.optimizer)
+        out = {"s" + k: v for k, v in arrays.items()}
+        out["shadow"] = flat
+        return {"shadow_optimizer": head, "shadow_rounds": self.rounds}, out
+
+    def load(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> np.ndarray | None:
+        """Restore `state`; returns the shadow's parameters (the caller loads them), None if absent."""
+        from hpcfed.tasks import torch_state
+
+        if "shadow" not in arrays or "shadow_optimizer" not in header:
+            return None
+        torch_state.load_optimizer_state(self.optimizer, header["shadow_optimizer"],
+                                         {k[1:]: v for k, v in arrays.items() if k.startswith("sopt/")})
+        self.rounds = int(header.get("shadow_rounds", 0))
+        return np.array(arrays["shadow"], dtype=np.float32)
+
+
+def closing_lines(summary: dict[str, Any]) -> list[str]:
+    """The console's per-site line after ``done:``: personalised minus own Local model, test NMI."""
+    clients = summary.get("clients")
+    if not isinstance(clients, dict):
+        return []
+    parts = []
+    for cid in sorted(clients, key=lambda c: int(c) if str(c).isdigit() else 0):
+        site = clients[cid]
+        figure = site.get("vs_local_nmi") if isinstance(site, dict) else None
+        if not isinstance(figure, (int, float)) or isinstance(figure, bool) or not math.isfinite(figure):
+            continue  # a site that sent none (dame-paper, a late or hostile site): nothing to say
+        kept = "kept personalised" if site.get("kept_personal") == 1.0 else "kept local"
+        parts.append(f"site {cid} {figure:+.3f} ({kept})")
+    if not parts:
+        return []
+    return ["personalised minus each site's own Local model (the candidate it was validated against), test NMI: "
+            + "; ".join(parts)
+            + " (summary.json: clients.K.vs_local_nmi)"]

@@ -1,0 +1,97 @@
+"""The safe DAMe's rules (issue 26) on hand-computed cases, and its shadow Local model in-process."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from test_events import make_task
+
+from hpcfed.tasks.bola import bola
+from hpcfed.tasks.dame_safe import choose_personal, closing_lines, glecc_gate
+
+
+@pytest.mark.parametrize("val_global, val_local, own, tol, expect", [
+    (0.70, 0.60, False, 0.0, True),    # θ^g separates this site's events better: align with it
+    (0.60, 0.60, False, 0.0, True),    # as well: align
+    (0.59, 0.60, False, 0.0, False),   # worse: the gate is shut
+    (0.59, 0.60, False, 0.02, True),   # worse, within the tolerance
+    (0.90, 0.60, True, 0.0, False),    # θ^g is the site's own upload: nothing global to align with
+    (math.nan, 0.60, False, 0.0, False),  # a failed or hostile score never opens the gate
+    (0.70, math.inf, False, 0.0, False),
+])
+def test_glecc_gate(val_global, val_local, own, tol, expect):
+    assert glecc_gate(val_global, val_local, own, tol) is expect
+
+
+@pytest.mark.parametrize("val_personal, val_local, margin, expect", [
+    (0.81, 0.80, 0.0, True),
+    (0.80, 0.80, 0.0, False),   # a tie keeps Local
+    (0.81, 0.80, 0.02, False),  # not better by more than the margin
+    (math.nan, 0.80, 0.0, False),
+    (0.50, math.nan, 0.0, True),  # no Local score (no snapshot): the personalised model
+])
+def test_choose_personal(val_personal, val_local, margin, expect):
+    assert choose_personal(val_personal, val_local, margin) is expect
+
+
+def test_bola_scores_the_local_anchor_first_and_ties_go_to_the_local_side():
+    calls = []
+
+    def flat(lam: float) -> float:  # every λ scores the same: BOLA must keep the purely local model
+        calls.append(lam)
+        return 0.5
+
+    # two calls: the anchor and one initial point, no GP fit (fast); the point is inside (0.6, 1)
+    lam, history = bola(flat, lo=0.6, n_init=2, n_calls=2, seed=0, anchors=(1.0,))
+    assert calls[0] == 1.0 and lam == 1.0 and len(history) == 2
+    lam, history = bola(lambda x: 1.0 - abs(x - 0.8), lo=0.6, n_init=2, n_calls=2, seed=0, anchors=(1.0,))
+    assert lam < 1.0 and lam == max(history, key=lambda h: h[1])[0]  # a better merge still wins
+    with pytest.raises(ValueError, match="anchors"):
+        bola(flat, lo=0.6, anchors=(0.0,))
+
+
+def test_closing_line_one_figure_per_site():
+    summary = {"clients": {"0": {"nmi": 0.8, "vs_local_nmi": -0.031, "kept_personal": 0.0},
+                           "1": {"nmi": 0.9, "vs_local_nmi": 0.0125, "kept_personal": 1.0},
+                           "2": {"nmi": 0.7}}}
+    (line,) = closing_lines(summary)
+    assert "site 0 -0.031 (kept local); site 1 +0.013 (kept personalised)" in line and "site 2" not in line
+    assert closing_lines({"clients": {"0": {"nmi": 0.5}}}) == []
+    hostile = {"clients": {"0": "x", "1": {"vs_local_nmi": "1e9"}, "2": {"vs_local_nmi": math.nan},
+                           "3": {"vs_local_nmi": True}, "4": {"vs_local_nmi": 0.5, "kept_personal": "yes"}}}
+    (line,) = closing_lines(hostile)  # what is not a finite number is left out; nothing raises
+    assert "site 4 +0.500 (kept local)" in line and "site 1" not in line and "site 3" not in line
+    assert closing_lines({"clients": [{"vs_local_nmi": 0.1}]}) == [] and closing_lines({}) == []
+
+
+def test_shadow_is_method_local_bit_for_bit_and_the_gate_and_selection_report(tmp_path):
+    """A safe site's shadow model after two rounds equals a Local site's model; the gate shuts GLECC
+    on a received model that scores worse, and the final metrics carry the comparison."""
+    local = make_task(tmp_path, bola=False, glecc=False)
+    safe = make_task(tmp_path, safe=True, bola_calls=2)  # no GP fit: the anchor and one initial point
+    start = local.get_parameters()
+    for task in (local, safe):
+        task.set_parameters(start)
+        task.fit(0)
+    noise = {k: np.random.default_rng(1).normal(0, 1, v.shape).astype(np.float32) for k, v in start.items()}
+    local.set_parameters(local.get_parameters())  # the Local strategy sends a site its own upload
+    local.fit(1)
+    safe.set_parameters(noise)  # a received model that separates nothing
+    r1 = safe.fit(1)
+    assert np.array_equal(safe._flat(safe.shadow.model), local.local_flat)
+    assert r1.metrics["glecc_on"] == 0.0 and r1.metrics["train_alpha"] == 0.0
+    assert r1.metrics["gate_val_nmi_global"] < r1.metrics["gate_val_nmi_local"]
+    safe.set_parameters(noise)
+    final = safe.evaluate(1, final=True)
+    assert {"personal_nmi", "local_nmi", "vs_local_nmi", "kept_personal", "val_personal_nmi",
+            "val_local_nmi"} <= set(final)
+    assert final["vs_local_nmi"] == pytest.approx(final["personal_nmi"] - final["local_nmi"])
+    assert final["nmi"] == (final["personal_nmi"] if final["kept_personal"] else final["local_nmi"])
+    assert final["kept_personal"] == float(final["val_personal_nmi"] > final["val_local_nmi"])
+    state = safe.state_dict()
+    again = make_task(tmp_path, safe=True, bola_calls=2)
+    again.load_state_dict(state)
+    assert np.array_equal(again._flat(again.shadow.model), safe._flat(safe.shadow.model))
+    assert again.shadow.rounds == safe.shadow.rounds == 2
