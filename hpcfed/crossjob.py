@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 from hpcfed.config import Config, ConfigError
 from hpcfed.errors import FederationError
 from hpcfed.launcher import (
+    HALT_SIGNAL,
     _setup_logging,  # one log format for every rank, however it was started
     channel_settings,
     closing_lines,
@@ -41,7 +42,6 @@ from hpcfed.launcher import (
 
 log = logging.getLogger("hpcfed")
 
-ACCEPT_S = 30.0  # a site told the port connects at once; past this its Accept is released
 CONNECT_S = 60.0  # a site's Connect to the port it was told; past this the site ends
 DISCONNECT_S = 20.0  # the closing Disconnects, all of them; past this the job ends without them
 SERVER_GONE_GRACE_S = 30.0  # a site whose server's lifeline closed ends after this, STOP or not
@@ -65,6 +65,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-range", default=None, metavar="LO-HI",
                    help="TCP ports for the knock and for MPI (open these in the firewall)")
     p.add_argument("--force", action="store_true", help="OUT holds an earlier run: start over")
+    p.add_argument("--start-deadline", type=float, default=None, metavar="S",
+                   help="start after S s with the sites present (at least federation.min_sites); the others "
+                        "join later, from the next round (default: federation.setup_timeout_s)")
     return p
 
 
@@ -131,24 +134,15 @@ class _Served:
     """The server job: rendezvous, one link per site, then `Server.run` over the spokes."""
 
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path, ports: tuple[int, int] | None) -> None:
-        from hpcfed.comm.lifeline import Lifelines
-        from hpcfed.comm.spokes import SpokeTransport
-
         self.cfg, self.args, self.out, self.ports = cfg, args, out, ports
         self.size = (cfg.federation.num_clients or 0) + 1
-        self.transport = SpokeTransport(0, self.size, {})
-        self.lifelines = Lifelines(self._lost, timeout=args.lifeline_timeout)
-        self.finished = threading.Event()
-
-    def _lost(self, rank: int, reason: str) -> None:
-        self.transport.mark_lost(rank)
-        if not self.finished.is_set():
-            log.warning("site %d (rank %d) lost: %s; nothing more is sent to it", rank - 1, rank, reason)
 
     def run(self) -> int:
         from hpcfed.comm import port as mpiport
         from hpcfed.comm.rendezvous import Listener, write_port_file
+        from hpcfed.comm.spokes import SpokeTransport
         from hpcfed.credentials import load_credentials
+        from hpcfed.crossjob_sites import SiteDoor
 
         cred = load_credentials(self.cfg.security, 0)
         job_id = secrets.token_bytes(32)
@@ -156,86 +150,56 @@ class _Served:
         host = _advertised_host(self.args.iface)
         listener = Listener(cred, size=self.size, job_id=job_id, port_name=port_name,
                             bind=("0.0.0.0", self.ports or 0), log=log.warning)
+        door = SiteDoor(listener, port_name, SpokeTransport(0, self.size, {}), self.args.lifeline_timeout)
         port_file = Path(self.args.port_file or self.out / "port.json")
         write_port_file(port_file, (host, listener.address[1]))
         log.info("serving %d sites at %s:%d (port file %s): start each with `hpcfed join %s --server %s --site N`",
                  self.size - 1, host, listener.address[1], port_file, self.args.config, port_file)
+        fed = self.cfg.federation
         try:
-            self._gather(listener, port_name)
-            listener_thread = threading.Thread(target=_refuse_late, args=(listener, self.finished), daemon=True)
-            listener_thread.start()
-            summary = self._federate(cred, job_id)
+            wait = fed.setup_timeout_s if self.args.start_deadline is None else self.args.start_deadline
+            absent = door.gather(time.monotonic() + wait, fed.min_sites,
+                                 f"start `hpcfed join {self.args.config} --server PORT_FILE --site N` for each, "
+                                 f"or wait longer (--start-deadline, federation.setup_timeout_s)")
+            threading.Thread(target=door.take_knocks, name="hpcfed-knocks", daemon=True).start()
+            summary = self._federate(door, cred, job_id, absent)
         finally:
-            self.finished.set()
-            listener.close()
+            door.close()
         for line in closing_lines(summary, self.out, self.cfg):
             log.info("%s", line)
-        self._close()
+        self._close(door)
         return 0
 
-    def _gather(self, listener: Any, port_name: str) -> None:
-        from hpcfed.comm import port as mpiport
-
-        deadline = time.monotonic() + self.cfg.federation.setup_timeout_s
-        joined: set[int] = set()
-        while len(joined) < self.size - 1:
-            knock = listener.next_site(deadline, joined)
-            if knock is None:
-                break
-            comm = mpiport.accept(port_name, ACCEPT_S)
-            if comm is None:
-                log.warning("site %d knocked but never connected to the MPI port within %g s; it may knock again",
-                            knock.rank - 1, ACCEPT_S)
-                knock.sock.close()
-                continue
-            self.transport.add_link(knock.rank, mpiport.intercomm_transport(comm))
-            self.lifelines.add(knock.rank, knock.sock)
-            joined.add(knock.rank)
-            log.info("site %d joined as rank %d (key %s)", knock.rank - 1, knock.rank, knock.identity)
-        missing = sorted(set(range(self.size - 1)) - {r - 1 for r in joined})
-        if missing:
-            raise FederationError(
-                f"site{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not join within "
-                f"federation.setup_timeout_s={self.cfg.federation.setup_timeout_s:g} s: start "
-                f"`hpcfed join {self.args.config} --server PORT_FILE --site N` for each, or raise the timeout")
-
-    def _federate(self, cred: Any, job_id: bytes) -> dict[str, Any]:
+    def _federate(self, door: Any, cred: Any, job_id: bytes, absent: set[int]) -> dict[str, Any]:
         from hpcfed.comm.channel import SecureChannel
         from hpcfed.server.server import Server
 
-        channel = SecureChannel(self.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
+        timeout = self.cfg.federation.setup_timeout_s
+        channel = SecureChannel(door.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
                                 **channel_settings(self.cfg))
-        channel.connect(range(1, self.size), timeout=self.cfg.federation.setup_timeout_s)
+        channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout)
         for rank in channel.peers:
             log.info("rank %d authenticated as %s", rank, channel.identity(rank))
         server = Server(self.cfg, channel, self.out, resume=self.args.resume)
-        signal.signal(signal.SIGUSR1, lambda *_: server.request_halt())
+        signal.signal(HALT_SIGNAL, lambda *_: server.request_halt())
+        server.late_sites(absent, lambda: door.admit(channel, timeout))
+        door.serve(server)
         summary = server.run()
-        self.live_at_end = sorted(set(self.transport.links()) - self.transport.lost())
-        self.finished.set()
+        self.live_at_end = door.alive()
+        door.finished.set()
         channel.close()
         return summary
 
-    def _close(self) -> None:
+    def _close(self, door: Any) -> None:
         """Disconnect the sites still alive (each waits for it), then drop the lifelines."""
         from hpcfed.comm import port as mpiport
 
-        links = self.transport.links()
-        comms = [links[r].comm for r in self.live_at_end]  # type: ignore[attr-defined]
+        links = door.transport.links()
+        comms = [links[r].comm for r in self.live_at_end]
         done = mpiport.disconnect_all(comms, DISCONNECT_S)
-        self.lifelines.close()
+        door.lifelines.close()
         if not done:
             log.warning("a site did not disconnect within %g s; ending without it", DISCONNECT_S)
-
-
-def _refuse_late(listener: Any, finished: threading.Event) -> None:
-    """After the start, a knock is told why it is refused (rather than finding nothing there)."""
-    while not finished.is_set():
-        try:
-            listener.refuse_late("the federation has started without this site; late joining is not "
-                                 "supported yet: resume the server with it (hpcfed serve --resume)", 1.0)
-        except OSError:
-            return  # the listener was closed: the server is ending
 
 
 def _advertised_host(iface: str | None) -> str:
@@ -281,49 +245,88 @@ def join_main(argv: list[str]) -> int:
     return _contained(lambda: _Joined(cfg, args, out).run())
 
 
+class _ServerGone(BaseException):
+    """Raised in a site's main thread when its server's lifeline closed: it knocks again. (Not an
+    Exception: nothing on the way out may take it for an error of its own.)"""
+
+
+_GONE_SIGNAL = signal.SIGUSR1  # the lifelines' thread interrupts the main thread with it
+
+
 class _Joined:
-    """A site job: knock, connect, then `Client.run` over its one spoke."""
+    """A site job: knock, connect, then `Client.run` over its one spoke; when the server's job
+    goes away, knock again (a resumed server rewrites its port file) and resume from its checkpoint."""
 
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path) -> None:
-        from hpcfed.comm.lifeline import Lifelines
-
         self.cfg, self.args, self.out = cfg, args, out
         self.rank = args.site + 1
         self.finishing = threading.Event()
-        self.started = threading.Event()  # the secure channel is up: the federation runs
-        self.lifelines = Lifelines(self._server_gone, timeout=args.lifeline_timeout)
+        self.gone: str | None = None  # why the server went away, until the main thread has heard it
+        self.recovering = threading.Event()  # the main thread has left the lost federation
         self.transport: Any = None
+        self.lifelines: Any = None
 
     def _server_gone(self, rank: int, reason: str) -> None:
+        """From the lifelines' thread: stop sending to the server and make the main thread knock again."""
         if self.transport is not None:
             self.transport.mark_lost(0)
         if self.finishing.is_set():
             return
-        if not self.started.is_set():  # nothing learnt yet, nothing to wait for
-            log.error("the server is gone before the federation started: %s; this site ends", reason)
-            _end_now(2)
-        log.error("the server is gone: %s; this site ends in %g s", reason, SERVER_GONE_GRACE_S)
-        timer = threading.Timer(SERVER_GONE_GRACE_S, _end_now, args=(3,))
+        log.error("the server is gone: %s; site %d knocks again for up to %g s (federation.setup_timeout_s): "
+                  "restart it with `hpcfed serve ... --resume`", reason, self.args.site,
+                  self.cfg.federation.setup_timeout_s)
+        self.recovering.clear()
+        self.gone = reason
+        signal.pthread_kill(threading.main_thread().ident or 0, _GONE_SIGNAL)
+        timer = threading.Timer(SERVER_GONE_GRACE_S, self._stuck)
         timer.daemon = True
         timer.start()
 
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        if self.gone is not None and not self.finishing.is_set():
+            self.gone = None
+            raise _ServerGone()
+
+    def _stuck(self) -> None:
+        if not self.recovering.is_set() and not self.finishing.is_set():
+            log.error("site %d: still inside MPI %g s after its server went away; ending", self.args.site,
+                      SERVER_GONE_GRACE_S)
+            _end_now(3)
+
     def run(self) -> int:
+        signal.signal(_GONE_SIGNAL, self._interrupt)
+        resume = self.args.resume
+        while True:
+            try:
+                return self._attempt(resume)
+            except _ServerGone:
+                self.recovering.set()
+                self.lifelines.close()
+                resume = True  # the resumed server continues from its checkpoint, and so does this site
+
+    def _attempt(self, resume: bool) -> int:
         from hpcfed.comm import port as mpiport
+        from hpcfed.comm.lifeline import Lifelines
+        from hpcfed.comm.rendezvous import await_go
         from hpcfed.comm.spokes import SpokeTransport
         from hpcfed.credentials import load_credentials
 
         cred = load_credentials(self.cfg.security, self.rank)
-        welcome, where = _knock_until(self.args.server, cred, self.args.site, self.cfg.federation.setup_timeout_s)
+        fed = self.cfg.federation
+        welcome, where = _knock_until(self.args.server, cred, self.args.site, fed.setup_timeout_s)
+        # A late joiner is let in at the server's next round: at most a round's deadline away.
+        await_go(welcome.sock, fed.setup_timeout_s + fed.round_deadline_s)
         try:
             comm = mpiport.connect(welcome.port, CONNECT_S)
         except mpiport.PortError as exc:
             log.error("site %d: %s", self.args.site, exc)
             _end_now(1)  # the Connect is stuck inside MPI: no clean way out of this process
         self.transport = SpokeTransport(welcome.rank, welcome.size, {0: mpiport.intercomm_transport(comm)})
+        self.lifelines = Lifelines(self._server_gone, timeout=self.args.lifeline_timeout)
         self.lifelines.add(0, welcome.sock)
         log.info("site %d joined the server at %s as rank %d of %d", self.args.site, where, welcome.rank,
                  welcome.size)
-        self._federate(cred, welcome.job_id)
+        self._federate(cred, welcome.job_id, resume)
         self.finishing.set()
         if not mpiport.disconnect_all([comm], DISCONNECT_S):
             log.warning("site %d: the server did not disconnect within %g s; ending without it", self.args.site,
@@ -331,7 +334,7 @@ class _Joined:
         self.lifelines.close()  # after the Disconnect: the server disconnects only sites it still sees alive
         return 0
 
-    def _federate(self, cred: Any, job_id: bytes) -> None:
+    def _federate(self, cred: Any, job_id: bytes, resume: bool) -> None:
         import torch
 
         from hpcfed import protocol
@@ -342,13 +345,12 @@ class _Joined:
                                 **channel_settings(self.cfg))
         channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
         channel.expect({0: protocol.SERVER_KINDS})
-        self.started.set()
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the server decides when to stop
+        signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))
         from hpcfed.device import select_device
 
         device = select_device(self.rank, self.cfg.device)
-        Client(self.cfg, channel, self.out, device=device, resume=self.args.resume).run()
+        Client(self.cfg, channel, self.out, device=device, resume=resume).run()
         self.finishing.set()
         channel.close()
 

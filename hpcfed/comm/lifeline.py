@@ -114,6 +114,15 @@ class Lifelines:
             sock.close()
         self.on_lost(rank, reason)
 
+    def drop(self, rank: int) -> None:
+        """Stop watching `rank` and close its lifeline, without calling `on_lost` (it was not let in)."""
+        with self._lock:
+            sock = self._socks.pop(rank, None)
+            self._heard.pop(rank, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
     def close(self) -> None:
         """Stop watching and close every lifeline (the peers see this process as gone)."""
         self._stop.set()

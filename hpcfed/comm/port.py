@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from hpcfed.comm.transport import MPITransport
@@ -34,10 +35,18 @@ class PortError(RuntimeError):
     """An MPI port could not be opened, accepted on or connected to in time; says which and why."""
 
 
-def network_env(port_range: tuple[int, int] | None, iface: str | None) -> dict[str, str]:
-    """The libfabric settings that pin MPI's TCP listener to `port_range` (for a firewall) and to
-    the network interface `iface`; they must be in the environment before MPI starts."""
-    env: dict[str, str] = {}
+def network_env(port_range: tuple[int, int] | None, iface: str | None,
+                current: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The MPI settings of a job joined to others through a port; they must be in the environment
+    before MPI starts. MPICH's OFI netmod over libfabric's TCP provider unless `current` (the
+    environment) chose a netmod or provider: UCX, the wheel's default, moves a same-host message
+    by reading the peer's memory (CMA), and aborts the whole process when the peer job dies in the
+    middle (measured: a site SIGKILLed mid-upload took the server down with `process_vm_readv ...
+    No such process`). Then the TCP listener pinned to `port_range` (for a firewall) and to the
+    network interface `iface`."""
+    current = os.environ if current is None else current
+    env = {name: value for name, value in (("MPIR_CVAR_CH4_NETMOD", "ofi"), ("FI_PROVIDER", "tcp"))
+           if name not in current}
     if port_range is not None:
         env["FI_TCP_PORT_LOW_RANGE"], env["FI_TCP_PORT_HIGH_RANGE"] = str(port_range[0]), str(port_range[1])
     if iface:

@@ -15,6 +15,11 @@ The exchange, each message a 4-byte big-endian length and a bounded JSON object 
     server -> site   {"ok": true, "rank", "size", "job", "port", "proof": prove("knock server",
                       challenge + nonce + reply without proof)}   or   {"ok": false, "reason"}
 
+The server lets a welcomed site in when it is ready for it (at once while it gathers its sites;
+a late joiner at the next round, or the next step of an asynchronous run): it writes `GO` on the
+socket, and only then does the site `Connect` and the server `Accept`, one site at a time, so an
+`Accept` always takes the site it was meant for.
+
 Keys mode: a site proves its Ed25519 identity, which must be the one `authorized_keys` binds to
 rank client id + 1; the site checks the reply against the pinned server key. PSK mode: both prove
 the pre-shared key. The secure channel's own handshake then runs over MPI as in a one-job run.
@@ -41,6 +46,7 @@ MAX_PORT_FILE = 4096
 KNOCK_STEP_S = 5.0  # one knock's messages must come within this, or the knock is dropped
 _HEAD = struct.Struct(">I")
 _PROTOCOL = "knock-v1"
+GO = b"G"  # server -> site, after the welcome: connect to the MPI port now
 
 
 class RendezvousError(ValueError):
@@ -206,6 +212,23 @@ def _check_welcome(reply: dict[str, Any], cred: crypto.Credentials, hello: dict[
     return rank, size, _hex(reply, "job", 32), port
 
 
+def await_go(sock: socket.socket, timeout: float) -> None:
+    """Wait (at most `timeout` s) for the server to let this welcomed site in (`GO`)."""
+    deadline = time.monotonic() + timeout
+    try:
+        got = _recv_exact(sock, 1, deadline)
+    except RendezvousError as exc:
+        raise RendezvousError(f"the server welcomed this site but did not let it in within {timeout:g} s "
+                              f"({exc})") from None
+    if got != GO:
+        raise RendezvousError(f"the server sent {got!r} where it lets the site in ({GO!r})")
+
+
+def send_go(sock: socket.socket) -> None:
+    """Let a welcomed site in: it connects to the MPI port now (OSError: it is gone)."""
+    sock.sendall(GO)
+
+
 # -- the server's side ---------------------------------------------------------------------------------
 @dataclass
 class Knock:
@@ -244,14 +267,6 @@ class Listener:
                 continue
             return found
         return None
-
-    def refuse_late(self, reason: str, wait: float) -> None:
-        """Answer knocks that come within `wait` s with a refusal (a site knocking after the start)."""
-        ready, _, _ = select.select([self.sock], [], [], wait)
-        if ready:
-            conn, peer = self.sock.accept()
-            self.log(f"knock from {peer[0]}:{peer[1]} refused: {reason}")
-            _refuse(conn, reason)
 
     def _admit(self, conn: socket.socket, taken: set[int]) -> Knock:
         deadline = time.monotonic() + KNOCK_STEP_S

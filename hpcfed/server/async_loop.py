@@ -21,6 +21,7 @@ import numpy as np
 from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
+from hpcfed.server import joining
 from hpcfed.server import validation as V
 from hpcfed.server.bounding import Bounding
 from hpcfed.server.core import ServerCore
@@ -110,6 +111,9 @@ class AsyncLoop:
         msg = self.deferred.popleft() if self.deferred else core.channel.recv(kinds={P.UPDATE, P.FAILED},
                                                                               timeout=wait)
         core.check_departures()  # after SIGUSR1: drop the sites that ended
+        for cid in joining.admit(core, core.updates_accepted):  # a late site (`hpcfed serve`) gets the model now
+            self.outbox.owe(cid, answer=True)
+            self.last_seen[cid] = time.monotonic()
         self.outbox.flush()
         if msg is not None and msg.kind == P.UPDATE:
             return core.contained(msg.source, self.update, msg) or []

@@ -69,6 +69,11 @@ class ServerCore:
         self.status = StatusLine(cfg.federation.status_every_s)
         self.cpu0 = time.process_time()
         self.on_drop: Callable[[int], None] | None = None  # told of a site the federation goes on without
+        # Sites not there at the start (`hpcfed serve`), and what lets them in later (`.joining`).
+        self.absent: set[int] = set()
+        self.joiners: Callable[[], list[int]] | None = None
+        self.setting_up: dict[int, float] = {}  # late sites connected: client id -> deadline for its SETUP
+        self.setup_reply: tuple[dict[str, Any], dict[str, np.ndarray]] = ({}, {})  # a late site's
         # Checkpoints are tagged with a key derived from the job's credentials, never kept in out_dir.
         self.file_auth: FileAuth = state_file_auth(cfg.security, 0, "checkpoint")
         self._layout: ParamLayout | None = None
@@ -107,9 +112,15 @@ class ServerCore:
         self._layout, self._metrics = layout, metrics
         self._expect()
 
+    def refresh_expect(self) -> None:
+        """Take the kinds the server reads from every site not evicted, and nothing from the others."""
+        self._expect()
+
     def _expect(self) -> None:
         """Take the kinds the server reads from every site not evicted, and nothing from the others."""
         kinds, max_bytes, inbox_bytes = P.server_bounds(self.layout.size, self.num_clients, self.ledger.evicted)
+        for cid in self.absent:  # a site that may still join sends its SETUP first
+            kinds[cid + 1] = kinds[cid + 1] | {P.SETUP}
         self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
 
     @property
@@ -159,8 +170,8 @@ class ServerCore:
     def stop_all(self, reason: str) -> None:
         """Best effort: tell every client to leave (a dead one cannot hear it; its timeout ends it)."""
         for cid in range(self.num_clients):
-            if cid in self.ledger.evicted or cid in self.departures.dropped:
-                continue  # told already, or gone
+            if cid in self.ledger.evicted or cid in self.departures.dropped or cid in self.absent:
+                continue  # told already, gone, or never there
             try:
                 self.channel.send(cid + 1, P.STOP, {"reason": reason})
             except ChannelError as exc:

@@ -52,6 +52,7 @@ class Departures:
         self._signals = 0  # SIGUSR1s so far, one a rank that ended (two within one handler call merge: rare)
         self._ended: dict[int, str] = {}  # client id -> how it ended, found but not yet handed out
         self._known: set[int] = set()  # every client found ended
+        self._lost: dict[int, str] = {}  # sites another watcher saw end (`report`), with how
         self._shards: dict[int, dict[str, Any]] = {}  # client id -> its newest shard {digest, path, round}
 
     def notify(self) -> None:
@@ -60,10 +61,20 @@ class Departures:
         self._signals += 1
         self.probe()
 
+    def report(self, cid: int, cause: str) -> None:
+        """Site `cid` is known to have ended (its lifeline closed: `hpcfed serve`): a send waiting
+        on it fails at once, and it is dropped at the server's next chance. Safe from any thread."""
+        self._lost.setdefault(cid, cause)
+        self.mark_gone(cid + 1)
+
     def probe(self) -> None:
         """After a SIGUSR1: look for sites that have ended, and tell the channel (`mark_gone`). The
         signal may come while the rank is still being torn down; looked for again until
         `_EXPLAIN_S` has passed, after which the rank that ended is taken to be on another node."""
+        for cid, how in list(self._lost.items()):  # (list(): one step, while `report` may add)
+            if cid not in self._known:
+                self._known.add(cid)
+                self._ended[cid] = how
         if self._signalled_at is None:
             return
         for cid in range(self.num_clients):
@@ -91,7 +102,7 @@ class Departures:
 
     def cause_of_silence(self, cid: int) -> str | None:
         """Why site `cid`, silent past a deadline, is gone (None: it may be merely slow)."""
-        cause = jobwatch.rank_ended(self.log_dir, cid + 1)
+        cause = self._lost.get(cid) or jobwatch.rank_ended(self.log_dir, cid + 1)
         if cause is None and self.unexplained and not self._on_this_host(cid):
             cause = "silent past the deadline after MPI reported a rank ended on another node"
         if cause is not None:

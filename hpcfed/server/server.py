@@ -15,6 +15,7 @@ server keeps serving.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,18 @@ class Server:
     def peer_ended(self) -> None:
         """Hydra says a rank of the job ended (SIGUSR1): the server finds out which and goes on without it."""
         self.core.peer_ended()
+
+    def late_sites(self, absent: set[int], admit: Callable[[], list[int]]) -> None:
+        """Sites `absent` at the start (`hpcfed serve`) may join later: `admit()`, called at each
+        safe point (a sync round's start, an async step), returns those connected since."""
+        self.core.live -= absent
+        self.core.absent |= absent
+        self.core.joiners = admit
+
+    def site_lost(self, cid: int, cause: str) -> None:
+        """Site `cid` is known to have ended (its lifeline, `hpcfed serve`): dropped at the next
+        chance as after SIGUSR1 (federation.on_client_failure). Safe from any thread."""
+        self.core.departures.report(cid, cause)
 
 
 def _noise_seed(cfg: Config) -> int | None:

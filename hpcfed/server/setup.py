@@ -51,6 +51,8 @@ def exchange(core: ServerCore, resume: bool) -> int:
         if cid == 0:
             initial = {k: np.array(v) for k, v in P.split_prefixed(msg.tensors, P.INIT_PREFIX).items()}
     replies, server_init = core.task_cls.server_setup(core.task_config, payloads)
+    if replies:  # every site's reply is the same (empty, or what all sites share): a late site gets it
+        core.setup_reply = replies[min(replies)]
     init = server_init if server_init is not None else initial
     if not init:
         raise FederationError("client 0 (rank 1) sent no initial model and the task's server_setup built none"

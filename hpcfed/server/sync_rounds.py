@@ -14,6 +14,7 @@ import numpy as np
 from hpcfed import protocol as P
 from hpcfed.comm.api import Message, Outgoing
 from hpcfed.errors import FederationError
+from hpcfed.server import joining
 from hpcfed.server.bounding import Bounding
 from hpcfed.server.core import ServerCore
 from hpcfed.server.progress import Progress
@@ -72,6 +73,7 @@ class SyncRounds:
         """One round: dispatch, collect, aggregate, log, and checkpoint when one is due."""
         core, fed = self.core, self.core.cfg.federation
         core.round = rnd
+        joining.admit(core, rnd)  # sites that joined late (`hpcfed serve`) take part from this round
         t0 = time.monotonic()
         want_state = self.checkpoint_due(rnd)
         self.strategy.begin_round(rnd)

@@ -146,3 +146,22 @@ def test_port_files_are_read_with_the_fix_in_every_error(tmp_path):
         read_server(str(path))
     with pytest.raises(RendezvousError, match="is not HOST:PORT"):
         read_server("nonsense")
+
+
+def test_a_welcomed_site_connects_only_on_go_and_anything_else_is_a_clear_error():
+    for sent, expected in ((rendezvous.GO, None), (b"X", "the server sent b'X' where it lets the site in"),
+                           (b"", "did not let it in within 2 s (the peer closed the connection"),
+                           (None, "did not let it in within 0.3 s (the peer sent 0 of 1 bytes")):
+        server_side, site_side = socket.socketpair()
+        if sent is not None:
+            server_side.sendall(sent)
+            if not sent:
+                server_side.close()
+        wait = 0.3 if sent is None else 2
+        if expected is None:
+            rendezvous.await_go(site_side, wait)
+        else:
+            with pytest.raises(RendezvousError, match=expected.replace("(", r"\(").replace("'", ".")):
+                rendezvous.await_go(site_side, wait)
+        site_side.close()
+        server_side.close()

@@ -4,84 +4,34 @@ every way of joining wrong ends with its reason before the deadline, never with 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, mpiexec, run_cli
+from conftest import REPO, run_cli
+from crossjob_helpers import CONFIG, SMALL, finish, join, serve, summary, values, wait_for
 
+from hpcfed.cli import main
 from hpcfed.store import checkpoint as ck
 from hpcfed.store.embeddings import read_export
 
 pytestmark = pytest.mark.mpi
-
-CONFIG = "configs/quickstart.yaml"
-SMALL = ["rounds=2", "task.samples_per_site=200", "federation.num_clients=2"]
-PSK = "00" * 32
-
-
-def _env(psk: str = PSK) -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HPCFED_PSK": psk}
-
-
-def _serve(out: Path, overrides: list[str]) -> subprocess.Popen:
-    """`hpcfed serve` as a user types it (it relaunches itself as a one-rank MPI job)."""
-    cmd = [sys.executable, "-m", "hpcfed", "serve", CONFIG, *overrides, "--out", str(out)]
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _join(port_file: Path, site: int, out: Path, overrides: list[str], psk: str = PSK) -> subprocess.Popen:
-    """One site as a job of its own: `mpiexec -n 1 python -m hpcfed join ...`."""
-    cmd = [mpiexec(), "-n", "1", sys.executable, "-m", "hpcfed", "join", CONFIG, *overrides,
-           "--server", str(port_file), "--site", str(site), "--out", str(out)]
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(psk), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for(path: Path, server: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert server.poll() is None and time.monotonic() < deadline, "the server never wrote its port file"
-        time.sleep(0.2)
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    deadline = time.monotonic() + timeout
-    results = []
-    for proc in procs:
-        try:
-            text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"{' '.join(proc.args)} still running after {timeout} s") from None
-        results.append((proc.returncode, text))
-    return results
-
-
-def _values(out: Path) -> dict:
-    """Every figure of metrics.jsonl but wall-clock times, keyed by (round, client, name)."""
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {(e["round"], e["client"], e["name"]): e["value"] for e in events if not e["name"].endswith("time_s")}
 
 
 def test_sites_joining_as_separate_jobs_reach_the_numbers_of_one_job(tmp_path):
     one = tmp_path / "one"
     run_cli(["run", CONFIG, *SMALL, "--out", str(one)], np=3, timeout=240)
     srv = tmp_path / "srv"
-    server = _serve(srv, SMALL)
-    sites = [_join(srv / "port.json", i, tmp_path / f"site{i}", SMALL) for i in (1, 0)]  # any order
-    results = _finish([server, *sites], timeout=240)
+    server = serve(srv, SMALL)
+    sites = [join(srv / "port.json", i, tmp_path / f"site{i}", SMALL) for i in (1, 0)]  # any order
+    results = finish([server, *sites], timeout=240)
     assert [code for code, _ in results] == [0, 0, 0], results
     assert "site 0 joined as rank 1" in results[0][1] and "site 1 joined as rank 2" in results[0][1]
 
-    a, b = (json.loads((d / "summary.json").read_text()) for d in (one, srv))
+    a, b = summary(one), summary(srv)
     assert b["clients"] == a["clients"] and set(a["clients"]) == {"0", "1"}
-    assert _values(srv) == _values(one)
+    assert values(srv) == values(one)
     with h5py.File(ck.list_checkpoints(one / "checkpoints")[0], "r") as f1, \
             h5py.File(ck.list_checkpoints(srv / "checkpoints")[0], "r") as f2:
         assert f1["strategy/global"][()].tobytes() == f2["strategy/global"][()].tobytes()
@@ -91,25 +41,27 @@ def test_sites_joining_as_separate_jobs_reach_the_numbers_of_one_job(tmp_path):
         assert np.array_equal(x.vectors, y.vectors) and list(x.ids) == list(y.ids)
 
 
-def test_a_wrong_key_is_refused_and_a_missing_site_ends_the_server_at_its_deadline(tmp_path):
-    overrides = [*SMALL, "federation.setup_timeout_s=20"]
+def test_a_wrong_key_is_refused_and_too_few_sites_end_the_server_at_its_deadline(tmp_path):
+    overrides = [*SMALL, "federation.min_sites=2", "federation.setup_timeout_s=20"]  # the sites knock that long
     srv = tmp_path / "srv"
-    server = _serve(srv, overrides)
-    _wait_for(srv / "port.json", server)
+    server = serve(srv, overrides, "--start-deadline", "20")
+    wait_for("a port file", lambda: (srv / "port.json").exists(), [server])
     started = time.monotonic()  # the server's deadline runs from here
-    good = _join(srv / "port.json", 0, tmp_path / "site0", overrides)
-    wrong = _join(srv / "port.json", 1, tmp_path / "site1", overrides, psk="11" * 32)
-    (srv_code, srv_text), (good_code, good_text), (wrong_code, wrong_text) = _finish([server, good, wrong], 120)
+    good = join(srv / "port.json", 0, tmp_path / "site0", overrides)
+    wrong = join(srv / "port.json", 1, tmp_path / "site1", overrides, psk="11" * 32)
+    (srv_code, srv_text), (good_code, good_text), (wrong_code, wrong_text) = finish([server, good, wrong], 120)
     assert wrong_code == 2 and "the server refused site 1: site 1's proof is invalid (another pre-shared key)" \
         in wrong_text, wrong_text
     assert "knock from 127.0.0.1" in srv_text and "refused: site 1's proof is invalid" in srv_text
-    assert srv_code == 2 and "site 1 did not join within federation.setup_timeout_s=20 s" in srv_text, srv_text
+    assert srv_code == 2 and "only 1 of 2 sites joined by the start deadline, fewer than federation.min_sites=2; " \
+        "missing: site 1" in srv_text, srv_text
     assert good_code != 0 and "the server is gone" in good_text, good_text  # it does not wait forever either
     assert time.monotonic() - started < 90  # 20 s of waiting, then the site's own deadline
     assert not (srv / "summary.json").exists()
 
 
-def test_a_stale_or_garbled_port_file_is_a_clear_error(tmp_path):
+def test_a_stale_or_garbled_port_file_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
     port_file = tmp_path / "port.json"
     with __import__("socket").socket() as s:  # a port nothing listens on any more
         s.bind(("127.0.0.1", 0))
@@ -124,7 +76,8 @@ def test_a_stale_or_garbled_port_file_is_a_clear_error(tmp_path):
     assert proc.returncode == 2 and "site 0: no server within 2 s" in text and "written yesterday by pid 1" in text
     assert "the port file is stale" in text and "Connection refused" in text, text
     port_file.write_text('{"hpcfed_rendezvous": 1, "addr')
-    proc = run_cli(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "0"], timeout=60, check=False)
-    assert proc.returncode == 2 and f"port file {port_file} is garbled" in proc.stderr, proc.stderr
-    proc = run_cli(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "7"], timeout=60, check=False)
-    assert proc.returncode == 2 and "--site 7: the config has 2 sites" in proc.stderr
+    # refused before any MPI or import of torch: in this process (a start of `python -m hpcfed` costs seconds)
+    assert main(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "0"]) == 2
+    assert f"port file {port_file} is garbled" in capsys.readouterr().err
+    assert main(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "7"]) == 2
+    assert "--site 7: the config has 2 sites" in capsys.readouterr().err

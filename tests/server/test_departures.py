@@ -90,3 +90,14 @@ def test_the_manifest_keeps_a_dropped_sites_last_shard_with_its_round(tmp_path):
     dep2 = D.Departures(tmp_path, 3)
     dep2.load_shards(5, {0: ref[0], 1: {**ref[1], "round": 2}})
     assert dep2.manifest(6, {0: fresh[0]}) == {0: fresh[0]}
+
+
+def test_a_site_reported_lost_by_another_watcher_is_dropped_once_without_any_signal(tmp_path):
+    gone: list[int] = []
+    dep = D.Departures(tmp_path, 3, gone.append)  # no pid files: jobwatch knows nothing of these sites
+    dep.report(1, "its job ended (its lifeline closed)")  # from the lifelines' thread of `hpcfed serve`
+    assert gone == [2]  # a send waiting on it fails at once
+    assert dep.cause_of_silence(1) == "its job ended (its lifeline closed)" and dep.cause_of_silence(0) is None
+    assert dep.ended({0, 1, 2}) == {1: "its job ended (its lifeline closed)"}
+    dep.report(1, "again")
+    assert dep.ended({0, 1, 2}) == {} and not dep.unexplained
