@@ -42,6 +42,17 @@ def output(proc: subprocess.Popen) -> str:
     return Path(proc.ops_log).read_text()  # type: ignore[attr-defined]
 
 
+def finish(proc: subprocess.Popen, out: Path, timeout: float) -> str:
+    """Wait for the run to end (then kill whatever of it is left); its output, asserting it succeeded."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        kill_all(out, proc)
+    text = output(proc)
+    assert rc == 0, text[-4000:]
+    return text
+
+
 def job_pids(out: Path) -> dict[str, int]:
     """PIDs of the processes whose command line names `out`: 'rank0', 'rank1', ..., and 'launcher'."""
     found: dict[str, int] = {}

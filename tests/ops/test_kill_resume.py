@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ops_helpers import checkpoints, events, final_state, kill_all, output, start, wait_for
+from ops_helpers import checkpoints, events, final_state, finish, kill_all, output, start, wait_for
 
 pytestmark = pytest.mark.mpi
 
@@ -20,14 +20,7 @@ COMMON = [f"rounds={ROUNDS}", "checkpoint_every=1", "keep_checkpoints=3", "feder
 
 
 def _finish(out: Path, timeout: float = 240) -> str:
-    proc = start(out, COMMON, resume=True)
-    try:
-        rc = proc.wait(timeout=timeout)
-    finally:
-        kill_all(out, proc)
-    text = output(proc)
-    assert rc == 0, text[-4000:]
-    return text
+    return finish(start(out, COMMON, resume=True), out, timeout)
 
 
 def _rounds_logged_once(out: Path) -> None:

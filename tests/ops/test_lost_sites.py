@@ -20,7 +20,7 @@ import h5py
 import pytest
 import yaml
 from conftest import REPO
-from ops_helpers import checkpoints, events, job_pids, kill_all, output, start, wait_for
+from ops_helpers import checkpoints, events, finish, job_pids, kill_all, output, start, wait_for
 
 pytestmark = pytest.mark.mpi
 
@@ -35,13 +35,7 @@ def _ranks(out: Path, n: int, proc) -> dict[str, int]:
 
 
 def _finish(proc, out: Path, timeout: float = 180) -> str:
-    try:
-        rc = proc.wait(timeout=timeout)
-    finally:
-        kill_all(out, proc)
-    text = output(proc)
-    assert rc == 0, text[-4000:]
-    return text
+    return finish(proc, out, timeout)
 
 
 def _round_times(out: Path) -> list[float]:
