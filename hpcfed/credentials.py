@@ -17,7 +17,7 @@ import os
 import stat
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from hpcfed.comm.crypto import Credentials, public_raw
 from hpcfed.comm.keys import load_authorized_keys, load_identity, load_public_keys
@@ -37,10 +37,7 @@ def load_credentials(sec: SecurityConfig, rank: int) -> Credentials:
         if not sec.authorized_keys:
             raise ConfigError("security.mode=keys: the server needs security.authorized_keys "
                               "(one site public key per line, with rank=N)")
-        try:
-            authorized = load_authorized_keys(_expand(sec.authorized_keys, rank))
-        except ValueError as exc:
-            raise ConfigError(f"security.authorized_keys: {exc}") from None
+        authorized = _authorized_keys(sec, rank)
         return Credentials(mode="keys", psk=None, identity=identity, authorized=authorized, server_public=None)
     if not sec.server_public_key:
         raise ConfigError("security.mode=keys: clients need security.server_public_key (the server's .pub file)")
@@ -121,10 +118,7 @@ def secagg_identities(sec: SecurityConfig, rank: int) -> tuple[Ed25519PrivateKey
     if not sec.identity or not sec.authorized_keys:
         raise ConfigError("privacy.secure_aggregation in keys mode needs security.identity and "
                           "security.authorized_keys on every site (to sign its agreement keys and check its peers')")
-    try:
-        peers = load_authorized_keys(_expand(sec.authorized_keys, rank))
-    except ValueError as exc:
-        raise ConfigError(f"security.authorized_keys: {exc}") from None
+    peers = _authorized_keys(sec, rank)
     return load_identity(_expand(sec.identity, rank)), {r - 1: public_raw(key) for r, key in peers.items()}
 
 
@@ -159,3 +153,11 @@ def job_psk(out_dir: Path, resume: bool) -> str:
         os.fsync(fh.fileno())
     os.replace(path.with_name(path.name + ".tmp"), path)
     return key
+
+
+def _authorized_keys(sec: SecurityConfig, rank: int) -> dict[int, Ed25519PublicKey]:
+    """security.authorized_keys read for `rank`; a malformed file is a config error naming the key."""
+    try:
+        return load_authorized_keys(_expand(sec.authorized_keys or "", rank))  # callers checked it is set
+    except ValueError as exc:
+        raise ConfigError(f"security.authorized_keys: {exc}") from None
