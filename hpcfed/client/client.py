@@ -8,6 +8,8 @@ FINAL (evaluate on the test split, export embeddings, report) and STOP. Every wa
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -179,6 +181,10 @@ class Client:
             return
         for _ in range(copies):
             self.channel.send(0, P.UPDATE, header, tensors)
+        if os.environ.get("HPCFED_FAULT_STOP_AFTER_UPLOAD") == f"{self.client_id + 1}:{rnd}":
+            # the test of a site paused between its upload and the next model (a preempted node)
+            log.warning("fault injection: rank %d stops itself after its upload of round %d", self.client_id + 1, rnd)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def _fit_for_secagg(self, msg: Message) -> tuple[np.ndarray, int, dict[str, Any]]:
         params, num_examples, header = self._fit(msg)

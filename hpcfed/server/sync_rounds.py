@@ -46,10 +46,8 @@ class SyncRounds:
         # A round's upload is measured from the model the strategy sent: it holds still until the round ends.
         self.bounding = Bounding(core, lambda cid: core.strategy.model_for(cid))
         self.parking: Parking | None = None  # the first round's uploads wait here for their bounds
-        # A site still busy with an earlier round (a straggler) takes no message: its model is
-        # posted, not sent, so it cannot hold the round up; one at a time, and once its late
-        # upload arrives it is posted the current one at once.
-        self.behind: set[int] = set()  # sites missing when the last round closed
+        # Models are posted, never sent (see `dispatch`); once a late upload arrives its site is
+        # posted the current model at once.
         self.posted: dict[int, Outgoing] = {}  # the model last posted to each of them
         self.sent_round: dict[int, int] = {}  # client id -> the round whose model it was last given
         self.owed: set[int] = set()  # late sites owed the current round's model
@@ -86,7 +84,6 @@ class SyncRounds:
             self.collect_uploads(rnd, t0, want_state, got, refused)
         self.drop_departed(sorted(core.live - set(got)))
         missing = sorted(core.live - set(got))
-        self.behind = set(missing)
         self.checkpointed = want_state
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(core.live)))
@@ -160,19 +157,19 @@ class SyncRounds:
                 self.parking = None
 
     def dispatch(self, cid: int, rnd: int, want_state: bool) -> None:
-        """Give site `cid` round `rnd`'s model: sent to a site in step with the rounds, posted to
-        one still busy with an earlier round (none while the last one posted to it waits)."""
+        """Post site `cid` round `rnd`'s model and go on at once. Never a blocking send: a site
+        busy with an earlier round, or paused (SIGSTOP, a preempted node) between its upload and
+        this model, takes nothing for a while, and must not hold up the others or be taken for a
+        hung one; a site that never answers is a straggler at the round's deadline. One model at
+        a time per site: while the last one posted waits, the current one follows its late upload."""
         core = self.core
+        if cid in self.posted and not self.posted[cid].done():
+            return
         header = {"round": rnd, "version": core.strategy.version, "checkpoint": want_state}
-        if cid not in self.behind:
-            core.send_to(cid, P.PARAMS, header, core.model_tensors(core.strategy.model_for(cid)))
-        elif cid in self.posted and not self.posted[cid].done():
-            return  # it has a model waiting: the current one follows its late upload
-        else:
-            posted = core.post_to(cid, P.PARAMS, header, core.model_tensors(core.strategy.model_for(cid)))
-            if posted is None:
-                return
-            self.posted[cid] = posted
+        posted = core.post_to(cid, P.PARAMS, header, core.model_tensors(core.strategy.model_for(cid)))
+        if posted is None:
+            return
+        self.posted[cid] = posted
         self.sent_round[cid] = rnd
 
     def pay_owed(self, rnd: int, want_state: bool) -> None:
@@ -180,7 +177,6 @@ class SyncRounds:
         owed, self.owed = self.owed, set()
         for cid in sorted(owed & self.core.live):
             if self.sent_round.get(cid) != rnd:
-                self.behind.add(cid)
                 self.posted.pop(cid, None)  # it answered: the model posted before has been taken
                 self.dispatch(cid, rnd, want_state)
 

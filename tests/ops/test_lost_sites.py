@@ -118,25 +118,19 @@ def test_async_site_killed_mid_run_is_dropped_and_the_rest_finish(tmp_path):
     assert sum(p["contributed"] for p in part.values()) == 45 and part["2"]["contributed"] < 15, part
 
 
-@pytest.mark.skip(reason="known bug (issue 27, open): a site paused between its upload and the next model makes "
-                         "the server's blocking PARAMS send time out as for a hung site, which ends the run; the fix "
-                         "is to post every model (SyncRounds.dispatch) instead of sending it to sites in step")
 def test_a_late_site_is_counted_never_refused_and_takes_part_again(tmp_path):
     out = tmp_path / "run"
     deadline = 6  # seconds: far above a round (~0.2 s) even on a loaded machine
-    # Equal sites, rounds of ~0.2 s spent mostly training; client 1 is stopped past one round's
-    # deadline, then goes on. (Stopped in the short moment between its upload and the next model,
-    # the server's send to it would wait and time out as for a hung site: training time makes that
-    # moment a small share of the round; posting every model is the fix, see the closing note.)
+    # Equal sites; client 1 stops itself right after its upload of round 5 (the moment between an
+    # upload and the next model, as a preempted node would), past one round's deadline, then goes
+    # on. Its next model is posted, never a send that waits on it (which would take it for hung).
     proc = start(out, ["rounds=25", "checkpoint_every=0", "federation.quorum=0.6",
-                       f"federation.round_deadline_s={deadline}", "federation.slowdown={0: 10, 1: 10, 2: 10}"],
-                 np_=4)
+                       f"federation.round_deadline_s={deadline}", "federation.slowdown={0: 4, 1: 4, 2: 4}"],
+                 np_=4, extra_env={"HPCFED_FAULT_STOP_AFTER_UPLOAD": "2:5"})
     pids = {}
     try:
-        wait_for(lambda: (out / "metrics.jsonl").exists()
-                 and (out / "metrics.jsonl").read_text().count('"num_updates"') >= 5, 180, "five rounds", proc)
         pids = _ranks(out, 4, proc)
-        os.kill(pids["rank2"], signal.SIGSTOP)
+        wait_for(lambda: "stops itself after its upload" in output(proc), 180, "client 1 to stop", proc)
         time.sleep(deadline + 1.5)
         os.kill(pids["rank2"], signal.SIGCONT)
         text = _finish(proc, out)
