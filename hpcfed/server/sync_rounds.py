@@ -1,4 +1,4 @@
-"""Synchronous rounds: send every live site the round's model, take the uploads until all are in or
+"""Synchronous rounds: post every live site the round's model, take the uploads until all are in or
 the deadline passes (a quorum must answer; stragglers are reported, never waited on forever), fold
 them into the strategy, and on a checkpoint round commit the manifest of the shards the sites wrote.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,6 +25,10 @@ from hpcfed.server.validation import ShardRef
 from hpcfed.strategies.base import SyncStrategy, Update
 
 log = logging.getLogger("hpcfed.server")
+
+# How long a round waits for a site to take its model before it serves the next site (the model
+# stays posted to the slow one): seconds, far above a transfer, far below a round's deadline.
+TAKE_PATIENCE_S = 2.0
 
 Uploads = dict[int, tuple[Update, ShardRef | None]]  # client id -> its upload and the shard it wrote
 
@@ -117,36 +122,22 @@ class SyncRounds:
         core.maybe_status()
 
     def collect_uploads(self, rnd: int, t0: float, want_state: bool, got: Uploads, refused: set[int]) -> None:
-        """Send round `rnd`'s models and take the uploads until all are in or the deadline passes."""
+        """Post round `rnd`'s models and take the uploads until all are in or the deadline passes."""
         core = self.core
         # The first round, with no history to bound it, bounds itself: uploads wait on disk, measured.
         self.parking = self.bounding.open_parking()
 
-        def fold_early(msg: Message) -> bool:
-            # An upload that completes while the server is still sending the round's models is
-            # folded at once, inside the send, instead of waiting in the channel's inbox.
-            if msg.kind != P.UPDATE:
-                return False
-            core.contained(msg.source, self.take_update, rnd, msg, got, want_state, refused)
-            return True
-
         try:
-            core.channel.on_message = fold_early
-            try:
-                core.check_departures()  # a site known to have ended is sent nothing
-                for cid in sorted(core.live):
-                    self.dispatch(cid, rnd, want_state)
-            finally:
-                core.channel.on_message = None
+            core.check_departures()  # a site known to have ended is sent nothing
             deadline = t0 + core.cfg.federation.round_deadline_s
-            while core.live - set(got):  # an evicted site is waited for no more
-                self.pay_owed(rnd, want_state)
-                msg = core.recv_until(deadline, {P.UPDATE, P.FAILED}, f"round {rnd}",
-                                      waiting_for=core.live - set(got), fatal=False)
-                if msg is None:
-                    break
-                core.contained(msg.source, self.take_update, rnd, msg, got, want_state, refused)
-                msg = None  # the upload is folded: let its buffers go before the next one arrives
+            for cid in sorted(core.live):
+                posted = self.dispatch(cid, rnd, want_state)
+                if posted is not None:
+                    # One sealed model in flight at a time keeps rank 0 at one copy, whatever K; a site that
+                    # takes nothing for a while (paused, still busy) keeps its copy and the next is served.
+                    self.take_uploads(rnd, min(deadline, time.monotonic() + TAKE_PATIENCE_S), want_state, got,
+                                      refused, until=posted.done)
+            self.take_uploads(rnd, deadline, want_state, got, refused)
             if self.parking is not None:
                 parking, self.parking = self.parking, None
                 refused |= self.bounding.fold_parked(parking, {cid: got[cid][0] for cid in got},
@@ -156,21 +147,41 @@ class SyncRounds:
                 self.parking.close()
                 self.parking = None
 
-    def dispatch(self, cid: int, rnd: int, want_state: bool) -> None:
+    def take_uploads(self, rnd: int, deadline: float, want_state: bool, got: Uploads, refused: set[int],
+                     until: Callable[[], bool] | None = None) -> None:
+        """Fold uploads as they arrive until every live site has answered, `until()` holds, or `deadline`."""
+        core = self.core
+        while core.live - set(got):  # an evicted site is waited for no more
+            if until is not None and until():
+                return
+            self.pay_owed(rnd, want_state)
+            # waiting on `until`, look at it every millisecond; otherwise wait for the next upload
+            wake = deadline if until is None else min(deadline, time.monotonic() + 0.001)
+            msg = core.recv_until(wake, {P.UPDATE, P.FAILED}, f"round {rnd}",
+                                  waiting_for=core.live - set(got), fatal=False)
+            if msg is None:
+                if time.monotonic() >= deadline:
+                    return
+                continue
+            core.contained(msg.source, self.take_update, rnd, msg, got, want_state, refused)
+            msg = None  # the upload is folded: let its buffers go before the next one arrives
+
+    def dispatch(self, cid: int, rnd: int, want_state: bool) -> Outgoing | None:
         """Post site `cid` round `rnd`'s model and go on at once. Never a blocking send: a site
         busy with an earlier round, or paused (SIGSTOP, a preempted node) between its upload and
         this model, takes nothing for a while, and must not hold up the others or be taken for a
         hung one; a site that never answers is a straggler at the round's deadline. One model at
-        a time per site: while the last one posted waits, the current one follows its late upload."""
+        a time per site: while the last one posted waits, the current one follows its late upload.
+        The model posted now, if one was."""
         core = self.core
         if cid in self.posted and not self.posted[cid].done():
-            return
+            return None
         header = {"round": rnd, "version": core.strategy.version, "checkpoint": want_state}
         posted = core.post_to(cid, P.PARAMS, header, core.model_tensors(core.strategy.model_for(cid)))
-        if posted is None:
-            return
-        self.posted[cid] = posted
-        self.sent_round[cid] = rnd
+        if posted is not None:
+            self.posted[cid] = posted
+            self.sent_round[cid] = rnd
+        return posted
 
     def pay_owed(self, rnd: int, want_state: bool) -> None:
         """Post the current round's model to the late sites that have not had it."""
