@@ -142,9 +142,9 @@ class SiteState:
             if peer not in self.peers or adv.site != peer:
                 raise ProtocolError(f"site {self.site}: advert of site {adv.site} relayed as {peer}, not a neighbour")
             self._check_signature(adv)
-        if len(adverts) + 1 < self.threshold:
+        if len(adverts) < self.threshold:  # one share per advertised neighbour: fewer cannot rebuild the secrets
             raise ProtocolError(f"site {self.site}: only {len(adverts)} neighbours advertised, "
-                                f"fewer than the threshold {self.threshold} allows")
+                                f"fewer than the threshold {self.threshold} needs")
         self.adverts = dict(adverts)
         self.seed = _secrets.token_bytes(32)
         key_raw = self.s_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
@@ -243,6 +243,24 @@ class SiteState:
         return out
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """A mask the alive sites cannot rebuild: the round's sum cannot be unmasked (`ServerState.shortfall`)."""
+
+    site: int
+    kind: str  # "seed": an alive site's self mask; "key": a dropped site's mask key
+    threshold: int
+    holders: frozenset[int]  # the alive sites holding a share of it
+    neighbourhood: frozenset[int]  # the site's neighbours in the round's graph
+
+    def describe(self) -> str:
+        what = "self-mask seed" if self.kind == "seed" else "mask key (it dropped after sharing it)"
+        held = ", ".join(map(str, sorted(self.holders))) or "none"
+        return (f"site {self.site}'s {what} needs {self.threshold} shares, but only {len(self.holders)} alive "
+                f"neighbour(s) hold one ({held}); its neighbourhood: sites "
+                f"{', '.join(map(str, sorted(self.neighbourhood)))}")
+
+
 class ServerState:
     """The relay and the unmasking on rank 0: it learns the sum of the alive sites' inputs only."""
 
@@ -259,6 +277,19 @@ class ServerState:
         if site not in self.graph or adv.site != site or site in self.adverts:
             raise ProtocolError(f"site {site}: advert refused (unknown, claims site {adv.site}, or a second one)")
         self.adverts[site] = adv
+
+    def leave_out_short(self) -> set[int]:
+        """Before relaying the adverts: leave out of the round every site fewer than its threshold of
+        whose neighbours advertised (they ended, or are silent), until none is left short: such a
+        site could not share its keys (each share goes to one advertised neighbour), and would have
+        to refuse the round. It sits this round out, with nothing shared; the sites left out."""
+        out: set[int] = set()
+        while short := {u for u in self.adverts
+                        if len(self.graph[u] & set(self.adverts)) < threshold_for(len(self.graph[u]))}:
+            for u in short:
+                del self.adverts[u]
+            out |= short
+        return out
 
     def adverts_for(self, site: int) -> dict[int, Advert]:
         return {v: self.adverts[v] for v in self.graph[site] if v in self.adverts}
@@ -305,11 +336,40 @@ class ServerState:
                 raise ProtocolError(f"site {site}: {kind} share for site {peer}, expected {want}")
         self.answers[site] = answers
 
+    def holders(self) -> dict[int, set[int]]:
+        """Per site that shared: the alive sites holding its shares, the only ones that will answer for it."""
+        alive = set(self.masked)
+        out: dict[int, set[int]] = {v: set() for v in self.shared}
+        for h in alive:
+            for v in self._peers_of(h):
+                out.setdefault(v, set()).add(h)
+        return out
+
+    def shortfall(self) -> Shortfall | None:
+        """Before the unmasking: the first site whose self-mask seed (alive) or mask key (dropped, its
+        masks in some alive input) fewer than its threshold of alive sites hold a share of; then the
+        sum cannot be unmasked and asking for the shares would only reveal some for nothing. None
+        when every mask can be rebuilt, provided the alive sites all answer."""
+        alive, dropped = self.unmask_request()
+        holders = self.holders()
+        for site in sorted(alive | dropped):
+            held = holders.get(site, set())
+            if site in dropped and not held:
+                continue  # no alive site masked with it: nothing of it to remove
+            t = threshold_for(len(self.graph[site]))
+            if len(held) < t:
+                return Shortfall(site, "seed" if site in alive else "key", t, frozenset(held),
+                                 frozenset(self.graph[site]))
+        return None
+
     def result(self) -> tuple[np.ndarray, set[int]]:
         """The unwrapped uint32 sum of the alive sites' inputs, and who they are."""
         alive, dropped = self.unmask_request()
         masks = [(self._rebuild(u, "seed"), b"self", -1) for u in alive]
+        holders = self.holders()
         for v in dropped:
+            if not holders.get(v):
+                continue  # its shares went to no alive site, so its masks are in no alive input
             s_v = X25519PrivateKey.from_private_bytes(self._rebuild(v, "key"))
             for u in self.graph[v] & alive:
                 if v not in self._peers_of(u):
