@@ -27,6 +27,13 @@ and the round needs the quorum's count of masked inputs. A message refused by th
 against its site like a malformed upload. What replaces the bounded-influence guard, which needs
 each site's update: sites clip before masking, the fixed-point range bounds each coordinate, and
 the server checks the norm of the sum (`_sum_ok`).
+
+A round whose sum cannot be unmasked (fewer than a site's threshold of alive neighbours hold shares
+of its seed, or of a dropped site's key: too many of one neighbourhood died) is found before any
+site is asked for a share (`ServerState.shortfall`) and, with federation.on_client_failure=continue,
+is lost, not the run (`_lose`): nothing folded, the dead dropped, the next round on fresh keys. The
+graph stays over all K sites (public, from the round number: the server never picks neighbours), so
+a survivor short of live neighbours sits a round out (`ServerState.leave_out_short`).
 """
 
 from __future__ import annotations
