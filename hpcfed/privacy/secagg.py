@@ -8,10 +8,20 @@ Rounds, each site `u` with neighbours N(u) (an O(log K) random graph from a publ
 1. share keys: t-of-|N(u)|+1 Shamir shares of a fresh self-mask seed b_u and of s_u's private key,
    each sealed (AES-GCM, key from c-agreement) to one neighbour and relayed by the server.
 2. masked input: y_u = x_u + PRG(b_u) + Σ_{v∈N(u), v>u} PRG(k_uv) - Σ_{v<u} PRG(k_uv) mod 2^32.
-3. unmask: told who is alive (sent y) and who dropped (shared, sent no y), a site reveals, once, the
-   seed share of each alive neighbour and the key share of each dropped one: never both for a peer,
-   and never a key share of a peer the server calls alive. The server rebuilds b_u of the alive and
-   s_v of the dropped, removes their masks, and learns Σ x_u of the alive sites only.
+3. consistency check (Bonawitz et al. 2017, Round 3 "ConsistencyCheck"; Bell et al. 2020 keep it per
+   neighbourhood): the server sends every survivor (a site whose y it will sum) the survivor set S;
+   each site signs (round, "consistency", sorted S) with its identity key in keys mode, once per round.
+4. unmask: given S, who dropped (shared, sent no y) and its neighbours' signatures over S, a site
+   reveals only when at least t of its neighbours, all in S, validly signed exactly the S it signed;
+   then, once, the seed share of each neighbour in S and the key share of each dropped one: never
+   both for a peer. The server rebuilds b_u of the alive and s_v of the dropped, removes their
+   masks, and learns Σ x_u of the alive sites only.
+   Why the signatures: without them each site checks only its own request, so a server could tell
+   the target's neighbours "target alive" (its seed shares) and each of those neighbours' other
+   neighbours "that neighbour dropped" (their mask keys), and strip every mask of the target's
+   input (`tests/privacy/test_secagg_consistency.py` runs that attack). An honest site signs one S
+   per round, and t is over half a neighbourhood, so a site's neighbours cannot be split between
+   two survivor sets both signed by t of them.
 Every message from another party is checked and a bad one refused with `ProtocolError` naming the site.
 
 Keys set up a round ahead. Stages 0 and 1 need nothing of the round's model: the runtime may run
@@ -31,7 +41,7 @@ from __future__ import annotations
 import math
 import random
 import secrets as _secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +85,14 @@ def round_graph(num_sites: int, rnd: int, degree: int | None = None) -> dict[int
     """The neighbour graph of round `rnd`: public, and computed alike by every rank from the round
     number, so no message carries it and the server cannot pick a graph for one site."""
     return neighbours(num_sites, b"hpcfed-secagg-graph/" + rnd.to_bytes(8, "big"), degree)
+
+
+def consistency_bytes(rnd: int, survivors: Iterable[int]) -> bytes:
+    """What a site signs in the consistency check: the round's survivor set, bound to the round (a
+    signature of another round, or over another set, does not verify)."""
+    ids = sorted(survivors)
+    return (b"hpcfed-secagg-consistency" + rnd.to_bytes(8, "big") + len(ids).to_bytes(4, "big")
+            + b"".join(i.to_bytes(4, "big") for i in ids))
 
 
 def threshold_for(degree: int) -> int:
@@ -126,6 +144,7 @@ class SiteState:
         self.held: dict[int, tuple[int, bytes, bytes]] = {}  # sender -> (x, seed share, key share)
         self.seed = b""
         self.answered = False
+        self.signed: frozenset[int] | None = None  # the one survivor set this site signed this round
         self._premask: tuple[frozenset[int], np.ndarray] | None = None  # (peers, Σ masks) summed ahead
 
     def advertise(self) -> Advert:
@@ -220,9 +239,31 @@ class SiteState:
             masks.append((k, b"pair", 1 if peer > self.site else -1))
         return masks
 
-    def unmask(self, alive: set[int], dropped: set[int]) -> dict[int, tuple[str, int, bytes]]:
-        """Round 3: for each neighbour that shared, its seed share if alive, its key share if dropped;
-        once, and never a key share of an alive peer."""
+    def sign_survivors(self, survivors: set[int]) -> bytes | None:
+        """Round 3, the consistency check: sign the survivor set the server will sum (keys mode; psk
+        mode has no per-site key and returns None, remembering the set all the same). Once per round,
+        and only a set that holds this site and enough of its neighbours to unmask at all."""
+        if self.signed is not None:
+            raise ProtocolError(f"server asked site {self.site} to sign a second survivor set in round {self.rnd}; "
+                                f"a site signs one per round: refused")
+        if not self.seed:
+            raise ProtocolError(f"site {self.site}: asked to sign a survivor set before it shared its keys")
+        if self.site not in survivors:
+            raise ProtocolError(f"server sent site {self.site} a survivor set without it, yet asks it to sign: "
+                                f"refused")
+        if len(survivors & (set(self.held) | {self.site})) < self.threshold:
+            raise ProtocolError(f"site {self.site}: fewer than {self.threshold} of its neighbourhood survive: "
+                                f"unmasking would reveal too much; refuses to sign")
+        self.signed = frozenset(survivors)
+        if self.identity is None:
+            return None
+        return self.identity.sign(consistency_bytes(self.rnd, self.signed))
+
+    def unmask(self, alive: set[int], dropped: set[int],
+               signatures: Mapping[int, bytes | None] | None = None) -> dict[int, tuple[str, int, bytes]]:
+        """Round 4: for each neighbour that shared, its seed share if alive, its key share if dropped;
+        once, and only for the survivor set `alive` this site signed, when (keys mode) at least its
+        threshold of neighbours, all in it, signed the same set (`signatures`, relayed by the server)."""
         if self.answered:
             raise ProtocolError(f"site {self.site}: asked to unmask a second time; a site answers once")
         both = alive & dropped
@@ -231,8 +272,16 @@ class SiteState:
                                 f"and dropped: refused")
         if self.site not in alive:
             raise ProtocolError(f"server says site {self.site} dropped, yet asks it to unmask: refused")
+        if self.signed is None:
+            raise ProtocolError(f"server asked site {self.site} to unmask before it signed the survivor set: refused")
+        if alive != self.signed:
+            odd = min(alive ^ self.signed)
+            raise ProtocolError(f"server asked site {self.site} to unmask with a survivor set other than the one it "
+                                f"signed (site {odd} is in one and not the other): refused")
         if len(alive & (set(self.held) | {self.site})) < self.threshold:
             raise ProtocolError(f"site {self.site}: fewer than {self.threshold} alive: unmasking would reveal too much")
+        if self.peer_identities is not None:
+            self._check_consistency(signatures or {})
         self.answered = True
         out = {}
         for peer, (x, seed_share, key_share) in self.held.items():
@@ -241,6 +290,34 @@ class SiteState:
             elif peer in dropped:
                 out[peer] = ("key", x, key_share)
         return out
+
+    def _check_consistency(self, signatures: Mapping[int, bytes | None]) -> None:
+        """At least `threshold` neighbours, each in the signed set, signed exactly it for this round.
+        Any signature that does not verify is refused, naming its site: an honest server checks each
+        on arrival and forwards only good ones, so a bad one here is the server's doing."""
+        assert self.peer_identities is not None and self.signed is not None
+        message = consistency_bytes(self.rnd, self.signed)
+        for peer, signature in sorted(signatures.items()):
+            if peer not in self.peers:
+                raise ProtocolError(f"site {peer}: consistency signature relayed to site {self.site}, which is not "
+                                    f"its neighbour: refused")
+            if peer not in self.signed:
+                raise ProtocolError(f"site {peer}: consistency signature relayed to site {self.site}, but site {peer} "
+                                    f"is not in the survivor set: refused")
+            public = self.peer_identities.get(peer)
+            try:
+                if public is None or signature is None:
+                    raise InvalidSignature
+                Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
+            except InvalidSignature:
+                raise ProtocolError(f"site {peer}: its consistency signature relayed to site {self.site} does not "
+                                    f"verify for round {self.rnd} over the survivor set site {self.site} signed "
+                                    f"(forged, or over another set or round): refused") from None
+        if len(signatures) < self.threshold:
+            missing = ", ".join(map(str, sorted(self.peers & self.signed - set(signatures)))) or "none"
+            raise ProtocolError(f"site {self.site}: only {len(signatures)} of its neighbours signed the survivor set, "
+                                f"fewer than the threshold {self.threshold}; unsigned neighbours in the set: "
+                                f"{missing}: refuses to unmask")
 
 
 @dataclass(frozen=True)
@@ -272,6 +349,8 @@ class ServerState:
         self.masked: dict[int, np.ndarray] = {}
         self.total = np.zeros(size, dtype=np.uint32)  # Σ masked inputs so far
         self.answers: dict[int, dict[int, tuple[str, int, bytes]]] = {}
+        self.survivors: frozenset[int] | None = None  # the set the sites are asked to sign; fixed once sent
+        self.signatures: dict[int, bytes | None] = {}  # site -> its signature over `survivors` (None: psk mode)
 
     def take_advert(self, site: int, adv: Advert) -> None:
         if site not in self.graph or adv.site != site or site in self.adverts:
@@ -322,14 +401,50 @@ class ServerState:
         y = self.masked.pop(site)
         np.subtract(self.total, y, out=self.total)
 
+    def survivor_set(self) -> frozenset[int]:
+        """The consistency check's set: the sites whose masked input is summed. Fixed from now on."""
+        if self.survivors is None:
+            self.survivors = frozenset(self.masked)
+        return self.survivors
+
+    def take_signature(self, site: int, signature: bytes | None, identities: dict[int, bytes] | None) -> None:
+        """A survivor's signature over the survivor set, checked against its identity key (keys
+        mode), so that a site's bad signature costs that site, never the honest neighbours it is
+        forwarded to (they would refuse the round)."""
+        survivors = self.survivor_set()
+        if site not in survivors or site in self.signatures:
+            raise ProtocolError(f"site {site}: consistency signature from a site outside the survivor set, or a "
+                                f"second one")
+        if identities is not None:
+            public = identities.get(site)
+            try:
+                if public is None or signature is None:
+                    raise InvalidSignature
+                Ed25519PublicKey.from_public_bytes(public).verify(signature, consistency_bytes(self.rnd, survivors))
+            except InvalidSignature:
+                raise ProtocolError(f"site {site}: its consistency signature does not verify over round {self.rnd}'s "
+                                    f"survivor set") from None
+        self.signatures[site] = signature
+
+    def signatures_for(self, site: int) -> dict[int, bytes | None]:
+        """The signatures of `site`'s neighbours, forwarded to it with the unmask request."""
+        return {v: self.signatures[v] for v in sorted(self.graph[site]) if v in self.signatures}
+
+    def answering(self) -> set[int]:
+        """The survivors that signed and hold at least their threshold of neighbours' signatures: the
+        only sites that will answer the unmask request (the others refuse, as they must)."""
+        return {u for u in self.signatures
+                if len(self.graph[u] & set(self.signatures)) >= threshold_for(len(self.graph[u]))}
+
     def unmask_request(self) -> tuple[set[int], set[int]]:
         """Alive: sent a masked input; dropped: shared keys, sent no masked input."""
         return set(self.masked), self.shared - set(self.masked)
 
     def take_unmask(self, site: int, answers: dict[int, tuple[str, int, bytes]]) -> None:
         alive, dropped = self.unmask_request()
-        if site not in alive or site in self.answers:
-            raise ProtocolError(f"site {site}: unmask answer from a site that is not alive, or a second one")
+        if site not in alive or site in self.answers or (self.survivors is not None and site not in self.signatures):
+            raise ProtocolError(f"site {site}: unmask answer from a site that is not alive, did not sign the "
+                                f"survivor set, or a second one")
         for peer, (kind, _, _) in answers.items():
             want = "seed" if peer in alive else "key" if peer in dropped else None
             if peer not in self.graph[site] or kind != want:
@@ -345,17 +460,19 @@ class ServerState:
                 out.setdefault(v, set()).add(h)
         return out
 
-    def shortfall(self) -> Shortfall | None:
+    def shortfall(self, answering: set[int] | None = None) -> Shortfall | None:
         """Before the unmasking: the first site whose self-mask seed (alive) or mask key (dropped, its
-        masks in some alive input) fewer than its threshold of alive sites hold a share of; then the
-        sum cannot be unmasked and asking for the shares would only reveal some for nothing. None
-        when every mask can be rebuilt, provided the alive sites all answer."""
+        masks in some alive input) fewer than its threshold of the sites that will answer (`answering`,
+        default: all alive) hold a share of; then the sum cannot be unmasked and asking for the shares
+        would only reveal some for nothing. None when every mask can be rebuilt, provided they answer."""
         alive, dropped = self.unmask_request()
         holders = self.holders()
         for site in sorted(alive | dropped):
             held = holders.get(site, set())
             if site in dropped and not held:
                 continue  # no alive site masked with it: nothing of it to remove
+            if answering is not None:
+                held = held & answering
             t = threshold_for(len(self.graph[site]))
             if len(held) < t:
                 return Shortfall(site, "seed" if site in alive else "key", t, frozenset(held),

@@ -10,7 +10,10 @@ rank 0                                                        site k
   |<-------------------------- SA_SHARES (Shamir shares of b_k and s_k, sealed to each neighbour) } ahead
   |-- SA_SHARES_FOR (the shares sealed to k) -------------------->|  fit, clip, fixed point, mask
   |<-------------------------- SA_MASKED (y_k mod 2^32; metrics, shard; next_advert: round r+1's keys)
-  |-- SA_UNMASK (alive: sent y; dropped: shared, sent no y; next_adverts) ->|
+  |-- SA_CHECK (survivors: the sites whose y is summed) --------->|
+  |<-------------------------- SA_SIGNED (its signature over (round, survivors); null in psk mode)
+  |-- SA_UNMASK (alive = survivors; dropped: shared, sent no y; its neighbours' signatures;
+  |              next_adverts) ---------------------------------->|  >= t neighbours signed this set?
   |<-------------------------- SA_REVEAL (per neighbour: a seed share or a key share, never both;
   |                                       next_to + shares: round r+1's, sealed to its neighbours)
   |   Σ y - masks = Σ_k w_k·δ_k and Σ n_k of the alive sites: all rank 0 learns of the round
@@ -18,8 +21,11 @@ rank 0                                                        site k
 Round r+1 is set up ahead, with round r's messages, when every live site sent its masked input and
 its next keys and shares (`hpcfed.privacy.secagg`, "Keys set up a round ahead", says why this keeps
 SecAgg's guarantees): PARAMS then says `secagg_prepared` and SA_SHARES_FOR follows at once, so
-the round costs two exchanges, as plain FedAvg's one plus the unmasking. The first round, and any
-round after one that some live site missed, sets its keys up within the round.
+the round costs three exchanges, as plain FedAvg's one plus the consistency check and the unmasking.
+The consistency check (SA_CHECK, SA_SIGNED) is what stops a server that lies about who dropped from
+unmasking one site (`hpcfed.privacy.secagg`, round 3, says how); rank 0 checks each signature on
+arrival in keys mode, so that one site's bad signature costs that site, not its honest neighbours.
+The first round, and any round after one that some live site missed, sets its keys up within the round.
 
 Each stage waits for the sites still in for at most `federation.round_deadline_s`; a site that stays silent is left
 out of the round (after it shared its keys: its pairwise masks are removed with its rebuilt key),
@@ -75,6 +81,12 @@ class SecAggRound:
         self.dp = cfg.privacy.dp is not None
         self.prepared: ServerState | None = None  # the next round's keys and shares, exchanged in this one
         self.sat_out: set[int] = set()  # live sites left out of this round: too few of their neighbours advertised
+        # the sites' identity keys, to check their consistency signatures on arrival (keys mode; psk: none)
+        self.identities: dict[int, bytes] | None = None
+        if cfg.security.mode == "keys":
+            from hpcfed.credentials import secagg_identities
+
+            self.identities = secagg_identities(cfg.security, 0)[1]
         if cfg.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
@@ -108,11 +120,18 @@ class SecAggRound:
         if short is not None:  # decided before any site is asked for a share: none is revealed in vain
             self._lose(rnd, short.describe(), started, alive, dropped)
             return {cid: taken[cid] for cid in alive & core.live}, True
+        answering = self._check(rnd, state, alive)
+        short = state.shortfall(answering)
+        if short is not None:  # too few signed: the sites that cannot answer are not asked, none reveals in vain
+            self._lose(rnd, f"{short.describe()} (after the consistency check: signed by "
+                            f"{', '.join(map(str, sorted(state.signatures))) or 'none'})", started, alive, dropped)
+            return {cid: taken[cid] for cid in alive & core.live}, True
         # The next round is set up alongside this one's unmasking only when every live site is in both.
         # (Not when a site would be short of advertised neighbours in it: it sits that round out, set up in it.)
-        ahead = nxt is not None and alive == core.live == set(nxt.adverts) and not nxt.leave_out_short()
-        for cid in sorted(alive):
-            header = {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped)}
+        ahead = nxt is not None and answering == alive == core.live == set(nxt.adverts) and not nxt.leave_out_short()
+        for cid in sorted(answering):
+            header = {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped),
+                      "signatures": W.signatures_fields(state.signatures_for(cid))}
             if ahead and nxt is not None:
                 header["next_adverts"] = [W.advert_fields(a) for a in nxt.adverts_for(cid).values()]
             core.send_to(cid, P.SA_UNMASK, header)
@@ -129,17 +148,31 @@ class SecAggRound:
                 nxt.take_shares(cid, shares)
             state.take_unmask(cid, answers)
 
-        self._gather(rnd, P.SA_REVEAL, alive, reveal)
+        self._gather(rnd, P.SA_REVEAL, answering, reveal)
         if ahead and nxt is not None and set(nxt.shared) == core.live:
             self.prepared = nxt
         try:
             total, summed = state.result()
         except ValueError as exc:  # ProtocolError included: a site left or went silent while unmasking
-            silent = ", ".join(map(str, sorted(alive - set(state.answers))))
+            silent = ", ".join(map(str, sorted(answering - set(state.answers))))
             self._lose(rnd, f"{exc}; no unmask answer from site(s) {silent or 'none'}", started, alive, dropped)
             return {cid: taken[cid] for cid in alive & core.live}, True
         self._fold(rnd, total, summed)
         return {cid: taken[cid] for cid in alive}, False
+
+    def _check(self, rnd: int, state: ServerState, alive: set[int]) -> set[int]:
+        """The consistency check: each survivor signs the survivor set; the survivors that hold their
+        threshold of neighbours' signatures, the only ones asked to unmask."""
+        survivors = sorted(state.survivor_set())
+        for cid in sorted(alive):
+            self.core.send_to(cid, P.SA_CHECK, {"round": rnd, "survivors": survivors})
+        keys_mode = self.identities is not None
+
+        def signed(cid: int, msg: Message) -> None:
+            state.take_signature(cid, W.parse_signature(cid, msg.header.get("signature"), keys_mode), self.identities)
+
+        self._gather(rnd, P.SA_SIGNED, alive, signed)
+        return state.answering() & self.core.live
 
     def _graph(self, rnd: int) -> dict[int, set[int]]:
         return round_graph(self.num_sites, rnd, self.core.cfg.privacy.secagg.degree)

@@ -44,6 +44,16 @@ def test_quantisation_round_trip_within_one_step():
     assert back == pytest.approx(np.clip(x, -1, 1), abs=2.0 / levels)
 
 
+def answer(server: ServerState, sites: dict[int, SiteState], alive: set[int], dropped: set[int],
+           identities: dict[int, bytes] | None = None) -> None:
+    """The consistency check, then the unmasking, as an honest server runs them (`SecAggRound`)."""
+    survivors = set(server.survivor_set())
+    for u in sorted(alive):
+        server.take_signature(u, sites[u].sign_survivors(survivors), identities)
+    for u in sorted(alive):
+        server.take_unmask(u, sites[u].unmask(alive, dropped, server.signatures_for(u)))
+
+
 def _advertised(k: int, seed: bytes) -> tuple[dict[int, SiteState], ServerState]:
     """K sites (threshold 3) on the neighbour graph of `seed`, their keys advertised to the server."""
     graph = neighbours(k, seed)
@@ -73,8 +83,7 @@ def _run(k: int, drop_before_masking: set[int], identity: bool = False):
             server.take_masked(u, y)
     alive, dropped = server.unmask_request()
     assert server.shortfall() is None  # every mask can be rebuilt: the unmasking goes ahead
-    for u in alive:
-        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    answer(server, sites, alive, dropped, pubs)
     total, who = server.result()
     return updates, total, who, levels, sites, server
 
@@ -186,8 +195,7 @@ def test_masks_summed_ahead_give_the_same_sum_and_are_dropped_when_a_neighbour_s
     for u in sorted(server.shared):
         server.take_masked(u, sites[u].masked_input(server.shares_for(u), codes[u]))
     alive, dropped = server.unmask_request()
-    for u in alive:
-        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    answer(server, sites, alive, dropped)
     total, who = server.result()
     want = sum(codes[u].astype(np.uint64) for u in who) % (1 << 32)
     assert who == set(server.shared) and total.tolist() == want.tolist()
@@ -228,8 +236,7 @@ def test_a_neighbourhood_that_loses_too_many_sites_is_found_before_any_share_is_
     assert short.describe() == ("site 1's self-mask seed needs 2 shares, but only 1 alive neighbour(s) hold one (5); "
                                 "its neighbourhood: sites 0, 4, 5")
     # Not over-cautious: had the server asked, the honest answers could not rebuild the seed.
-    for u in alive:
-        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    answer(server, sites, alive, dropped)
     with pytest.raises(ProtocolError, match="site 1: its seed cannot be rebuilt"):
         server.result()
     # Round 2, fresh keys on round 2's graph, the two sites gone: every mask can be rebuilt, and
@@ -237,8 +244,7 @@ def test_a_neighbourhood_that_loses_too_many_sites_is_found_before_any_share_is_
     server, sites, codes = _graph_round(k, 2, degree, set(), dead)
     alive, dropped = server.unmask_request()
     assert (alive, dropped) == ({1, 2, 3, 5}, set()) and server.shortfall() is None
-    for u in alive:
-        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    answer(server, sites, alive, dropped)
     total, who = server.result()
     assert who == alive and total.tolist() == (sum(codes[u].astype(np.uint64) for u in alive) % (1 << 32)).tolist()
 
@@ -273,7 +279,6 @@ def test_a_dropped_site_whose_shares_no_alive_site_holds_needs_no_rebuilding():
         server.take_masked(u, sites[u].masked_input(server.shares_for(u), codes[u]))
     alive, dropped = server.unmask_request()
     assert dropped == {3, 4} and server.shortfall() is None
-    for u in alive:
-        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    answer(server, sites, alive, dropped)
     total, who = server.result()
     assert who == {0, 1, 2} and total.tolist() == (sum(codes[u].astype(np.uint64) for u in who) % (1 << 32)).tolist()
