@@ -27,9 +27,10 @@ Every message from another party is checked and a bad one refused with `Protocol
 Keys set up a round ahead. Stages 0 and 1 need nothing of the round's model: the runtime may run
 round r+1's with round r's messages (its adverts with the masked inputs, the relayed adverts with
 the unmask request, its shares with the unmask answers), so a round costs the masked input, the
-consistency check and the unmasking only. What keeps SecAgg's guarantees (Bonawitz et al. 2017, §4; Bell et al. 2020, §3): each
-`SiteState` is one round's, with fresh X25519 keys and a fresh self-mask seed, used for that round
-only; signatures bind the keys to their round (`Advert.signed_bytes`), so an advert of another round,
+consistency check and the unmasking only. What keeps SecAgg's guarantees (Bonawitz et al. 2017, §4;
+Bell et al. 2020, §3): each `SiteState` is one round's, with fresh X25519 keys and a fresh self-mask
+seed, used for that round only; signatures bind the keys to their round (`Advert.signed_bytes`), so
+an advert of another round,
 whose key a server may have rebuilt from a dropout's shares, cannot be replayed; the shares of round
 r+1 are sealed to the neighbours and cannot be opened by the server whenever they travel; and the
 unmask rule of round r (a seed share or a key share per peer, never both) is untouched, each state
