@@ -10,7 +10,8 @@ Rounds, each site `u` with neighbours N(u) (an O(log K) random graph from a publ
 2. masked input: y_u = x_u + PRG(b_u) + Σ_{v∈N(u), v>u} PRG(k_uv) - Σ_{v<u} PRG(k_uv) mod 2^32.
 3. consistency check (Bonawitz et al. 2017, Round 3 "ConsistencyCheck"; Bell et al. 2020 keep it per
    neighbourhood): the server sends every survivor (a site whose y it will sum) the survivor set S;
-   each site signs (round, "consistency", sorted S) with its identity key in keys mode, once per round.
+   each site signs (round, its own agreement keys of the round, sorted S) with its identity key in
+   keys mode, once per round: the fresh keys make a signature of another job useless here too.
 4. unmask: given S, who dropped (shared, sent no y) and its neighbours' signatures over S, a site
    reveals only when at least t of its neighbours, all in S, validly signed exactly the S it signed;
    then, once, the seed share of each neighbour in S and the key share of each dropped one: never
@@ -89,14 +90,6 @@ def round_graph(num_sites: int, rnd: int, degree: int | None = None) -> dict[int
     return neighbours(num_sites, b"hpcfed-secagg-graph/" + rnd.to_bytes(8, "big"), degree)
 
 
-def consistency_bytes(rnd: int, survivors: Iterable[int]) -> bytes:
-    """What a site signs in the consistency check: the round's survivor set, bound to the round (a
-    signature of another round, or over another set, does not verify)."""
-    ids = sorted(survivors)
-    return (b"hpcfed-secagg-consistency" + rnd.to_bytes(8, "big") + len(ids).to_bytes(4, "big")
-            + b"".join(i.to_bytes(4, "big") for i in ids))
-
-
 def threshold_for(degree: int) -> int:
     """Shares needed of a site's |N(u)| + 1: over half, so two disjoint sets cannot both rebuild."""
     return degree // 2 + 1
@@ -114,6 +107,17 @@ class Advert:
         replay an earlier round's advert (whose key it may have rebuilt from the shares of a dropout)."""
         return (b"hpcfed-secagg-advert" + rnd.to_bytes(8, "big") + self.site.to_bytes(4, "big") + self.c_public
                 + self.s_public)
+
+
+def consistency_bytes(rnd: int, survivors: Iterable[int], signer: Advert) -> bytes:
+    """What a site signs in the consistency check: the round's survivor set, bound to the round and
+    to the signer's own fresh agreement keys of this round (its advert), so that a signature of
+    another round, or of another job run with the same identity keys, or over another set, does not
+    verify (a round number alone repeats from job to job, and rank 0 draws the job id)."""
+    ids = sorted(survivors)
+    return (b"hpcfed-secagg-consistency" + rnd.to_bytes(8, "big") + signer.site.to_bytes(4, "big")
+            + signer.c_public + signer.s_public + len(ids).to_bytes(4, "big")
+            + b"".join(i.to_bytes(4, "big") for i in ids))
 
 
 @dataclass(frozen=True)
@@ -151,11 +155,15 @@ class SiteState:
 
     def advertise(self) -> Advert:
         """Round 0: my public keys, signed in keys mode."""
+        keys = self._keys()
+        if self.identity is None:
+            return keys
+        return Advert(self.site, keys.c_public, keys.s_public, self.identity.sign(keys.signed_bytes(self.rnd)))
+
+    def _keys(self) -> Advert:
+        """My public keys of this round, unsigned."""
         c, s = self.c_key.public_key().public_bytes(*_RAW), self.s_key.public_key().public_bytes(*_RAW)
-        advert = Advert(self.site, c, s)
-        if self.identity is not None:
-            advert = Advert(self.site, c, s, self.identity.sign(advert.signed_bytes(self.rnd)))
-        return advert
+        return Advert(self.site, c, s)
 
     def share_keys(self, adverts: dict[int, Advert]) -> list[SealedShare]:
         """Round 1: check the neighbours' keys, share my self-mask seed and mask key, sealed to each."""
@@ -259,7 +267,7 @@ class SiteState:
         self.signed = frozenset(survivors)
         if self.identity is None:
             return None
-        return self.identity.sign(consistency_bytes(self.rnd, self.signed))
+        return self.identity.sign(consistency_bytes(self.rnd, self.signed, self._keys()))
 
     def unmask(self, alive: set[int], dropped: set[int],
                signatures: Mapping[int, bytes | None] | None = None) -> dict[int, tuple[str, int, bytes]]:
@@ -298,7 +306,6 @@ class SiteState:
         Any signature that does not verify is refused, naming its site: an honest server checks each
         on arrival and forwards only good ones, so a bad one here is the server's doing."""
         assert self.peer_identities is not None and self.signed is not None
-        message = consistency_bytes(self.rnd, self.signed)
         for peer, signature in sorted(signatures.items()):
             if peer not in self.peers:
                 raise ProtocolError(f"site {peer}: consistency signature relayed to site {self.site}, which is not "
@@ -306,11 +313,12 @@ class SiteState:
             if peer not in self.signed:
                 raise ProtocolError(f"site {peer}: consistency signature relayed to site {self.site}, but site {peer} "
                                     f"is not in the survivor set: refused")
-            public = self.peer_identities.get(peer)
+            public, advert = self.peer_identities.get(peer), self.adverts.get(peer)
             try:
-                if public is None or signature is None:
+                if public is None or signature is None or advert is None:
                     raise InvalidSignature
-                Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
+                Ed25519PublicKey.from_public_bytes(public).verify(signature, consistency_bytes(
+                    self.rnd, self.signed, advert))
             except InvalidSignature:
                 raise ProtocolError(f"site {peer}: its consistency signature relayed to site {self.site} does not "
                                     f"verify for round {self.rnd} over the survivor set site {self.site} signed "
@@ -418,11 +426,12 @@ class ServerState:
             raise ProtocolError(f"site {site}: consistency signature from a site outside the survivor set, or a "
                                 f"second one")
         if identities is not None:
-            public = identities.get(site)
+            public, advert = identities.get(site), self.adverts.get(site)
             try:
-                if public is None or signature is None:
+                if public is None or signature is None or advert is None:
                     raise InvalidSignature
-                Ed25519PublicKey.from_public_bytes(public).verify(signature, consistency_bytes(self.rnd, survivors))
+                Ed25519PublicKey.from_public_bytes(public).verify(signature, consistency_bytes(
+                    self.rnd, survivors, advert))
             except InvalidSignature:
                 raise ProtocolError(f"site {site}: its consistency signature does not verify over round {self.rnd}'s "
                                     f"survivor set") from None

@@ -112,7 +112,7 @@ def test_a_bad_signature_relayed_with_the_unmask_request_is_refused_naming_the_s
         following[2] = Advert(2, following[2].c_public, following[2].s_public, bad)
         want = "site 2: forged agreement key for round 1"
     else:  # site 2's signature over a set without site 1: the server telling site 0 another story
-        sigs[2] = ids[2].sign(consistency_bytes(0, {0, 2}))
+        sigs[2] = ids[2].sign(consistency_bytes(0, {0, 2}, state.adverts[2]))
         want = "site 2: its consistency signature relayed to site 0 does not verify for round 0"
     server.send(1, P.SA_UNMASK, {"round": 0, "alive": [0, 1, 2], "dropped": [],
                                  "signatures": W.signatures_fields(sigs),

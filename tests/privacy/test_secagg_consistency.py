@@ -24,7 +24,15 @@ from hpcfed.errors import ConfigError
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy import shamir
 from hpcfed.privacy.masking import agree, apply_masks
-from hpcfed.privacy.secagg import ProtocolError, ServerState, SiteState, round_graph, threshold_for
+from hpcfed.privacy.secagg import (
+    Advert,
+    ProtocolError,
+    ServerState,
+    SiteState,
+    consistency_bytes,
+    round_graph,
+    threshold_for,
+)
 
 K, RND, SIZE, TARGET = 16, 1, 5, 3
 
@@ -163,17 +171,23 @@ def test_forged_absent_foreign_and_stale_signatures_are_refused_naming_the_peer(
     good = {v: sigs[v] for v in peers}
     p = peers[0]
     forger = Ed25519PrivateKey.generate()
-    from hpcfed.privacy.secagg import consistency_bytes
+    mine = sites[me].adverts[p]  # p's agreement keys of this round, as site 0 got them
+    # the same identity key in another job (or round) has other fresh agreement keys
+    elsewhere = SiteState(p, graph, SIZE, _key(sites, p), sites[me].peer_identities, RND).advertise()
+
+    def by_p(survivor_set: set[int], rnd: int = RND, keys: Advert = mine) -> bytes:
+        return _key(sites, p).sign(consistency_bytes(rnd, survivor_set, keys))
 
     cases = {
-        "forged": ({**good, p: forger.sign(consistency_bytes(RND, survivors))}, rf"site {p}: its consistency "
-                   rf"signature relayed to site {me} does not verify"),
+        "forged": ({**good, p: forger.sign(consistency_bytes(RND, survivors, mine))},
+                   rf"site {p}: its consistency signature relayed to site {me} does not verify"),
         "garbage": ({**good, p: bytes(64)}, rf"site {p}: its consistency signature relayed to site {me} does not"),
-        # signed by p's own key, over a set without a site, or for another round
-        "another set": ({**good, p: _key(sites, p).sign(consistency_bytes(RND, survivors - {peers[1]}))},
-                        rf"site {p}: its consistency signature .* does not verify"),
-        "another round": ({**good, p: _key(sites, p).sign(consistency_bytes(RND + 1, survivors))},
+        "another set": ({**good, p: by_p(survivors - {peers[1]})}, rf"site {p}: its consistency signature .* does not "
+                                                                   rf"verify"),
+        "another round": ({**good, p: by_p(survivors, RND + 1)},
                           rf"site {p}: its consistency signature .* does not verify for round {RND}"),
+        "another job": ({**good, p: by_p(survivors, keys=elsewhere)}, rf"site {p}: its consistency signature .* does "
+                                                                      rf"not verify"),
         "absent, under the threshold": ({v: good[v] for v in peers[:2]},
                                         rf"site {me}: only 2 of its neighbours signed .* fewer than the threshold 3; "
                                         rf"unsigned neighbours in the set: {peers[2]}, {peers[3]}, {peers[4]}"),
