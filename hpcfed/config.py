@@ -207,6 +207,11 @@ class SecAggConfig:
             raise InvalidValue("clip_norm", f"must be a finite number, got {self.clip_norm!r}")
         if self.max_examples >= 1 << 31:
             raise InvalidValue("max_examples", f"must be below 2**31 (it travels as uint32), got {self.max_examples}")
+        if self.degree is not None and self.degree < 2:
+            # threshold_for(1) = 1: one neighbour alone (colluding with the server) would hold a site's seed
+            raise InvalidValue("degree", f"{self.degree} gives a Shamir threshold of 1, so one neighbour colluding "
+                                         f"with the server could unmask a site; set it to 2 or more, or leave it "
+                                         f"unset for 2*ceil(log2 K)")
 
 
 @dataclass(kw_only=True)

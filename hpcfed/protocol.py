@@ -30,15 +30,18 @@ SA_SHARES = 14  # client -> server: Shamir shares sealed to each neighbour (head
 SA_SHARES_FOR = 15  # server -> client: the shares sealed to it (header: round, from; tensor "shares")
 SA_MASKED = 16  # client -> server: the masked fixed-point input (tensor "masked"; header: round, metrics, shard,
 #                 next_advert: its keys for round + 1)
-SA_UNMASK = 17  # server -> client: who is alive and who dropped (header: round, alive, dropped[, next_adverts])
+SA_UNMASK = 17  # server -> client: who is alive and who dropped, the neighbours' consistency signatures
+#                 (header: round, alive, dropped, signatures[, next_adverts])
 SA_REVEAL = 18  # client -> server: per neighbour a seed share or a key share, never both (header: round, answers;
 #                 with next_adverts: next_to and tensor "shares", round + 1's, set up ahead)
+SA_CHECK = 19  # server -> client: the survivor set, whose masked inputs it sums (header: round, survivors)
+SA_SIGNED = 20  # client -> server: its signature over it, the consistency check (header: round, signature)
 
 NAMES = {SETUP: "SETUP", SETUP_REPLY: "SETUP_REPLY", PARAMS: "PARAMS", UPDATE: "UPDATE", FINAL: "FINAL",
          RESULT: "RESULT", STOP: "STOP", FAILED: "FAILED", CHECKPOINT: "CHECKPOINT",
          CHECKPOINT_DONE: "CHECKPOINT_DONE", EVICTED: "EVICTED", SA_ADVERT: "SA_ADVERT", SA_KEYS: "SA_KEYS",
          SA_SHARES: "SA_SHARES", SA_SHARES_FOR: "SA_SHARES_FOR", SA_MASKED: "SA_MASKED", SA_UNMASK: "SA_UNMASK",
-         SA_REVEAL: "SA_REVEAL"}
+         SA_REVEAL: "SA_REVEAL", SA_CHECK: "SA_CHECK", SA_SIGNED: "SA_SIGNED"}
 
 SETUP_PREFIX = "setup/"
 INIT_PREFIX = "init/"
@@ -79,8 +82,8 @@ def prefixed(tensors: Mapping[str, _T], prefix: str) -> dict[str, _T]:
 
 # -- what each side accepts (SecureChannel.expect): anything else is dropped on arrival ----------
 # what a client takes, from rank 0 only
-SECAGG_SERVER_KINDS = frozenset({SA_KEYS, SA_SHARES_FOR, SA_UNMASK})
-SECAGG_CLIENT_KINDS = frozenset({SA_ADVERT, SA_SHARES, SA_MASKED, SA_REVEAL})
+SECAGG_SERVER_KINDS = frozenset({SA_KEYS, SA_SHARES_FOR, SA_CHECK, SA_UNMASK})
+SECAGG_CLIENT_KINDS = frozenset({SA_ADVERT, SA_SHARES, SA_MASKED, SA_SIGNED, SA_REVEAL})
 SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT, EVICTED}) | SECAGG_SERVER_KINDS
 # what the server takes from a client
 CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED, CHECKPOINT_DONE}) | SECAGG_CLIENT_KINDS
@@ -98,7 +101,8 @@ def server_bounds(model_floats: int, num_clients: int, evicted: Iterable[int] = 
     update = UPDATE_MARGIN * 4 * int(model_floats) + UPDATE_SLACK
     out = set(evicted)
     kinds = {rank: (frozenset() if rank - 1 in out else CLIENT_KINDS - {SETUP}) for rank in range(1, num_clients + 1)}
-    small = {kind: SMALL_MESSAGE for kind in (RESULT, FAILED, CHECKPOINT_DONE, SA_ADVERT, SA_SHARES, SA_REVEAL)}
+    small = {kind: SMALL_MESSAGE
+             for kind in (RESULT, FAILED, CHECKPOINT_DONE, SA_ADVERT, SA_SHARES, SA_SIGNED, SA_REVEAL)}
     # A masked input is one uint32 per parameter plus the masked weight, and a header like UPDATE's.
     return kinds, {UPDATE: update, SA_MASKED: 4 * (int(model_floats) + 1) + SMALL_MESSAGE, **small}, \
         update + 3 * SMALL_MESSAGE

@@ -3,10 +3,12 @@
 
 After PARAMS the site advertises two fresh X25519 keys (signed with its identity key in keys mode),
 checks its neighbours' adverts the server relays, shares its self-mask seed and mask key with them,
-trains, clips its delta, encodes it in fixed point with its weight, masks it and sends it; then, told
-who is alive and who dropped, it reveals once, per neighbour, a seed share or a key share. Whatever
-the server relays is hostile: a bad advert (a forged signature), share or unmask request makes the
-site refuse the round and leave, naming what was wrong; it never reveals both shares of one peer.
+trains, clips its delta, encodes it in fixed point with its weight, masks it and sends it; then it
+signs the survivor set the server sends (the consistency check) and, told who dropped and given its
+neighbours' signatures over the same set, reveals once, per neighbour, a seed share or a key share.
+Whatever the server relays is hostile: a bad advert (a forged signature), share, survivor set,
+consistency signature or unmask request makes the site refuse the round and leave, naming what was
+wrong; it never reveals both shares of one peer.
 """
 
 from __future__ import annotations
@@ -93,10 +95,15 @@ class SecAggSite:
     def _reveal(self, rnd: int, state: SiteState, nxt: SiteState) -> None:
         """Answer the unmask request of round `rnd`, and share `nxt`'s keys when it relays them."""
         me, n = self.site, self.num_sites
+        check = self._wait(rnd, P.SA_CHECK)
+        survivors = set(W.site_ids(check.header.get("survivors"), n, "the server's survivor set", me))
+        signature = state.sign_survivors(survivors)
+        self._send(P.SA_SIGNED, {"round": rnd, "signature": signature.hex() if signature is not None else None})
         request = self._wait(rnd, P.SA_UNMASK)
         alive = set(W.site_ids(request.header.get("alive"), n, "the server's alive list", me))
         dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
-        reveal: dict[str, Any] = {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped))}
+        signatures = W.parse_signatures(request.header.get("signatures"), n, me)
+        reveal: dict[str, Any] = {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped, signatures))}
         tensors = None
         if request.header.get("next_adverts") is not None:  # the next round is set up now, off its path
             adverts = W.parse_adverts(request.header["next_adverts"], nxt.peers, n, me)

@@ -8,22 +8,35 @@ Rounds, each site `u` with neighbours N(u) (an O(log K) random graph from a publ
 1. share keys: t-of-|N(u)|+1 Shamir shares of a fresh self-mask seed b_u and of s_u's private key,
    each sealed (AES-GCM, key from c-agreement) to one neighbour and relayed by the server.
 2. masked input: y_u = x_u + PRG(b_u) + Σ_{v∈N(u), v>u} PRG(k_uv) - Σ_{v<u} PRG(k_uv) mod 2^32.
-3. unmask: told who is alive (sent y) and who dropped (shared, sent no y), a site reveals, once, the
-   seed share of each alive neighbour and the key share of each dropped one: never both for a peer,
-   and never a key share of a peer the server calls alive. The server rebuilds b_u of the alive and
-   s_v of the dropped, removes their masks, and learns Σ x_u of the alive sites only.
+3. consistency check (Bonawitz et al. 2017, Round 3 "ConsistencyCheck"; Bell et al. 2020 keep it per
+   neighbourhood): the server sends every survivor (a site whose y it will sum) the survivor set S;
+   each site signs (round, its own agreement keys of the round, sorted S) with its identity key in
+   keys mode, once per round: the fresh keys make a signature of another job useless here too.
+4. unmask: given S, who dropped (shared, sent no y) and its neighbours' signatures over S, a site
+   reveals only when at least t of its neighbours, all in S, validly signed exactly the S it signed;
+   then, once, the seed share of each neighbour in S and the key share of each dropped one: never
+   both for a peer. The server rebuilds b_u of the alive and s_v of the dropped, removes their
+   masks, and learns Σ x_u of the alive sites only.
+   Why the signatures: without them each site checks only its own request, so a server could tell
+   the target's neighbours "target alive" (its seed shares) and each of those neighbours' other
+   neighbours "that neighbour dropped" (their mask keys), and strip every mask of the target's
+   input (`tests/privacy/test_secagg_consistency.py` runs that attack). An honest site signs one S
+   per round, and t is over half a neighbourhood, so a site's neighbours cannot be split between
+   two survivor sets both signed by t of them.
 Every message from another party is checked and a bad one refused with `ProtocolError` naming the site.
 
 Keys set up a round ahead. Stages 0 and 1 need nothing of the round's model: the runtime may run
 round r+1's with round r's messages (its adverts with the masked inputs, the relayed adverts with
-the unmask request, its shares with the unmask answers), so a round costs the masked input and the
-unmasking only. What keeps SecAgg's guarantees (Bonawitz et al. 2017, §4; Bell et al. 2020, §3): each
-`SiteState` is one round's, with fresh X25519 keys and a fresh self-mask seed, used for that round
-only; signatures bind the keys to their round (`Advert.signed_bytes`), so an advert of another round,
+the unmask request, its shares with the unmask answers), so a round costs the masked input, the
+consistency check and the unmasking only. What keeps SecAgg's guarantees (Bonawitz et al. 2017, §4;
+Bell et al. 2020, §3): each `SiteState` is one round's, with fresh X25519 keys and a fresh self-mask
+seed, used for that round only; signatures bind the keys to their round (`Advert.signed_bytes`), so
+an advert of another round,
 whose key a server may have rebuilt from a dropout's shares, cannot be replayed; the shares of round
 r+1 are sealed to the neighbours and cannot be opened by the server whenever they travel; and the
 unmask rule of round r (a seed share or a key share per peer, never both) is untouched, each state
-answering once for its own round.
+signing one survivor set and answering once for its own round (the consistency signature binds
+the round too, so one of round r cannot vouch for a set in round r+1).
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ from __future__ import annotations
 import math
 import random
 import secrets as _secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +109,17 @@ class Advert:
                 + self.s_public)
 
 
+def consistency_bytes(rnd: int, survivors: Iterable[int], signer: Advert) -> bytes:
+    """What a site signs in the consistency check: the round's survivor set, bound to the round and
+    to the signer's own fresh agreement keys of this round (its advert), so that a signature of
+    another round, or of another job run with the same identity keys, or over another set, does not
+    verify (a round number alone repeats from job to job, and rank 0 draws the job id)."""
+    ids = sorted(survivors)
+    return (b"hpcfed-secagg-consistency" + rnd.to_bytes(8, "big") + signer.site.to_bytes(4, "big")
+            + signer.c_public + signer.s_public + len(ids).to_bytes(4, "big")
+            + b"".join(i.to_bytes(4, "big") for i in ids))
+
+
 @dataclass(frozen=True)
 class SealedShare:
     sender: int
@@ -126,15 +150,20 @@ class SiteState:
         self.held: dict[int, tuple[int, bytes, bytes]] = {}  # sender -> (x, seed share, key share)
         self.seed = b""
         self.answered = False
+        self.signed: frozenset[int] | None = None  # the one survivor set this site signed this round
         self._premask: tuple[frozenset[int], np.ndarray] | None = None  # (peers, Σ masks) summed ahead
 
     def advertise(self) -> Advert:
         """Round 0: my public keys, signed in keys mode."""
+        keys = self._keys()
+        if self.identity is None:
+            return keys
+        return Advert(self.site, keys.c_public, keys.s_public, self.identity.sign(keys.signed_bytes(self.rnd)))
+
+    def _keys(self) -> Advert:
+        """My public keys of this round, unsigned."""
         c, s = self.c_key.public_key().public_bytes(*_RAW), self.s_key.public_key().public_bytes(*_RAW)
-        advert = Advert(self.site, c, s)
-        if self.identity is not None:
-            advert = Advert(self.site, c, s, self.identity.sign(advert.signed_bytes(self.rnd)))
-        return advert
+        return Advert(self.site, c, s)
 
     def share_keys(self, adverts: dict[int, Advert]) -> list[SealedShare]:
         """Round 1: check the neighbours' keys, share my self-mask seed and mask key, sealed to each."""
@@ -142,9 +171,9 @@ class SiteState:
             if peer not in self.peers or adv.site != peer:
                 raise ProtocolError(f"site {self.site}: advert of site {adv.site} relayed as {peer}, not a neighbour")
             self._check_signature(adv)
-        if len(adverts) + 1 < self.threshold:
+        if len(adverts) < self.threshold:  # one share per advertised neighbour: fewer cannot rebuild the secrets
             raise ProtocolError(f"site {self.site}: only {len(adverts)} neighbours advertised, "
-                                f"fewer than the threshold {self.threshold} allows")
+                                f"fewer than the threshold {self.threshold} needs")
         self.adverts = dict(adverts)
         self.seed = _secrets.token_bytes(32)
         key_raw = self.s_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
@@ -220,9 +249,31 @@ class SiteState:
             masks.append((k, b"pair", 1 if peer > self.site else -1))
         return masks
 
-    def unmask(self, alive: set[int], dropped: set[int]) -> dict[int, tuple[str, int, bytes]]:
-        """Round 3: for each neighbour that shared, its seed share if alive, its key share if dropped;
-        once, and never a key share of an alive peer."""
+    def sign_survivors(self, survivors: set[int]) -> bytes | None:
+        """Round 3, the consistency check: sign the survivor set the server will sum (keys mode; psk
+        mode has no per-site key and returns None, remembering the set all the same). Once per round,
+        and only a set that holds this site and enough of its neighbours to unmask at all."""
+        if self.signed is not None:
+            raise ProtocolError(f"server asked site {self.site} to sign a second survivor set in round {self.rnd}; "
+                                f"a site signs one per round: refused")
+        if not self.seed:
+            raise ProtocolError(f"site {self.site}: asked to sign a survivor set before it shared its keys")
+        if self.site not in survivors:
+            raise ProtocolError(f"server sent site {self.site} a survivor set without it, yet asks it to sign: "
+                                f"refused")
+        if len(survivors & (set(self.held) | {self.site})) < self.threshold:
+            raise ProtocolError(f"site {self.site}: fewer than {self.threshold} of its neighbourhood survive: "
+                                f"unmasking would reveal too much; refuses to sign")
+        self.signed = frozenset(survivors)
+        if self.identity is None:
+            return None
+        return self.identity.sign(consistency_bytes(self.rnd, self.signed, self._keys()))
+
+    def unmask(self, alive: set[int], dropped: set[int],
+               signatures: Mapping[int, bytes | None] | None = None) -> dict[int, tuple[str, int, bytes]]:
+        """Round 4: for each neighbour that shared, its seed share if alive, its key share if dropped;
+        once, and only for the survivor set `alive` this site signed, when (keys mode) at least its
+        threshold of neighbours, all in it, signed the same set (`signatures`, relayed by the server)."""
         if self.answered:
             raise ProtocolError(f"site {self.site}: asked to unmask a second time; a site answers once")
         both = alive & dropped
@@ -231,8 +282,16 @@ class SiteState:
                                 f"and dropped: refused")
         if self.site not in alive:
             raise ProtocolError(f"server says site {self.site} dropped, yet asks it to unmask: refused")
+        if self.signed is None:
+            raise ProtocolError(f"server asked site {self.site} to unmask before it signed the survivor set: refused")
+        if alive != self.signed:
+            odd = min(alive ^ self.signed)
+            raise ProtocolError(f"server asked site {self.site} to unmask with a survivor set other than the one it "
+                                f"signed (site {odd} is in one and not the other): refused")
         if len(alive & (set(self.held) | {self.site})) < self.threshold:
             raise ProtocolError(f"site {self.site}: fewer than {self.threshold} alive: unmasking would reveal too much")
+        if self.peer_identities is not None:
+            self._check_consistency(signatures or {})
         self.answered = True
         out = {}
         for peer, (x, seed_share, key_share) in self.held.items():
@@ -241,6 +300,52 @@ class SiteState:
             elif peer in dropped:
                 out[peer] = ("key", x, key_share)
         return out
+
+    def _check_consistency(self, signatures: Mapping[int, bytes | None]) -> None:
+        """At least `threshold` neighbours, each in the signed set, signed exactly it for this round.
+        Any signature that does not verify is refused, naming its site: an honest server checks each
+        on arrival and forwards only good ones, so a bad one here is the server's doing."""
+        assert self.peer_identities is not None and self.signed is not None
+        for peer, signature in sorted(signatures.items()):
+            if peer not in self.peers:
+                raise ProtocolError(f"site {peer}: consistency signature relayed to site {self.site}, which is not "
+                                    f"its neighbour: refused")
+            if peer not in self.signed:
+                raise ProtocolError(f"site {peer}: consistency signature relayed to site {self.site}, but site {peer} "
+                                    f"is not in the survivor set: refused")
+            public, advert = self.peer_identities.get(peer), self.adverts.get(peer)
+            try:
+                if public is None or signature is None or advert is None:
+                    raise InvalidSignature
+                Ed25519PublicKey.from_public_bytes(public).verify(signature, consistency_bytes(
+                    self.rnd, self.signed, advert))
+            except InvalidSignature:
+                raise ProtocolError(f"site {peer}: its consistency signature relayed to site {self.site} does not "
+                                    f"verify for round {self.rnd} over the survivor set site {self.site} signed "
+                                    f"(forged, or over another set or round): refused") from None
+        if len(signatures) < self.threshold:
+            missing = ", ".join(map(str, sorted(self.peers & self.signed - set(signatures)))) or "none"
+            raise ProtocolError(f"site {self.site}: only {len(signatures)} of its neighbours signed the survivor set, "
+                                f"fewer than the threshold {self.threshold}; unsigned neighbours in the set: "
+                                f"{missing}: refuses to unmask")
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A mask the alive sites cannot rebuild: the round's sum cannot be unmasked (`ServerState.shortfall`)."""
+
+    site: int
+    kind: str  # "seed": an alive site's self mask; "key": a dropped site's mask key
+    threshold: int
+    holders: frozenset[int]  # the alive sites holding a share of it
+    neighbourhood: frozenset[int]  # the site's neighbours in the round's graph
+
+    def describe(self) -> str:
+        what = "self-mask seed" if self.kind == "seed" else "mask key (it dropped after sharing it)"
+        held = ", ".join(map(str, sorted(self.holders))) or "none"
+        return (f"site {self.site}'s {what} needs {self.threshold} shares, but only {len(self.holders)} alive "
+                f"neighbour(s) hold one ({held}); its neighbourhood: sites "
+                f"{', '.join(map(str, sorted(self.neighbourhood)))}")
 
 
 class ServerState:
@@ -254,11 +359,26 @@ class ServerState:
         self.masked: dict[int, np.ndarray] = {}
         self.total = np.zeros(size, dtype=np.uint32)  # Σ masked inputs so far
         self.answers: dict[int, dict[int, tuple[str, int, bytes]]] = {}
+        self.survivors: frozenset[int] | None = None  # the set the sites are asked to sign; fixed once sent
+        self.signatures: dict[int, bytes | None] = {}  # site -> its signature over `survivors` (None: psk mode)
 
     def take_advert(self, site: int, adv: Advert) -> None:
         if site not in self.graph or adv.site != site or site in self.adverts:
             raise ProtocolError(f"site {site}: advert refused (unknown, claims site {adv.site}, or a second one)")
         self.adverts[site] = adv
+
+    def leave_out_short(self) -> set[int]:
+        """Before relaying the adverts: leave out of the round every site fewer than its threshold of
+        whose neighbours advertised (they ended, or are silent), until none is left short: such a
+        site could not share its keys (each share goes to one advertised neighbour), and would have
+        to refuse the round. It sits this round out, with nothing shared; the sites left out."""
+        out: set[int] = set()
+        while short := {u for u in self.adverts
+                        if len(self.graph[u] & set(self.adverts)) < threshold_for(len(self.graph[u]))}:
+            for u in short:
+                del self.adverts[u]
+            out |= short
+        return out
 
     def adverts_for(self, site: int) -> dict[int, Advert]:
         return {v: self.adverts[v] for v in self.graph[site] if v in self.adverts}
@@ -291,25 +411,93 @@ class ServerState:
         y = self.masked.pop(site)
         np.subtract(self.total, y, out=self.total)
 
+    def survivor_set(self) -> frozenset[int]:
+        """The consistency check's set: the sites whose masked input is summed. Fixed from now on."""
+        if self.survivors is None:
+            self.survivors = frozenset(self.masked)
+        return self.survivors
+
+    def take_signature(self, site: int, signature: bytes | None, identities: dict[int, bytes] | None) -> None:
+        """A survivor's signature over the survivor set, checked against its identity key (keys
+        mode), so that a site's bad signature costs that site, never the honest neighbours it is
+        forwarded to (they would refuse the round)."""
+        survivors = self.survivor_set()
+        if site not in survivors or site in self.signatures:
+            raise ProtocolError(f"site {site}: consistency signature from a site outside the survivor set, or a "
+                                f"second one")
+        if identities is not None:
+            public, advert = identities.get(site), self.adverts.get(site)
+            try:
+                if public is None or signature is None or advert is None:
+                    raise InvalidSignature
+                Ed25519PublicKey.from_public_bytes(public).verify(signature, consistency_bytes(
+                    self.rnd, survivors, advert))
+            except InvalidSignature:
+                raise ProtocolError(f"site {site}: its consistency signature does not verify over round {self.rnd}'s "
+                                    f"survivor set") from None
+        self.signatures[site] = signature
+
+    def signatures_for(self, site: int) -> dict[int, bytes | None]:
+        """The signatures of `site`'s neighbours, forwarded to it with the unmask request."""
+        return {v: self.signatures[v] for v in sorted(self.graph[site]) if v in self.signatures}
+
+    def answering(self) -> set[int]:
+        """The survivors that signed and hold at least their threshold of neighbours' signatures: the
+        only sites that will answer the unmask request (the others refuse, as they must)."""
+        return {u for u in self.signatures
+                if len(self.graph[u] & set(self.signatures)) >= threshold_for(len(self.graph[u]))}
+
     def unmask_request(self) -> tuple[set[int], set[int]]:
         """Alive: sent a masked input; dropped: shared keys, sent no masked input."""
         return set(self.masked), self.shared - set(self.masked)
 
     def take_unmask(self, site: int, answers: dict[int, tuple[str, int, bytes]]) -> None:
         alive, dropped = self.unmask_request()
-        if site not in alive or site in self.answers:
-            raise ProtocolError(f"site {site}: unmask answer from a site that is not alive, or a second one")
+        if site not in alive or site in self.answers or (self.survivors is not None and site not in self.signatures):
+            raise ProtocolError(f"site {site}: unmask answer from a site that is not alive, did not sign the "
+                                f"survivor set, or a second one")
         for peer, (kind, _, _) in answers.items():
             want = "seed" if peer in alive else "key" if peer in dropped else None
             if peer not in self.graph[site] or kind != want:
                 raise ProtocolError(f"site {site}: {kind} share for site {peer}, expected {want}")
         self.answers[site] = answers
 
+    def holders(self) -> dict[int, set[int]]:
+        """Per site that shared: the alive sites holding its shares, the only ones that will answer for it."""
+        alive = set(self.masked)
+        out: dict[int, set[int]] = {v: set() for v in self.shared}
+        for h in alive:
+            for v in self._peers_of(h):
+                out.setdefault(v, set()).add(h)
+        return out
+
+    def shortfall(self, answering: set[int] | None = None) -> Shortfall | None:
+        """Before the unmasking: the first site whose self-mask seed (alive) or mask key (dropped, its
+        masks in some alive input) fewer than its threshold of the sites that will answer (`answering`,
+        default: all alive) hold a share of; then the sum cannot be unmasked and asking for the shares
+        would only reveal some for nothing. None when every mask can be rebuilt, provided they answer."""
+        alive, dropped = self.unmask_request()
+        holders = self.holders()
+        for site in sorted(alive | dropped):
+            held = holders.get(site, set())
+            if site in dropped and not held:
+                continue  # no alive site masked with it: nothing of it to remove
+            if answering is not None:
+                held = held & answering
+            t = threshold_for(len(self.graph[site]))
+            if len(held) < t:
+                return Shortfall(site, "seed" if site in alive else "key", t, frozenset(held),
+                                 frozenset(self.graph[site]))
+        return None
+
     def result(self) -> tuple[np.ndarray, set[int]]:
         """The unwrapped uint32 sum of the alive sites' inputs, and who they are."""
         alive, dropped = self.unmask_request()
         masks = [(self._rebuild(u, "seed"), b"self", -1) for u in alive]
+        holders = self.holders()
         for v in dropped:
+            if not holders.get(v):
+                continue  # its shares went to no alive site, so its masks are in no alive input
             s_v = X25519PrivateKey.from_private_bytes(self._rebuild(v, "key"))
             for u in self.graph[v] & alive:
                 if v not in self._peers_of(u):

@@ -118,7 +118,39 @@ def parse_masked(site: int, tensors: Mapping[str, np.ndarray], size: int) -> np.
     return y
 
 
-# -- round 3: unmasking -------------------------------------------------------------------------------
+# -- round 3: the consistency check -------------------------------------------------------------------
+def parse_signature(site: int, value: object, keys_mode: bool) -> bytes | None:
+    """A site's signature over the survivor set: 64 bytes in keys mode, null in psk mode (no key)."""
+    if not keys_mode:
+        if value is not None:
+            raise ProtocolError(f"site {site}: a consistency signature in psk mode, where sites have no signing key")
+        return None
+    if value is None:
+        raise ProtocolError(f"site {site}: no consistency signature over the survivor set")
+    return _hex(value, SIG_HEX, "consistency signature", site)
+
+
+def signatures_fields(signatures: Mapping[int, bytes | None]) -> list[list[Any]]:
+    """[[site, signature hex], ...] as JSON (psk mode's unsigned entries are left out)."""
+    return [[peer, sig.hex()] for peer, sig in sorted(signatures.items()) if sig is not None]
+
+
+def parse_signatures(value: object, num_sites: int, me: int) -> dict[int, bytes]:
+    """The consistency signatures the server forwards to site `me`: per site, once."""
+    if not isinstance(value, list) or len(value) > num_sites:
+        raise ProtocolError(f"site {me}: the server's consistency signatures are not a list of at most {num_sites}")
+    out: dict[int, bytes] = {}
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ProtocolError(f"site {me}: a forwarded consistency signature is not [site, signature]")
+        peer = _site_id(item[0], num_sites, "forwarded signature's site", me)
+        if peer in out:
+            raise ProtocolError(f"site {peer}: consistency signature forwarded to site {me} twice: refused")
+        out[peer] = _hex(item[1], SIG_HEX, "forwarded consistency signature", peer)
+    return out
+
+
+# -- round 4: unmasking -------------------------------------------------------------------------------
 def answers_fields(answers: Mapping[int, tuple[str, int, bytes]]) -> list[list[Any]]:
     """[[peer, "seed"|"key", x, share hex], ...] as JSON."""
     return [[peer, kind, x, share.hex()] for peer, (kind, x, share) in sorted(answers.items())]

@@ -57,6 +57,7 @@ class ServerCore:
         self.rejected: dict[str, int] = {}  # category -> messages
         self.rejected_by_rank: dict[int, int] = {}
         self.updates_accepted = 0
+        self.lost_rounds: list[int] = []  # secure aggregation rounds whose sum could not be unmasked
         self.round = -1
         self.last_checkpoint: Path | None = None
         self._halt = False  # checkpoint after this round and stop: SIGUSR2 (see launcher) or OUT/HALT
@@ -325,7 +326,7 @@ class ServerCore:
             os.kill(os.getpid(), signal.SIGKILL)
         meta = {"elapsed": self.metrics.elapsed(), "updates_accepted": self.updates_accepted,
                 "rejected": self.rejected, "influence": self.influence.state(), "evicted": self.ledger.state(),
-                "participation": self.participation.state()}
+                "participation": self.participation.state(), "lost_rounds": list(self.lost_rounds)}
         refs = self.departures.manifest(rnd, {cid: dict(ref) for cid, ref in sites.items() if ref})
         ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
                                    strategy=self.strategy.state_dict(), sites=refs, meta=meta)

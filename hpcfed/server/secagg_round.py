@@ -10,7 +10,10 @@ rank 0                                                        site k
   |<-------------------------- SA_SHARES (Shamir shares of b_k and s_k, sealed to each neighbour) } ahead
   |-- SA_SHARES_FOR (the shares sealed to k) -------------------->|  fit, clip, fixed point, mask
   |<-------------------------- SA_MASKED (y_k mod 2^32; metrics, shard; next_advert: round r+1's keys)
-  |-- SA_UNMASK (alive: sent y; dropped: shared, sent no y; next_adverts) ->|
+  |-- SA_CHECK (survivors: the sites whose y is summed) --------->|
+  |<-------------------------- SA_SIGNED (its signature over (round, survivors); null in psk mode)
+  |-- SA_UNMASK (alive = survivors; dropped: shared, sent no y; its neighbours' signatures;
+  |              next_adverts) ---------------------------------->|  >= t neighbours signed this set?
   |<-------------------------- SA_REVEAL (per neighbour: a seed share or a key share, never both;
   |                                       next_to + shares: round r+1's, sealed to its neighbours)
   |   Σ y - masks = Σ_k w_k·δ_k and Σ n_k of the alive sites: all rank 0 learns of the round
@@ -18,8 +21,11 @@ rank 0                                                        site k
 Round r+1 is set up ahead, with round r's messages, when every live site sent its masked input and
 its next keys and shares (`hpcfed.privacy.secagg`, "Keys set up a round ahead", says why this keeps
 SecAgg's guarantees): PARAMS then says `secagg_prepared` and SA_SHARES_FOR follows at once, so
-the round costs two exchanges, as plain FedAvg's one plus the unmasking. The first round, and any
-round after one that some live site missed, sets its keys up within the round.
+the round costs three exchanges, as plain FedAvg's one plus the consistency check and the unmasking.
+The consistency check (SA_CHECK, SA_SIGNED) is what stops a server that lies about who dropped from
+unmasking one site (`hpcfed.privacy.secagg`, round 3, says how); rank 0 checks each signature on
+arrival in keys mode, so that one site's bad signature costs that site, not its honest neighbours.
+The first round, and any round after one that some live site missed, sets its keys up within the round.
 
 Each stage waits for the sites still in for at most `federation.round_deadline_s`; a site that stays silent is left
 out of the round (after it shared its keys: its pairwise masks are removed with its rebuilt key),
@@ -27,6 +33,13 @@ and the round needs the quorum's count of masked inputs. A message refused by th
 against its site like a malformed upload. What replaces the bounded-influence guard, which needs
 each site's update: sites clip before masking, the fixed-point range bounds each coordinate, and
 the server checks the norm of the sum (`_sum_ok`).
+
+A round whose sum cannot be unmasked (fewer than a site's threshold of alive neighbours hold shares
+of its seed, or of a dropped site's key: too many of one neighbourhood died) is found before any
+site is asked for a share (`ServerState.shortfall`) and, with federation.on_client_failure=continue,
+is lost, not the run (`_lose`): nothing folded, the dead dropped, the next round on fresh keys. The
+graph stays over all K sites (public, from the round number: the server never picks neighbours), so
+a survivor short of live neighbours sits a round out (`ServerState.leave_out_short`).
 """
 
 from __future__ import annotations
@@ -67,14 +80,23 @@ class SecAggRound:
         self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
         self.dp = cfg.privacy.dp is not None
         self.prepared: ServerState | None = None  # the next round's keys and shares, exchanged in this one
+        self.sat_out: set[int] = set()  # live sites left out of this round: too few of their neighbours advertised
+        # the sites' identity keys, to check their consistency signatures on arrival (keys mode; psk: none)
+        self.identities: dict[int, bytes] | None = None
+        if cfg.security.mode == "keys":
+            from hpcfed.credentials import secagg_identities
+
+            self.identities = secagg_identities(cfg.security, 0)[1]
         if cfg.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
                         "a check of the sum's norm (README, 'What the server sees')", self.spec.clip_norm)
 
-    def collect(self, rnd: int, want_state: bool) -> Taken:
-        """Run round `rnd`'s protocol and fold the sum into the strategy; the sites whose inputs are in it."""
+    def collect(self, rnd: int, want_state: bool) -> tuple[Taken, bool]:
+        """Run round `rnd`'s protocol and fold the sum into the strategy: the sites whose inputs are in
+        it, and whether the round was lost (its sum could not be unmasked: nothing of it is folded)."""
         core = self.core
+        started, self.sat_out = set(core.live), set()
         state, self.prepared = self.prepared, None
         if state is not None and (state.rnd != rnd or set(state.shared) != core.live):
             state = None  # prepared for another round, or a site has joined the live ones since: set up anew
@@ -94,10 +116,22 @@ class SecAggRound:
             state.withdraw(cid)
         alive, dropped = state.unmask_request()
         self._quorum(rnd, alive, "sent masked inputs")
+        short = state.shortfall()
+        if short is not None:  # decided before any site is asked for a share: none is revealed in vain
+            self._lose(rnd, short.describe(), started, alive, dropped)
+            return {cid: taken[cid] for cid in alive & core.live}, True
+        answering = self._check(rnd, state, alive)
+        short = state.shortfall(answering)
+        if short is not None:  # too few signed: the sites that cannot answer are not asked, none reveals in vain
+            self._lose(rnd, f"{short.describe()} (after the consistency check: signed by "
+                            f"{', '.join(map(str, sorted(state.signatures))) or 'none'})", started, alive, dropped)
+            return {cid: taken[cid] for cid in alive & core.live}, True
         # The next round is set up alongside this one's unmasking only when every live site is in both.
-        ahead = nxt is not None and alive == core.live == set(nxt.adverts)
-        for cid in sorted(alive):
-            header = {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped)}
+        # (Not when a site would be short of advertised neighbours in it: it sits that round out, set up in it.)
+        ahead = nxt is not None and answering == alive == core.live == set(nxt.adverts) and not nxt.leave_out_short()
+        for cid in sorted(answering):
+            header = {"round": rnd, "alive": sorted(alive), "dropped": sorted(dropped),
+                      "signatures": W.signatures_fields(state.signatures_for(cid))}
             if ahead and nxt is not None:
                 header["next_adverts"] = [W.advert_fields(a) for a in nxt.adverts_for(cid).values()]
             core.send_to(cid, P.SA_UNMASK, header)
@@ -114,11 +148,31 @@ class SecAggRound:
                 nxt.take_shares(cid, shares)
             state.take_unmask(cid, answers)
 
-        self._gather(rnd, P.SA_REVEAL, alive, reveal)
+        self._gather(rnd, P.SA_REVEAL, answering, reveal)
         if ahead and nxt is not None and set(nxt.shared) == core.live:
             self.prepared = nxt
-        self._fold(rnd, state)
-        return {cid: taken[cid] for cid in alive}
+        try:
+            total, summed = state.result()
+        except ValueError as exc:  # ProtocolError included: a site left or went silent while unmasking
+            silent = ", ".join(map(str, sorted(answering - set(state.answers))))
+            self._lose(rnd, f"{exc}; no unmask answer from site(s) {silent or 'none'}", started, alive, dropped)
+            return {cid: taken[cid] for cid in alive & core.live}, True
+        self._fold(rnd, total, summed)
+        return {cid: taken[cid] for cid in alive}, False
+
+    def _check(self, rnd: int, state: ServerState, alive: set[int]) -> set[int]:
+        """The consistency check: each survivor signs the survivor set; the survivors that hold their
+        threshold of neighbours' signatures, the only ones asked to unmask."""
+        survivors = sorted(state.survivor_set())
+        for cid in sorted(alive):
+            self.core.send_to(cid, P.SA_CHECK, {"round": rnd, "survivors": survivors})
+        keys_mode = self.identities is not None
+
+        def signed(cid: int, msg: Message) -> None:
+            state.take_signature(cid, W.parse_signature(cid, msg.header.get("signature"), keys_mode), self.identities)
+
+        self._gather(rnd, P.SA_SIGNED, alive, signed)
+        return state.answering() & self.core.live
 
     def _graph(self, rnd: int) -> dict[int, set[int]]:
         return round_graph(self.num_sites, rnd, self.core.cfg.privacy.secagg.degree)
@@ -133,7 +187,15 @@ class SecAggRound:
             state.take_advert(cid, W.parse_advert(cid, msg.header.get("advert"), n))
 
         advertised = self._gather(rnd, P.SA_ADVERT, set(core.live), advert)
-        self._quorum(rnd, advertised, "advertised keys")
+        if short := state.leave_out_short():
+            advertised -= short
+            self.sat_out = short
+            log.warning("round %d: site(s) %s sit this round out: fewer of their neighbours advertised keys than "
+                        "the Shamir threshold needs (the others ended or are silent); a larger "
+                        "privacy.secagg.degree tolerates more losses in one neighbourhood", rnd,
+                        ", ".join(map(str, sorted(short))))
+            core.metrics.log(rnd, None, "secagg_sat_out", len(short))
+        self._quorum(rnd, advertised, "advertised keys" + (" with enough advertised neighbours" if short else ""))
         for cid in sorted(advertised):
             relayed = [W.advert_fields(a) for a in state.adverts_for(cid).values()]
             core.send_to(cid, P.SA_KEYS, {"round": rnd, "adverts": relayed})
@@ -205,23 +267,49 @@ class SecAggRound:
 
     def _quorum(self, rnd: int, sites: set[int], what: str) -> None:
         """Enough sites to go on: the quorum of the live ones (under DP, of all K: the noise counts on it)."""
-        core = self.core
-        base = self.num_sites if self.dp else len(core.live)
-        needed = max(2, sites_needed(base, core.cfg.federation.quorum))
+        core, needed = self.core, self._needed()
         if len(sites) < needed:
             silent = ", ".join(f"client {c} (rank {c + 1})" for c in sorted(core.live - sites)) or "none"
             raise FederationError(f"round {rnd}: only {len(sites)} site(s) {what} within the stage deadline "
                                   f"({core.cfg.federation.round_deadline_s:g} s), secure aggregation needs {needed}; "
                                   f"silent or refused: {silent}; last checkpoint: {core.last_checkpoint or 'none'}")
 
-    def _fold(self, rnd: int, state: ServerState) -> None:
-        """Unmask the sum and hand it to the strategy, unless its norm says a site cheated its clip."""
+    def _lose(self, rnd: int, why: str, started: set[int], alive: set[int], dropped: set[int]) -> None:
+        """Round `rnd`'s sum cannot be unmasked (too many sites of one neighbourhood left): with
+        federation.on_client_failure=continue the round is lost, not the run. Nothing of it is folded
+        (rank 0 never learns a partial sum), the sites that ended are dropped, and the next round sets
+        up fresh keys with the survivors; with the default abort, or too few survivors, the run ends."""
         core = self.core
-        try:
-            total, alive = state.result()
-        except ValueError as exc:  # ProtocolError included: too few answers to rebuild a mask
-            raise FederationError(f"round {rnd}: secure aggregation could not unmask the sum ({exc}); "
-                                  f"last checkpoint: {core.last_checkpoint or 'none'}") from None
+        if core.cfg.federation.on_client_failure != "continue":
+            raise FederationError(f"round {rnd}: secure aggregation cannot unmask the sum: {why} (with "
+                                  f"federation.on_client_failure=continue the round would be lost, not the run); "
+                                  f"last checkpoint: {core.last_checkpoint or 'none'}")
+        core.check_departures()  # the sites that ended are dropped now, so that the record names them
+        survivors = alive & core.live
+        gone, missed = sorted(started - core.live), sorted(dropped & core.live)
+        names = ", ".join(f"client {c} (rank {c + 1})" for c in gone) or "none"  # ended, or evicted
+        needed = self._needed()
+        if len(survivors) < needed:  # the quorum of every stage (`_quorum`), for the rounds to come
+            raise FederationError(
+                f"round {rnd}: secure aggregation cannot unmask the sum ({why}), and only {len(survivors)} site(s) "
+                f"survive it ({', '.join(map(str, sorted(survivors))) or 'none'}), fewer than the {needed} secure "
+                f"aggregation needs; ended: {names}; last checkpoint: {core.last_checkpoint or 'none'}")
+        late = f"; in the round but without a masked input: sites {', '.join(map(str, missed))}" if missed else ""
+        log.warning("round %d lost: secure aggregation cannot unmask its sum: %s; ended: %s%s. Nothing of the round "
+                    "is folded (the model stays as it was) and the next round sets up fresh keys with the %d "
+                    "survivors (sites %s); a larger privacy.secagg.degree tolerates more losses in one neighbourhood",
+                    rnd, why, names, late, len(survivors), ", ".join(map(str, sorted(survivors))))
+        core.metrics.log(rnd, None, "secagg_round_lost", 1)
+        core.lost_rounds.append(rnd)
+        self.prepared = None
+
+    def _needed(self) -> int:
+        base = self.num_sites if self.dp else len(self.core.live)
+        return max(2, sites_needed(base, self.core.cfg.federation.quorum))
+
+    def _fold(self, rnd: int, total: np.ndarray, alive: set[int]) -> None:
+        """Hand the unmasked sum to the strategy, unless its norm says a site cheated its clip."""
+        core = self.core
         try:
             weighted_sum, examples = decode_sum(total, len(alive), self.spec)
         except ValueError as exc:  # a site wrote a weight outside the encoding: one round lost, not the run

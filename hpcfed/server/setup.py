@@ -139,6 +139,8 @@ def _load_checkpoint(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | No
     core.updates_accepted = int(ckpt.meta.get("updates_accepted", 0))
     core.influence.load_state(ckpt.meta.get("influence"))
     core.participation.load_state(ckpt.meta.get("participation"))
+    lost = ckpt.meta.get("lost_rounds")
+    core.lost_rounds = [int(r) for r in lost if isinstance(r, int)] if isinstance(lost, list) else []
     core.last_checkpoint = ckpt.path
     core.round = ckpt.round
     core.departures.load_shards(ckpt.round, ckpt.sites)

@@ -126,6 +126,8 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "transport": {str(rank - 1): route for rank, route in sorted(core.channel.routes().items())},
         "rounds": core.cfg.rounds,
         "updates_accepted": core.updates_accepted,
+        # secure aggregation rounds lost: too many sites of one neighbourhood left, nothing of them folded
+        "lost_rounds": list(core.lost_rounds),
         "server_version": core.strategy.version,
         "wall_time_s": core.metrics.elapsed(),
         "server_cpu_s": time.process_time() - core.cpu0,

@@ -83,12 +83,15 @@ class SyncRounds:
         core.influence.begin_round(core.live)
         got: Uploads = {}
         refused: set[int] = set()  # answered, but out of range: counted as an answer, not aggregated
+        lost = False  # secure aggregation could not unmask the round's sum: nothing of it is folded
         if self.secagg is not None:
-            got.update(self.secagg.collect(rnd, want_state))
+            taken, lost = self.secagg.collect(rnd, want_state)
+            got.update(taken)
         else:
             self.collect_uploads(rnd, t0, want_state, got, refused)
         self.drop_departed(sorted(core.live - set(got)))
-        missing = sorted(core.live - set(got))
+        # (Sites that sat a secure aggregation round out, short of neighbours, are not late: they were not asked.)
+        missing = sorted(core.live - set(got) - (self.secagg.sat_out if self.secagg is not None else set()))
         self.checkpointed = want_state
         if missing:
             needed = max(1, math.ceil(fed.quorum * len(core.live)))
@@ -102,11 +105,12 @@ class SyncRounds:
                         rnd, fed.round_deadline_s, who)
             for c in missing:
                 core.metrics.log(rnd, c, "straggler", 1)
-        updates = [got[c][0] for c in sorted(got) if c not in refused]
+        updates = [] if lost else [got[c][0] for c in sorted(got) if c not in refused]
         core.participation.folded([u.client_id for u in updates])
-        self.strategy.end_round(rnd)
+        self.strategy.end_round(rnd)  # a lost round folded nothing: the model stays (DP still counts the round)
         core.influence.settle()
-        core.strategy.version += 1
+        if not lost:
+            core.strategy.version += 1
         core.updates_accepted += len(updates)
         for upd in updates:
             core.metrics.log_many(rnd, upd.client_id, upd.metrics)
@@ -117,8 +121,9 @@ class SyncRounds:
         # Rounds are numbered from 0 everywhere (console, metrics.jsonl, checkpoints, report).
         self.progress.advance_to(rnd + 1)
         saved = f", saved {core.last_checkpoint.name}" if want_state and core.last_checkpoint else ""
-        log.info("round %d of 0..%d done in %.2f s (%d updates)%s%s [%s]", rnd, self.end - 1,
-                 time.monotonic() - t0, len(updates), _metric_brief(updates), saved, self.progress.describe())
+        log.info("round %d of 0..%d %s in %.2f s (%d updates)%s%s [%s]", rnd, self.end - 1,
+                 "lost" if lost else "done", time.monotonic() - t0, len(updates), _metric_brief(updates), saved,
+                 self.progress.describe())
         core.maybe_status()
 
     def collect_uploads(self, rnd: int, t0: float, want_state: bool, got: Uploads, refused: set[int]) -> None:
@@ -251,5 +256,7 @@ class SyncRounds:
 def _metric_brief(updates: list[Update]) -> str:
     """The first two headline metrics the clients reported with this round's updates (``val_*``:
     on each site's validation split; ``loss``: training loss)."""
+    if not updates:  # a lost round: nothing to average
+        return ""
     names = [n for n in ("loss", "accuracy", "val_accuracy", "micro_f1", "nmi") if all(n in u.metrics for u in updates)]
     return "".join(f", mean {n} {np.mean([u.metrics[n] for u in updates]):.4f}" for n in names[:2])

@@ -4,6 +4,8 @@ state machines with their own Ed25519 identities, keys mode), the site under tes
 
 - The next round's agreement keys, relayed with this round's unmask request, one with a bad
   signature: the site refuses, naming the peer whose key it is, and shares nothing for that round.
+- A peer's consistency signature over another survivor set than the one the site signed: refused
+  naming the peer, nothing revealed.
 - A server that says a round's keys were exchanged ahead when this site shared none: refused.
 """
 
@@ -25,7 +27,7 @@ from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import from_mapping
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import Advert, ServerState, SiteState, round_graph
+from hpcfed.privacy.secagg import Advert, ServerState, SiteState, consistency_bytes, round_graph
 
 K, SIZE = 3, 5  # three sites: site 0 is the one under test, 1 and 2 are played by the test
 PSK = bytes(range(32))
@@ -73,7 +75,8 @@ def _recv(server: SecureChannel, kind: int) -> Any:
     return msg
 
 
-def test_a_next_round_key_with_a_bad_signature_relayed_with_the_unmask_request_is_refused_naming_the_site():
+@pytest.mark.parametrize("lie", ["next-round key", "consistency signature"])
+def test_a_bad_signature_relayed_with_the_unmask_request_is_refused_naming_the_site(lie):
     server, channel = _channels()
     ids = {u: Ed25519PrivateKey.generate() for u in range(K)}
     pubs = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
@@ -96,16 +99,28 @@ def test_a_next_round_key_with_a_bad_signature_relayed_with_the_unmask_request_i
     masked = _recv(server, P.SA_MASKED)
     nxt = W.parse_advert(0, masked.header["next_advert"], K)  # its round-1 keys, signed for round 1
     assert nxt.signature is not None and nxt.c_public != state.adverts[0].c_public
+    for u, peer in peers.items():
+        peer.masked_input(state.shares_for(u), np.zeros(SIZE + 1, np.uint32))
+    # The consistency check: the site signs the survivor set, its peers too.
+    server.send(1, P.SA_CHECK, {"round": 0, "survivors": [0, 1, 2]})
+    signed = W.parse_signature(0, _recv(server, P.SA_SIGNED).header["signature"], keys_mode=True)
+    assert signed is not None
+    sigs = {u: peer.sign_survivors({0, 1, 2}) for u, peer in peers.items()}
     following = {u: SiteState(u, round_graph(K, 1), SIZE + 1, ids[u], pubs, 1).advertise() for u in (1, 2)}
-    bad = bytes([following[2].signature[0] ^ 1]) + following[2].signature[1:]  # type: ignore[index]
-    following[2] = Advert(2, following[2].c_public, following[2].s_public, bad)
+    if lie == "next-round key":
+        bad = bytes([following[2].signature[0] ^ 1]) + following[2].signature[1:]  # type: ignore[index]
+        following[2] = Advert(2, following[2].c_public, following[2].s_public, bad)
+        want = "site 2: forged agreement key for round 1"
+    else:  # site 2's signature over a set without site 1: the server telling site 0 another story
+        sigs[2] = ids[2].sign(consistency_bytes(0, {0, 2}, state.adverts[2]))
+        want = "site 2: its consistency signature relayed to site 0 does not verify for round 0"
     server.send(1, P.SA_UNMASK, {"round": 0, "alive": [0, 1, 2], "dropped": [],
+                                 "signatures": W.signatures_fields(sigs),
                                  "next_adverts": [W.advert_fields(a) for a in following.values()]})
     thread.join(30)
     assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], FederationError), errors
-    assert "client 0 (rank 1): secure aggregation refused in round 0: site 2: forged agreement key for round 1" \
-        in str(errors[0])
-    assert server.recv(source=1, kinds={P.SA_REVEAL}, timeout=0.5) is None  # it shares nothing for round 1
+    assert f"client 0 (rank 1): secure aggregation refused in round 0: {want}" in str(errors[0])
+    assert server.recv(source=1, kinds={P.SA_REVEAL}, timeout=0.5) is None  # it reveals and shares nothing
     assert site.next is None
 
 

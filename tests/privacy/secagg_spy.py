@@ -10,8 +10,9 @@ mpiexec in place of ``python -m hpcfed``: ``secagg_spy.py SPY_DIR SILENT_CLIENT 
   deadline (SPY_SILENT_S seconds): a dropout after share submission.
 - SPY_KILL="CID:STAGE,..." with SPY_KILL_ROUND=R: in round R site CID SIGKILLs itself, STAGE
   "before" when it is about to mask (it shared its keys, sent no masked input) or "after" just
-  after it sent SA_MASKED; the other sites then hold their masked input for SPY_HOLD_S seconds, so
-  that rank 0 learns of both deaths (`hpcfed.server.departures`) before it asks for the unmasking.
+  after it sent SA_MASKED, or "reveal" when asked for the unmasking, instead of answering; the other
+  sites then hold their masked input for SPY_HOLD_S seconds, so that rank 0 learns of the deaths
+  (`hpcfed.server.departures`) before it asks for the unmasking.
   Needs `hpcfed run` (`hpcfed.rank_guard`): the test passes a wrapper as --mpiexec that starts
   this file in place of ``-m hpcfed`` (``secagg_spy.py SPY_DIR -1 run ...``).
 
@@ -64,6 +65,8 @@ def _spy_site(out: Path, client: int, silent: int, silent_s: float) -> None:
     kills, kill_round, hold_s = _kills()
 
     def send_(self: secagg.SecAggSite, kind: int, header: dict, tensors: dict | None = None) -> None:
+        if kind == P.SA_REVEAL and kills.get(client) == "reveal" and header.get("round") == kill_round:
+            os.kill(os.getpid(), signal.SIGKILL)  # asked for its shares, it dies instead of answering
         send(self, kind, header, tensors)
         if kind == P.SA_MASKED and kills.get(client) == "after" and header.get("round") == kill_round:
             os.kill(os.getpid(), signal.SIGKILL)  # its masked input is on its way; the unmasking is not

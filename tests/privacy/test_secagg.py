@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hpcfed.privacy import masking, shamir
-from hpcfed.privacy.secagg import Advert, ProtocolError, SealedShare, ServerState, SiteState, neighbours
+from hpcfed.privacy.secagg import Advert, ProtocolError, SealedShare, ServerState, SiteState, neighbours, round_graph
 
 
 def test_shamir_any_threshold_rebuilds_and_a_hand_case_interpolates():
@@ -44,6 +44,16 @@ def test_quantisation_round_trip_within_one_step():
     assert back == pytest.approx(np.clip(x, -1, 1), abs=2.0 / levels)
 
 
+def answer(server: ServerState, sites: dict[int, SiteState], alive: set[int], dropped: set[int],
+           identities: dict[int, bytes] | None = None) -> None:
+    """The consistency check, then the unmasking, as an honest server runs them (`SecAggRound`)."""
+    survivors = set(server.survivor_set())
+    for u in sorted(alive):
+        server.take_signature(u, sites[u].sign_survivors(survivors), identities)
+    for u in sorted(alive):
+        server.take_unmask(u, sites[u].unmask(alive, dropped, server.signatures_for(u)))
+
+
 def _advertised(k: int, seed: bytes) -> tuple[dict[int, SiteState], ServerState]:
     """K sites (threshold 3) on the neighbour graph of `seed`, their keys advertised to the server."""
     graph = neighbours(k, seed)
@@ -72,8 +82,8 @@ def _run(k: int, drop_before_masking: set[int], identity: bool = False):
         if u not in drop_before_masking:
             server.take_masked(u, y)
     alive, dropped = server.unmask_request()
-    for u in alive:
-        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    assert server.shortfall() is None  # every mask can be rebuilt: the unmasking goes ahead
+    answer(server, sites, alive, dropped, pubs)
     total, who = server.result()
     return updates, total, who, levels, sites, server
 
@@ -185,10 +195,90 @@ def test_masks_summed_ahead_give_the_same_sum_and_are_dropped_when_a_neighbour_s
     for u in sorted(server.shared):
         server.take_masked(u, sites[u].masked_input(server.shares_for(u), codes[u]))
     alive, dropped = server.unmask_request()
-    for u in alive:
-        server.take_unmask(u, sites[u].unmask(alive, dropped))
+    answer(server, sites, alive, dropped)
     total, who = server.result()
     want = sum(codes[u].astype(np.uint64) for u in who) % (1 << 32)
     assert who == set(server.shared) and total.tolist() == want.tolist()
     with pytest.raises(ProtocolError, match="site 0: masks summed before the keys were shared"):
         SiteState(0, graph, 3).premask()
+
+
+def _graph_round(k: int, rnd: int, degree: int, dead: set[int], gone_before: set[int]):
+    """Round `rnd` of K sites on its public graph, real keys: the sites of `gone_before` ended in an
+    earlier round (they advertise nothing), those of `dead` end after sharing, before masking. The
+    server's state once the masked inputs are in, the sites, and each live site's fixed-point codes."""
+    graph, size = round_graph(k, rnd, degree), 4
+    levels = masking.levels_for(k)
+    sites = {u: SiteState(u, graph, size + 1, rnd=rnd) for u in range(k) if u not in gone_before}
+    server = ServerState(graph, size + 1, rnd)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    assert server.leave_out_short() == set()
+    for u, s in sites.items():
+        server.take_shares(u, s.share_keys(server.adverts_for(u)))
+    codes = {u: masking.encode(np.full(size, 0.01 * (u + 1)), 10 + u, 100, 1.0, levels) for u in sites}
+    for u, s in sites.items():
+        y = s.masked_input(server.shares_for(u), codes[u])
+        if u not in dead:
+            server.take_masked(u, y)
+    return server, sites, codes
+
+
+def test_a_neighbourhood_that_loses_too_many_sites_is_found_before_any_share_is_asked_for_and_the_next_round_works():
+    # K = 6, degree 3 (threshold 2 of 3 neighbours, 3 of 4): in round 1 sites 0 and 4, two of site
+    # 1's three neighbours, end after sharing their keys: site 5 alone holds a share of 1's seed.
+    k, degree, dead = 6, 3, {0, 4}
+    server, sites, _ = _graph_round(k, 1, degree, dead, set())
+    alive, dropped = server.unmask_request()
+    assert (alive, dropped) == ({1, 2, 3, 5}, dead)
+    short = server.shortfall()
+    assert short is not None and (short.site, short.kind, short.threshold, short.holders) == (1, "seed", 2, {5})
+    assert short.describe() == ("site 1's self-mask seed needs 2 shares, but only 1 alive neighbour(s) hold one (5); "
+                                "its neighbourhood: sites 0, 4, 5")
+    # Not over-cautious: had the server asked, the honest answers could not rebuild the seed.
+    answer(server, sites, alive, dropped)
+    with pytest.raises(ProtocolError, match="site 1: its seed cannot be rebuilt"):
+        server.result()
+    # Round 2, fresh keys on round 2's graph, the two sites gone: every mask can be rebuilt, and
+    # the sum is exactly the four survivors' inputs.
+    server, sites, codes = _graph_round(k, 2, degree, set(), dead)
+    alive, dropped = server.unmask_request()
+    assert (alive, dropped) == ({1, 2, 3, 5}, set()) and server.shortfall() is None
+    answer(server, sites, alive, dropped)
+    total, who = server.result()
+    assert who == alive and total.tolist() == (sum(codes[u].astype(np.uint64) for u in alive) % (1 << 32)).tolist()
+
+
+def test_sites_with_too_few_advertised_neighbours_sit_the_round_out_and_a_site_refuses_to_share_with_fewer():
+    # Round 3 of the same run: site 1 has four neighbours (threshold 3), of which 0 and 4 are gone;
+    # leaving it out leaves 2 and 3 short in turn, then 5: nobody can share, nobody is asked to.
+    graph = round_graph(6, 3, 3)
+    sites = {u: SiteState(u, graph, 3, rnd=3) for u in (1, 2, 3, 5)}
+    server = ServerState(graph, 3, 3)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    adverts_of_1 = server.adverts_for(1)
+    assert server.leave_out_short() == {1, 2, 3, 5} and server.adverts == {}
+    # A site handed fewer adverts than its threshold (a server withholding them) refuses, by name.
+    with pytest.raises(ProtocolError, match="site 1: only 2 neighbours advertised, fewer than the threshold 3"):
+        sites[1].share_keys(adverts_of_1)
+
+def test_a_dropped_site_whose_shares_no_alive_site_holds_needs_no_rebuilding():
+    # Sites 3 and 4 shared, then dropped; every holder of site 3's shares is itself gone, so its
+    # masks are in no alive input: the sum is the alive sites' without rebuilding site 3's key.
+    graph = {0: {1, 2, 4}, 1: {0, 2, 4}, 2: {0, 1, 4}, 3: {4}, 4: {0, 1, 2, 3}}
+    size, levels = 3, masking.levels_for(5)
+    sites = {u: SiteState(u, graph, size + 1) for u in graph}
+    server = ServerState(graph, size + 1)
+    for u, s in sites.items():
+        server.take_advert(u, s.advertise())
+    for u, s in sites.items():
+        server.take_shares(u, s.share_keys(server.adverts_for(u)))
+    codes = {u: masking.encode(np.full(size, 0.1), 5, 100, 1.0, levels) for u in graph}
+    for u in (0, 1, 2):
+        server.take_masked(u, sites[u].masked_input(server.shares_for(u), codes[u]))
+    alive, dropped = server.unmask_request()
+    assert dropped == {3, 4} and server.shortfall() is None
+    answer(server, sites, alive, dropped)
+    total, who = server.result()
+    assert who == {0, 1, 2} and total.tolist() == (sum(codes[u].astype(np.uint64) for u in who) % (1 << 32)).tolist()

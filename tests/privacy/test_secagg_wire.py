@@ -45,6 +45,14 @@ def _relayed_shares(server, u: int):
     return W.parse_shares(u, ids, {W.SHARES_TENSOR: blob}, K, u, by_sender=True)
 
 
+def _check(sites, server, alive: set[int]) -> None:
+    """The consistency check through the wire forms; the server checks the signatures in keys mode."""
+    survivors = set(W.site_ids(sorted(server.survivor_set()), K, "survivors", 0))
+    for u in sorted(alive):
+        sig, identities = sites[u].sign_survivors(survivors), sites[u].peer_identities
+        server.take_signature(u, W.parse_signature(u, sig.hex() if sig else None, identities is not None), identities)
+
+
 def test_a_round_through_the_wire_sums_the_weighted_deltas_of_the_alive_sites():
     sites, server = _sites(identity=True)
     spec = input_spec(K, clip_norm=1.0, max_examples=1000)
@@ -59,8 +67,10 @@ def test_a_round_through_the_wire_sums_the_weighted_deltas_of_the_alive_sites():
         assert within
     alive, dropped = server.unmask_request()
     assert (alive, dropped) == ({0, 1, 3}, {2})
+    _check(sites, server, alive)
     for u in alive:
-        server.take_unmask(u, W.parse_answers(u, W.answers_fields(sites[u].unmask(alive, dropped)), K))
+        relayed = W.parse_signatures(W.signatures_fields(server.signatures_for(u)), K, u)
+        server.take_unmask(u, W.parse_answers(u, W.answers_fields(sites[u].unmask(alive, dropped, relayed)), K))
     weighted, examples = decode_sum(*server.result()[:1], 3, spec)
     assert examples == 100 + 101 + 103
     want = sum((100 + u) * deltas[u] for u in alive)
@@ -142,6 +152,7 @@ def test_masked_inputs_and_unmask_answers_are_bounded_and_a_site_never_unmasks_a
     assert dropped == {3}
     with pytest.raises(ProtocolError, match="server asked site 0 to unmask site 1, which it calls alive and dropped"):
         sites[0].unmask(alive, dropped | {1})  # the server asks for the key of a peer it calls alive
+    _check(sites, server, {0})
     answers = W.answers_fields(sites[0].unmask(alive, dropped))
     with pytest.raises(ProtocolError, match="site 0: unmask answer for site"):
         W.parse_answers(0, answers + answers[:1], K)  # both (or twice) for one peer
@@ -153,7 +164,7 @@ def test_masked_inputs_and_unmask_answers_are_bounded_and_a_site_never_unmasks_a
     with pytest.raises(ProtocolError, match="site 0: key share for site"):
         server.take_unmask(0, W.parse_answers(0, flipped, K))  # a key share of an alive peer
     server.take_unmask(0, W.parse_answers(0, answers, K))
-    with pytest.raises(ProtocolError, match="site 0: unmask answer from a site that is not alive, or a second"):
+    with pytest.raises(ProtocolError, match="site 0: unmask answer from a site that is not alive, did not sign"):
         server.take_unmask(0, W.parse_answers(0, answers, K))  # replay
     with pytest.raises(ProtocolError, match="site 3: unmask answer from a site that is not alive"):
         server.take_unmask(3, {})
