@@ -168,7 +168,7 @@ def figure(args: argparse.Namespace, runs: dict[str, dict[int, dict]], path: Pat
         for ax in axes[c]:
             ax.set_xlabel("round")
             ax.legend(fontsize=7)
-    fig.suptitle(f"{Path(args.config).name}: means over seeds {args.seeds}")
+    fig.suptitle(f"{Path(args.config).name} {' '.join(args.set)}: means over seeds {args.seeds}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)

@@ -430,6 +430,9 @@ LOADERS = {
 
 
 _PART = re.compile(r"^(?P<base>.+):(?P<part>\d+)/(?P<parts>\d+)$")
+# NAME%I/K; at most 6 digits each, so that a hostile selector cannot ask int() for a huge number
+_SHARE = re.compile(r"^(?P<base>.+)%(?P<part>\d{1,6})/(?P<parts>\d{1,6})$")
+SHARE_SEED = 26  # message_share's shuffle: fixed, so that the K parts of one dataset are disjoint at every site
 
 
 def event_part(messages: Messages, part: int, parts: int) -> Messages:
@@ -449,6 +452,33 @@ def event_part(messages: Messages, part: int, parts: int) -> Messages:
     ordered = sorted(names, key=lambda e: (first[e], e))
     keep = set(np.array_split(np.asarray(ordered, dtype=object), parts)[part - 1].tolist())
     return messages.take(np.flatnonzero(np.isin(events, list(keep))).tolist())
+
+
+def message_share(messages: Messages, part: int, parts: int, site: str = "") -> Messages:
+    """The `part`-th (1-based) of `parts` disjoint random parts of the messages, each event dealt evenly.
+
+    Every event's messages are shuffled (seed `SHARE_SEED`, the same at every site, so the parts are
+    disjoint and together are all the messages) and cut into `parts` nearly equal runs
+    (``np.array_split``); part I takes the I-th run of every event. So K sites built from one dataset
+    share all its events, each holding about 1/K of every event's messages: the split in which pooling
+    other sites' training should help a site (issue 26). Events with fewer than K messages are missing
+    from some parts. The messages keep their file order.
+    """
+    where = f"site {site!r}: " if site else ""
+    if parts < 1:
+        raise DataError(f"{where}message share {part}/{parts}: the number of parts must be at least 1, e.g. NAME%1/3")
+    if not 1 <= part <= parts:
+        raise DataError(f"{where}message share {part}/{parts}: the part must be between 1 and {parts}, e.g. NAME%1/3")
+    if parts > len(messages):
+        raise DataError(f"{where}message share {part}/{parts}: only {len(messages)} messages to share; "
+                        f"use at most {len(messages)} parts")
+    events = np.asarray(messages.events)
+    rng = np.random.default_rng(SHARE_SEED)
+    keep: list[int] = []
+    for name in np.unique(events).tolist():
+        members = rng.permutation(np.flatnonzero(events == name))
+        keep += np.array_split(members, parts)[part - 1].tolist()
+    return messages.take(sorted(keep))
 
 
 def event_subset(messages: Messages, pattern: str, site: str = "") -> Messages:
@@ -475,8 +505,18 @@ def load_site(name: str, data_root: str | Path | None = None) -> tuple[Messages,
 
     ``NAME:I/K`` (e.g. ``crisislext26:2/4``) is the I-th of K groups of NAME's events in time order
     (`event_part`): one dataset split into K sites with distinct events. ``NAME~PATTERN`` (e.g.
-    ``crisislext26~quake``) keeps the events whose label matches PATTERN (`event_subset`).
+    ``crisislext26~quake``) keeps the events whose label matches PATTERN (`event_subset`). ``NAME%I/K``
+    (e.g. ``crisislext26~flood%1/2``) is the I-th of K disjoint random parts of NAME's messages, every
+    event spread over all K (`message_share`): K sites that share their events. ``%`` is read first, so
+    it applies to what ``~`` or ``:`` selected.
     """
+    m = _SHARE.match(name)
+    if m:
+        msgs, report = load_site(m["base"], data_root)
+        msgs = message_share(msgs, int(m["part"]), int(m["parts"]), name)
+        report.source += (f" (message share {m['part']}/{m['parts']}: {len(set(msgs.events))} events, "
+                          f"{len(msgs)} messages)")
+        return msgs, report
     base, _, pattern = name.rpartition("~")
     if base and "/" not in pattern:  # NAME~PATTERN: the events whose label matches PATTERN (not ~/a.csv)
         msgs, report = load_site(base, data_root)

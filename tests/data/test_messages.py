@@ -24,6 +24,7 @@ from hpcfed.data.messages import (
     load_crisislext6,
     load_crisislext26,
     load_site,
+    message_share,
     read_messages,
 )
 from hpcfed.data.root import DataError
@@ -207,6 +208,40 @@ def test_event_subsets_by_pattern(tmp_path):
     msgs, report = load_site(f"{path}~qua")
     assert msgs.events == ["quake"] and "events matching 'qua': 1 events, 1 messages" in report.source
 
+
+
+def test_message_shares_are_disjoint_and_spread_every_event():
+    events = ["a"] * 9 + ["b"] * 6 + ["c"] * 2
+    msgs = _timed(events, list(range(len(events))))
+    parts = [message_share(msgs, i, 3) for i in (1, 2, 3)]
+    ids = [set(p.ids) for p in parts]
+    assert set().union(*ids) == set(msgs.ids) and sum(len(s) for s in ids) == len(msgs)  # disjoint, complete
+    for p in parts:  # every event dealt evenly: 3 of a and 2 of b at each part; c (2 messages) at two parts
+        assert p.events.count("a") == 3 and p.events.count("b") == 2
+        assert p.ids == sorted(p.ids, key=int)  # file order kept
+    assert sorted(p.events.count("c") for p in parts) == [0, 1, 1]
+    assert message_share(msgs, 2, 3).ids == parts[1].ids  # the same parts at every site (fixed seed)
+    assert message_share(msgs, 1, 1).ids == msgs.ids
+
+
+@pytest.mark.parametrize("selector, match", [
+    ("%0/3", "between 1 and 3"), ("%4/3", "between 1 and 3"), ("%1/0", "at least 1"),
+    ("%1/18", "only 17 messages"), ("%1/9999999", "unknown message dataset"), ("%-1/3", "unknown message dataset"),
+])
+def test_message_share_selector_rejects_bad_parts(tmp_path, selector, match):
+    path = tmp_path / "m.csv"
+    path.write_text("id,text,time,event\n" + "".join(f"{i},t{i},{1371808800 + i},e{i % 3}\n" for i in range(17)))
+    with pytest.raises(DataError, match=match):
+        load_site(f"{path}{selector}")
+
+
+def test_message_share_after_an_event_pattern(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_text(GOOD_CSV)
+    msgs, report = load_site(f"{path}~flood%2/2")  # % applies to what ~ selected: the two flood messages
+    assert msgs.events == ["flood"] and "message share 2/2: 1 events, 1 messages" in report.source
+    first, _ = load_site(f"{path}~flood%1/2")
+    assert set(first.ids) | set(msgs.ids) == {"1", "2"} and not set(first.ids) & set(msgs.ids)
 
 
 class _RunsCode:
