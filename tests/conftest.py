@@ -60,3 +60,14 @@ def own_keys(keys_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPCFED_KEYS_DIR", str(keys_dir))
     monkeypatch.delenv("HPCFED_STATE_KEY", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+# -- running the suite on two workers (`pytest -n 2`, pytest-xdist; README "Two commands") ------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--dist loadgroup`` a module's tests stay on one worker, so its module-scoped fixture (a
+    federation run once and asserted on by several tests) runs once; and the modules that start a
+    machine-wide cluster (the local Slurm daemons, the emulated two nodes with their fixed namespace
+    names) share one worker, so no two of them run at once."""
+    for item in items:
+        cluster = item.get_closest_marker("slurm") or item.get_closest_marker("two_nodes")
+        item.add_marker(pytest.mark.xdist_group("cluster" if cluster else item.nodeid.split("::", 1)[0]))
