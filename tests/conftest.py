@@ -63,6 +63,7 @@ def own_keys(keys_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- running the suite on two workers (`pytest -n 2`, pytest-xdist; README "Two commands") ------------
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With ``--dist loadgroup`` a module's tests stay on one worker, so its module-scoped fixture (a
     federation run once and asserted on by several tests) runs once; and the modules that start a
