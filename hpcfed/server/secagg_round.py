@@ -56,7 +56,8 @@ from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.dp import l2_norm
-from hpcfed.privacy.secagg import ProtocolError, ServerState, round_graph
+from hpcfed.privacy.secagg import ProtocolError, round_graph
+from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import decode_sum, sites_needed, spec_for
 from hpcfed.server import validation as V
 from hpcfed.server.core import ServerCore

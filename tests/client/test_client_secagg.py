@@ -27,7 +27,8 @@ from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import from_mapping
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import Advert, ServerState, SiteState, consistency_bytes, round_graph
+from hpcfed.privacy.secagg import Advert, SiteState, consistency_bytes, round_graph
+from hpcfed.privacy.secagg_server import ServerState
 
 K, SIZE = 3, 5  # three sites: site 0 is the one under test, 1 and 2 are played by the test
 PSK = bytes(range(32))

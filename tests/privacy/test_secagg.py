@@ -11,7 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hpcfed.privacy import masking, shamir
-from hpcfed.privacy.secagg import Advert, ProtocolError, SealedShare, ServerState, SiteState, neighbours, round_graph
+from hpcfed.privacy.secagg import Advert, ProtocolError, SealedShare, SiteState, neighbours, round_graph
+from hpcfed.privacy.secagg_server import ServerState
 
 
 def test_shamir_any_threshold_rebuilds_and_a_hand_case_interpolates():

@@ -24,15 +24,8 @@ from hpcfed.errors import ConfigError
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy import shamir
 from hpcfed.privacy.masking import agree, apply_masks
-from hpcfed.privacy.secagg import (
-    Advert,
-    ProtocolError,
-    ServerState,
-    SiteState,
-    consistency_bytes,
-    round_graph,
-    threshold_for,
-)
+from hpcfed.privacy.secagg import Advert, ProtocolError, SiteState, consistency_bytes, round_graph, threshold_for
+from hpcfed.privacy.secagg_server import ServerState
 
 K, RND, SIZE, TARGET = 16, 1, 5, 3
 

@@ -11,7 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import ProtocolError, ServerState, SiteState, round_graph
+from hpcfed.privacy.secagg import ProtocolError, SiteState, round_graph
+from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import decode_sum, encode_update, input_spec
 
 K, SIZE = 4, 5
