@@ -46,33 +46,46 @@ def choose_personal(val_personal: float, val_local: float, margin: float = 0.0) 
     return not math.isfinite(val_local) or val_personal > val_local + margin
 
 
-class LocalTrack:
-    """A site's shadow Local model, trained as ``method=local`` would be, and its Adam."""
+def choose_final(val_local: float, others: list[tuple[str, float]], margin: float = 0.0) -> str:
+    """``"local"``, or the name of the best other candidate if it beats Local on validation by more than
+    `margin`. A non-finite score never wins; of equal scores the earlier candidate in `others` wins."""
+    best: tuple[str, float] | None = None
+    for name, val in others:
+        if math.isfinite(val) and (best is None or val > best[1]):
+            best = (name, val)
+    return best[0] if best is not None and choose_personal(best[1], val_local, margin) else "local"
 
-    def __init__(self, model: Any, optimizer: Any) -> None:
+
+class Track:
+    """A model a safe site trains beside its personalised one, with its own Adam: the shadow Local
+    model (``name="shadow"``) or the cluster model (``name="cluster"``), saved under `name`."""
+
+    def __init__(self, model: Any, optimizer: Any, name: str = "shadow") -> None:
         self.model = model
         self.optimizer = optimizer
+        self.name = name
         self.rounds = 0  # rounds trained: no candidate before the first
 
     def state(self, flat: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Header and arrays to resume from: the shadow's parameters and optimizer."""
+        """Header and arrays to resume from: the track's parameters and optimizer."""
         from hpcfed.tasks import torch_state
 
         head, arrays = torch_state.optimizer_state(self.optimizer)
-        out = {"s" + k: v for k, v in arrays.items()}
-        out["shadow"] = flat
-        return {"shadow_optimizer": head, "shadow_rounds": self.rounds}, out
+        out = {self.name[0] + k: v for k, v in arrays.items()}
+        out[self.name] = flat
+        return {f"{self.name}_optimizer": head, f"{self.name}_rounds": self.rounds}, out
 
     def load(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> np.ndarray | None:
-        """Restore `state`; returns the shadow's parameters (the caller loads them), None if absent."""
+        """Restore `state`; returns the track's parameters (the caller loads them), None if absent."""
         from hpcfed.tasks import torch_state
 
-        if "shadow" not in arrays or "shadow_optimizer" not in header:
+        prefix = self.name[0] + "opt/"
+        if self.name not in arrays or f"{self.name}_optimizer" not in header:
             return None
-        torch_state.load_optimizer_state(self.optimizer, header["shadow_optimizer"],
-                                         {k[1:]: v for k, v in arrays.items() if k.startswith("sopt/")})
-        self.rounds = int(header.get("shadow_rounds", 0))
-        return np.array(arrays["shadow"], dtype=np.float32)
+        torch_state.load_optimizer_state(self.optimizer, header[f"{self.name}_optimizer"],
+                                         {k[1:]: v for k, v in arrays.items() if k.startswith(prefix)})
+        self.rounds = int(header.get(f"{self.name}_rounds", 0))
+        return np.array(arrays[self.name], dtype=np.float32)
 
 
 def closing_lines(summary: dict[str, Any]) -> list[str]:

@@ -33,7 +33,7 @@ import numpy as np
 from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
-from hpcfed.tasks.dame_safe import LocalTrack, choose_personal, closing_lines, glecc_gate
+from hpcfed.tasks.dame_safe import Track, choose_final, closing_lines, glecc_gate
 from hpcfed.tasks.event_training import TrainData, kmeans_metrics, train_epochs
 from hpcfed.tasks.event_training import seeded_rng as _rng
 from hpcfed.tasks.event_training import site_key as _site_key
@@ -111,6 +111,10 @@ class EventsTask(Task):
         safe: bool = False
         glecc_gate_tol: float = 0.0  # GLECC runs if val NMI(θ^g) >= val NMI(θ^l) − tol
         select_margin: float = 0.0  # keep the personalised model if its val NMI > Local's + margin
+        # safe DAMe: upload a cluster model instead of the personalised one. It restarts each round from
+        # θ^g and trains plainly, so SEGA's θ^g becomes the FedAvg of a site's cluster (the personalised
+        # uploads were ~90 % local: BOLA's λ), and θ^g is a third candidate in the final selection
+        cluster_track: bool = False
         # baselines
         prox_mu: float = 0.0  # FedProx
         ditto: bool = False
@@ -136,6 +140,9 @@ class EventsTask(Task):
                 raise ValueError(f"attack_model={self.attack_model!r}; choose random or scaled")
             if not (0.0 <= self.glecc_gate_tol <= 1.0 and 0.0 <= self.select_margin <= 1.0):
                 raise ValueError("glecc_gate_tol and select_margin are NMI differences: each must be in [0, 1]")
+            if self.cluster_track and not (self.safe and not self.ditto):
+                raise ValueError("task.cluster_track needs the safe DAMe (method=dame, task.safe=true) "
+                                 "and no Ditto; leave it false for other methods")
             if self.max_messages_per_site is not None and self.max_messages_per_site < 20:
                 raise ValueError("max_messages_per_site must be >= 20 (or null for all)")
 
@@ -193,10 +200,13 @@ class EventsTask(Task):
         personal: tuple[Any, Any] = self._twin() if c.ditto else (None, None)
         self.personal, self.personal_optimizer = personal
         # safe DAMe: the Local model, trained beside the personalised one from the same start
-        self.shadow = LocalTrack(*self._twin()) if c.safe else None
+        self.shadow = Track(*self._twin()) if c.safe else None
+        # safe DAMe with cluster_track: the uploaded model, restarting from θ^g every round
+        self.cluster = Track(*self._twin(), name="cluster") if c.cluster_track else None
+        self.sent_flat: np.ndarray | None = None  # the cluster model's last upload (cluster_track)
         self.glecc_on = not c.safe  # the gate's verdict for this round (safe DAMe)
         self.gate_scores = (float("nan"), float("nan"))  # val NMI of θ^g and θ^l this round
-        self.final: tuple[Any, Any, dict[str, float]] | None = None  # safe: (chosen, Local candidate, why)
+        self.final: tuple[Any, dict[str, Any], dict[str, float]] | None = None  # safe: (chosen, candidates, why)
         self.local_flat: np.ndarray | None = None  # θ^l after the last training
         self.received: np.ndarray | None = None  # θ^g from the server
         self.received_used = False
@@ -279,7 +289,7 @@ class EventsTask(Task):
         torch_state.load_module_parameters(module, self.layout.unflatten(np.asarray(flat, dtype=np.float32)))
 
     def get_parameters(self) -> Params:
-        flat = self._flat(self.model)
+        flat = self._flat(self.model if self.cluster is None else self.cluster.model)
         if self.site.attack == "model":
             rng = _rng(self.site.seed, 23, self.site.client_id, getattr(self, "_round", 0))
             c = self.config
@@ -311,7 +321,7 @@ class EventsTask(Task):
             self.last_lambda = 0.0 if self.local_flat is None or not c.bola else 1.0
             return theta_g.copy()
         theta_l = self.local_flat
-        if np.array_equal(theta_l, theta_g):  # a singleton SEGA cluster or Local: every λ gives the same model
+        if self._own(theta_g):  # a singleton SEGA cluster or Local: nothing global to merge in
             self.last_lambda = 1.0
             return theta_l.copy()
         val = self.val_idx
@@ -385,6 +395,8 @@ class EventsTask(Task):
         metrics["bola_lambda"] = self.last_lambda
         if self.shadow is not None:
             metrics.update(self._fit_shadow(round, data))
+        if self.cluster is not None:
+            self._fit_cluster(round, data, theta_g)
         return FitResult(num_examples=len(self.train_idx), metrics=metrics)
 
     def _train_rng(self, round: int) -> np.random.Generator:
@@ -410,6 +422,22 @@ class EventsTask(Task):
             out.update(gate_val_nmi_global=self.gate_scores[0], gate_val_nmi_local=self.gate_scores[1])
         return out
 
+    def _fit_cluster(self, round: int, data: TrainData, theta_g: np.ndarray) -> None:
+        """One round of the cluster model: θ^g trained plainly on the same seeded batches as Local's (so a
+        site alone in its SEGA cluster trains exactly Local's model, and one cluster of all sites is FedAvg)."""
+        assert self.cluster is not None
+        self._load_flat(self.cluster.model, theta_g)
+        train_epochs([(self.cluster.model, self.cluster.optimizer, 0.0)], data, self.config,
+                     global_model=self.global_model, use_glecc=False, rng=self._train_rng(round),
+                     gen=self._triplet_gen(round))
+        self.cluster.rounds += 1
+        self.sent_flat = self._flat(self.cluster.model)
+
+    def _own(self, theta_g: np.ndarray) -> bool:
+        """Whether θ^g is this site's own last upload (a singleton SEGA cluster): nothing global in it."""
+        sent = self.local_flat if self.cluster is None else self.sent_flat
+        return sent is not None and np.array_equal(sent, theta_g)
+
     # -- evaluation --------------------------------------------------------------------------------
 
     def _final_model(self) -> Any:
@@ -424,12 +452,26 @@ class EventsTask(Task):
         if self.shadow is None or self.shadow.rounds == 0:
             return self.model
         if self.final is None:
-            local = self.shadow.model
-            val_p, val_l = (self._scores(m, self.val_idx, 53)["nmi"] for m in (self.model, local))
-            keep = choose_personal(val_p, val_l, self.config.select_margin)
-            self.final = (self.model if keep else local, local, {
-                "kept_personal": float(keep), "val_personal_nmi": val_p, "val_local_nmi": val_l})
+            self.final = self._select()
         return self.final[0]
+
+    def _select(self) -> tuple[Any, dict[str, Any], dict[str, float]]:
+        """Safe DAMe's final choice on validation among Local, the personalised model and (cluster_track)
+        the cluster's θ^g: the chosen model, every candidate by name, and the scores behind the choice."""
+        assert self.shadow is not None
+        candidates = {"local": self.shadow.model, "personal": self.model}
+        if self.cluster is not None and self.received is not None and not self._own(self.received) \
+                and np.isfinite(self.received).all():
+            self._load_flat(self.cluster.model, self.received)  # training is over: the module holds θ^g now
+            candidates["cluster"] = self.cluster.model
+        val = {name: self._scores(m, self.val_idx, 53)["nmi"] for name, m in candidates.items()}
+        chosen = choose_final(val["local"], [(n, v) for n, v in val.items() if n != "local"],
+                              self.config.select_margin)
+        why = {"kept_personal": float(chosen != "local"), "val_personal_nmi": val["personal"],
+               "val_local_nmi": val["local"]}
+        if "cluster" in val:
+            why.update(kept_cluster=float(chosen == "cluster"), val_cluster_nmi=val["cluster"])
+        return candidates[chosen], candidates, why
 
     def _scores(self, model: Any, nodes: np.ndarray, key: int) -> dict[str, float]:
         """NMI/AMI/ARI of `model` on `nodes`, the mean over ``eval_repeats`` sampled embeddings (the same
@@ -445,9 +487,12 @@ class EventsTask(Task):
             h = self._embed(model, self.val_idx, _rng(self.site.seed, 41, self.site.client_id, round))
             return {f"val_{k}": v for k, v in kmeans_metrics(h, self.labels[self.val_idx]).items()}
         out = self._scores(self._final_model(), self.test_idx, 43)
-        if self.final is not None:  # safe DAMe: both candidates' test NMI, and what the site kept
-            personal, local = (self._scores(m, self.test_idx, 43)["nmi"] for m in (self.model, self.final[1]))
-            out.update(self.final[2], personal_nmi=personal, local_nmi=local, vs_local_nmi=personal - local)
+        if self.final is not None:  # safe DAMe: every candidate's test NMI, and what the site kept
+            test = {name: self._scores(m, self.test_idx, 43)["nmi"] for name, m in self.final[1].items()}
+            out.update(self.final[2], personal_nmi=test["personal"], local_nmi=test["local"],
+                       vs_local_nmi=test["personal"] - test["local"])
+            if "cluster" in test:
+                out["cluster_nmi"] = test["cluster"]
         out["num_test"] = float(len(self.test_idx))
         out["num_events"] = float(len(np.unique(self.labels[self.test_idx])))
         return out
@@ -483,6 +528,10 @@ class EventsTask(Task):
             shadow_head, shadow_arrays = self.shadow.state(self._flat(self.shadow.model))
             head.update(shadow_head)
             out.update(shadow_arrays)
+        if self.cluster is not None:
+            cluster_head, cluster_arrays = self.cluster.state(self._flat(self.cluster.model))
+            head.update(cluster_head)
+            out.update(cluster_arrays)
         return head, out
 
     def load_state_dict(self, state: Bundle) -> None:
@@ -497,3 +546,6 @@ class EventsTask(Task):
                                              {k[1:]: v for k, v in arrays.items() if k.startswith("popt/")})
         if self.shadow is not None and (shadow := self.shadow.load(header, arrays)) is not None:
             self._load_flat(self.shadow.model, shadow)
+        if self.cluster is not None and (cluster := self.cluster.load(header, arrays)) is not None:
+            self._load_flat(self.cluster.model, cluster)
+            self.sent_flat = cluster  # the track's last trained model is what the site uploaded

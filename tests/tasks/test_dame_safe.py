@@ -9,7 +9,7 @@ import pytest
 from test_events import make_task
 
 from hpcfed.tasks.bola import bola
-from hpcfed.tasks.dame_safe import choose_personal, closing_lines, glecc_gate
+from hpcfed.tasks.dame_safe import choose_final, choose_personal, closing_lines, glecc_gate
 
 
 @pytest.mark.parametrize("val_global, val_local, own, tol, expect", [
@@ -95,3 +95,59 @@ def test_shadow_is_method_local_bit_for_bit_and_the_gate_and_selection_report(tm
     again.load_state_dict(state)
     assert np.array_equal(again._flat(again.shadow.model), safe._flat(safe.shadow.model))
     assert again.shadow.rounds == safe.shadow.rounds == 2
+
+
+@pytest.mark.parametrize("val_local, others, expect", [
+    (0.80, [("personal", 0.81), ("cluster", 0.83)], "cluster"),  # the best candidate on validation
+    (0.80, [("personal", 0.83), ("cluster", 0.83)], "personal"),  # a tie goes to the earlier candidate
+    (0.80, [("personal", 0.80), ("cluster", 0.79)], "local"),     # none beats Local: Local
+    (0.80, [("personal", math.nan), ("cluster", 0.90)], "cluster"),  # a failed score never wins...
+    (0.80, [("personal", math.nan), ("cluster", math.inf)], "local"),  # ...nor a hostile one
+    (0.80, [], "local"),
+])
+def test_choose_final(val_local, others, expect):
+    assert choose_final(val_local, others) == expect
+
+
+def test_cluster_track_uploads_theta_g_trained_as_fedavg_and_is_a_final_candidate(tmp_path):
+    """With cluster_track the upload is θ^g trained plainly on Local's batches (the FedAvg site's model
+    bit for bit), the personalised model stays on the site, θ^g equal to the site's own upload counts
+    as nothing global (BOLA λ = 1, GLECC off, no cluster candidate), and resume restores the track."""
+    fedavg = make_task(tmp_path, bola=False, glecc=False)
+    safe = make_task(tmp_path, safe=True, cluster_track=True, bola_calls=2)
+    start = fedavg.get_parameters()
+    for task in (fedavg, safe):
+        task.set_parameters(start)
+        task.fit(0)
+    assert np.array_equal(safe.layout.flatten(safe.get_parameters()), fedavg.local_flat)
+    other = {k: v + np.float32(0.01) for k, v in fedavg.get_parameters().items()}  # another site's θ^g
+    for task in (fedavg, safe):
+        task.set_parameters(other)
+        task.fit(1)
+    upload = safe.layout.flatten(safe.get_parameters())
+    assert np.array_equal(upload, fedavg.local_flat) and not np.array_equal(upload, safe.local_flat)
+    own = safe.get_parameters()
+    safe.set_parameters(own)  # a singleton SEGA cluster: the server sends the site its own upload
+    assert safe.fit(2).metrics["bola_lambda"] == 1.0 and safe.glecc_on is False
+    state = safe.state_dict()
+    again = make_task(tmp_path, safe=True, cluster_track=True, bola_calls=2)
+    again.load_state_dict(state)
+    assert np.array_equal(again.sent_flat, safe.sent_flat) and again.cluster.rounds == safe.cluster.rounds == 3
+    safe.set_parameters(safe.get_parameters())
+    final = safe.evaluate(2, final=True)
+    assert "cluster_nmi" not in final and "kept_cluster" not in final  # its own upload is no candidate
+    again.set_parameters(other)
+    final = again.evaluate(2, final=True)
+    assert {"cluster_nmi", "kept_cluster", "val_cluster_nmi"} <= set(final)
+    chosen = ("cluster" if final["kept_cluster"] else "personal" if final["kept_personal"] else "local")
+    assert final["nmi"] == final[f"{chosen}_nmi"]
+
+
+def test_cluster_track_needs_the_safe_dame():
+    from hpcfed.config import build
+    from hpcfed.tasks.events import EventsTask
+
+    with pytest.raises(ValueError, match="cluster_track needs the safe DAMe"):
+        build(EventsTask.Config, {"cluster_track": True}, prefix="task.")
+    with pytest.raises(ValueError, match="cluster_track"):
+        build(EventsTask.Config, {"cluster_track": True, "safe": True, "ditto": True}, prefix="task.")
