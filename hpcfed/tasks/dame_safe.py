@@ -39,6 +39,26 @@ def glecc_gate(val_global: float, val_local: float, own_model: bool, tol: float 
     return val_global >= val_local - tol
 
 
+def is_clipped_upload(theta_g: np.ndarray, reference: np.ndarray, upload: np.ndarray) -> bool:
+    """Whether `theta_g` is `upload` pulled towards `reference` (θ^g = ref + s·(upload − ref), 0 < s ≤ 1).
+
+    Rank 0's bounded influence (`hpcfed.server.influence`) clips an upload that moved too far from the
+    model it was sent, in float32; a site alone in its SEGA cluster then gets that back, which is still
+    its own model. Any other site's upload in θ^g leaves a component off that line.
+    """
+    ref = np.asarray(reference, dtype=np.float64)
+    step = np.asarray(upload, dtype=np.float64) - ref
+    moved = np.asarray(theta_g, dtype=np.float64) - ref
+    size = float(step @ step)
+    if not (math.isfinite(size) and size > 0.0 and np.isfinite(moved).all()):
+        return False
+    s = float(moved @ step) / size
+    off_line = float(np.linalg.norm(moved - s * step))
+    # float32 rounding of the clipped model, relative to the parameters' size, is the only slack
+    slack = 1e-3 * math.sqrt(size) + 8 * float(np.finfo(np.float32).eps) * float(np.linalg.norm(ref))
+    return 0.0 < s <= 1.0 + 1e-6 and off_line <= slack
+
+
 def choose_personal(val_personal: float, val_local: float, margin: float = 0.0) -> bool:
     """Keep the personalised model only if it beats the local one on validation by more than `margin`."""
     if not math.isfinite(val_personal):
@@ -89,7 +109,8 @@ class Track:
 
 
 def closing_lines(summary: dict[str, Any]) -> list[str]:
-    """The console's per-site line after ``done:``: personalised minus own Local model, test NMI."""
+    """The console's per-site line after ``done:``: DAMe's model (personalised, or the cluster model where
+    that scored higher on validation) minus the site's own Local model, test NMI, and what the site kept."""
     clients = summary.get("clients")
     if not isinstance(clients, dict):
         return []
@@ -99,10 +120,11 @@ def closing_lines(summary: dict[str, Any]) -> list[str]:
         figure = site.get("vs_local_nmi") if isinstance(site, dict) else None
         if not isinstance(figure, (int, float)) or isinstance(figure, bool) or not math.isfinite(figure):
             continue  # a site that sent none (dame-paper, a late or hostile site): nothing to say
-        kept = "kept personalised" if site.get("kept_personal") == 1.0 else "kept local"
+        kept = ("kept cluster model" if site.get("kept_cluster") == 1.0
+                else "kept personalised" if site.get("kept_personal") == 1.0 else "kept local")
         parts.append(f"site {cid} {figure:+.3f} ({kept})")
     if not parts:
         return []
-    return ["personalised minus each site's own Local model (the candidate it was validated against), test NMI: "
+    return ["DAMe's model minus each site's own Local model (the candidate it was validated against), test NMI: "
             + "; ".join(parts)
             + " (summary.json: clients.K.vs_local_nmi)"]

@@ -33,7 +33,7 @@ import numpy as np
 from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
-from hpcfed.tasks.dame_safe import Track, choose_final, closing_lines, glecc_gate
+from hpcfed.tasks.dame_safe import Track, choose_final, closing_lines, glecc_gate, is_clipped_upload
 from hpcfed.tasks.event_training import TrainData, kmeans_metrics, train_epochs
 from hpcfed.tasks.event_training import seeded_rng as _rng
 from hpcfed.tasks.event_training import site_key as _site_key
@@ -55,7 +55,7 @@ class EventsTask(Task):
     METHODS: ClassVar[Mapping[str, MethodPreset]] = {
         # safe by construction (`hpcfed.tasks.dame_safe`): never worse than the site's own Local model
         "dame": MethodPreset(strategy="sega", task_options={"bola": True, "glecc": True, "prox_mu": 0.0,
-                                                            "ditto": False, "safe": True}),
+                                                            "ditto": False, "safe": True, "cluster_track": True}),
         "local": _method("local"),
         "fedavg": _method("fedavg"),
         "fedprox": _method("fedavg", prox=True),
@@ -204,6 +204,7 @@ class EventsTask(Task):
         # safe DAMe with cluster_track: the uploaded model, restarting from θ^g every round
         self.cluster = Track(*self._twin(), name="cluster") if c.cluster_track else None
         self.sent_flat: np.ndarray | None = None  # the cluster model's last upload (cluster_track)
+        self.sent_from: np.ndarray | None = None  # the θ^g that upload was trained from (BOLA methods)
         self.glecc_on = not c.safe  # the gate's verdict for this round (safe DAMe)
         self.gate_scores = (float("nan"), float("nan"))  # val NMI of θ^g and θ^l this round
         self.final: tuple[Any, dict[str, Any], dict[str, float]] | None = None  # safe: (chosen, candidates, why)
@@ -397,6 +398,8 @@ class EventsTask(Task):
             metrics.update(self._fit_shadow(round, data))
         if self.cluster is not None:
             self._fit_cluster(round, data, theta_g)
+        if c.bola:
+            self.sent_from = theta_g  # rank 0 clips this round's upload towards it, if at all
         return FitResult(num_examples=len(self.train_idx), metrics=metrics)
 
     def _train_rng(self, round: int) -> np.random.Generator:
@@ -434,9 +437,11 @@ class EventsTask(Task):
         self.sent_flat = self._flat(self.cluster.model)
 
     def _own(self, theta_g: np.ndarray) -> bool:
-        """Whether θ^g is this site's own last upload (a singleton SEGA cluster): nothing global in it."""
+        """Whether θ^g is this site's own last upload (a singleton SEGA cluster): nothing global in it.
+        Rank 0's bounded influence may have clipped that upload towards the model it was sent."""
         sent = self.local_flat if self.cluster is None else self.sent_flat
-        return sent is not None and np.array_equal(sent, theta_g)
+        return sent is not None and (np.array_equal(sent, theta_g) or (
+            self.sent_from is not None and is_clipped_upload(theta_g, self.sent_from, sent)))
 
     # -- evaluation --------------------------------------------------------------------------------
 
@@ -489,10 +494,11 @@ class EventsTask(Task):
         out = self._scores(self._final_model(), self.test_idx, 43)
         if self.final is not None:  # safe DAMe: every candidate's test NMI, and what the site kept
             test = {name: self._scores(m, self.test_idx, 43)["nmi"] for name, m in self.final[1].items()}
-            out.update(self.final[2], personal_nmi=test["personal"], local_nmi=test["local"],
-                       vs_local_nmi=test["personal"] - test["local"])
-            if "cluster" in test:
-                out["cluster_nmi"] = test["cluster"]
+            out.update(self.final[2], **{f"{name}_nmi": v for name, v in test.items()})
+            # the one figure: DAMe's own model (the better of personalised and cluster on validation) − Local
+            why = self.final[2]
+            dame = choose_final(-np.inf, [(n, why[f"val_{n}_nmi"]) for n in test if n != "local"])
+            out["vs_local_nmi"] = test[dame] - test["local"] if dame != "local" else 0.0
         out["num_test"] = float(len(self.test_idx))
         out["num_events"] = float(len(np.unique(self.labels[self.test_idx])))
         return out
@@ -524,6 +530,8 @@ class EventsTask(Task):
             head["personal_optimizer"] = ph
             out.update({"p" + k: v for k, v in pa.items()})
             out["personal"] = self._flat(self.personal)
+        if self.sent_from is not None:
+            out["sent_from"] = self.sent_from
         if self.shadow is not None:
             shadow_head, shadow_arrays = self.shadow.state(self._flat(self.shadow.model))
             head.update(shadow_head)
@@ -540,6 +548,8 @@ class EventsTask(Task):
         if "local" in arrays:
             self.local_flat = np.array(arrays["local"], dtype=np.float32)
         self.last_lambda = float(header.get("last_lambda", 1.0))
+        if "sent_from" in arrays:
+            self.sent_from = np.array(arrays["sent_from"], dtype=np.float32)
         if self.personal is not None and "personal" in arrays:
             self._load_flat(self.personal, arrays["personal"])
             torch_state.load_optimizer_state(self.personal_optimizer, header["personal_optimizer"],

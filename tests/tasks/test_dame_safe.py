@@ -55,9 +55,11 @@ def test_bola_scores_the_local_anchor_first_and_ties_go_to_the_local_side():
 def test_closing_line_one_figure_per_site():
     summary = {"clients": {"0": {"nmi": 0.8, "vs_local_nmi": -0.031, "kept_personal": 0.0},
                            "1": {"nmi": 0.9, "vs_local_nmi": 0.0125, "kept_personal": 1.0},
-                           "2": {"nmi": 0.7}}}
+                           "2": {"nmi": 0.7},
+                           "3": {"nmi": 0.9, "vs_local_nmi": 0.02, "kept_personal": 1.0, "kept_cluster": 1.0}}}
     (line,) = closing_lines(summary)
     assert "site 0 -0.031 (kept local); site 1 +0.013 (kept personalised)" in line and "site 2" not in line
+    assert "site 3 +0.020 (kept cluster model)" in line
     assert closing_lines({"clients": {"0": {"nmi": 0.5}}}) == []
     hostile = {"clients": {"0": "x", "1": {"vs_local_nmi": "1e9"}, "2": {"vs_local_nmi": math.nan},
                            "3": {"vs_local_nmi": True}, "4": {"vs_local_nmi": 0.5, "kept_personal": "yes"}}}
@@ -141,6 +143,8 @@ def test_cluster_track_uploads_theta_g_trained_as_fedavg_and_is_a_final_candidat
     assert {"cluster_nmi", "kept_cluster", "val_cluster_nmi"} <= set(final)
     chosen = ("cluster" if final["kept_cluster"] else "personal" if final["kept_personal"] else "local")
     assert final["nmi"] == final[f"{chosen}_nmi"]
+    dame = "cluster" if final["val_cluster_nmi"] > final["val_personal_nmi"] else "personal"
+    assert final["vs_local_nmi"] == pytest.approx(final[f"{dame}_nmi"] - final["local_nmi"])
 
 
 def test_cluster_track_needs_the_safe_dame():
@@ -151,3 +155,27 @@ def test_cluster_track_needs_the_safe_dame():
         build(EventsTask.Config, {"cluster_track": True}, prefix="task.")
     with pytest.raises(ValueError, match="cluster_track"):
         build(EventsTask.Config, {"cluster_track": True, "safe": True, "ditto": True}, prefix="task.")
+
+
+def test_is_clipped_upload_sees_rank0s_clip_and_nothing_else():
+    """A lone site's own upload comes back clipped by rank 0's bounded influence: still its own model.
+    Uses the server's own clipping code, so a change there that breaks the test is seen here."""
+    from hpcfed.server.influence import _scale_towards
+    from hpcfed.tasks.dame_safe import is_clipped_upload
+
+    rng = np.random.default_rng(0)
+    reference = rng.normal(0, 0.05, 20_000).astype(np.float32)  # the θ^g the site trained from
+    upload = reference + rng.normal(0, 1e-3, reference.size).astype(np.float32)
+    for factor in (1.0, 0.5, 0.01):
+        clipped = upload.copy()
+        _scale_towards(clipped, reference, factor)
+        assert is_clipped_upload(clipped, reference, upload), factor
+    other = reference + rng.normal(0, 1e-3, reference.size).astype(np.float32)  # another site's upload
+    assert not is_clipped_upload(0.5 * upload + 0.5 * other, reference, upload)  # a SEGA cluster's mean
+    assert not is_clipped_upload(0.99 * upload + 0.01 * other, reference, upload)
+    assert not is_clipped_upload(reference + 2 * (upload - reference), reference, upload)  # beyond the upload
+    assert not is_clipped_upload(reference, reference, upload)  # s = 0: the old model, not the upload
+    assert not is_clipped_upload(upload, reference, reference)  # a site that did not move: no line
+    bad = upload.copy()
+    bad[3] = np.nan
+    assert not is_clipped_upload(bad, reference, upload)

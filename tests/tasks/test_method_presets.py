@@ -32,7 +32,7 @@ TASK_METHODS = {
 
 # Added since the record: issue 26 made ``method=dame`` the safe DAMe (task.safe) and kept the paper's
 # method as ``dame-paper``.
-ADDED = {("events", "dame"): {"safe": True}}
+ADDED = {("events", "dame"): {"safe": True, "cluster_track": True}}
 NEW_METHODS = {"events": ["dame-paper"]}
 
 
