@@ -10,28 +10,36 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
+
+from hpcfed.comm.wire import loaded_bfloat16
 
 Params = dict[str, np.ndarray]
 
 
-# Dtypes a parameter keeps on the wire and back in the task; any other (float64, ...) travels
+# Dtypes a parameter keeps on the wire and back in the task, with bfloat16 (`is_bfloat16`: its
+# dtype is ml_dtypes', imported only once some array has it); any other (float64, ...) travels
 # and is aggregated as float32, as every parameter did before dtypes were kept.
 WIRE_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
-    np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_))
+    np.float32, np.float16, np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_))
 FLOAT32 = np.dtype(np.float32)
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """True for `ml_dtypes.bfloat16`, without importing ml_dtypes (no array has its dtype before)."""
+    bf16 = loaded_bfloat16()
+    return bf16 is not None and np.dtype(dtype) == bf16
 
 
 def wire_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype a parameter of `dtype` crosses the channel in."""
     dtype = np.dtype(dtype)
-    return dtype if dtype in WIRE_DTYPES else FLOAT32
+    return dtype if dtype in WIRE_DTYPES or is_bfloat16(dtype) else FLOAT32
 
 
 def is_float(dtype: np.dtype) -> bool:
     """True for floating-point dtypes, bfloat16 included (numpy does not count it as kind "f")."""
-    return np.dtype(dtype).kind == "f" or np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype).kind == "f" or is_bfloat16(dtype)
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,12 @@ non-zero ones; header numbers must be int64 integers or finite float64 values (a
 NaN/Infinity literal is refused while parsing, so nothing downstream can overflow on them); header
 strings are bounded by `max_header_bytes` and nesting by `max_header_depth`.
 
-Dtypes (`DTYPES`): bool, int8/16/32/64, uint8/16/32/64, float16, bfloat16, float32, float64,
-little-endian only. Big-endian input arrays are converted to little-endian on encode. bfloat16 is
-`ml_dtypes.bfloat16` (the numpy dtype JAX and torch interop use; code 11), so a bf16 tensor travels
-in 2 bytes per value and decodes to a bf16 array.
+Dtypes (`DTYPES`, and bfloat16): bool, int8/16/32/64, uint8/16/32/64, float16, bfloat16, float32,
+float64, little-endian only. Big-endian input arrays are converted to little-endian on encode.
+bfloat16 is `ml_dtypes.bfloat16` (the numpy dtype JAX and torch interop use; code 11), so a bf16
+tensor travels in 2 bytes per value and decodes to a bf16 array. ml_dtypes is imported only when
+a bf16 tensor is met (`bfloat16`): the import costs about 0.7 s of CPU, paid by every rank of
+every run although most never carry bf16, and no bf16 array can exist before it is imported.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from hpcfed.comm import bounded_json
@@ -61,12 +62,35 @@ DTYPES: dict[int, np.dtype] = {
     1: np.dtype("?"),
     2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"), 5: np.dtype("<i8"),
     6: np.dtype("<u1"), 7: np.dtype("<u2"), 8: np.dtype("<u4"), 9: np.dtype("<u8"),
-    10: np.dtype("<f2"), 11: np.dtype(ml_dtypes.bfloat16), 12: np.dtype("<f4"), 13: np.dtype("<f8"),
+    10: np.dtype("<f2"), 12: np.dtype("<f4"), 13: np.dtype("<f8"),
 }
+BFLOAT16_CODE = 11  # not in DTYPES: its dtype comes from ml_dtypes, imported on first use
 # Keyed by the dtype itself, not its `.str`: bfloat16's is "<V2", which any 2-byte void shares.
 _CODE = {dt: code for code, dt in DTYPES.items()}
 _ZEROS = memoryview(bytes(ALIGN))
 _FAST = frozenset(DTYPES.values()) if sys.byteorder == "little" else frozenset()
+
+
+def bfloat16() -> np.dtype:
+    """The numpy dtype `ml_dtypes.bfloat16` (imports ml_dtypes)."""
+    import ml_dtypes
+
+    dtype: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    return dtype
+
+
+def loaded_bfloat16() -> np.dtype | None:
+    """bfloat16's dtype when ml_dtypes is imported already, else None: until then no array can
+    have that dtype, so nothing needs the 0.7 s import to tell a bf16 array from another."""
+    return bfloat16() if "ml_dtypes" in sys.modules else None
+
+
+def _code(dt: np.dtype) -> int | None:
+    """The wire's code for `dt` (little-endian already), or None when the wire does not carry it."""
+    code = _CODE.get(dt)
+    if code is None and (bf16 := loaded_bfloat16()) is not None and dt == bf16:
+        return BFLOAT16_CODE
+    return code
 
 
 class WireError(ValueError):
@@ -116,8 +140,8 @@ def _as_wire_array(name: Any, value: Any) -> np.ndarray:
     if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
         arr = arr.astype(dt.newbyteorder("<"))  # the wire is little-endian only
         dt = arr.dtype
-    if dt not in _CODE:
-        allowed = ", ".join(str(d) for d in DTYPES.values())
+    if _code(dt) is None:
+        allowed = ", ".join([*(str(d) for d in DTYPES.values()), "bfloat16"])
         raise WireError(f"tensor {name!r} has dtype {dt}, which the wire does not carry; allowed: {allowed}")
     # (np.ascontiguousarray would turn a 0-d array into shape (1,))
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
@@ -211,7 +235,7 @@ def prepare(header: dict[str, Any], tensors: Mapping[str, Any] | None, limits: W
         off = (pos + ALIGN - 1) & ~(ALIGN - 1)
         ndim = arr.ndim
         nbytes = arr.nbytes
-        parts.append(_ENT.pack(len(raw), _CODE[arr.dtype], ndim, 0, off, nbytes))
+        parts.append(_ENT.pack(len(raw), _code(arr.dtype), ndim, 0, off, nbytes))
         if ndim:
             parts.append(struct.pack(f"<{ndim}Q", *arr.shape))
         parts.append(raw)
@@ -314,7 +338,7 @@ def _decode(buf: bytes | bytearray | memoryview | np.ndarray,
         name_len, code, ndim, res, off, nbytes = _ENT.unpack_from(mv, pos)
         if res:
             raise WireError(f"{where}: reserved field is {res}, expected 0")
-        if code not in DTYPES:
+        if code not in DTYPES and code != BFLOAT16_CODE:
             raise WireError(f"{where}: unknown dtype code {code}")
         if ndim > limits.max_ndim:
             raise WireError(f"{where}: {ndim} dimensions; the limit is {limits.max_ndim}")
@@ -334,7 +358,7 @@ def _decode(buf: bytes | bytearray | memoryview | np.ndarray,
         if any(mv[name_at + name_len: pos + ent_len]):
             raise WireError(f"{where}: non-zero padding after the name")
         names.add(name)
-        dt = DTYPES[code]
+        dt = bfloat16() if code == BFLOAT16_CODE else DTYPES[code]
         big = max(shape, default=0)
         if big > limits.max_total_bytes or math.prod(d for d in shape if d) > limits.max_total_bytes:
             raise WireError(f"tensor {name!r}: shape {shape} has more elements than the "

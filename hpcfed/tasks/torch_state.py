@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from hpcfed.params import Params, wire_dtype
+from hpcfed.comm.wire import bfloat16
+from hpcfed.params import Params, is_bfloat16, wire_dtype
 
 
 def module_parameters(module: Any) -> Params:
@@ -26,7 +26,7 @@ def to_numpy(tensor: Any) -> np.ndarray:
 
     t = tensor.detach().cpu()
     if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits as ml_dtypes.bfloat16
-        bits: np.ndarray = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        bits: np.ndarray = t.contiguous().view(torch.int16).numpy().view(bfloat16()).copy()
         return bits
     arr = t.numpy()
     out: np.ndarray = arr.astype(wire_dtype(arr.dtype), copy=True)
@@ -38,7 +38,7 @@ def to_torch(arr: np.ndarray) -> Any:
     import torch
 
     arr = np.asarray(arr)
-    if arr.dtype == np.dtype(ml_dtypes.bfloat16):
+    if is_bfloat16(arr.dtype):
         return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16).copy()).view(torch.bfloat16)
     return torch.as_tensor(arr)
 

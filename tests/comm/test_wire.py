@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -42,6 +44,33 @@ def test_bfloat16_travels_as_two_bytes_per_value_and_keeps_its_dtype():
     _, tensors = wire.decode(wire.encode({}, {"t": a}))
     assert tensors["t"].dtype == np.dtype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(tensors["t"].view(np.uint16), a.view(np.uint16))
+
+
+# A rank imports these; none may import ml_dtypes (0.7 s of CPU per process) until a bf16 tensor comes.
+_FRESH_RANK = """
+import sys
+import numpy as np
+import hpcfed.server.server, hpcfed.client.client, hpcfed.tasks.synthetic, hpcfed.tasks.torch_state, hpcfed.params
+from hpcfed.comm import wire
+assert "ml_dtypes" not in sys.modules, "a rank module imports ml_dtypes at import time"
+_, tensors = wire.decode(sys.stdin.buffer.read())
+assert "ml_dtypes" in sys.modules and tensors["t"].dtype == wire.bfloat16(), tensors["t"].dtype
+sys.stdout.write(tensors["t"].view(np.uint16).tobytes().hex())
+"""
+
+
+def test_a_fresh_process_imports_ml_dtypes_only_to_decode_a_bfloat16_tensor():
+    a = np.linspace(-3, 3, 50, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    proc = subprocess.run([sys.executable, "-c", _FRESH_RANK], input=wire.encode({}, {"t": a}), capture_output=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert bytes.fromhex(proc.stdout.decode()) == a.view(np.uint16).tobytes()
+
+
+def test_a_two_byte_void_array_is_not_taken_for_bfloat16():
+    # bfloat16's dtype string is "<V2", as any 2-byte void's: only the dtype itself may match.
+    with pytest.raises(WireError, match="does not carry"):
+        wire.encode({}, {"t": np.zeros(4, dtype="V2")})
 
 
 def test_nan_and_inf_travel_in_tensors():
