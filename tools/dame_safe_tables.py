@@ -107,14 +107,27 @@ def tables(args: argparse.Namespace, runs: dict[str, dict[int, dict]]) -> str:
         parts.append(f"- DAMe above Local on the sites that share events ({names}): "
                      f"{'met' if min(gains) > 0 else 'NOT met'} ({', '.join(f'{g:+.3f}' for g in gains)})")
     if "dame" in runs:
-        parts += ["", "What the safe DAMe kept per site (seeds keeping the personalised model) and its "
-                  "personalised − own Local test NMI (`vs_local_nmi`, mean over seeds):", "",
+        parts += ["", "What the safe DAMe kept per site (over seeds) and each candidate's test NMI minus the "
+                  "site's own Local model (mean over seeds; the cluster model only where the site was not alone):", "",
                   "| | " + " | ".join(args.sites) + " |", "|" + "---|" * (k + 1)]
-        by = runs["dame"].values()
-        kept = [sum(float(s["clients"][str(c)].get("kept_personal", 0)) for s in by) for c in range(k)]
+        by = list(runs["dame"].values())
+
+        def count(key: str) -> list[int]:
+            return [int(sum(float(s["clients"][str(c)].get(key, 0)) for s in by)) for c in range(k)]
+
+        def mean_diff(key: str) -> list[float]:
+            return [float(np.nanmean([float(s["clients"][str(c)].get(key, np.nan))
+                                      - float(s["clients"][str(c)].get("local_nmi", np.nan)) for s in by]))
+                    if any(key in s["clients"][str(c)] for s in by) else float("nan") for c in range(k)]
+
+        kept, cluster = count("kept_personal"), count("kept_cluster")
         vs = [np.mean([float(s["clients"][str(c)].get("vs_local_nmi", np.nan)) for s in by]) for c in range(k)]
-        parts.append("| kept personalised | " + " | ".join(f"{int(x)} of {len(by)}" for x in kept) + " |")
-        parts.append("| personalised − Local | " + " | ".join(f"{v:+.3f}" for v in vs) + " |")
+        parts.append("| kept a model other than Local | " + " | ".join(f"{x} of {len(by)}" for x in kept) + " |")
+        parts.append("| of which the cluster model | " + " | ".join(f"{x}" for x in cluster) + " |")
+        parts.append("| DAMe's model − Local (`vs_local_nmi`) | " + " | ".join(f"{v:+.3f}" for v in vs) + " |")
+        for key, label in (("personal_nmi", "personalised − Local"), ("cluster_nmi", "cluster model − Local")):
+            parts.append(f"| {label}, test | " + " | ".join(
+                "–" if not np.isfinite(v) else f"{v:+.3f}" for v in mean_diff(key)) + " |")
     parts += ["", "Per round, mean over seeds and rounds ≥ 1 (GLECC α and loss, BOLA λ, share of rounds with "
               "GLECC on) and the last round's validation NMI:", "",
               "| method | site | GLECC α | GLECC loss | BOLA λ | GLECC on | last val NMI |", "|" + "---|" * 7]

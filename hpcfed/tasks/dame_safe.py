@@ -12,13 +12,20 @@ nothing let a site fall back to training alone. The rules (evidence in docs/dame
    not the site's own upload and its validation NMI is at least the local model's minus
    ``task.glecc_gate_tol``. GLECC pulls the local event centroids towards θ^g's; that helps only if
    θ^g separates this site's events at least as well.
-3. **Model selection with Local always a candidate** (`LocalTrack`, `choose_personal`): each site
+3. **Model selection with Local always a candidate** (`Track`, `choose_personal`): each site
    also trains a shadow Local model on the same seeded batches as ``method=local`` (so it is that
    model, bit for bit). At the end the personalised model is kept only if its validation NMI (mean
    of ``eval_repeats`` embeddings) beats the Local model's by more than ``task.select_margin``; the
    site reports both models' test NMI, and their difference, in its final metrics. The Local
    candidate is Local's final model, not its best round on validation: a per-round snapshot chosen
    on one embedding of a small validation split picked an undertrained round-0 model (docs/dame.md).
+4. **A cluster model is uploaded and is a third candidate** (``task.cluster_track``, on for
+   ``method=dame``): the paper uploads the personalised model, which BOLA keeps ~90 % local, so θ^g
+   never became a model trained on the cluster's data. The site now uploads a model that restarts
+   from θ^g each round and trains plainly on Local's batches (`Track`), so SEGA's θ^g is the FedAvg of
+   the site's cluster; the personalised model stays on the site, and the final θ^g is offered beside
+   it (`choose_final`). A θ^g that is the site's own upload, clipped or not (`is_clipped_upload`), is
+   no candidate and gets no BOLA or GLECC.
 """
 
 from __future__ import annotations
