@@ -179,3 +179,21 @@ def test_is_clipped_upload_sees_rank0s_clip_and_nothing_else():
     bad = upload.copy()
     bad[3] = np.nan
     assert not is_clipped_upload(bad, reference, upload)
+
+
+def test_cluster_track_survives_a_hostile_theta_g(tmp_path):
+    """A non-finite θ^g from rank 0 trains nothing into the personalised or Local model, is never the
+    kept model, and the site still reports finite figures."""
+    safe = make_task(tmp_path, safe=True, cluster_track=True, bola_calls=2)
+    start = safe.get_parameters()
+    safe.set_parameters(start)
+    safe.fit(0)
+    hostile = {k: np.full_like(v, np.nan) for k, v in start.items()}
+    safe.set_parameters(hostile)
+    metrics = safe.fit(1).metrics
+    assert metrics["bola_lambda"] == 1.0 and metrics["glecc_on"] == 0.0
+    assert np.isfinite(safe.local_flat).all() and np.isfinite(safe._flat(safe.shadow.model)).all()
+    safe.set_parameters(hostile)
+    final = safe.evaluate(1, final=True)
+    assert "cluster_nmi" not in final and "kept_cluster" not in final  # no candidate: nothing to keep
+    assert np.isfinite(final["nmi"]) and np.isfinite(final["vs_local_nmi"])
