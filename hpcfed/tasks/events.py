@@ -54,8 +54,10 @@ class EventsTask(Task):
     name = "events"
     METHODS: ClassVar[Mapping[str, MethodPreset]] = {
         # safe by construction (`hpcfed.tasks.dame_safe`): never worse than the site's own Local model
+        # (the cluster model is a default, not a switch: task.cluster_track=false gives rules 1-3 alone)
         "dame": MethodPreset(strategy="sega", task_options={"bola": True, "glecc": True, "prox_mu": 0.0,
-                                                            "ditto": False, "safe": True, "cluster_track": True}),
+                                                            "ditto": False, "safe": True},
+                             task_defaults={"cluster_track": True}),
         "local": _method("local"),
         "fedavg": _method("fedavg"),
         "fedprox": _method("fedavg", prox=True),

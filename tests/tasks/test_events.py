@@ -96,6 +96,10 @@ def test_method_presets_map_to_strategy_and_switches():
     cfg = resolved("local")
     assert cfg.strategy.name == "local" and not cfg.task.options["bola"] and not cfg.task.options["glecc"]
     assert resolved("dame").task.options["safe"] is True  # issue 26: the default DAMe is the safe one
+    assert resolved("dame").task.options["cluster_track"] is True
+    own = from_mapping({"task": {"name": "events", "cluster_track": False}, "method": "dame"})
+    resolve(own)
+    assert own.task.options["cluster_track"] is False  # a user can turn the cluster model off
     paper = resolved("dame-paper").task.options
     assert paper["safe"] is False and paper["bola_alpha"] == 0.6 and paper["glecc_own_model"] is True
     with pytest.raises(ConfigError, match="choose one of"):
