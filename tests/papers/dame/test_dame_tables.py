@@ -97,7 +97,8 @@ def test_safe_tables_goals_kept_models_and_round_means(tmp_path, capsys):
         _safe_run(root / "dame-paper" / f"seed{seed}", [0.70, 0.75, 0.90],
                   rounds={"train_alpha": [0.0, 0.9, 1.0], "bola_lambda": [0.0, 0.6, 0.8], "val_nmi": [0.5, 0.6, 0.7]})
         _safe_run(root / "dame" / f"seed{seed}", [0.80 + shift, 0.72, 0.885],
-                  {"kept_personal": float(seed), "vs_local_nmi": -0.02}, rounds={"glecc_on": [0.0, 1.0, 0.0]})
+                  {"kept_personal": float(seed), "kept_cluster": float(seed), "vs_local_nmi": -0.02,
+                   "local_nmi": 0.80, "personal_nmi": 0.78, "cluster_nmi": 0.83}, rounds={"glecc_on": [0.0, 1.0, 0.0]})
     assert tool.main(["--config", "c.yaml", "--out", str(root), "--sites", "A", "B", "C", "--shared", "0", "1",
                       "--seeds", "0", "1", "--tables-only", "--figure", str(tmp_path / "f.png")]) == 0
     text = (root / "safe.md").read_text()
@@ -107,7 +108,10 @@ def test_safe_tables_goals_kept_models_and_round_means(tmp_path, capsys):
     assert "DAMe ≥ Local − 0.01 on every site (mean over seeds): NOT met (worst site -0.015)" in text
     assert "DAMe ahead of FedAvg on the mean: met (+0.205)" in text
     assert "DAMe above Local on the sites that share events (A, B): NOT met (+0.000, +0.020)" in text
-    assert "| kept personalised | 0 of 2 | 0 of 2 | 0 of 2 |" not in text and "| kept personalised | 1 of 2 |" in text
+    assert "| kept a model other than Local | 1 of 2 | 1 of 2 | 1 of 2 |" in text
+    assert "| of which the cluster model | 1 | 1 | 1 |" in text
+    assert "| personalised − Local, test | -0.020 | -0.020 | -0.020 |" in text
+    assert "| cluster model − Local, test | +0.030 | +0.030 | +0.030 |" in text
     assert "| dame-paper | A | 0.950 | – | 0.700 | – | 0.700 |" in text  # rounds ≥ 1; last val NMI
     assert "| dame | A | – | – | – | 0.500 | – |" in text
     assert (tmp_path / "f.png").stat().st_size > 0
