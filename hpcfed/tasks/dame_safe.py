@@ -83,6 +83,22 @@ def choose_final(val_local: float, others: list[tuple[str, float]], margin: floa
     return best[0] if best is not None and choose_personal(best[1], val_local, margin) else "local"
 
 
+def selection_report(val: dict[str, float], chosen: str) -> dict[str, float]:
+    """What a site kept (``kept_personal``: not Local; ``kept_cluster``) and the validation NMI of each
+    candidate (``val_local_nmi``, ``val_personal_nmi``, ``val_cluster_nmi`` when offered)."""
+    report = {"kept_personal": float(chosen != "local"), **{f"val_{n}_nmi": v for n, v in val.items()}}
+    if "cluster" in val:
+        report["kept_cluster"] = float(chosen == "cluster")
+    return report
+
+
+def vs_local(val: dict[str, float], test: dict[str, float]) -> float:
+    """The one figure a site reports: DAMe's model (the better non-Local candidate on validation) minus
+    Local, test NMI; 0 when no other candidate has a finite validation score."""
+    dame = choose_final(-math.inf, [(n, v) for n, v in val.items() if n != "local"])
+    return test[dame] - test["local"] if dame != "local" else 0.0
+
+
 class Track:
     """A model a safe site trains beside its personalised one, with its own Adam: the shadow Local
     model (``name="shadow"``) or the cluster model (``name="cluster"``), saved under `name`."""

@@ -1,7 +1,7 @@
 """DAMe task: personalised federated social event detection on one site (paper §4; spec 1.1–1.7).
 
-A site holds messages (`hpcfed.data.messages`), their graph (`hpcfed.data.message_graph`) and features
-``[SBERT ‖ time]`` (`hpcfed.data.text_features`); it trains a 2-layer GAT (`hpcfed.models.gat`). Per round::
+A site holds messages, their graph, features ``[SBERT ‖ time]`` and splits (`hpcfed.tasks.event_site`);
+it trains a 2-layer GAT (`hpcfed.models.gat`). Per round::
 
     θ^g = model from the server (SEGA's personalised model for DAMe)
     θ^l = BOLA(θ^l, θ^g)  = λ*θ^l + (1−λ*)θ^g           if bola and round ≥ 1, else θ^g      (eq. 2–3)
@@ -31,12 +31,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from hpcfed.params import ParamLayout, Params
+from hpcfed.tasks import dame_safe as safe
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
-from hpcfed.tasks.dame_safe import Track, choose_final, closing_lines, glecc_gate, is_clipped_upload
+from hpcfed.tasks.event_site import load_event_site
 from hpcfed.tasks.event_training import TrainData, kmeans_metrics, train_epochs
 from hpcfed.tasks.event_training import seeded_rng as _rng
-from hpcfed.tasks.event_training import site_key as _site_key
 
 log = logging.getLogger("hpcfed.tasks.events")
 
@@ -109,13 +109,11 @@ class EventsTask(Task):
         glecc_own_model: bool = True
         detach_alpha: bool = False
         # safe DAMe (`hpcfed.tasks.dame_safe`, method=dame): BOLA scores λ=1 first, GLECC gated on validation
-        # NMI, and a shadow Local model is a candidate in the final per-site selection on validation
+        # NMI, a shadow Local model is a candidate in the final per-site selection on validation, and
+        # (cluster_track, rule 4) the site uploads a cluster model whose θ^g is a third candidate
         safe: bool = False
         glecc_gate_tol: float = 0.0  # GLECC runs if val NMI(θ^g) >= val NMI(θ^l) − tol
-        select_margin: float = 0.0  # keep the personalised model if its val NMI > Local's + margin
-        # safe DAMe: upload a cluster model instead of the personalised one. It restarts each round from
-        # θ^g and trains plainly, so SEGA's θ^g becomes the FedAvg of a site's cluster (the personalised
-        # uploads were ~90 % local: BOLA's λ), and θ^g is a third candidate in the final selection
+        select_margin: float = 0.0  # keep another model than Local if its val NMI > Local's + margin
         cluster_track: bool = False
         # baselines
         prox_mu: float = 0.0  # FedProx
@@ -154,44 +152,13 @@ class EventsTask(Task):
         super().__init__(config, site)
         import torch
 
-        from hpcfed.models.gat import to_csr
-
         c = config
-        cid = site.client_id
-        if cid < len(c.sites):
-            name = c.sites[cid]
-        elif site.attack:
-            name = c.attack_site
-        else:
-            raise ValueError(f"client {cid} has no dataset: task.sites lists {len(c.sites)} sites "
-                             f"({', '.join(c.sites)}); run with --np {len(c.sites) + 1} or add sites")
-        self.dataset = name
-        msgs = self._load(name)
-        key = _site_key(name, cid if site.attack else None)
-        if c.max_messages_per_site is not None and len(msgs) > c.max_messages_per_site:
-            pick = np.sort(_rng(c.data_seed, 11, key).choice(len(msgs), c.max_messages_per_site, replace=False))
-            msgs = msgs.take(pick.tolist())
-        msgs = msgs.sort_by_time()  # spec 1.1 step 1
-        self.messages = msgs
-        self.ids = msgs.ids
-        events, self.labels = np.unique(np.asarray(msgs.events), return_inverse=True)
-        self.event_names = [str(e) for e in events]
-        self.x = torch.from_numpy(self._features(msgs))
-        from hpcfed.data.message_graph import edge_index, message_adjacency, message_attributes
-
-        log.info("site %d: building the message graph of %d messages", cid, len(msgs))
-        adjacency = message_adjacency(message_attributes(msgs))
-        self.rowptr, self.col = to_csr(edge_index(adjacency), len(msgs))
-        n = len(msgs)
-        perm = _rng(c.data_seed, 13, key).permutation(n)
-        n_val, n_test = int(c.val_fraction * n), int(c.test_fraction * n)
-        self.val_idx, self.test_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:n_val + n_test])
-        self.train_idx = np.sort(perm[n_val + n_test:])
-        self.train_labels = self.labels.copy()
-        if site.attack == "data":
-            flip = _rng(site.seed, 17, cid).random(n) < c.flip_fraction
-            self.train_labels[flip] = _rng(site.seed, 19, cid).integers(0, len(events), int(flip.sum()))
-        log.info("site %d: %s, %d messages, %d events, %d edges", cid, name, n, len(events), len(self.col))
+        data = load_event_site(c, site, self.input_dim(c))
+        self.dataset, self.messages, self.ids = data.dataset, data.messages, data.messages.ids
+        self.labels, self.event_names = data.labels, data.event_names
+        self.x, self.rowptr, self.col = data.x, data.rowptr, data.col
+        self.train_idx, self.val_idx, self.test_idx = data.train_idx, data.val_idx, data.test_idx
+        self.train_labels = data.train_labels
 
         torch.manual_seed(site.seed)  # identical initial model on every site
         self.model = self.build_model(c)
@@ -202,9 +169,9 @@ class EventsTask(Task):
         personal: tuple[Any, Any] = self._twin() if c.ditto else (None, None)
         self.personal, self.personal_optimizer = personal
         # safe DAMe: the Local model, trained beside the personalised one from the same start
-        self.shadow = Track(*self._twin()) if c.safe else None
+        self.shadow = safe.Track(*self._twin()) if c.safe else None
         # safe DAMe with cluster_track: the uploaded model, restarting from θ^g every round
-        self.cluster = Track(*self._twin(), name="cluster") if c.cluster_track else None
+        self.cluster = safe.Track(*self._twin(), name="cluster") if c.cluster_track else None
         self.sent_flat: np.ndarray | None = None  # the cluster model's last upload (cluster_track)
         self.sent_from: np.ndarray | None = None  # the θ^g that upload was trained from (BOLA methods)
         self.glecc_on = not c.safe  # the gate's verdict for this round (safe DAMe)
@@ -223,35 +190,10 @@ class EventsTask(Task):
         model.load_state_dict(self.model.state_dict())
         return model, torch.optim.Adam(model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
 
-    def _load(self, name: str) -> Any:
-        from hpcfed.data.messages import load_site
-
-        if name.startswith("synthetic"):
-            from hpcfed.data.synthetic_messages import make_messages
-
-            # "synthetic" or "synthetic:SHIFT": planted events, keyword blocks shifted by SHIFT
-            shift = int(name.split(":", 1)[1]) if ":" in name else 0
-            return make_messages(self.config.data_seed, self.site.client_id, shift=shift)
-        msgs, report = load_site(name, self.site.data_root)
-        log.info("%s", report.summary())
-        return msgs
-
-    def _features(self, msgs: Any) -> np.ndarray:
-        from hpcfed.data.text_features import message_features
-
-        log.info("site %d: %d message features (%s), from the cache or encoded now", self.site.client_id,
-                 len(msgs), self.config.text_model)
-        x = message_features(msgs.texts, msgs.times, self.config.text_model, cache=self.config.feature_cache,
-                             device="cpu", progress=f"site {self.site.client_id}")
-        if x.shape[1] != self.input_dim(self.config):
-            raise ValueError(f"text model {self.config.text_model!r} gives {x.shape[1] - 2} dims but task.text_dim="
-                             f"{self.config.text_dim}; set task.text_dim={x.shape[1] - 2}")
-        return x
-
     @classmethod
     def summary_lines(cls, summary: dict[str, Any]) -> list[str]:
         """Console lines after ``done:`` (launcher): personalised vs each site's own Local model."""
-        return closing_lines(summary)
+        return safe.closing_lines(summary)
 
     @classmethod
     def input_dim(cls, config: Config) -> int:
@@ -340,7 +282,7 @@ class EventsTask(Task):
 
         if c.safe:  # the gate: does θ^g separate this site's validation events as well as θ^l?
             self.gate_scores = (f(0.0), f(1.0))
-            self.glecc_on = glecc_gate(*self.gate_scores, own_model=False, tol=c.glecc_gate_tol)
+            self.glecc_on = safe.glecc_gate(*self.gate_scores, own_model=False, tol=c.glecc_gate_tol)
 
         seed = 42 + self.site.client_id
         if c.reference_compat:
@@ -416,40 +358,45 @@ class EventsTask(Task):
         """One round of the shadow Local model, on fresh copies of the round's generators (so it is
         ``method=local``'s model bit for bit), and its validation NMI; the gate's figures beside it."""
         assert self.shadow is not None
-        train_epochs([(self.shadow.model, self.shadow.optimizer, 0.0)], data, self.config,
-                     global_model=self.global_model, use_glecc=False, rng=self._train_rng(round),
-                     gen=self._triplet_gen(round))
+        self._train_as_local(self.shadow, round, data)
         h = self._embed(self.shadow.model, self.val_idx, _rng(self.site.seed, 41, self.site.client_id, round))
         val = kmeans_metrics(h, self.labels[self.val_idx])["nmi"]
-        self.shadow.rounds += 1
         out = {"local_val_nmi": val, "glecc_on": float(self.glecc_on and round >= 1)}
         if all(np.isfinite(self.gate_scores)):
             out.update(gate_val_nmi_global=self.gate_scores[0], gate_val_nmi_local=self.gate_scores[1])
         return out
 
     def _fit_cluster(self, round: int, data: TrainData, theta_g: np.ndarray) -> None:
-        """One round of the cluster model: θ^g trained plainly on the same seeded batches as Local's (so a
-        site alone in its SEGA cluster trains exactly Local's model, and one cluster of all sites is FedAvg)."""
+        """One round of the cluster model: θ^g trained plainly on Local's batches (so with one SEGA
+        cluster of all sites it is ``method=fedavg``'s model bit for bit); it is the upload."""
         assert self.cluster is not None
         self._load_flat(self.cluster.model, theta_g)
-        train_epochs([(self.cluster.model, self.cluster.optimizer, 0.0)], data, self.config,
-                     global_model=self.global_model, use_glecc=False, rng=self._train_rng(round),
-                     gen=self._triplet_gen(round))
-        self.cluster.rounds += 1
+        self._train_as_local(self.cluster, round, data)
         self.sent_flat = self._flat(self.cluster.model)
+
+    def _train_as_local(self, track: safe.Track, round: int, data: TrainData) -> None:
+        """One round of `track` on fresh copies of the round's generators: the batches and triplets
+        ``method=local`` draws, no GLECC, no proximal term."""
+        train_epochs([(track.model, track.optimizer, 0.0)], data, self.config, global_model=self.global_model,
+                     use_glecc=False, rng=self._train_rng(round), gen=self._triplet_gen(round))
+        track.rounds += 1
+
+    def _tracks(self) -> list[safe.Track]:
+        """The safe DAMe's models beside the personalised one (shadow Local, cluster), to save and resume."""
+        return [t for t in (self.shadow, self.cluster) if t is not None]
 
     def _own(self, theta_g: np.ndarray) -> bool:
         """Whether θ^g is this site's own last upload (a singleton SEGA cluster): nothing global in it.
         Rank 0's bounded influence may have clipped that upload towards the model it was sent."""
         sent = self.local_flat if self.cluster is None else self.sent_flat
         return sent is not None and (np.array_equal(sent, theta_g) or (
-            self.sent_from is not None and is_clipped_upload(theta_g, self.sent_from, sent)))
+            self.sent_from is not None and safe.is_clipped_upload(theta_g, self.sent_from, sent)))
 
     # -- evaluation --------------------------------------------------------------------------------
 
     def _final_model(self) -> Any:
         """The model a site ends with: personal (Ditto), or θ^g merged by one last BOLA step; with
-        ``safe``, that or the shadow Local model, whichever `choose_personal` keeps on validation."""
+        ``safe``, the candidate `_select` keeps on validation (Local, that, or the cluster's θ^g)."""
         if self.config.ditto:
             return self.personal
         if self.received is not None and not self.received_used:
@@ -472,13 +419,9 @@ class EventsTask(Task):
             self._load_flat(self.cluster.model, self.received)  # training is over: the module holds θ^g now
             candidates["cluster"] = self.cluster.model
         val = {name: self._scores(m, self.val_idx, 53)["nmi"] for name, m in candidates.items()}
-        chosen = choose_final(val["local"], [(n, v) for n, v in val.items() if n != "local"],
+        chosen = safe.choose_final(val["local"], [(n, v) for n, v in val.items() if n != "local"],
                               self.config.select_margin)
-        why = {"kept_personal": float(chosen != "local"), "val_personal_nmi": val["personal"],
-               "val_local_nmi": val["local"]}
-        if "cluster" in val:
-            why.update(kept_cluster=float(chosen == "cluster"), val_cluster_nmi=val["cluster"])
-        return candidates[chosen], candidates, why
+        return candidates[chosen], candidates, safe.selection_report(val, chosen)
 
     def _scores(self, model: Any, nodes: np.ndarray, key: int) -> dict[str, float]:
         """NMI/AMI/ARI of `model` on `nodes`, the mean over ``eval_repeats`` sampled embeddings (the same
@@ -496,11 +439,9 @@ class EventsTask(Task):
         out = self._scores(self._final_model(), self.test_idx, 43)
         if self.final is not None:  # safe DAMe: every candidate's test NMI, and what the site kept
             test = {name: self._scores(m, self.test_idx, 43)["nmi"] for name, m in self.final[1].items()}
+            val = {name: self.final[2][f"val_{name}_nmi"] for name in test}
             out.update(self.final[2], **{f"{name}_nmi": v for name, v in test.items()})
-            # the one figure: DAMe's own model (the better of personalised and cluster on validation) − Local
-            why = self.final[2]
-            dame = choose_final(-np.inf, [(n, why[f"val_{n}_nmi"]) for n in test if n != "local"])
-            out["vs_local_nmi"] = test[dame] - test["local"] if dame != "local" else 0.0
+            out["vs_local_nmi"] = safe.vs_local(val, test)
         out["num_test"] = float(len(self.test_idx))
         out["num_events"] = float(len(np.unique(self.labels[self.test_idx])))
         return out
@@ -534,14 +475,10 @@ class EventsTask(Task):
             out["personal"] = self._flat(self.personal)
         if self.sent_from is not None:
             out["sent_from"] = self.sent_from
-        if self.shadow is not None:
-            shadow_head, shadow_arrays = self.shadow.state(self._flat(self.shadow.model))
-            head.update(shadow_head)
-            out.update(shadow_arrays)
-        if self.cluster is not None:
-            cluster_head, cluster_arrays = self.cluster.state(self._flat(self.cluster.model))
-            head.update(cluster_head)
-            out.update(cluster_arrays)
+        for track in self._tracks():
+            track_head, track_arrays = track.state(self._flat(track.model))
+            head.update(track_head)
+            out.update(track_arrays)
         return head, out
 
     def load_state_dict(self, state: Bundle) -> None:
@@ -556,8 +493,8 @@ class EventsTask(Task):
             self._load_flat(self.personal, arrays["personal"])
             torch_state.load_optimizer_state(self.personal_optimizer, header["personal_optimizer"],
                                              {k[1:]: v for k, v in arrays.items() if k.startswith("popt/")})
-        if self.shadow is not None and (shadow := self.shadow.load(header, arrays)) is not None:
-            self._load_flat(self.shadow.model, shadow)
-        if self.cluster is not None and (cluster := self.cluster.load(header, arrays)) is not None:
-            self._load_flat(self.cluster.model, cluster)
-            self.sent_flat = cluster  # the track's last trained model is what the site uploaded
+        for track in self._tracks():
+            if (flat := track.load(header, arrays)) is not None:
+                self._load_flat(track.model, flat)
+        if self.cluster is not None and self.cluster.rounds:
+            self.sent_flat = self._flat(self.cluster.model)  # its last trained model is what the site uploaded

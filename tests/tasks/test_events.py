@@ -151,7 +151,7 @@ def test_a_site_draws_the_same_split_at_any_client_position(tmp_path):
     moved = make_task(tmp_path, cid=1, sites=["synthetic:2", "synthetic:0", "synthetic:4"])  # ... at client 1
     assert len(first.ids) == len(moved.ids)
     assert np.array_equal(first.test_idx, moved.test_idx)  # the split is keyed by the site's name
-    from hpcfed.tasks.events import _site_key
+    from hpcfed.tasks.event_training import site_key as _site_key
 
     assert _site_key("synthetic:0") != _site_key("synthetic:2")
     assert _site_key("crisislext26", 3) != _site_key("crisislext26")  # an attacker with the same data draws its own
