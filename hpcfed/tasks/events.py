@@ -484,11 +484,9 @@ class EventsTask(Task):
     def load_state_dict(self, state: Bundle) -> None:
         header, arrays = state
         torch_state.load_training_state(self.optimizer, header, arrays)
-        if "local" in arrays:
-            self.local_flat = np.array(arrays["local"], dtype=np.float32)
+        self.local_flat = torch_state.saved_vector(arrays, "local", self.layout.size, self.local_flat)
         self.last_lambda = float(header.get("last_lambda", 1.0))
-        if "sent_from" in arrays:
-            self.sent_from = np.array(arrays["sent_from"], dtype=np.float32)
+        self.sent_from = torch_state.saved_vector(arrays, "sent_from", self.layout.size, self.sent_from)
         if self.personal is not None and "personal" in arrays:
             self._load_flat(self.personal, arrays["personal"])
             torch_state.load_optimizer_state(self.personal_optimizer, header["personal_optimizer"],

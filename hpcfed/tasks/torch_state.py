@@ -118,3 +118,16 @@ def load_training_state(optimizer: Any, header: dict[str, Any], arrays: dict[str
     if "optimizer" in header:
         load_optimizer_state(optimizer, header["optimizer"], {k: v for k, v in arrays.items() if k.startswith("opt/")})
     load_rng_state(arrays)
+
+
+def saved_vector(arrays: dict[str, np.ndarray], key: str, size: int, default: np.ndarray | None) -> np.ndarray | None:
+    """A saved flat model vector of `size` float32 values, or `default` when the state has none; one of
+    another size (another model's state, or a damaged one) is refused, naming the array."""
+    if key not in arrays:
+        return default
+    flat = np.array(arrays[key], dtype=np.float32)
+    if flat.shape != (size,):
+        raise ValueError(f"saved site state: array {key!r} has shape {flat.shape}, expected ({size},) for this "
+                         f"model; the state is of another model or damaged: resume from another checkpoint or "
+                         f"start afresh")
+    return flat

@@ -197,3 +197,26 @@ def test_cluster_track_survives_a_hostile_theta_g(tmp_path):
     final = safe.evaluate(1, final=True)
     assert "cluster_nmi" not in final and "kept_cluster" not in final  # no candidate: nothing to keep
     assert np.isfinite(final["nmi"]) and np.isfinite(final["vs_local_nmi"])
+
+
+@pytest.mark.parametrize("key", ["sent_from", "local"])
+def test_a_saved_model_vector_of_the_wrong_size_is_refused_by_name(tmp_path, key):
+    """A site state whose model vectors do not fit the model (another model's, or damaged) is refused
+    naming the array, instead of failing later in a round."""
+    safe = make_task(tmp_path, safe=True, cluster_track=True, bola_calls=2)
+    safe.set_parameters(safe.get_parameters())
+    safe.fit(0)
+    safe.set_parameters(safe.get_parameters())
+    safe.fit(1)
+    header, arrays = safe.state_dict()
+    assert key in arrays
+    again = make_task(tmp_path, safe=True, cluster_track=True, bola_calls=2)
+    with pytest.raises(ValueError, match=f"array '{key}' has shape"):
+        again.load_state_dict((header, {**arrays, key: arrays[key][:-1]}))
+
+
+def test_closing_line_reads_a_hostile_kept_cluster_as_not_kept():
+    summary = {"clients": {"0": {"vs_local_nmi": 0.01, "kept_personal": 1.0, "kept_cluster": "yes"},
+                           "1": {"vs_local_nmi": 0.02, "kept_personal": 0.0, "kept_cluster": [1.0]}}}
+    (line,) = closing_lines(summary)
+    assert "site 0 +0.010 (kept personalised)" in line and "site 1 +0.020 (kept local)" in line
