@@ -54,7 +54,10 @@ _MAX_REASON = 1000
 def _write(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        # whole or absent: the launcher polls these files and must never read one half-written
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        os.replace(partial, path)
     except OSError:
         pass  # bookkeeping only: a read-only or full disk must not fail the rank
 
@@ -343,6 +346,7 @@ def follow(proc: subprocess.Popen[bytes], watch: RankWatch, *, finished: Callabl
         for relay in relays:
             relay.join(timeout=5)
         deadline = time.monotonic() + 5.0  # ranks killed by mpiexec may take a moment to go
+        watch.update(0.05)  # at least once: a rank may have registered after the last look
         while watch.running() and time.monotonic() < deadline:
             watch.update(0.05)
         watch.kill(watch.running())
