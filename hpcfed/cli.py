@@ -37,6 +37,7 @@ EXTRA_COMMANDS: dict[str, str] = {
     "search": "hpcfed.search.cli:main",
     "new": "hpcfed.scaffold:main",
     "serve": "hpcfed.crossjob:serve_main",
+    "status": "hpcfed.ops.live_view:main",
     "join": "hpcfed.crossjob:join_main",
 }
 

@@ -85,7 +85,7 @@ class Admission:
             self._s.reject(src, "malformed bundle", str(exc))
             return
         msg = Message(source=src, kind=kind, header=header, tensors=tensors, nbytes=len(payload))
-        self._s.stats.messages_received += 1
+        self._s.stats.count_received(src, len(payload))
         if self.on_message is not None and self.on_message(msg):
             return  # taken as it arrived (e.g. folded during a send): it never waits in the inbox
         self.inbox.append(msg)

@@ -210,7 +210,7 @@ class SecureChannel:
         """Encrypt and send one message; returns when `tensors` may be modified again."""
         peer, enc = self._tx.prepare(dest, kind, header, tensors)
         self._tx.data(peer, kind, enc)
-        self._session.stats.messages_sent += 1
+        self._session.stats.count_sent(dest, enc.total)
 
     def post(self, dest: int, kind: int, header: dict[str, Any],
              tensors: Mapping[str, Any] | None = None) -> Outgoing:
@@ -223,7 +223,7 @@ class SecureChannel:
         peer, enc = self._tx.prepare(dest, kind, header, tensors)
         out = Outgoing(dest)
         self._tx.data(peer, kind, enc, posted=out)
-        self._session.stats.messages_sent += 1
+        self._session.stats.count_sent(dest, enc.total)
         return out
 
     def recv(self, *, source: int | None = None, kinds: Collection[int] | None = None,

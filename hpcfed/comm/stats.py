@@ -20,6 +20,19 @@ class ChannelStats:
     polls: int = 0  # Iprobe calls: how often the channel looked for a frame
     idle_sleeps: int = 0  # back-off sleeps while waiting (an idle rank sleeps, it does not spin)
     dropped_chunks: int = 0  # later chunks of a message refused at its first chunk, dropped unread
+    # Message bytes (the bundles, before sealing) per peer rank: what an operator's live view shows
+    sent_to: dict[int, int] = field(default_factory=dict)
+    received_from: dict[int, int] = field(default_factory=dict)
+
+    def count_sent(self, dest: int, nbytes: int) -> None:
+        """One message of `nbytes` bundle bytes to rank `dest`."""
+        self.messages_sent += 1
+        self.sent_to[dest] = self.sent_to.get(dest, 0) + nbytes
+
+    def count_received(self, src: int, nbytes: int) -> None:
+        """One message of `nbytes` bundle bytes taken from rank `src` (decoded, not yet read)."""
+        self.messages_received += 1
+        self.received_from[src] = self.received_from.get(src, 0) + nbytes
 
     def count_rejection(self, src: int, reason: str) -> None:
         """One frame from rank `src` refused for `reason`."""

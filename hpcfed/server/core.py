@@ -28,6 +28,7 @@ from hpcfed.server import validation as V
 from hpcfed.server.departures import Departures
 from hpcfed.server.eviction import ChannelRefusals, Eviction, Ledger
 from hpcfed.server.influence import InfluenceGuard
+from hpcfed.server.live import LiveFile
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.participation import Participation
 from hpcfed.server.progress import Progress, StatusLine
@@ -68,6 +69,7 @@ class ServerCore:
         self.participation = Participation(self.num_clients)  # who the model was built from, who was late
         self.progress: Progress | None = None  # rounds (sync) or accepted updates (async), once they start
         self.status = StatusLine(cfg.federation.status_every_s)
+        self.live_file = LiveFile(out_dir)  # OUT/live.json, what `hpcfed status OUT` shows
         self.cpu0 = time.process_time()
         self.on_drop: Callable[[int], None] | None = None  # told of a site the federation goes on without
         # Sites not there at the start (`hpcfed serve`), and what lets them in later (`.joining`).
@@ -337,6 +339,7 @@ class ServerCore:
     def maybe_status(self) -> None:
         """The periodic status line, when it is due."""
         self.status.maybe_log(self.progress, self.strategy.version, sum(self.rejected.values()), self.channel.stats)
+        self.live_file.maybe_write(self)
 
 
 _HALT_FILE_POLL_S = 1.0

@@ -35,6 +35,10 @@ class Participation:
         """Client `cid` uploaded for the round now running, `rnd`."""
         self._newest[cid] = rnd
 
+    def newest_round(self, cid: int) -> int | None:
+        """The newest round `cid` has uploaded for (None before its first upload)."""
+        return self._newest.get(cid)
+
     def take_late(self, cid: int, claimed: object, rnd: int, first_round: int) -> bool:
         """Whether an upload of client `cid` for round `claimed`, arriving during round `rnd`, is a
         late update (counted here; the caller drops it). One per earlier round of this run, newer

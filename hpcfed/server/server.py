@@ -50,11 +50,16 @@ class Server:
     def run(self) -> dict[str, Any]:
         """The whole federation: setup, rounds or the async loop, and the end; returns the summary
         (or, after a halt, the round it halted after and the checkpoint to resume from)."""
+        status = "failed"
         try:
-            return self._run()
+            result = self._run()
+            status = "ended"
+            return result
         except BelowFloor as exc:
+            status = "ended"
             return summary.below_floor(self.core, str(exc))
         finally:
+            self.core.live_file.maybe_write(self.core, status, force=True)
             self.core.channel.on_reject = None
             self.core.channel.watch_peers(None)
 
