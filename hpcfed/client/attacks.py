@@ -8,6 +8,8 @@ because they only rewrite what the site uploads:
 - ``scale``: the trained model times 1e30 (finite, enormous).
 - ``sign_flip``: the received model minus 10 x the site's honest step.
 - ``flood``: 20 copies of every upload, none of them asked for (async).
+- ``scale_later``: honest at first, then (from its third upload) the trained model times 1e30:
+  judged against its own accepted uploads, its refusals count toward eviction.
 
 Under secure aggregation (`hpcfed.client.secagg`) the same four act on the site's input before
 masking: the tampered model's delta, weighted by the claimed count, goes into fixed point without
@@ -29,6 +31,7 @@ sends: what arrives is what a modified binary would send.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,12 +45,14 @@ from hpcfed.privacy import masking
 if TYPE_CHECKING:
     from hpcfed.privacy.site_input import InputSpec
 
-RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood")
+RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood", "scale_later")
+HONEST_UPLOADS = 2  # ``scale_later``: uploads it sends untouched first
 FLOOD_COPIES = 20
 MALFORMED_ATTACKS = ("bad_header", "bad_shape", "bad_count", "bad_header_then_flood")
 FLOOD_AFTER = 100  # UPDATEs an evicted ``..._then_flood`` site sends anyway ...
 FLOOD_FLOATS = 2 << 20  # ... of 8 MiB each (800 MiB in all: more than rank 0 could hold unnoticed)
 BEYOND_INT64 = 2**64
+_uploads = itertools.count()  # this site's uploads so far (``scale_later``)
 
 
 def tamper(attack: str, trained: Params, received: Params, num_examples: int) -> tuple[Params, int, int]:
@@ -62,6 +67,11 @@ def tamper(attack: str, trained: Params, received: Params, num_examples: int) ->
                 for k, v in trained.items()}, num_examples, 1
     if attack == "flood":
         return trained, num_examples, FLOOD_COPIES
+    if attack == "scale_later":
+        # one site per process: the count of its own uploads (a tampering binary keeps what it likes)
+        if next(_uploads) < HONEST_UPLOADS:
+            return trained, num_examples, 1
+        return tamper("scale", trained, received, num_examples)
     raise ValueError(f"unknown runtime attack {attack!r}; choose one of: {', '.join(RUNTIME_ATTACKS)}")
 
 

@@ -223,12 +223,15 @@ class ServerCore:
         return parsed
 
     # -- refusing ------------------------------------------------------------------------------------
-    def reject(self, rank: int, category: str, detail: str) -> None:
-        """Count a rejected message under a fixed category; the detail goes to the log only."""
+    def reject(self, rank: int, category: str, detail: str, evidence: bool = True) -> None:
+        """Count a rejected message under a fixed category; the detail goes to the log only. With
+        `evidence` False it is not held against the site (an upload refused by bounded influence
+        with no accepted upload of the site's own to judge it against)."""
         self.rejected[category] = self.rejected.get(category, 0) + 1
         self.rejected_by_rank[rank] = self.rejected_by_rank.get(rank, 0) + 1
         log.warning("rejected message from rank %d: %s: %s", rank, category, detail)
-        self.misbehaved(rank - 1, category, detail)
+        if evidence:
+            self.misbehaved(rank - 1, category, detail)
         limit = self.cfg.security.max_rejects
         if self.rejected_by_rank[rank] == limit + 1 and rank - 1 in self.live:
             self.client_failed(rank - 1, f"was cut off after {limit} rejected messages (security.max_rejects)")
@@ -260,6 +263,8 @@ class ServerCore:
         self.ledger.record(eviction)
         self.live.discard(cid)
         log.warning("evicted client %d (rank %d): %s", cid, cid + 1, eviction.reason)
+        self.influence.forget(cid)  # its steps no longer set the typical one
+        self.strategy.forget(cid)  # nor its records the model (FedDWA's S_W)
         self._expect()
         try:
             self.channel.post(cid + 1, P.EVICTED, {"reason": eviction.reason})

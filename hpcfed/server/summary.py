@@ -136,6 +136,9 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "cost": {"0": rank_cost(stats), **{str(c + 1): costs.get(c) for c in range(core.num_clients)}},
         "rejected": {"runtime": core.rejected, "channel": dict(stats.rejected)},
         "clipped_updates": core.influence.clipped,
+        # the largest upload distance / max(typical, the site's own recent): refused (and counted) beyond
+        # influence.reject_factor; an honest run stays far below it (docs/threats.md)
+        "influence_peak_ratio": round(core.influence.peak_ratio, 4),
         "channel": stats.as_dict(),  # the server's traffic: bytes per run, per round
         "last_checkpoint": str(core.last_checkpoint) if core.last_checkpoint else None,
         "config": core.cfg.to_dict(),
