@@ -25,6 +25,10 @@ it is evicted):
 - ``bad_count``: ``num_examples`` beyond int64.
 - ``bad_header_then_flood``: ``bad_header``, then `FLOOD_AFTER` model-sized UPDATEs after eviction.
 
+A hostile site that will not leave (``ignore_stop``: honest uploads; ``NAME_then_linger`` for each
+malformed NAME above) ignores STOP, EVICTED and every later message and keeps its process alive,
+sending nothing (`linger`): rank 0 ends the job after its grace (`hpcfed.launcher`).
+
 The sender's own encoder refuses all three, so the hostile site lifts its own checks while it
 sends: what arrives is what a modified binary would send.
 """
@@ -32,7 +36,9 @@ sends: what arrives is what a modified binary would send.
 from __future__ import annotations
 
 import itertools
+import signal
 import struct
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -53,6 +59,31 @@ FLOOD_AFTER = 100  # UPDATEs an evicted ``..._then_flood`` site sends anyway ...
 FLOOD_FLOATS = 2 << 20  # ... of 8 MiB each (800 MiB in all: more than rank 0 could hold unnoticed)
 BEYOND_INT64 = 2**64
 _uploads = itertools.count()  # this site's uploads so far (``scale_later``)
+
+
+LINGER = "_then_linger"
+
+
+def lingers(attack: str | None) -> bool:
+    """Whether a site playing `attack` stays after STOP or EVICTED (`linger`)."""
+    return attack is not None and (attack == "ignore_stop" or attack.endswith(LINGER))
+
+
+def base(attack: str | None) -> str | None:
+    """What a site playing `attack` sends: ``bad_header`` for ``bad_header_then_linger``, nothing
+    tampered for ``ignore_stop``."""
+    if attack is None or attack == "ignore_stop":
+        return None
+    return attack.removesuffix(LINGER)
+
+
+def linger() -> None:
+    """Ignore every message and signal that asks this process to go, and send nothing, for ever:
+    the job must end without it."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    while True:
+        time.sleep(3600)
 
 
 def tamper(attack: str, trained: Params, received: Params, num_examples: int) -> tuple[Params, int, int]:

@@ -39,7 +39,9 @@ the server bounds the two levers a site holds over a mean-based aggregate:
 
 **A refusal is judged against the site's own history as well** (``_own``): the limit is
 ``reject_factor`` x the larger of the typical distance and the farthest of the site's own last two
-*accepted* uploads (asked distances, before clipping). Honest heterogeneity never crosses it: a
+*accepted* uploads (asked distances, before clipping) that asked for at most half the limit
+(``_OWN_SHARE``: a site far from the start, a sign flip x10, never builds such a history and
+stays judged by the typical step). Honest heterogeneity never crosses it: a
 site whose data differ from the others' keeps steps larger than the converging majority's (the
 quickstart's client 2 asked 1.53 against a typical 0.078, 20 x, and was refused and evicted at round
 118 of 300), but its steps change smoothly from one upload to the next. A refusal is evidence
@@ -74,6 +76,11 @@ from hpcfed.server.scratch import DiskArray
 
 _BLOCK = 1 << 20  # elements per block of the distance and clipping passes
 _PER_SITE = 2  # recent distances kept per site
+# An accepted upload joins its site's own history only if it asked for at most this share of the
+# refusal limit (0.5 x reject_factor x typical): a site whose first uploads are already far (a
+# sign flip x10) is judged against the typical step alone, one whose steps grew slowly keeps the
+# last of them it was in range with.
+_OWN_SHARE = 0.5
 
 
 class Refused(Exception):
@@ -188,7 +195,8 @@ class InfluenceGuard:
         if distance > limit:
             _scale_towards(flat, reference, limit / distance)
             self.clipped += 1
-        self.accepted.setdefault(cid, deque(maxlen=_PER_SITE)).append(distance)
+        if self._typical is None or distance <= _OWN_SHARE * self.config.reject_factor * self._typical:
+            self.accepted.setdefault(cid, deque(maxlen=_PER_SITE)).append(distance)
         return distance
 
     def _own(self, cid: int) -> float | None:
@@ -201,8 +209,7 @@ class InfluenceGuard:
         scale = max(typical, own or 0.0, 1e-12)
         if own is not None and self._typical is not None:
             self.peak_ratio = max(self.peak_ratio, distance / scale)
-        limit = self.config.reject_factor * scale
-        if distance > limit:
+        if distance > self.config.reject_factor * scale:
             whose = "the typical" if own is None or own <= typical else "its own recent"
             raise Refused(f"moves the model {distance:.3g} away, {self.config.reject_factor:g} x {whose} "
                           f"{scale:.3g} is the limit", evidence=own is not None)

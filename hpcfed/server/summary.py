@@ -108,9 +108,11 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         vals = [r[k] for r in results.values() if k in r and math.isfinite(r[k])]
         mean[k] = float(np.mean(vals)) if vals else None
     stats = core.channel.stats
+    _warn_if_partial(core, sorted(results))
     return {
         **mean,
         "mean": mean,
+        "mean_over": sorted(results),  # the sites whose final results the mean is taken over
         "clients": {str(c): results[c] for c in sorted(results)},
         "missing_clients": missing,
         "dropped_clients": sorted(set(range(core.num_clients)) - core.live - set(core.ledger.evicted)),
@@ -146,3 +148,14 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         **({"privacy": {"secure_aggregation": True, "epsilon": None}} if core.cfg.privacy.secure_aggregation else {}),
         **core.strategy.report(),  # DP-FedAvg: "privacy" (ε, δ, z, C, rounds)
     }
+
+
+def _warn_if_partial(core: ServerCore, over: list[int]) -> None:
+    """Say on the console when the mean leaves a site out (evicted, dropped, or no result in time)."""
+    left_out = sorted(set(range(core.num_clients)) - set(over))
+    if left_out:
+        why = {c: "dropped" for c in core.departures.dropped}
+        why.update({c: "excluded" if e.reason.startswith("excluded") else "evicted"
+                    for c, e in core.ledger.evicted.items()})
+        log.warning("the final mean is over %d of %d sites; left out: %s", len(over), core.num_clients,
+                    ", ".join(f"client {c} ({why.get(c, 'no result')})" for c in left_out))
