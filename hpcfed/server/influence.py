@@ -67,6 +67,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -109,7 +110,7 @@ class InfluenceGuard:
         self.peak_ratio = 0.0
 
     # -- rounds ---------------------------------------------------------------------------------
-    def begin_round(self, live: set[int]) -> None:
+    def begin_round(self, live: AbstractSet[int]) -> None:
         """Fix this round's bounds from what came before it, so that they do not depend on the
         order in which the round's uploads arrive (a resumed run repeats the uninterrupted one).
         Sizes weigh only once every live site has claimed one."""

@@ -46,7 +46,8 @@ def below_floor(core: ServerCore, why: str) -> dict[str, Any]:
     until = time.monotonic() + core.cfg.federation.round_deadline_s
     while time.monotonic() < until and core.channel.recv(timeout=1.0) is not None:
         pass
-    summary = {"stopped": why, "evicted": core.ledger.state(), "dropped": core.departures.state(),
+    membership = core.roster.report(core.round + 1)
+    summary = {"stopped": why, "evicted": membership["evicted"], "dropped": membership["dropped"],
                "dropped_clients": sorted(core.departures.dropped), "last_checkpoint":
                str(core.last_checkpoint) if core.last_checkpoint else None, "round": core.round,
                "channel": core.channel.stats.as_dict(), "rejected": {"runtime": core.rejected}}
@@ -115,14 +116,8 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "mean_over": sorted(results),  # the sites whose final results the mean is taken over
         "clients": {str(c): results[c] for c in sorted(results)},
         "missing_clients": missing,
-        "dropped_clients": sorted(set(range(core.num_clients)) - core.live - set(core.ledger.evicted)),
-        # sites that ended mid-run (federation.on_client_failure=continue): round and cause
-        "dropped": core.departures.state(),
-        # per site: rounds (async: accepted updates) it contributed to, their share, late uploads
-        "participation": core.participation.report(core.updates_accepted if not core.strategy.synchronous
-                                                   else core.round + 1),
-        # sites evicted for misbehaviour (security.on_misbehaviour) or left out (federation.exclude_sites)
-        "evicted": core.ledger.state(),
+        # dropped_clients, dropped, participation, evicted: who was in, and why not
+        **core.roster.report(core.updates_accepted if not core.strategy.synchronous else core.round + 1),
         # per site, how the server's big messages reached it: "ring" (shared memory, same node),
         # "declined" (ring refused: another node or no room) or "mpi" (no ring offered)
         "transport": {str(rank - 1): route for rank, route in sorted(core.channel.routes().items())},
@@ -154,8 +149,10 @@ def _warn_if_partial(core: ServerCore, over: list[int]) -> None:
     """Say on the console when the mean leaves a site out (evicted, dropped, or no result in time)."""
     left_out = sorted(set(range(core.num_clients)) - set(over))
     if left_out:
-        why = {c: "dropped" for c in core.departures.dropped}
-        why.update({c: "excluded" if e.reason.startswith("excluded") else "evicted"
-                    for c, e in core.ledger.evicted.items()})
         log.warning("the final mean is over %d of %d sites; left out: %s", len(over), core.num_clients,
-                    ", ".join(f"client {c} ({why.get(c, 'no result')})" for c in left_out))
+                    ", ".join(f"client {c} ({_why_out(core, c)})" for c in left_out))
+
+
+def _why_out(core: ServerCore, cid: int) -> str:
+    state = core.roster.state(cid)
+    return "no result in time" if state == "present" else state
