@@ -8,6 +8,8 @@ because they only rewrite what the site uploads:
 - ``scale``: the trained model times 1e30 (finite, enormous).
 - ``sign_flip``: the received model minus 10 x the site's honest step.
 - ``flood``: 20 copies of every upload, none of them asked for (async).
+- ``constant_twice``: a constant model (every parameter 7.0) sent twice: it does not train, so its
+  first upload reaches rank 0 before any honest one; the copy is unrequested (async) and evicts it.
 - ``scale_later``: honest at first, then (from its third upload) the trained model times 1e30:
   judged against its own accepted uploads, its refusals count toward eviction.
 
@@ -51,7 +53,7 @@ from hpcfed.privacy import masking
 if TYPE_CHECKING:
     from hpcfed.privacy.site_input import InputSpec
 
-RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood", "scale_later")
+RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood", "scale_later", "constant_twice")
 HONEST_UPLOADS = 2  # ``scale_later``: uploads it sends untouched first
 FLOOD_COPIES = 20
 MALFORMED_ATTACKS = ("bad_header", "bad_shape", "bad_count", "bad_header_then_flood")
@@ -98,6 +100,8 @@ def tamper(attack: str, trained: Params, received: Params, num_examples: int) ->
                 for k, v in trained.items()}, num_examples, 1
     if attack == "flood":
         return trained, num_examples, FLOOD_COPIES
+    if attack == "constant_twice":
+        return {k: np.full_like(v, 7.0) if _is_float(v) else v for k, v in trained.items()}, num_examples, 2
     if attack == "scale_later":
         # one site per process: the count of its own uploads (a tampering binary keeps what it likes)
         if next(_uploads) < HONEST_UPLOADS:
