@@ -301,6 +301,8 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             Client(cfg, channel, out_dir, device=device, resume=resume).run()
         channel.close()
         jobwatch.write_exit(out_dir / "logs", rank, 0)
+        if rank == 0:
+            _end_with_the_run(comm, out_dir, size, log)
         if _PEER_LOST:
             _leave_without_finalize(log)
         return 0
@@ -333,6 +335,28 @@ def _peer_lost(then: Callable[[], None] | None = None) -> None:
     _PEER_LOST.append(1)
     if then is not None:
         then()
+
+
+_STOP_GRACE_S = 10.0  # how long rank 0 waits, after the run, for every other rank to leave
+
+
+def _end_with_the_run(comm: object, out_dir: Path, size: int, log: logging.Logger) -> None:
+    """Rank 0, the run over (summary.json or the halt's checkpoint written, every rank told STOP):
+    a rank still running `_STOP_GRACE_S` later (a hostile one that ignores STOP, an evicted one
+    that stays) must not keep the job alive. MPI_Abort with status 0 ends every rank; mpiexec then
+    exits 0 (MPICH hydra 5.0.2, with and without -disable-auto-cleanup): the run succeeded."""
+    log_dir = out_dir / "logs"
+    deadline = time.monotonic() + _STOP_GRACE_S
+    while lingering := [r for r in range(1, size) if jobwatch.rank_ended(log_dir, r) is None]:
+        if time.monotonic() >= deadline:
+            log.warning("rank(s) %s still running %g s after the run ended (told to stop): ending the job "
+                        "(MPI_Abort with status 0; the results are written)",
+                        ", ".join(map(str, lingering)), _STOP_GRACE_S)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            comm.Abort(0)  # type: ignore[attr-defined]  # mpi4py's Comm, imported inside run_rank
+        time.sleep(0.2)
 
 
 def _leave_without_finalize(log: logging.Logger) -> None:

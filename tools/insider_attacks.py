@@ -41,6 +41,8 @@ HONEST = ("0", "1", "2")
 ASYNC = ["strategy.name=fedasync", "~strategy.weighting"]  # an asynchronous strategy: an async run
 # The attacker trains 4x as fast as each honest site: it would make most of the async uploads.
 SLOW_HONEST = [*ASYNC, "federation.slowdown={0: 4, 1: 4, 2: 4}"]
+# FedDWA keeps every site's last upload (S_W): the hostile one that arrives first must leave with its site.
+DWA_SLOW = ["strategy.name=feddwa", "~strategy.weighting", "federation.slowdown={0: 4, 1: 4, 2: 4}"]
 CASES = [  # (name, mode: the no-attack run each attack is compared with, overrides, attack)
     ("no attack", "sync", [], None),
     ("constant model, num_examples=1e12", "sync", [], "claim_examples"),
@@ -51,6 +53,8 @@ CASES = [  # (name, mode: the no-attack run each attack is compared with, overri
     ("async: flood of unrequested updates", "async", ASYNC, "flood"),
     ("async, honest 4x slower: no attack", "async-slow", SLOW_HONEST, None),
     ("async, honest 4x slower: sign flip x10", "async-slow", SLOW_HONEST, "sign_flip"),
+    ("async FedDWA, honest 4x slower: no attack", "async-dwa", DWA_SLOW, None),
+    ("async FedDWA: constant model first, then a copy", "async-dwa", DWA_SLOW, "constant_twice"),
 ]
 SECAGG = ["privacy.secure_aggregation=true", "influence.enabled=false"]
 _REJECTED = re.compile(r"rejected message from rank (\d+)")

@@ -8,6 +8,10 @@ because they only rewrite what the site uploads:
 - ``scale``: the trained model times 1e30 (finite, enormous).
 - ``sign_flip``: the received model minus 10 x the site's honest step.
 - ``flood``: 20 copies of every upload, none of them asked for (async).
+- ``constant_twice``: a constant model (every parameter 7.0) sent twice: it does not train, so its
+  first upload reaches rank 0 before any honest one; the copy is unrequested (async) and evicts it.
+- ``scale_later``: honest at first, then (from its third upload) the trained model times 1e30:
+  judged against its own accepted uploads, its refusals count toward eviction.
 
 Under secure aggregation (`hpcfed.client.secagg`) the same four act on the site's input before
 masking: the tampered model's delta, weighted by the claimed count, goes into fixed point without
@@ -23,13 +27,20 @@ it is evicted):
 - ``bad_count``: ``num_examples`` beyond int64.
 - ``bad_header_then_flood``: ``bad_header``, then `FLOOD_AFTER` model-sized UPDATEs after eviction.
 
+A hostile site that will not leave (``ignore_stop``: honest uploads; ``NAME_then_linger`` for each
+malformed NAME above) ignores STOP, EVICTED and every later message and keeps its process alive,
+sending nothing (`linger`): rank 0 ends the job after its grace (`hpcfed.launcher`).
+
 The sender's own encoder refuses all three, so the hostile site lifts its own checks while it
 sends: what arrives is what a modified binary would send.
 """
 
 from __future__ import annotations
 
+import itertools
+import signal
 import struct
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -42,12 +53,39 @@ from hpcfed.privacy import masking
 if TYPE_CHECKING:
     from hpcfed.privacy.site_input import InputSpec
 
-RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood")
+RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood", "scale_later", "constant_twice")
+HONEST_UPLOADS = 2  # ``scale_later``: uploads it sends untouched first
 FLOOD_COPIES = 20
 MALFORMED_ATTACKS = ("bad_header", "bad_shape", "bad_count", "bad_header_then_flood")
 FLOOD_AFTER = 100  # UPDATEs an evicted ``..._then_flood`` site sends anyway ...
 FLOOD_FLOATS = 2 << 20  # ... of 8 MiB each (800 MiB in all: more than rank 0 could hold unnoticed)
 BEYOND_INT64 = 2**64
+_uploads = itertools.count()  # this site's uploads so far (``scale_later``)
+
+
+LINGER = "_then_linger"
+
+
+def lingers(attack: str | None) -> bool:
+    """Whether a site playing `attack` stays after STOP or EVICTED (`linger`)."""
+    return attack is not None and (attack == "ignore_stop" or attack.endswith(LINGER))
+
+
+def base(attack: str | None) -> str | None:
+    """What a site playing `attack` sends: ``bad_header`` for ``bad_header_then_linger``, nothing
+    tampered for ``ignore_stop``."""
+    if attack is None or attack == "ignore_stop":
+        return None
+    return attack.removesuffix(LINGER)
+
+
+def linger() -> None:
+    """Ignore every message and signal that asks this process to go, and send nothing, for ever:
+    the job must end without it."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    while True:
+        time.sleep(3600)
 
 
 def tamper(attack: str, trained: Params, received: Params, num_examples: int) -> tuple[Params, int, int]:
@@ -62,6 +100,13 @@ def tamper(attack: str, trained: Params, received: Params, num_examples: int) ->
                 for k, v in trained.items()}, num_examples, 1
     if attack == "flood":
         return trained, num_examples, FLOOD_COPIES
+    if attack == "constant_twice":
+        return {k: np.full_like(v, 7.0) if _is_float(v) else v for k, v in trained.items()}, num_examples, 2
+    if attack == "scale_later":
+        # one site per process: the count of its own uploads (a tampering binary keeps what it likes)
+        if next(_uploads) < HONEST_UPLOADS:
+            return trained, num_examples, 1
+        return tamper("scale", trained, received, num_examples)
     raise ValueError(f"unknown runtime attack {attack!r}; choose one of: {', '.join(RUNTIME_ATTACKS)}")
 
 

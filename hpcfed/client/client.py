@@ -46,7 +46,8 @@ class Client:
         malicious = cfg.attack is not None and self.client_id == self.num_clients - 1
         self.site = Site(client_id=self.client_id, num_clients=self.num_clients, seed=cfg.seed, out_dir=out_dir,
                          data_root=data_root(cfg.data_root), device=device, method=cfg.method,
-                         attack=cfg.attack if malicious else None, config_hash=cfg.hash())
+                         attack=attacks.base(cfg.attack) if malicious else None, config_hash=cfg.hash())
+        self._lingers = malicious and attacks.lingers(cfg.attack)  # a hostile site that will not leave
         self.task: Task = task_cls(task_config, self.site)
         self.layout: ParamLayout | None = None
         self.slowdown = float(cfg.federation.slowdown.get(self.client_id, 1.0))
@@ -88,9 +89,8 @@ class Client:
                     msg = self._skip_stale(msg)
                 if msg.kind == P.EVICTED:
                     self._evicted(msg)
-                    return
-                if msg.kind == P.STOP:
-                    return
+                if msg.kind in (P.EVICTED, P.STOP):
+                    return attacks.linger() if self._lingers else None
                 if msg.kind == P.FINAL:
                     self._final(msg)
                     continue

@@ -33,6 +33,9 @@ from hpcfed.strategies.base import AsyncStrategy, Update
 log = logging.getLogger("hpcfed.server")
 
 _OWED_POLL_S = 0.01  # how soon the loop looks again when a busy client is owed a model
+# The least a parked first upload waits for others before the parked ones are released with what
+# there is: seconds, well above the spread of honest sites' first steps on one start.
+PARK_PATIENCE_S = 3.0
 
 Accepted = list[tuple[Update, set[int]]]  # folded uploads, each with the clients to send the new model to
 
@@ -49,7 +52,7 @@ class AsyncLoop:
         self.progress = core.progress = Progress(self.max_updates, core.updates_accepted, "accepted updates")
         self.bounding = Bounding(core, self._reference)
         self.outbox = ModelOutbox(core.channel, self._model_message)
-        core.on_drop = self.outbox.forget  # owe a site the federation went on without nothing more
+        core.on_drop = self.site_out  # owe a site the federation went on without nothing more
         # client id -> the version of the model it was last answered with; its next upload must be
         # trained from that model or a newer one
         self.requested: dict[int, int] = {}
@@ -58,6 +61,8 @@ class AsyncLoop:
         self.held: dict[int, Update] = {}  # the parked uploads (their arrays are on disk)
         self.sent: Scratch | None = None  # the model each site was last answered with
         self.last_seen: dict[int, float] = {}  # client id -> when it was last heard from
+        self.began = 0.0  # when the loop began (monotonic): the first parked upload's wait is measured from it
+        self.first_parked: float | None = None  # when the first upload was parked
 
     def run(self) -> bool:
         """Accept uploads until the budget is spent; True when it stopped early to halt (SIGUSR2, OUT/HALT, or
@@ -90,7 +95,8 @@ class AsyncLoop:
         self.parking = self.bounding.open_parking()  # no history yet: the first uploads wait for min(3, K) sites
         for cid in sorted(core.live):
             self.outbox.owe(cid, answer=True)
-        self.last_seen = {cid: time.monotonic() for cid in core.live}
+        self.began = time.monotonic()
+        self.last_seen = {cid: self.began for cid in core.live}
 
     def end(self) -> None:
         """Free the scratch disk (models owed stay owed: `forget_owed`)."""
@@ -110,6 +116,7 @@ class AsyncLoop:
         wait = _OWED_POLL_S if self.outbox.waiting() else min(1.0, core.cfg.federation.status_every_s)
         msg = self.deferred.popleft() if self.deferred else core.channel.recv(kinds={P.UPDATE, P.FAILED},
                                                                               timeout=wait)
+        core.take_channel_evidence()  # a bundle refused after authenticating: evidence at once
         core.check_departures()  # after SIGUSR1: drop the sites that ended
         for cid in joining.admit(core, core.updates_accepted):  # a late site (`hpcfed serve`) gets the model now
             self.outbox.owe(cid, answer=True)
@@ -144,6 +151,8 @@ class AsyncLoop:
         if self.parking is not None:
             if self.bounding.park(self.parking, msg.source, upd):
                 self.held[cid] = upd  # answered once the quorum is in: a fast site cannot fill it
+                if self.first_parked is None:
+                    self.first_parked = time.monotonic()
             else:
                 self.outbox.owe(cid, answer=True)
             return self.release_parked()
@@ -159,7 +168,7 @@ class AsyncLoop:
         so no site can be more than one of them), bound them all by their median distance and fold
         them; the sites are answered from now on."""
         core = self.core
-        if self.parking is None or len(self.held) < min(core.influence.quorum, max(1, len(core.live))):
+        if self.parking is None or not self.held or not self._parked_enough():
             return []
         held, self.held = self.held, {}
         parking, self.parking = self.parking, None
@@ -173,6 +182,28 @@ class AsyncLoop:
             if cid in refused and cid in core.live:
                 self.outbox.owe(cid, answer=True)
         return released
+
+    def _parked_enough(self) -> bool:
+        """Whether to release the parked uploads: min(3, K) live sites have one parked, or the
+        first has waited as long again as it took to come (at least `PARK_PATIENCE_S`, at most the
+        round deadline). A silent or hostile site (no sane upload) never holds the others up longer
+        than that: with fewer than two parked the bounds fall back to the model's own norm."""
+        core = self.core
+        if len(self.held) >= min(core.influence.quorum, max(1, len(core.live))):
+            return True
+        if self.first_parked is None:
+            return False
+        patience = min(max(2 * (self.first_parked - self.began), PARK_PATIENCE_S),
+                       core.cfg.federation.round_deadline_s)
+        return time.monotonic() - self.first_parked >= patience
+
+    def site_out(self, cid: int) -> None:
+        """Site `cid` left the federation (dropped or evicted): owe it nothing, forget what it
+        asked for, and fold nothing it had parked."""
+        self.outbox.forget(cid)
+        self.requested.pop(cid, None)
+        if self.held.pop(cid, None) is not None and self.parking is not None:
+            self.parking.discard(cid)
 
     def accepted(self, upd: Update, targets: set[int]) -> None:
         """Count one folded upload, log it and answer it."""

@@ -45,7 +45,7 @@ class Bounding:
         try:
             influence.bound(upd.client_id, _flat(upd), self.reference(upd.client_id), distance)
         except Refused as exc:
-            self.core.reject(rank, "update out of range", str(exc))
+            self.core.reject(rank, "update out of range", str(exc), evidence=exc.evidence)
             return False
         return True
 
@@ -63,7 +63,7 @@ class Bounding:
         try:
             distance = influence.measure(upd.client_id, _flat(upd), self.reference(upd.client_id))
         except Refused as exc:
-            self.core.reject(rank, "update out of range", str(exc))
+            self.core.reject(rank, "update out of range", str(exc), evidence=exc.evidence)
             return False
         parking.park(upd.client_id, _flat(upd), distance)
         upd.flat = None
@@ -78,6 +78,10 @@ class Bounding:
         try:
             self.core.influence.calibrate()
             for cid in parking.clients():
+                if cid in self.core.ledger.evicted:  # evicted while parked: nothing of it is folded
+                    parking.discard(cid)
+                    refused.add(cid)
+                    continue
                 upd = updates[cid]
                 upd.flat, distance = parking.take_measured(cid)  # a disk fault is rank 0's own: it ends the run
                 if not self.core.contained(cid + 1, self._fold_bounded, cid + 1, upd, distance, fold):

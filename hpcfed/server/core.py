@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -32,6 +33,7 @@ from hpcfed.server.live import LiveFile
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.participation import Participation
 from hpcfed.server.progress import Progress, StatusLine
+from hpcfed.server.roster import Roster
 from hpcfed.store import checkpoint as ckpt_store
 from hpcfed.store.sealed import FileAuth
 from hpcfed.strategies.base import Strategy, Update
@@ -53,7 +55,6 @@ class ServerCore:
         self.cfg, self.channel, self.out_dir, self.strategy = cfg, channel, out_dir, strategy
         self.task_cls, self.task_config = task_cls, task_config  # what the setup exchange runs
         self.num_clients = channel.size - 1
-        self.live: set[int] = set(range(self.num_clients))
         self.influence = InfluenceGuard(cfg.influence, self.num_clients)
         self.rejected: dict[str, int] = {}  # category -> messages
         self.rejected_by_rank: dict[int, int] = {}
@@ -66,16 +67,13 @@ class ServerCore:
         # sites that ended mid-run, and their last shards; a send waiting on one that ended fails at once
         self.departures = Departures(out_dir / "logs", self.num_clients, channel.peer_gone)
         channel.watch_peers(self.departures.probe)
-        self.participation = Participation(self.num_clients)  # who the model was built from, who was late
         self.progress: Progress | None = None  # rounds (sync) or accepted updates (async), once they start
         self.status = StatusLine(cfg.federation.status_every_s)
         self.live_file = LiveFile(out_dir)  # OUT/live.json, what `hpcfed status OUT` shows
         self.cpu0 = time.process_time()
         self.on_drop: Callable[[int], None] | None = None  # told of a site the federation goes on without
-        # Sites not there at the start (`hpcfed serve`), and what lets them in later (`.joining`).
-        self.absent: set[int] = set()
+        # What lets sites not there at the start (`hpcfed serve`) in later (`.joining`).
         self.joiners: Callable[[], list[int]] | None = None
-        self.setting_up: dict[int, float] = {}  # late sites connected: client id -> deadline for its SETUP
         self.setup_reply: tuple[dict[str, Any], dict[str, np.ndarray]] = ({}, {})  # a late site's
         # Checkpoints are tagged with a key derived from the job's credentials, never kept in out_dir.
         self.file_auth: FileAuth = state_file_auth(cfg.security, 0, "checkpoint")
@@ -83,8 +81,26 @@ class ServerCore:
         self._metrics: MetricsLog | None = None
         # Misbehaviour: the evidence against each site and who is out (`hpcfed.server.eviction`).
         self.ledger = Ledger(cfg.security.on_misbehaviour, cfg.security.max_refused_updates)
+        # Membership: who is present, late, dropped, evicted or excluded (`hpcfed.server.roster`).
+        self.roster = Roster(self.num_clients, self.ledger, self.departures)
         self.channel_refusals = ChannelRefusals()
         channel.on_reject = self.channel_refusals
+
+    # -- membership (`hpcfed.server.roster` changes it; these only read) ---------------------------
+    @property
+    def live(self) -> frozenset[int]:
+        """The present sites."""
+        return self.roster.live
+
+    @property
+    def absent(self) -> frozenset[int]:
+        """The sites not there at the start (`hpcfed serve`) that have not joined yet."""
+        return self.roster.late
+
+    @property
+    def participation(self) -> Participation:
+        """Who the model was built from, who was late."""
+        return self.roster.participation
 
     # -- halting -------------------------------------------------------------------------------------
     @property
@@ -173,7 +189,7 @@ class ServerCore:
     def stop_all(self, reason: str) -> None:
         """Best effort: tell every client to leave (a dead one cannot hear it; its timeout ends it)."""
         for cid in range(self.num_clients):
-            if cid in self.ledger.evicted or cid in self.departures.dropped or cid in self.absent:
+            if self.roster.gone(cid):
                 continue  # told already, gone, or never there
             try:
                 self.channel.send(cid + 1, P.STOP, {"reason": reason})
@@ -182,13 +198,13 @@ class ServerCore:
 
     # -- receiving -----------------------------------------------------------------------------------
     @overload
-    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int]) -> Message: ...
+    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: AbstractSet[int]) -> Message: ...
 
     @overload
-    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int],
+    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: AbstractSet[int],
                    fatal: bool) -> Message | None: ...
 
-    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: set[int],
+    def recv_until(self, deadline: float, kinds: set[int], what: str, waiting_for: AbstractSet[int],
                    fatal: bool = True) -> Message | None:
         """The next message of `kinds` before `deadline` (a FAILED one is handled here); past it,
         None, or with `fatal` a `FederationError` naming the clients `waiting_for`."""
@@ -225,12 +241,15 @@ class ServerCore:
         return parsed
 
     # -- refusing ------------------------------------------------------------------------------------
-    def reject(self, rank: int, category: str, detail: str) -> None:
-        """Count a rejected message under a fixed category; the detail goes to the log only."""
+    def reject(self, rank: int, category: str, detail: str, evidence: bool = True) -> None:
+        """Count a rejected message under a fixed category; the detail goes to the log only. With
+        `evidence` False it is not held against the site (an upload refused by bounded influence
+        with no accepted upload of the site's own to judge it against)."""
         self.rejected[category] = self.rejected.get(category, 0) + 1
         self.rejected_by_rank[rank] = self.rejected_by_rank.get(rank, 0) + 1
         log.warning("rejected message from rank %d: %s: %s", rank, category, detail)
-        self.misbehaved(rank - 1, category, detail)
+        if evidence:
+            self.misbehaved(rank - 1, category, detail)
         limit = self.cfg.security.max_rejects
         if self.rejected_by_rank[rank] == limit + 1 and rank - 1 in self.live:
             self.client_failed(rank - 1, f"was cut off after {limit} rejected messages (security.max_rejects)")
@@ -259,9 +278,10 @@ class ServerCore:
         """Tell the site in one final message, take nothing more from it (the channel drops and counts
         what it sends, unread), and go on without it, unless that leaves fewer than min_sites."""
         cid = eviction.client
-        self.ledger.record(eviction)
-        self.live.discard(cid)
+        self.roster.evict(eviction)
         log.warning("evicted client %d (rank %d): %s", cid, cid + 1, eviction.reason)
+        self.influence.forget(cid)  # its steps no longer set the typical one
+        self.strategy.forget(cid)  # nor its records the model (FedDWA's S_W)
         self._expect()
         try:
             self.channel.post(cid + 1, P.EVICTED, {"reason": eviction.reason})
@@ -297,8 +317,7 @@ class ServerCore:
             return  # dropped or evicted already
         self.channel.peer_gone(cid + 1)  # sent nothing more, whatever state it is in
         log.error("%s; continuing without it (federation.on_client_failure=continue)", text)
-        self.live.discard(cid)
-        self.departures.record(cid, max(self.round, 0) if self._metrics is not None else -1, why)  # -1: during setup
+        self.roster.drop(cid, max(self.round, 0) if self._metrics is not None else -1, why)  # -1: during setup
         if self.on_drop is not None:
             self.on_drop(cid)
         if self._metrics is not None:

@@ -19,6 +19,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,7 @@ class Departures:
                 log.warning("MPI reports that a rank of this job ended, and none on this node did: a site on "
                             "another node that stays silent past its deadline is dropped")
 
-    def ended(self, live: set[int]) -> dict[int, str]:
+    def ended(self, live: AbstractSet[int]) -> dict[int, str]:
         """The live sites found ended since the last call, with how."""
         self.probe()
         found = {cid: self._ended.pop(cid) for cid in sorted(self._ended) if cid in live}

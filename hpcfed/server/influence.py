@@ -10,7 +10,8 @@ the server bounds the two levers a site holds over a mean-based aggregate:
 - **How far it moves the model.** The distance ``||θ_k - θ_ref||`` of the upload from the model it
   was sent is clipped to ``clip_factor`` x the typical distance,
   and an upload farther than ``reject_factor`` x that is refused outright (finite but enormous
-  parameters, e.g. x1e30). The typical distance is the median of the distances each site's last
+  parameters, e.g. x1e30), unless the site's own recent uploads were as far (see below).
+  The typical distance is the median of the distances each site's last
   two uploads asked for, refused and clipped ones included: a median follows the honest majority
   as their steps grow or shrink, and one site of K holds at most 1/K of the history however often
   it uploads (an async site that trains fast would fill a shared "last 2K uploads" history with
@@ -36,6 +37,21 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   calibration (``calibrate_first_round: false``) the first uploads are clipped to the model's own
   norm ``||θ_ref||`` (``sqrt(P)`` for an all-zero model) and refused beyond the same limit.
 
+**A refusal is judged against the site's own history as well** (``_own``): the limit is
+``reject_factor`` x the larger of the typical distance and the farthest of the site's own last two
+*accepted* uploads (asked distances, before clipping) that asked for at most half the limit
+(``_OWN_SHARE``: a site far from the start, a sign flip x10, never builds such a history and
+stays judged by the typical step). Honest heterogeneity never crosses it: a
+site whose data differ from the others' keeps steps larger than the converging majority's (the
+quickstart's client 2 asked 1.53 against a typical 0.078, 20 x, and was refused and evicted at round
+118 of 300), but its steps change smoothly from one upload to the next. A refusal is evidence
+(`Refused.evidence`, counted toward eviction past ``security.max_refused_updates``) only when the
+site has such a history: the upload is then more than ``reject_factor`` x everything it sent before
+and everything the others send. One refused without a history (its first uploads) is refused and
+answered, never counted: an x1e30 site that never sent a sane upload is refused every time and
+holds no influence; one that did and then jumps is evicted. The largest ratio of an honest upload
+to ``max(typical, own)`` measured over `tools/false_positives.py` is in docs/threats.md.
+
 There is deliberately no rule on an upload's direction (e.g. refusing one that points against the
 last aggregate step): one skewed step would then make the honest majority's corrections look hostile
 and refuse them, round after round. A sign-flipping site is bounded by the clip like any other.
@@ -51,6 +67,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -60,10 +77,20 @@ from hpcfed.server.scratch import DiskArray
 
 _BLOCK = 1 << 20  # elements per block of the distance and clipping passes
 _PER_SITE = 2  # recent distances kept per site
+# An accepted upload joins its site's own history only if it asked for at most this share of the
+# refusal limit (0.5 x reject_factor x typical): a site whose first uploads are already far (a
+# sign flip x10) is judged against the typical step alone, one whose steps grew slowly keeps the
+# last of them it was in range with.
+_OWN_SHARE = 0.5
 
 
 class Refused(Exception):
-    """The upload is out of range; the message says why (it becomes the rejection's detail)."""
+    """The upload is out of range; the message says why (it becomes the rejection's detail).
+    `evidence`: whether it counts against the site (it had accepted uploads to be judged against)."""
+
+    def __init__(self, message: str, evidence: bool = False) -> None:
+        super().__init__(message)
+        self.evidence = evidence
 
 
 class InfluenceGuard:
@@ -71,15 +98,19 @@ class InfluenceGuard:
         self.config = config
         self.claimed: dict[int, int] = {}  # client id -> the size it claimed with its first upload
         self.distances: dict[int, deque[float]] = {}  # client id -> its last uploads' distances
+        self.accepted: dict[int, deque[float]] = {}  # client id -> its last accepted uploads' distances
         self._quorum = min(3, max(1, num_clients))  # sites with a distance before the median is used
         self._weigh_by_size = False
         self._cap = math.inf
         self._typical: float | None = None
         self._pending: list[tuple[int, float]] = []  # this round's distances, kept in client order
         self.clipped = 0
+        # the largest distance / max(typical, own) of any upload measured with both known: how close
+        # the run came to a refusal that counts (docs/threats.md, tools/false_positives.py)
+        self.peak_ratio = 0.0
 
     # -- rounds ---------------------------------------------------------------------------------
-    def begin_round(self, live: set[int]) -> None:
+    def begin_round(self, live: AbstractSet[int]) -> None:
         """Fix this round's bounds from what came before it, so that they do not depend on the
         order in which the round's uploads arrive (a resumed run repeats the uninterrupted one).
         Sizes weigh only once every live site has claimed one."""
@@ -87,7 +118,12 @@ class InfluenceGuard:
         if self.claimed:
             self._cap = self.config.max_weight_factor * float(np.median(list(self.claimed.values())))
         recent = [d for per_site in self.distances.values() for d in per_site]
-        self._typical = float(np.median(recent)) if len(self.distances) >= self._quorum else None
+        if len(self.distances) >= self._quorum:
+            self._typical = float(np.median(recent))
+        elif not self.distances:
+            self._typical = None
+        # else: fewer sites with a history than the quorum (an async run whose other sites are
+        # silent, or a site evicted): the bound calibrated on the first uploads stands
 
     # -- one upload -----------------------------------------------------------------------------
     def weight(self, cid: int, claimed: int) -> int:
@@ -119,20 +155,29 @@ class InfluenceGuard:
         `norm` is ``||θ_ref||`` where the caller has it already)."""
         distance = _distance(flat, reference)
         if not math.isfinite(distance):
-            raise Refused(f"moves the model {distance:.3g} away (not a finite distance)")
+            raise Refused(f"moves the model {distance:.3g} away (not a finite distance)",
+                          evidence=self._own(cid) is not None)
         self._pending.append((cid, distance))
         if self._typical is not None:
-            self._refuse_beyond(distance, self._typical)
+            self._refuse_beyond(cid, distance, self._typical)
         else:
-            self._refuse_beyond(distance, max(_norm(reference) if norm is None else norm, math.sqrt(flat.size)))
+            self._refuse_beyond(cid, distance, max(_norm(reference) if norm is None else norm, math.sqrt(flat.size)))
         return distance
 
     def calibrate(self) -> None:
         """The first uploads are in: the median of their distances is the typical one, one per
         site (its latest: an async site whose upload was refused is answered and may try again,
-        and must not fill the median with its tries)."""
-        if self._typical is None and self._pending:
-            self._typical = float(np.median(list(dict(self._pending).values())))
+        and must not fill the median with its tries). Fewer sites than the quorum (an async run
+        whose other sites are silent): two give the smaller of their distances (a hostile site
+        that came first cannot set the bound with one honest site), one gives none, and the
+        upload is bounded by the model's own norm."""
+        if self._typical is not None or not self._pending:
+            return
+        distances = sorted(dict(self._pending).values())
+        if len(distances) >= self._quorum:
+            self._typical = float(np.median(distances))
+        elif len(distances) >= 2:
+            self._typical = distances[0]
 
     def bound(self, cid: int, flat: np.ndarray, reference: np.ndarray | DiskArray,
               distance: float | None = None) -> float:
@@ -145,19 +190,30 @@ class InfluenceGuard:
         if distance is None:
             distance = self.measure(cid, flat, reference, norm)
         elif self._typical is not None:  # measured before the round calibrated: refuse on its median
-            self._refuse_beyond(distance, self._typical)
+            self._refuse_beyond(cid, distance, self._typical)
         clip_at = self._typical if self._typical is not None else norm or math.sqrt(flat.size)
         limit = self.config.clip_factor * max(clip_at, 1e-12)
         if distance > limit:
             _scale_towards(flat, reference, limit / distance)
             self.clipped += 1
+        if self._typical is None or distance <= _OWN_SHARE * self.config.reject_factor * self._typical:
+            self.accepted.setdefault(cid, deque(maxlen=_PER_SITE)).append(distance)
         return distance
 
-    def _refuse_beyond(self, distance: float, typical: float) -> None:
-        limit = self.config.reject_factor * max(typical, 1e-12)
-        if distance > limit:
-            raise Refused(f"moves the model {distance:.3g} away, {self.config.reject_factor:g} x the typical "
-                          f"{max(typical, 1e-12):.3g} is the limit")
+    def _own(self, cid: int) -> float | None:
+        """The farthest of the site's own last accepted uploads (None: it has none yet)."""
+        own = self.accepted.get(cid)
+        return max(own) if own else None
+
+    def _refuse_beyond(self, cid: int, distance: float, typical: float) -> None:
+        own = self._own(cid)
+        scale = max(typical, own or 0.0, 1e-12)
+        if own is not None and self._typical is not None:
+            self.peak_ratio = max(self.peak_ratio, distance / scale)
+        if distance > self.config.reject_factor * scale:
+            whose = "the typical" if own is None or own <= typical else "its own recent"
+            raise Refused(f"moves the model {distance:.3g} away, {self.config.reject_factor:g} x {whose} "
+                          f"{scale:.3g} is the limit", evidence=own is not None)
 
     def settle(self) -> None:
         """The round (or async upload) is over: its distances join their sites' histories."""
@@ -168,21 +224,32 @@ class InfluenceGuard:
     # -- checkpointing --------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {"claimed": {str(k): v for k, v in self.claimed.items()},
-                "distances": {str(k): list(v) for k, v in self.distances.items()}, "clipped": self.clipped}
+                "distances": {str(k): list(v) for k, v in self.distances.items()},
+                "accepted": {str(k): list(v) for k, v in self.accepted.items()}, "clipped": self.clipped,
+                "peak_ratio": self.peak_ratio}
 
     def load_state(self, state: Any) -> None:
         if not isinstance(state, dict):
             return
         self.claimed = {int(k): int(v) for k, v in dict(state.get("claimed", {})).items()}
-        self.distances.clear()
-        distances = state.get("distances", {})
-        if isinstance(distances, dict):  # an older checkpoint's list names no sites: calibrate again
-            for k, v in distances.items():
-                # read from a verified checkpoint of ours; still, a NaN would disable every bound
-                kept = [float(d) for d in list(v)[-_PER_SITE:] if math.isfinite(float(d)) and float(d) >= 0]
-                if kept:
-                    self.distances[int(k)] = deque(kept, maxlen=_PER_SITE)
+        for name, into in (("distances", self.distances), ("accepted", self.accepted)):
+            into.clear()
+            saved = state.get(name, {})
+            if isinstance(saved, dict):  # an older checkpoint's list names no sites: calibrate again
+                for k, v in saved.items():
+                    # read from a verified checkpoint of ours; still, a NaN would disable every bound
+                    kept = [float(d) for d in list(v)[-_PER_SITE:] if math.isfinite(float(d)) and float(d) >= 0]
+                    if kept:
+                        into[int(k)] = deque(kept, maxlen=_PER_SITE)
         self.clipped = int(state.get("clipped", 0))
+        peak = float(state.get("peak_ratio", 0.0))
+        self.peak_ratio = peak if math.isfinite(peak) else 0.0
+
+    def forget(self, cid: int) -> None:
+        """Site `cid` is out (evicted): its distances no longer set the typical one."""
+        self.distances.pop(cid, None)
+        self.accepted.pop(cid, None)
+        self._pending = [(c, d) for c, d in self._pending if c != cid]
 
 
 def _blocks(n: int) -> Iterator[slice]:

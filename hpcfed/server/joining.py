@@ -35,11 +35,11 @@ def admit(core: ServerCore, start_round: int) -> list[int]:
     now = time.monotonic()
     for cid in core.joiners():
         if cid in core.absent:
-            core.setting_up.setdefault(cid, now + core.cfg.federation.setup_timeout_s)
-    joined = [cid for cid, deadline in sorted(core.setting_up.items()) if _set_up(core, cid, start_round, deadline)]
+            core.roster.rejoining.setdefault(cid, now + core.cfg.federation.setup_timeout_s)
+    joined = [cid for cid, deadline in sorted(core.roster.rejoining.items())
+              if _set_up(core, cid, start_round, deadline)]
     if joined:
-        core.absent -= set(joined)
-        core.live |= set(joined)
+        core.roster.join(joined)
         core.refresh_expect()  # SETUP from them no more
         for cid in joined:
             core.metrics.log(core.round, cid, "joined", start_round)
@@ -53,7 +53,7 @@ def _set_up(core: ServerCore, cid: int, start_round: int, deadline: float) -> bo
     gone = core.departures.cause_of_silence(cid)
     if msg is None and gone is None and time.monotonic() < deadline:
         return False  # not yet
-    del core.setting_up[cid]
+    del core.roster.rejoining[cid]
     why = _refused(core, cid, msg, gone)
     if why is None:
         reply_header, reply_tensors = core.setup_reply

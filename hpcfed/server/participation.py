@@ -49,6 +49,11 @@ class Participation:
         self.late[cid] += 1
         return True
 
+    def repeated(self, cid: int, claimed: object) -> bool:
+        """Whether an upload of client `cid` for round `claimed` repeats one it made already: an
+        honest site uploads once per round, so a second one is a duplicate (proof), not lateness."""
+        return is_int(claimed) and 0 <= claimed <= self._newest.get(cid, -1)
+
     def folded(self, cids: list[int]) -> None:
         """These sites' uploads went into the model (a round's aggregate, or one async update each)."""
         for cid in cids:

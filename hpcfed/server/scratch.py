@@ -97,6 +97,13 @@ class Parking(Scratch):
         self.put(cid, flat)
         self._distances[cid] = distance
 
+    def discard(self, cid: int) -> None:
+        """Fold nothing of `cid` (its site left): its parked upload is deleted unread."""
+        array = self._arrays.pop(cid, None)
+        self._distances.pop(cid, None)
+        if array is not None:
+            array.path.unlink(missing_ok=True)
+
     def take_measured(self, cid: int) -> tuple[np.ndarray, float]:
         """The upload parked for `cid` and its distance; the file is gone after this."""
         return self.take(cid), self._distances.pop(cid)

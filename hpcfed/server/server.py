@@ -90,8 +90,7 @@ class Server:
     def late_sites(self, absent: set[int], admit: Callable[[], list[int]]) -> None:
         """Sites `absent` at the start (`hpcfed serve`) may join later: `admit()`, called at each
         safe point (a sync round's start, an async step), returns those connected since."""
-        self.core.live -= absent
-        self.core.absent |= absent
+        self.core.roster.start_late(absent)
         self.core.joiners = admit
 
     def site_lost(self, cid: int, cause: str) -> None:

@@ -110,7 +110,7 @@ def _left_out(core: ServerCore, resume: bool) -> set[int]:
     for cid in core.cfg.federation.exclude_sites:
         if 0 <= cid < core.num_clients:
             core.ledger.exclude(cid, rnd)
-    core.live -= set(core.ledger.evicted)
+    core.roster.leave_out()
     if core.ledger.evicted:
         log.warning("this run goes on without %s", "; ".join(
             f"client {e.client} (rank {e.rank}): {e.reason}" for e in core.ledger.evicted.values()))

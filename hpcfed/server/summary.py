@@ -46,7 +46,8 @@ def below_floor(core: ServerCore, why: str) -> dict[str, Any]:
     until = time.monotonic() + core.cfg.federation.round_deadline_s
     while time.monotonic() < until and core.channel.recv(timeout=1.0) is not None:
         pass
-    summary = {"stopped": why, "evicted": core.ledger.state(), "dropped": core.departures.state(),
+    membership = core.roster.report(core.round + 1)
+    summary = {"stopped": why, "evicted": membership["evicted"], "dropped": membership["dropped"],
                "dropped_clients": sorted(core.departures.dropped), "last_checkpoint":
                str(core.last_checkpoint) if core.last_checkpoint else None, "round": core.round,
                "channel": core.channel.stats.as_dict(), "rejected": {"runtime": core.rejected}}
@@ -108,19 +109,15 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         vals = [r[k] for r in results.values() if k in r and math.isfinite(r[k])]
         mean[k] = float(np.mean(vals)) if vals else None
     stats = core.channel.stats
+    _warn_if_partial(core, sorted(results))
     return {
         **mean,
         "mean": mean,
+        "mean_over": sorted(results),  # the sites whose final results the mean is taken over
         "clients": {str(c): results[c] for c in sorted(results)},
         "missing_clients": missing,
-        "dropped_clients": sorted(set(range(core.num_clients)) - core.live - set(core.ledger.evicted)),
-        # sites that ended mid-run (federation.on_client_failure=continue): round and cause
-        "dropped": core.departures.state(),
-        # per site: rounds (async: accepted updates) it contributed to, their share, late uploads
-        "participation": core.participation.report(core.updates_accepted if not core.strategy.synchronous
-                                                   else core.round + 1),
-        # sites evicted for misbehaviour (security.on_misbehaviour) or left out (federation.exclude_sites)
-        "evicted": core.ledger.state(),
+        # dropped_clients, dropped, participation, evicted: who was in, and why not
+        **core.roster.report(core.updates_accepted if not core.strategy.synchronous else core.round + 1),
         # per site, how the server's big messages reached it: "ring" (shared memory, same node),
         # "declined" (ring refused: another node or no room) or "mpi" (no ring offered)
         "transport": {str(rank - 1): route for rank, route in sorted(core.channel.routes().items())},
@@ -136,6 +133,9 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "cost": {"0": rank_cost(stats), **{str(c + 1): costs.get(c) for c in range(core.num_clients)}},
         "rejected": {"runtime": core.rejected, "channel": dict(stats.rejected)},
         "clipped_updates": core.influence.clipped,
+        # the largest upload distance / max(typical, the site's own recent): refused (and counted) beyond
+        # influence.reject_factor; an honest run stays far below it (docs/threats.md)
+        "influence_peak_ratio": round(core.influence.peak_ratio, 4),
         "channel": stats.as_dict(),  # the server's traffic: bytes per run, per round
         "last_checkpoint": str(core.last_checkpoint) if core.last_checkpoint else None,
         "config": core.cfg.to_dict(),
@@ -143,3 +143,16 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         **({"privacy": {"secure_aggregation": True, "epsilon": None}} if core.cfg.privacy.secure_aggregation else {}),
         **core.strategy.report(),  # DP-FedAvg: "privacy" (ε, δ, z, C, rounds)
     }
+
+
+def _warn_if_partial(core: ServerCore, over: list[int]) -> None:
+    """Say on the console when the mean leaves a site out (evicted, dropped, or no result in time)."""
+    left_out = sorted(set(range(core.num_clients)) - set(over))
+    if left_out:
+        log.warning("the final mean is over %d of %d sites; left out: %s", len(over), core.num_clients,
+                    ", ".join(f"client {c} ({_why_out(core, c)})" for c in left_out))
+
+
+def _why_out(core: ServerCore, cid: int) -> str:
+    state = core.roster.state(cid)
+    return "no result in time" if state == "present" else state

@@ -210,7 +210,9 @@ class SyncRounds:
                          "model at once", rnd, claimed, msg.source - 1, msg.source)
                 self.owed.add(msg.source - 1)  # posted from the receive loop (not here: inside a send)
                 return
-            core.reject(msg.source, "stale update", f"for round {claimed!r} during round {rnd}")
+            repeat = core.participation.repeated(msg.source - 1, claimed)  # a second upload for a round: proof
+            core.reject(msg.source, "duplicate update" if repeat else "stale update",
+                        f"for round {claimed!r} during round {rnd}")
             return
         if msg.source - 1 in got:
             core.reject(msg.source, "duplicate update", f"a second update for round {rnd}")

@@ -119,6 +119,12 @@ class Strategy(ABC):
         """Extra top-level entries for summary.json (DP-FedAvg: ``privacy``)."""
         return {}
 
+    def forget(self, client_id: int) -> None:
+        """Site `client_id` is evicted: take what it put in out of the state where the strategy
+        keeps per-site records (FedDWA's S_W). Default: nothing is kept per site (a FedAvg round
+        already folded stays folded; docs/threats.md bounds what remains)."""
+        return None  # (a hook with a default, not an abstract method)
+
 
 def kind_problem(cls: type) -> str | None:
     """Why strategy class `cls` is neither plainly a `SyncStrategy` nor an `AsyncStrategy` (one

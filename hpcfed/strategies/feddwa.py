@@ -63,6 +63,7 @@ class FedDWA(AsyncStrategy):
         self.last_broadcast = False
         self.last_max_gap = 0
         self.last_base_version = 1
+        self.gone: set[int] = set()  # evicted sites: their records weigh nothing (`forget`)
 
     @property
     def threshold(self) -> int:
@@ -85,7 +86,7 @@ class FedDWA(AsyncStrategy):
             v_latest = int(update.client_version)
             self.s_v[cid] = v_latest
             gaps = np.maximum(0, v_latest - self.s_v)
-        rho = dwa_weights(gaps, self.config.staleness_exponent)
+        rho = self._weights(gaps)
         weighted_mean(self.s_w, rho, out=self.global_flat)  # eqs 9-10, accumulated in place
         self.last_max_gap = int(gaps.max())
         self.last_broadcast = self.last_max_gap >= self.threshold
@@ -93,9 +94,24 @@ class FedDWA(AsyncStrategy):
             return list(range(self.context.num_clients))
         return [cid]
 
+    def _weights(self, gaps: np.ndarray) -> np.ndarray:
+        """Eq 9's factors, none for an evicted site."""
+        rho = dwa_weights(gaps, self.config.staleness_exponent)
+        rho[sorted(self.gone)] = 0.0
+        return rho
+
+    def forget(self, client_id: int) -> None:
+        """An evicted site's record leaves S_W: the model is recomputed (eqs 9-10) from the others'."""
+        self.gone.add(client_id)
+        self.s_w[client_id] = 0.0
+        if len(self.gone) < self.context.num_clients:
+            gaps = self.version - self.s_v if self.config.version_mode == "server" else np.zeros_like(self.s_v)
+            weighted_mean(self.s_w, self._weights(np.maximum(gaps, 0)), out=self.global_flat)
+
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header, arrays = super().state_dict()
         header["num_rejected"] = self.num_rejected
+        header["gone"] = sorted(self.gone)
         return header, {**arrays, "s_w": self.s_w, "s_v": self.s_v}
 
     def load_state_dict(self, state: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
@@ -104,6 +120,7 @@ class FedDWA(AsyncStrategy):
         self.s_w = np.array(arrays["s_w"], dtype=np.float32)
         self.s_v = np.array(arrays["s_v"], dtype=np.int64)
         self.num_rejected = int(header.get("num_rejected", 0))
+        self.gone = {int(c) for c in header.get("gone", []) if 0 <= int(c) < self.context.num_clients}
 
     def metrics(self) -> dict[str, float]:
         # base_version (the server version of the model the upload was trained from) lets a reader

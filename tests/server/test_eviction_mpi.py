@@ -54,9 +54,18 @@ def test_one_malformed_upload_evicts_the_site_and_the_run_completes(tmp_path, wi
 
 
 def test_uploads_refused_by_bounded_influence_evict_past_the_configured_count(tmp_path, without_site):
-    summary, _ = _run(tmp_path / "run", "attack=scale", "security.max_refused_updates=1")
+    """Honest for two rounds, then x1e30: beyond everything it and the others sent, twice."""
+    summary, _ = _run(tmp_path / "run", "attack=scale_later", "security.max_refused_updates=1")
     (ev,) = summary["evicted"]
-    assert ev["client"] == 3 and ev["round"] == 1 and ev["reason"].startswith("refused by bounded influence 2 times")
+    assert ev["client"] == 3 and ev["round"] == 3 and ev["reason"].startswith("refused by bounded influence 2 times")
+    assert abs(_honest_mean(summary) - _honest_mean(without_site)) <= 0.05
+
+
+def test_a_site_refused_from_its_first_upload_is_refused_every_time_and_never_evicted(tmp_path, without_site):
+    """x1e30 from the start: no accepted upload of its own to judge it against, so the refusals
+    are no proof; it holds no influence, and no one is evicted."""
+    summary, _ = _run(tmp_path / "run", "attack=scale", "security.max_refused_updates=1")
+    assert summary["evicted"] == [] and summary["rejected"]["runtime"]["update out of range"] == 4
     assert abs(_honest_mean(summary) - _honest_mean(without_site)) <= 0.05
 
 

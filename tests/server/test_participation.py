@@ -42,3 +42,13 @@ def test_report_and_state_round_trip():
         fresh = Participation(3)
         fresh.load_state(bad)
         assert fresh.contributed == {0: 0, 1: 0, 2: 0}, bad
+
+
+def test_a_second_upload_for_a_round_is_a_repeat_and_a_first_late_one_is_not():
+    from hpcfed.server.participation import Participation
+
+    part = Participation(2)
+    part.on_time(0, 3)
+    assert part.repeated(0, 3) and part.repeated(0, 1)  # an honest site uploads once per round
+    assert not part.repeated(0, 4) and not part.repeated(1, 3) and not part.repeated(0, "3")
+    assert part.take_late(1, 2, 4, 0) and part.repeated(1, 2)  # its late upload, then a copy of it

@@ -1,0 +1,66 @@
+"""Bounded influence judges a refusal against the site's own history too: honest heterogeneity
+never makes one count, a site that jumps far beyond everything it and the others sent does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcfed.config import InfluenceConfig
+from hpcfed.server.influence import InfluenceGuard, Refused
+
+REF = np.zeros(4, dtype=np.float32)
+
+
+def _step(length: float) -> np.ndarray:
+    return np.array([length, 0, 0, 0], dtype=np.float32)
+
+
+def _round(guard: InfluenceGuard, lengths: dict[int, float]) -> dict[int, str]:
+    """One round of uploads of the given lengths: per site "ok" or the refusal (evidence or not)."""
+    guard.begin_round(set(lengths))
+    out = {}
+    for cid, length in lengths.items():
+        try:
+            guard.bound(cid, _step(length), REF)
+            out[cid] = "ok"
+        except Refused as exc:
+            out[cid] = "evidence" if exc.evidence else "refused"
+    guard.settle()
+    return out
+
+
+def test_an_honest_site_whose_steps_stay_large_while_the_others_converge_is_never_refused():
+    """The quickstart's client 2 asked 1.53 against a typical 0.078 (20 x) at round 118 of 300 and
+    was evicted; judged against its own last steps it is in range."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    for rnd in range(300):
+        converged = 1.0 * 0.98 ** rnd
+        assert _round(guard, {0: converged, 1: converged * 1.1, 2: 1.0 + 0.5 * np.sin(rnd / 7)}) == dict.fromkeys(
+            range(3), "ok")
+    assert guard.peak_ratio < 2
+
+
+def test_a_site_that_jumps_beyond_its_own_and_the_typical_steps_is_refused_with_evidence():
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    for _ in range(3):
+        _round(guard, {0: 1.0, 1: 1.0, 2: 1.0})
+    assert _round(guard, {0: 1.0, 1: 1.0, 2: 11.0}) == {0: "ok", 1: "ok", 2: "evidence"}
+    assert _round(guard, {0: 1.0, 1: 1.0, 2: 1e30}) == {0: "ok", 1: "ok", 2: "evidence"}  # refused again
+    assert _round(guard, {0: 1.0, 1: 1.0, 2: 9.0}) == dict.fromkeys(range(3), "ok")  # clipped, in range
+
+
+def test_a_site_with_no_accepted_upload_is_refused_but_it_is_not_evidence():
+    guard = InfluenceGuard(InfluenceConfig(calibrate_first_round=False), num_clients=3)
+    assert _round(guard, {0: 1.0, 1: 1.0, 2: 1e30}) == {0: "ok", 1: "ok", 2: "refused"}
+    assert _round(guard, {0: 1.0, 1: 1.0, 2: 1e30})[2] == "refused"
+
+
+def test_the_history_of_accepted_steps_survives_a_resume_and_an_evicted_site_is_forgotten():
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    _round(guard, {0: 1.0, 1: 2.0, 2: 3.0})
+    twin = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    twin.load_state(guard.state())
+    assert twin.state() == guard.state() and twin.accepted[2][-1] == pytest.approx(3.0)
+    twin.forget(2)
+    assert 2 not in twin.accepted and 2 not in twin.distances
