@@ -26,7 +26,8 @@ class LiveStatusError(ValueError):
 
 MAX_LIVE_BYTES = 4 << 20  # a live file is a few hundred bytes per site: anything bigger is not ours
 METRICS_TAIL_BYTES = 1 << 20  # how much of metrics.jsonl's end is read for the sites' ε
-STATE_STYLES = {"present": "green", "setting up": "cyan", "absent": "dim", "lost": "yellow", "evicted": "red"}
+STATE_STYLES = {"present": "green", "rejoining": "cyan", "late": "dim", "dropped": "yellow", "evicted": "red",
+                "excluded": "red"}
 
 
 def read_live(out_dir: Path) -> dict[str, Any]:

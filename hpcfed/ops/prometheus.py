@@ -9,7 +9,7 @@ part in a federation. Metrics (labels: ``run``, and ``site`` per site):
 - ``hpcfed_up`` 1 while the run is running or setting up, 0 once it has ended
 - ``hpcfed_progress_done`` / ``hpcfed_progress_total`` rounds (or accepted async updates)
 - ``hpcfed_model_version``, ``hpcfed_next_checkpoint`` (-1: none due)
-- ``hpcfed_sites{state}`` how many sites are present, setting up, absent, lost, evicted
+- ``hpcfed_sites{state}`` how many sites are present, late, rejoining, dropped, evicted, excluded
 - ``hpcfed_site_up{site}`` 1 for a present site; ``hpcfed_site_last_round{site}``;
   ``hpcfed_site_last_heard_seconds{site}``; ``hpcfed_site_bytes_received_total{site}`` and
   ``hpcfed_site_bytes_sent_total{site}`` (rank 0's message bytes from and to it);
@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from hpcfed.ops.live_view import LiveStatusError, read_live, site_epsilons
 
-STATES = ("present", "setting up", "absent", "lost", "evicted")
+STATES = ("present", "late", "rejoining", "dropped", "evicted", "excluded")
 
 
 class LiveCollector:

@@ -7,13 +7,13 @@ needs no port on the compute node: the run directory is on the shared file syste
 login node sees too.
 
 One object: ``format``, ``format_version``, ``time`` (Unix seconds of the snapshot), ``run``,
-``mode``, ``strategy``, ``status`` (``setting up``, ``running``, ``finished``, ``stopped``),
+``mode``, ``strategy``, ``status`` (``running``, then ``ended`` or ``failed``),
 ``progress`` (``done``, ``total``, ``unit``, ``eta_s``), ``version`` (the server's model version),
 ``next_checkpoint`` (round or accepted-update count, or null), ``server`` (its bytes, messages,
-refusals, accepted updates, peak RSS) and ``sites``: per site ``client``, ``rank``, ``state``
-(``present``, ``setting up``, ``absent``, ``lost``, ``evicted``), ``last_round`` (the newest round it
-uploaded for), ``last_heard_s`` (seconds since its last message), ``bytes_in``/``bytes_out``
-(message bytes from and to it) and ``reason`` (why it is lost or evicted). The privacy each site
+refusals, accepted updates, peak RSS) and ``sites``: per site ``client``, ``rank``, ``state`` (the
+roster's: ``present``, ``late``, ``rejoining``, ``dropped``, ``evicted``, ``excluded``), ``last_round``
+(the newest round it uploaded for), ``last_heard_s`` (seconds since its last message), ``bytes_in``/``bytes_out``
+(message bytes from and to it) and ``reason`` (why it was dropped or evicted). The privacy each site
 has spent is in metrics.jsonl, where the viewer reads it.
 """
 
@@ -89,18 +89,13 @@ class LiveFile:
 
 
 def site_state(core: ServerCore, cid: int) -> tuple[str, str]:
-    """(state, reason) of one site as rank 0 knows it now."""
-    evicted = core.ledger.evicted.get(cid)
-    if evicted is not None:
-        return "evicted", evicted.reason
-    dropped = core.departures.dropped.get(cid)
-    if dropped is not None:
-        return "lost", dropped.cause
-    if cid in core.setting_up:
-        return "setting up", ""
-    if cid in core.absent:
-        return "absent", "not joined yet"
-    return ("present", "") if cid in core.live else ("lost", "")
+    """(state, reason) of one site, as the roster knows it now."""
+    state = core.roster.state(cid)
+    if state in ("evicted", "excluded"):
+        return state, core.ledger.evicted[cid].reason
+    if state == "dropped":
+        return state, core.departures.dropped[cid].cause
+    return state, ""
 
 
 def next_checkpoint(core: ServerCore) -> int | None:
