@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcfed.search import columns
 from hpcfed.search.ann import (
     FAISS_CHUNK,
     FORMAT,
@@ -135,18 +136,24 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
         streamed = stream_export(header.path, header.entity, auth, add, block_bytes=block_bytes, progress=bar.update)
     finally:
         bar.close()
-    if first is not None and first != streamed.digest:
+    if first is not None and first[0] != streamed.digest:
         raise SearchIndexError(f"{header.path} changed while its index was built; build it again")
     path = index_path(header.path, header.entity)
-    size, faiss_bytes = _write_index(path, index, streamed, stats, factory, params, site)
+    n = max(1, stats.n)
+    labels = streamed.labels if streamed.labels is not None else np.full(header.num_rows, -1, np.int64)
+    contents = IndexContents(streamed.ids, labels, stats.norms, stats.sum / n, stats.outer / n,
+                             columns.checked(streamed.columns, header.num_rows, str(header.path)))
+    attrs = {**build_attrs(streamed, factory, params, site), **({"coarse_residual": first[1]} if first else {})}
+    size, faiss_bytes = write_index(path, index, attrs, contents)
     return {"site": site, "entity": header.entity, "index": str(path), "factory": factory, **params,
             "num_rows": header.num_rows, "dim": header.dim, "export_verified": streamed.verified,
             "bytes": size, "faiss_bytes": faiss_bytes, "seconds": round(time.perf_counter() - start, 2)}
 
 
 def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block_bytes: int,
-           progress: Callable[[int], None], seed: int) -> str:
-    """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest."""
+           progress: Callable[[int], None], seed: int) -> tuple[str, float]:
+    """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest and
+    how far the sample lies from its cells' centres (`coarse_residual`, what appends are compared to)."""
 
     n = header.num_rows
     want = training_rows(index, n)
@@ -159,7 +166,21 @@ def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block
 
     digest = stream_export(header.path, header.entity, auth, take, block_bytes=block_bytes, progress=progress).digest
     train(index, sample)
-    return digest
+    return digest, float(coarse_residuals(index, sample)[1].mean()) if len(sample) else 0.0
+
+
+def coarse_residuals(index: Any, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each unit vector's IVF cell and squared distance to the cell's centre (zeros without IVF): the
+    quantiser's fit, which appended vectors from a drifted distribution lose."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is None:
+        return np.zeros(len(unit), np.int64), np.zeros(len(unit), np.float32)
+    ip, cell = ivf.quantizer.search(np.ascontiguousarray(unit, np.float32), 1)
+    centres = ivf.quantizer.reconstruct_n(0, ivf.nlist)
+    squared = 1.0 - 2.0 * ip[:, 0] + np.einsum("ij,ij->i", centres[cell[:, 0]], centres[cell[:, 0]])
+    return cell[:, 0].astype(np.int64), np.maximum(squared, 0.0).astype(np.float32)
 
 
 def training_rows(index: Any, n: int) -> int:
@@ -198,35 +219,50 @@ class _Stats:
         return unit
 
 
-def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats, factory: str,
-                 params: dict[str, int], site: str) -> tuple[int, int]:
-    """Write the index file atomically and tag it (and empties `index`); returns the file's size and the
-    FAISS index's, in bytes."""
+@dataclass
+class IndexContents:
+    """What an index file holds beside the FAISS index: one entry per indexed vector, and the moments."""
+
+    ids: list[str]
+    labels: np.ndarray
+    norms: np.ndarray
+    mean: np.ndarray
+    second: np.ndarray
+    columns: dict[str, np.ndarray]
+
+
+def build_attrs(streamed: StreamedExport, factory: str, params: dict[str, int], site: str) -> dict[str, Any]:
+    """The index file's attributes: what it is and which export it describes (`ann.check_matches`)."""
     import faiss
-    import h5py
 
     from hpcfed import __version__
 
     h = streamed.header
-    n = max(1, stats.n)
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcfed_version": __version__,
+            "library": f"faiss-cpu {faiss.__version__}", "factory": factory, "site": str(site),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "export": h.path.name,
+            "export_entity": h.entity, "export_format_version": h.format_version,
+            "export_digest": streamed.digest, "export_fingerprint": h.fingerprint,
+            "export_verified": streamed.verified, "export_size": h.size, "export_mtime_ns": h.mtime_ns,
+            "num_rows": h.num_rows, "dim": h.dim, **params}
+
+
+def write_index(path: Path, index: Any, attrs: dict[str, Any], contents: IndexContents) -> tuple[int, int]:
+    """Write the index file atomically and tag it (and empties `index`); returns the file's size and the
+    FAISS index's, in bytes."""
+    import h5py
+
     with atomic.atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
-            attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcfed_version": __version__,
-                     "library": f"faiss-cpu {faiss.__version__}", "factory": factory, "site": str(site),
-                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "export": h.path.name,
-                     "export_entity": h.entity, "export_format_version": h.format_version,
-                     "export_digest": streamed.digest, "export_fingerprint": h.fingerprint,
-                     "export_verified": streamed.verified, "export_size": h.size, "export_mtime_ns": h.mtime_ns,
-                     "num_rows": h.num_rows, "dim": h.dim, **params}
             f.attrs.update(attrs)
-            blob, offsets = pack_ids(streamed.ids)
+            blob, offsets = pack_ids(contents.ids)
             f.create_dataset("ids/utf8", data=blob)
             f.create_dataset("ids/offsets", data=offsets)
-            labels = streamed.labels if streamed.labels is not None else np.full(h.num_rows, -1, np.int64)
-            f.create_dataset("labels", data=labels)
-            f.create_dataset("norms", data=stats.norms)
-            f.create_dataset("moments/mean", data=stats.sum / n)
-            f.create_dataset("moments/second", data=stats.outer / n)
+            f.create_dataset("labels", data=contents.labels)
+            f.create_dataset("norms", data=contents.norms)
+            f.create_dataset("moments/mean", data=contents.mean)
+            f.create_dataset("moments/second", data=contents.second)
+            columns.write(f, contents.columns)
             faiss_bytes = _write_faiss(f, index)
         index.reset()
         seal_streamed(tmp, index_auth())

@@ -220,7 +220,7 @@ def test_index_of_an_older_format_is_refused_with_the_rebuild_command(tmp_path: 
     with h5py.File(path, "r+") as f:
         f.attrs["format_version"] = 1
     sealed.seal(path, index_auth())
-    with pytest.raises(SearchIndexError, match=r"index format version 1, this hpcfed reads 2; rebuild it with "
+    with pytest.raises(SearchIndexError, match=r"index format version 1, this hpcfed reads 3; rebuild it with "
                                                r"`hpcfed search index"):
         AnnIndex.load(export_path(tmp_path, 0))
     assert not index_is_current(export_path(tmp_path, 0), None, IndexSpec(kind="flat"))
