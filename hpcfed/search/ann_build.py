@@ -39,6 +39,7 @@ from hpcfed.search.ann import (
     index_auth,
     index_path,
 )
+from hpcfed.search.calibrate import ExactSample, choose_nprobe
 from hpcfed.search.index import normalize_rows
 from hpcfed.store import atomic, sealed
 from hpcfed.store.embeddings import export_auth
@@ -93,7 +94,8 @@ def auto_nprobe(nlist: int, n: int) -> int:
     small index). A query costs about the same whatever the collection's size, and a denser collection
     keeps its neighbours in fewer cells: on 88,015 real MiniLM tweet vectors (one index, 512 cells)
     recall@10 is .919 at 1/16 of the cells, .946 at 1/8, .961 at 1/4 (this rule: 117, .23); for a
-    250,000-vector site (1,024 cells) the rule gives 82. See docs/search.md."""
+    250,000-vector site (1,024 cells) the rule gives 82. The build then raises it where the index's own
+    recall is short (`hpcfed.search.calibrate`). See docs/search.md."""
     return min(nlist, max(64, math.ceil(SCAN_ROWS * nlist / max(n, 1))))
 
 
@@ -128,9 +130,12 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
     try:
         first = None if index.is_trained else _train(index, header, auth, block_bytes, bar.update, seed)
         stats = _Stats(header.num_rows, header.dim)
+        exact = first[2] if first is not None and "IVF" in factory and not spec.nprobe else None
 
         def add(row: int, block: np.ndarray) -> None:
             unit = stats.add(row, block)
+            if exact is not None:
+                exact.add(row, unit)
             index.add(unit)
 
         streamed = stream_export(header.path, header.entity, auth, add, block_bytes=block_bytes, progress=bar.update)
@@ -138,22 +143,29 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
         bar.close()
     if first is not None and first[0] != streamed.digest:
         raise SearchIndexError(f"{header.path} changed while its index was built; build it again")
+    measured: dict[str, Any] = {}
+    if exact is not None:  # nprobe from the index's own recall (`hpcfed.search.calibrate`)
+        params["nprobe"], recall = choose_nprobe(index, exact, params["nprobe"])
+        faiss.ParameterSpace().set_index_parameter(index, "nprobe", params["nprobe"])
+        measured = {"calibrated_recall": recall} if recall is not None else {}
     path = index_path(header.path, header.entity)
     n = max(1, stats.n)
     labels = streamed.labels if streamed.labels is not None else np.full(header.num_rows, -1, np.int64)
     contents = IndexContents(streamed.ids, labels, stats.norms, stats.sum / n, stats.outer / n,
                              columns.checked(streamed.columns, header.num_rows, str(header.path)))
-    attrs = {**build_attrs(streamed, factory, params, site), **({"coarse_residual": first[1]} if first else {})}
+    attrs = {**build_attrs(streamed, factory, params, site), **measured,
+             **({"coarse_residual": first[1]} if first else {})}
     size, faiss_bytes = write_index(path, index, attrs, contents)
-    return {"site": site, "entity": header.entity, "index": str(path), "factory": factory, **params,
+    return {"site": site, "entity": header.entity, "index": str(path), "factory": factory, **params, **measured,
             "num_rows": header.num_rows, "dim": header.dim, "export_verified": streamed.verified,
             "bytes": size, "faiss_bytes": faiss_bytes, "seconds": round(time.perf_counter() - start, 2)}
 
 
 def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block_bytes: int,
-           progress: Callable[[int], None], seed: int) -> tuple[str, float]:
-    """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest and
-    how far the sample lies from its cells' centres (`coarse_residual`, what appends are compared to)."""
+           progress: Callable[[int], None], seed: int) -> tuple[str, float, ExactSample]:
+    """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest,
+    how far the sample lies from its cells' centres (`coarse_residual`, what appends are compared to),
+    and some of the sample as queries whose exact neighbours the second pass gathers."""
 
     n = header.num_rows
     want = training_rows(index, n)
@@ -166,7 +178,8 @@ def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block
 
     digest = stream_export(header.path, header.entity, auth, take, block_bytes=block_bytes, progress=progress).digest
     train(index, sample)
-    return digest, float(coarse_residuals(index, sample)[1].mean()) if len(sample) else 0.0
+    residual = float(coarse_residuals(index, sample)[1].mean()) if len(sample) else 0.0
+    return digest, residual, ExactSample.of(rows, sample)
 
 
 def coarse_residuals(index: Any, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

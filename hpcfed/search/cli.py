@@ -107,7 +107,7 @@ def _index_parser(x: argparse.ArgumentParser) -> None:
     x.add_argument("--nlist", type=int, default=0, help="IVF cells (default about 2*sqrt(n), a power of two)")
     x.add_argument("--nprobe", type=int, default=0,
                    help="IVF cells searched per query (default: the cells holding about 20,000 vectors, at least "
-                        "64, every cell of a small index)")
+                        "64, raised at build until the index finds .97 of 200 of its own vectors' neighbours)")
     x.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per vector")
     x.add_argument("--ef-construction", type=int, default=40)
     x.add_argument("--ef-search", type=int, default=0, help="HNSW candidates per query (default 64)")
