@@ -13,7 +13,12 @@ measures each one's wall time and peak memory (``wait4``'s max RSS):
                                                            after the other over one HTTP connection
 
 and recall@10 of the index answers against the exact ones (the same merged top-10 over every
-site, the query's own document left out).
+site, the query's own document left out). Then, side by side in the same run (issue 41's goals):
+
+    5. a filter keeping 1 % (``--where label=7``; every vector has one of 100 labels): recall@10 of
+       the index against exact search over the kept vectors, and the service's latency with it
+    6. ``hpcfed search index DIR --append NEW``: 10 % more vectors, its time over the full build's,
+       the drift it reports, and recall@10 after it against exact search over all the vectors
 
 The vectors imitate sentence embeddings (see `synthetic`: calibrated so that an IVF index finds their
 neighbours about as well as it finds those of all-MiniLM-L6-v2 vectors of 88,015 real tweets);
@@ -71,18 +76,31 @@ def synthetic(n: int, d: int, seed: int, *, topics: int = 2000, rank: int = 32, 
         yield x
 
 
-def write_collection(folder: Path, n: int, sites: int, d: int, given: np.ndarray | None = None) -> list[str]:
-    """`sites` exports of n/sites vectors each (ids ``s<site>-<row>``), synthetic or the rows of
-    `given` dealt round-robin; returns every id."""
+LABELS = 100  # every vector has label row % 100: `--where label=7` keeps 1 %
+
+
+def write_collection(folder: Path, n: int, sites: int, d: int, given: np.ndarray | None = None, *,
+                     prefix: str = "s", seed: int = 0, also: Path | None = None) -> list[str]:
+    """`sites` exports of n/sites vectors each (ids ``<prefix><site>-<row>``), synthetic or the rows of
+    `given` dealt round-robin; returns every id. With `also`, each site's vectors are appended to the
+    export of the same site there too (the ground truth of an append)."""
     ids: list[str] = []
     for site in range(sites):
         rows = n // sites + (1 if site < n % sites else 0)
         if given is not None:
             vectors = np.ascontiguousarray(given[site::sites], dtype=np.float32)
         else:
-            vectors = np.concatenate(list(synthetic(rows, d, seed=site)))
-        site_ids = [f"s{site}-{i}" for i in range(rows)]
-        write_export(export_path(folder, site), vectors, site_ids, entity="doc", model="synthetic", site=site)
+            vectors = np.concatenate(list(synthetic(rows, d, seed=site + 100 * seed)))
+        site_ids = [f"{prefix}{site}-{i}" for i in range(rows)]
+        write_export(export_path(folder, site), vectors, site_ids, np.arange(rows) % LABELS, entity="doc",
+                     model="synthetic", site=site)
+        if also is not None:
+            from hpcfed.store.embeddings import read_export
+
+            old = read_export(export_path(also, site))
+            write_export(export_path(also, site), np.concatenate([old.vectors, vectors]), old.ids + site_ids,
+                         np.concatenate([old.labels, np.arange(rows) % LABELS]), entity="doc", model="synthetic",
+                         site=site)
         ids += site_ids
         del vectors
     return ids
@@ -125,7 +143,7 @@ def recall(index_answers: list[dict], exact_answers: list[dict], k: int) -> tupl
     return round(float(np.mean(plain)), 4), round(float(np.mean(tied)), 4)
 
 
-def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str]) -> dict:
+def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str], where: dict | None = None) -> dict:
     """Start the service, ask each id once over one keep-alive connection; per-request latency."""
     cmd = [sys.executable, "-m", "hpcfed", "search", "serve", str(folder), "--port", "0"]
     start = time.perf_counter()
@@ -140,7 +158,7 @@ def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str]) -> 
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         latencies = []
         for doc_id in ids:
-            body = json.dumps({"id": doc_id, "k": k})
+            body = json.dumps({"id": doc_id, "k": k, **({"where": where} if where else {})})
             t = time.perf_counter()
             conn.request("POST", "/search", body, {"Content-Type": "application/json"})
             response = conn.getresponse()
@@ -221,8 +239,51 @@ def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     res["recall_at_k"], res["recall_at_k_ties"] = recall(res["index"].pop("answers"), res["exact"].pop("answers"),
                                                          args.k)
     res["service"] = serve_latency(folder, queries, args.k, env)
+    res["filter"] = _filtered(cli, folder, tmp, queries, k, env)
+    res["append"] = _append(args, cli, tmp, folder, given, k, env, res["build"]["seconds"])
     res["load_avg_after"] = os.getloadavg()
     return res
+
+
+def _answers(cmd: list[str], env: dict[str, str]) -> tuple[dict, list[dict]]:
+    out = run(cmd, env)
+    return {key: v for key, v in out.items() if key != "stdout"}, [json.loads(x) for x in out["stdout"].splitlines()]
+
+
+def _filtered(cli: list[str], folder: Path, tmp: Path, queries: list[str], k: list[str], env: dict[str, str]) -> dict:
+    """Goal: a filter keeping 1 % -- recall@10 >= .95 against exact, service median <= 10 ms."""
+    where = ["--where", "label=7"]
+    many = [*cli, "query", str(folder), "--ids-file", str(tmp / "ids.txt"), *k, "--jsonl", *where]
+    index_run, index_answers = _answers(many, env)
+    exact_run, exact_answers = _answers([*many, "--exact"], env)
+    kept = all(r["label"] == 7 for a in index_answers for r in a["results"])
+    plain, ties = recall(index_answers, exact_answers, int(k[1]))
+    return {"where": "label=7 (1 %)", "every_hit_matches": kept, "recall_at_k": plain, "recall_at_k_ties": ties,
+            "batch_index_s": index_run["seconds"], "batch_exact_s": exact_run["seconds"],
+            "service": serve_latency(folder, queries, int(k[1]), env, {"label": 7})}
+
+
+def _append(args: argparse.Namespace, cli: list[str], tmp: Path, folder: Path, given: np.ndarray | None,
+            k: list[str], env: dict[str, str], build_s: float) -> dict:
+    """Goal: appending 10 % takes <= 15 % of a full build; recall@10 after it >= .95 (against exact search
+    over the export and the appended vectors together)."""
+    truth = tmp / "truth"
+    shutil.copytree(folder / "embeddings", truth / "embeddings", ignore=shutil.ignore_patterns("*.ann"))
+    extra = max(args.sites, args.n // 10)
+    more = None if given is None else np.asarray(given[: extra])  # real vectors: the first tenth again, new ids
+    new_ids = write_collection(tmp / "new", extra, args.sites, args.dim, more, prefix="a", seed=1, also=truth)
+    appended = run([*cli, "index", str(folder), "--append", str(tmp / "new")], env)
+    report = json.loads(appended.pop("stdout"))["indexes"]
+    asked = [new_ids[i] for i in np.random.default_rng(2).choice(len(new_ids), size=min(200, len(new_ids)),
+                                                                  replace=False)]
+    (tmp / "new_ids.txt").write_text("\n".join(asked) + "\n")
+    _, got = _answers([*cli, "query", str(folder), "--ids-file", str(tmp / "new_ids.txt"), *k, "--jsonl"], env)
+    _, want = _answers([*cli, "query", str(truth), "--ids-file", str(tmp / "new_ids.txt"), *k, "--jsonl",
+                        "--exact"], env)
+    plain, ties = recall(got, want, int(k[1]))
+    return {"rows": extra, **appended, "share_of_build": round(appended["seconds"] / max(build_s, 1e-9), 3),
+            "drift": [r.get("drift") for r in report], "rebuild_due": any(r.get("rebuild_due") for r in report),
+            "recall_at_k": plain, "recall_at_k_ties": ties}
 
 
 def _table(r: dict) -> str:
@@ -243,6 +304,13 @@ def _table(r: dict) -> str:
         f"service: start {r['service']['startup_s']} s, median {r['service']['median_ms']} ms, "
         f"p95 {r['service']['p95_ms']} ms, p99 {r['service']['p99_ms']} ms per query, "
         f"{r['service']['queries_per_s']} queries/s, peak {r['service']['peak_rss_mb']} MB",
+        f"filter {r['filter']['where']}: recall@{r['k']} {r['filter']['recall_at_k']} "
+        f"({r['filter']['recall_at_k_ties']} ties counted), every hit matches: {r['filter']['every_hit_matches']}; "
+        f"service median {r['filter']['service']['median_ms']} ms (unfiltered {r['service']['median_ms']} ms), "
+        f"p95 {r['filter']['service']['p95_ms']} ms",
+        f"append {r['append']['rows']:,} vectors: {r['append']['seconds']} s = {r['append']['share_of_build']:.1%} "
+        f"of the full build ({r['build']['seconds']} s); recall@{r['k']} after it {r['append']['recall_at_k']} "
+        f"({r['append']['recall_at_k_ties']}); drift {r['append']['drift']}, rebuild due: {r['append']['rebuild_due']}",
     ]
     return "\n".join(rows)
 

@@ -20,6 +20,8 @@ the job key (``$HPCFED_STATE_KEY``, as for exports) or, without one, a key of th
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import secrets
 from collections.abc import Sequence
@@ -28,6 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hpcfed.search import columns as cols
+from hpcfed.search.columns import Columns
 from hpcfed.search.index import Hit, SiteIndex, normalize_rows
 from hpcfed.store import sealed
 from hpcfed.store.embeddings import ExportError, export_auth
@@ -35,10 +39,11 @@ from hpcfed.store.vectors import ExportHeader, read_header
 from hpcfed.store.walk import Verified, read_verified
 
 FORMAT = "hpcfed-search-index"
-FORMAT_VERSION = 2  # 2: the FAISS index is one chunked dataset /faiss (1: /faiss/part<i>)
+FORMAT_VERSION = 3  # 3: /columns (per-row attributes); 2: the FAISS index is one chunked dataset /faiss
 PURPOSE = "search-index"
 FAISS_CHUNK = 1 << 20  # HDF5 chunk of /faiss: written as FAISS serializes, read straight into one buffer
 SUFFIX = ".ann"
+HNSW_EXACT_BELOW = 0.1  # share of rows a filter keeps under which HNSW scores them exactly (`AnnIndex._search`)
 
 
 class SearchIndexError(ValueError):
@@ -51,6 +56,8 @@ class SiteSearcher(Protocol):
     site: str
     ids: list[str]
     position: dict[str, int]
+    labels: np.ndarray
+    columns: Columns
 
     @property
     def dim(self) -> int: ...
@@ -58,7 +65,7 @@ class SiteSearcher(Protocol):
     def vector_of(self, doc_id: str) -> np.ndarray: ...
 
     def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
-             standardize: bool = False) -> list[list[Hit]]: ...
+             standardize: bool = False, allowed: np.ndarray | None = None) -> list[list[Hit]]: ...
 
 
 def index_path(export: str | Path, entity: str) -> Path:
@@ -98,7 +105,7 @@ class AnnIndex:
     approximately: exactly for kind ``flat``)."""
 
     def __init__(self, site: str, ids: list[str], labels: np.ndarray, norms: np.ndarray, index: Any,
-                 mean: np.ndarray, second: np.ndarray, attrs: dict[str, Any]) -> None:
+                 mean: np.ndarray, second: np.ndarray, attrs: dict[str, Any], columns: Columns | None = None) -> None:
         self.site = str(site)
         self.ids = ids
         self.position = dict(zip(ids, range(len(ids))))  # twice as fast as a comprehension over enumerate
@@ -110,6 +117,7 @@ class AnnIndex:
         self.mean = mean
         self.second = second
         self.attrs = attrs
+        self.columns = columns or {}
 
     @property
     def dim(self) -> int:
@@ -138,17 +146,19 @@ class AnnIndex:
         return raw
 
     def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
-             standardize: bool = False) -> list[list[Hit]]:
-        """Best-first hits per query row; the excluded id of each row (the query itself) is left out."""
+             standardize: bool = False, allowed: np.ndarray | None = None) -> list[list[Hit]]:
+        """Best-first hits per query row; the excluded id of each row (the query itself) is left out, and
+        with `allowed` (a mask over the rows, `hpcfed.search.filters`) only the rows it keeps are searched."""
         q = normalize_rows(np.atleast_2d(queries))
         if q.shape[1] != self.dim:
             raise ValueError(f"site {self.site}: query vectors have {q.shape[1]} dims, the index has {self.dim}; "
                              f"vectors from another model need a mapper (mode=mapping)")
         n = len(self.ids)
-        if n == 0 or len(q) == 0:
+        kept = n if allowed is None else int(np.count_nonzero(allowed))
+        if kept == 0 or len(q) == 0:
             return [[] for _ in range(len(q))]
-        kk = min(n, k + (1 if exclude is not None else 0))
-        scores, rows = self.index.search(np.ascontiguousarray(q, np.float32), kk)
+        kk = min(kept, k + (1 if exclude is not None else 0))
+        scores, rows = self._search(np.ascontiguousarray(q, np.float32), kk, allowed if kept < n else None)
         out = []
         for r in range(len(q)):
             ex = exclude[r] if exclude is not None else None
@@ -161,6 +171,42 @@ class AnnIndex:
                 cand = [((s - mean) / std, i) for s, i in cand]
             out.append([Hit(self.site, self.ids[i], s, int(self.labels[i])) for s, i in cand])
         return out
+
+    def _search(self, q: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS's top-k; under a filter, only the kept rows are scored (an ID selector inside the search),
+        and an IVF index probes `nprobe / share kept` cells, so that as many kept vectors are scanned as an
+        unfiltered query scans vectors (every cell for a filter keeping 1 %: the selector makes that a
+        bitmap test per vector, a distance per kept one). HNSW under a narrow filter (under 10 % kept)
+        would walk a graph mostly of rejected nodes: the kept rows are scored exactly instead."""
+        import faiss
+
+        if allowed is None:
+            return self.index.search(q, k)
+        swig: Any = faiss  # faiss's stubs lack the search parameters' keyword constructors
+        share = np.count_nonzero(allowed) / max(1, len(allowed))
+        bits = np.packbits(allowed, bitorder="little")
+        selector = faiss.IDSelectorBitmap(len(allowed), faiss.swig_ptr(bits))
+        ivf = faiss.try_extract_index_ivf(self.index)
+        if ivf is not None:
+            nprobe = min(ivf.nlist, math.ceil(ivf.nprobe / share))
+            params: Any = swig.SearchParametersIVF(sel=selector, nprobe=nprobe)
+        elif "HNSW" in self.kind and share < HNSW_EXACT_BELOW:
+            return self._search_rows(q, k, np.flatnonzero(allowed))
+        elif "HNSW" in self.kind:
+            hnsw: Any = faiss.downcast_index(self.index)
+            params = swig.SearchParametersHNSW(sel=selector, efSearch=math.ceil(hnsw.hnsw.efSearch / share))
+        else:
+            params = swig.SearchParameters(sel=selector)
+        found: tuple[np.ndarray, np.ndarray] = self.index.search(q, k, params=params)
+        del bits  # kept alive until FAISS is done with the bitmap it points into
+        return found
+
+    def _search_rows(self, q: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-k over the stored (decoded) vectors of `rows` only."""
+        vectors = np.asarray(self.index.reconstruct_batch(rows), np.float32)
+        scores = q @ vectors.T
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(scores, order, axis=1), rows[order]
 
     def _moments(self, q: np.ndarray, ex_row: int | None) -> tuple[float, float]:
         """Mean and std of the query's cosines over the site's documents, the excluded one left out."""
@@ -188,10 +234,16 @@ class AnnIndex:
                                    f"(same $HPCFED_STATE_KEY as when it was built)") from None
         attrs = dict(tree.attrs.get("", {}))
         check_matches(path, attrs, header)
-        ids, labels, norms, mean, second = _arrays(path, tree, header)
-        index = _deserialize(path, tree, header)
+        rows = check_appended(path, attrs, header)
+        ids, labels, norms, mean, second = _arrays(path, tree, header, rows)
+        try:
+            columns = cols.read(tree.datasets, rows, str(path))
+        except cols.ColumnError as exc:
+            raise SearchIndexError(str(exc)) from None
+        index = _deserialize(path, tree, header, rows)
         del tree
-        return cls(site if site is not None else header.site, ids, labels, norms, index, mean, second, attrs)
+        return cls(site if site is not None else header.site, ids, labels, norms, index, mean, second, attrs,
+                   columns)
 
 
 def check_matches(path: Path, attrs: dict[str, Any], header: ExportHeader) -> None:
@@ -218,9 +270,41 @@ def check_matches(path: Path, attrs: dict[str, Any], header: ExportHeader) -> No
                                f"rewritten since); {rebuild}")
 
 
-def _arrays(path: Path, tree: Verified,
-            header: ExportHeader) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    n, d = header.num_rows, header.dim
+def appended(attrs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The exports appended to an index after its build (``hpcfed search index --append``), in order."""
+    raw = attrs.get("appended", "[]")
+    try:
+        segments = json.loads(str(raw))
+    except ValueError:
+        segments = None
+    if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+        raise SearchIndexError(f"malformed 'appended' attribute {str(raw)[:100]!r}")
+    return segments
+
+
+def check_appended(path: Path, attrs: dict[str, Any], header: ExportHeader) -> int:
+    """Rows the index holds: the export's and every appended export's, each of which must still be the
+    file it was (a changed or removed one is named); returns the total."""
+    rows = header.num_rows
+    for segment in appended(attrs):
+        source = Path(str(segment.get("export", "")))
+        try:
+            now = read_header(source, str(segment.get("entity")))
+        except ExportError as exc:
+            raise SearchIndexError(f"{path} holds vectors appended from {source}, which is gone or unreadable "
+                                   f"({exc}); rebuild: `hpcfed search index {header.path.parent} --force`") from None
+        same = (now.recorded_digest == segment.get("digest") if now.recorded_digest is not None
+                else [now.size, now.mtime_ns] == [segment.get("size"), segment.get("mtime_ns")])
+        if now.fingerprint != segment.get("fingerprint") or now.num_rows != segment.get("num_rows") or not same:
+            raise SearchIndexError(f"{source} changed since it was appended to {path}; rebuild it with "
+                                   f"`hpcfed search index {header.path.parent} --force`")
+        rows += now.num_rows
+    return rows
+
+
+def _arrays(path: Path, tree: Verified, header: ExportHeader,
+            n: int) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    d = header.dim
     want = {"ids/offsets": (n + 1,), "labels": (n,), "norms": (n,), "moments/mean": (d,), "moments/second": (d, d)}
     for name, shape in want.items():
         if name not in tree.datasets or tree.datasets[name].shape != shape:
@@ -248,7 +332,7 @@ def _unpack_ids(path: Path, blob: np.ndarray | None, offsets: np.ndarray) -> lis
     return [raw[a:b].decode("utf-8") for a, b in zip(ends[:-1].tolist(), ends[1:].tolist())]
 
 
-def _deserialize(path: Path, tree: Verified, header: ExportHeader) -> Any:
+def _deserialize(path: Path, tree: Verified, header: ExportHeader, rows: int) -> Any:
     """The FAISS index from its verified bytes (taken out of the tree: FAISS copies them once, into the
     index, and the buffer is dropped as soon as it has)."""
     import faiss
@@ -264,9 +348,9 @@ def _deserialize(path: Path, tree: Verified, header: ExportHeader) -> Any:
     except RuntimeError as exc:
         raise SearchIndexError(f"{path}: the FAISS index does not load ({str(exc).splitlines()[0][:200]})") from None
     del reader
-    if index.ntotal != header.num_rows or index.d != header.dim or index.metric_type != faiss.METRIC_INNER_PRODUCT:
+    if index.ntotal != rows or index.d != header.dim or index.metric_type != faiss.METRIC_INNER_PRODUCT:
         raise SearchIndexError(f"{path}: the FAISS index holds {index.ntotal} x {index.d} vectors, the export "
-                               f"{header.num_rows} x {header.dim}")
+                               f"(and what was appended) {rows} x {header.dim}")
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.make_direct_map()  # reconstruct(row): the query vector of a query by id

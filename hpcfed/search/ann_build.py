@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcfed.search import columns
 from hpcfed.search.ann import (
     FAISS_CHUNK,
     FORMAT,
@@ -38,6 +39,7 @@ from hpcfed.search.ann import (
     index_auth,
     index_path,
 )
+from hpcfed.search.calibrate import ExactSample, choose_nprobe
 from hpcfed.search.index import normalize_rows
 from hpcfed.store import atomic, sealed
 from hpcfed.store.embeddings import export_auth
@@ -92,7 +94,8 @@ def auto_nprobe(nlist: int, n: int) -> int:
     small index). A query costs about the same whatever the collection's size, and a denser collection
     keeps its neighbours in fewer cells: on 88,015 real MiniLM tweet vectors (one index, 512 cells)
     recall@10 is .919 at 1/16 of the cells, .946 at 1/8, .961 at 1/4 (this rule: 117, .23); for a
-    250,000-vector site (1,024 cells) the rule gives 82. See docs/search.md."""
+    250,000-vector site (1,024 cells) the rule gives 82. The build then raises it where the index's own
+    recall is short (`hpcfed.search.calibrate`). See docs/search.md."""
     return min(nlist, max(64, math.ceil(SCAN_ROWS * nlist / max(n, 1))))
 
 
@@ -127,26 +130,42 @@ def build_index(export: str | Path, *, entity: str | None = None, spec: IndexSpe
     try:
         first = None if index.is_trained else _train(index, header, auth, block_bytes, bar.update, seed)
         stats = _Stats(header.num_rows, header.dim)
+        exact = first[2] if first is not None and "IVF" in factory and not spec.nprobe else None
 
         def add(row: int, block: np.ndarray) -> None:
             unit = stats.add(row, block)
+            if exact is not None:
+                exact.add(row, unit)
             index.add(unit)
 
         streamed = stream_export(header.path, header.entity, auth, add, block_bytes=block_bytes, progress=bar.update)
     finally:
         bar.close()
-    if first is not None and first != streamed.digest:
+    if first is not None and first[0] != streamed.digest:
         raise SearchIndexError(f"{header.path} changed while its index was built; build it again")
+    measured: dict[str, Any] = {}
+    if exact is not None:  # nprobe from the index's own recall (`hpcfed.search.calibrate`)
+        params["nprobe"], recall = choose_nprobe(index, exact, params["nprobe"])
+        faiss.ParameterSpace().set_index_parameter(index, "nprobe", params["nprobe"])
+        measured = {"calibrated_recall": recall} if recall is not None else {}
     path = index_path(header.path, header.entity)
-    size, faiss_bytes = _write_index(path, index, streamed, stats, factory, params, site)
-    return {"site": site, "entity": header.entity, "index": str(path), "factory": factory, **params,
+    n = max(1, stats.n)
+    labels = streamed.labels if streamed.labels is not None else np.full(header.num_rows, -1, np.int64)
+    contents = IndexContents(streamed.ids, labels, stats.norms, stats.sum / n, stats.outer / n,
+                             columns.checked(streamed.columns, header.num_rows, str(header.path)))
+    attrs = {**build_attrs(streamed, factory, params, site), **measured,
+             **({"coarse_residual": first[1]} if first else {})}
+    size, faiss_bytes = write_index(path, index, attrs, contents)
+    return {"site": site, "entity": header.entity, "index": str(path), "factory": factory, **params, **measured,
             "num_rows": header.num_rows, "dim": header.dim, "export_verified": streamed.verified,
             "bytes": size, "faiss_bytes": faiss_bytes, "seconds": round(time.perf_counter() - start, 2)}
 
 
 def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block_bytes: int,
-           progress: Callable[[int], None], seed: int) -> str:
-    """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest."""
+           progress: Callable[[int], None], seed: int) -> tuple[str, float, ExactSample]:
+    """First pass: a uniform random sample of rows trains the quantizer; returns the export's digest,
+    how far the sample lies from its cells' centres (`coarse_residual`, what appends are compared to),
+    and some of the sample as queries whose exact neighbours the second pass gathers."""
 
     n = header.num_rows
     want = training_rows(index, n)
@@ -159,7 +178,22 @@ def _train(index: Any, header: ExportHeader, auth: sealed.FileAuth | None, block
 
     digest = stream_export(header.path, header.entity, auth, take, block_bytes=block_bytes, progress=progress).digest
     train(index, sample)
-    return digest
+    residual = float(coarse_residuals(index, sample)[1].mean()) if len(sample) else 0.0
+    return digest, residual, ExactSample.of(rows, sample)
+
+
+def coarse_residuals(index: Any, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each unit vector's IVF cell and squared distance to the cell's centre (zeros without IVF): the
+    quantiser's fit, which appended vectors from a drifted distribution lose."""
+    import faiss
+
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is None:
+        return np.zeros(len(unit), np.int64), np.zeros(len(unit), np.float32)
+    ip, cell = ivf.quantizer.search(np.ascontiguousarray(unit, np.float32), 1)
+    centres = ivf.quantizer.reconstruct_n(0, ivf.nlist)
+    squared = 1.0 - 2.0 * ip[:, 0] + np.einsum("ij,ij->i", centres[cell[:, 0]], centres[cell[:, 0]])
+    return cell[:, 0].astype(np.int64), np.maximum(squared, 0.0).astype(np.float32)
 
 
 def training_rows(index: Any, n: int) -> int:
@@ -198,35 +232,50 @@ class _Stats:
         return unit
 
 
-def _write_index(path: Path, index: Any, streamed: StreamedExport, stats: _Stats, factory: str,
-                 params: dict[str, int], site: str) -> tuple[int, int]:
-    """Write the index file atomically and tag it (and empties `index`); returns the file's size and the
-    FAISS index's, in bytes."""
+@dataclass
+class IndexContents:
+    """What an index file holds beside the FAISS index: one entry per indexed vector, and the moments."""
+
+    ids: list[str]
+    labels: np.ndarray
+    norms: np.ndarray
+    mean: np.ndarray
+    second: np.ndarray
+    columns: dict[str, np.ndarray]
+
+
+def build_attrs(streamed: StreamedExport, factory: str, params: dict[str, int], site: str) -> dict[str, Any]:
+    """The index file's attributes: what it is and which export it describes (`ann.check_matches`)."""
     import faiss
-    import h5py
 
     from hpcfed import __version__
 
     h = streamed.header
-    n = max(1, stats.n)
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcfed_version": __version__,
+            "library": f"faiss-cpu {faiss.__version__}", "factory": factory, "site": str(site),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "export": h.path.name,
+            "export_entity": h.entity, "export_format_version": h.format_version,
+            "export_digest": streamed.digest, "export_fingerprint": h.fingerprint,
+            "export_verified": streamed.verified, "export_size": h.size, "export_mtime_ns": h.mtime_ns,
+            "num_rows": h.num_rows, "dim": h.dim, **params}
+
+
+def write_index(path: Path, index: Any, attrs: dict[str, Any], contents: IndexContents) -> tuple[int, int]:
+    """Write the index file atomically and tag it (and empties `index`); returns the file's size and the
+    FAISS index's, in bytes."""
+    import h5py
+
     with atomic.atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
-            attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcfed_version": __version__,
-                     "library": f"faiss-cpu {faiss.__version__}", "factory": factory, "site": str(site),
-                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "export": h.path.name,
-                     "export_entity": h.entity, "export_format_version": h.format_version,
-                     "export_digest": streamed.digest, "export_fingerprint": h.fingerprint,
-                     "export_verified": streamed.verified, "export_size": h.size, "export_mtime_ns": h.mtime_ns,
-                     "num_rows": h.num_rows, "dim": h.dim, **params}
             f.attrs.update(attrs)
-            blob, offsets = pack_ids(streamed.ids)
+            blob, offsets = pack_ids(contents.ids)
             f.create_dataset("ids/utf8", data=blob)
             f.create_dataset("ids/offsets", data=offsets)
-            labels = streamed.labels if streamed.labels is not None else np.full(h.num_rows, -1, np.int64)
-            f.create_dataset("labels", data=labels)
-            f.create_dataset("norms", data=stats.norms)
-            f.create_dataset("moments/mean", data=stats.sum / n)
-            f.create_dataset("moments/second", data=stats.outer / n)
+            f.create_dataset("labels", data=contents.labels)
+            f.create_dataset("norms", data=contents.norms)
+            f.create_dataset("moments/mean", data=contents.mean)
+            f.create_dataset("moments/second", data=contents.second)
+            columns.write(f, contents.columns)
             faiss_bytes = _write_faiss(f, index)
         index.reset()
         seal_streamed(tmp, index_auth())

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from hpcfed.search.filters import Where
 from hpcfed.search.global_search import GlobalSearch
 
 MAX_LINES = 1_000_000
@@ -69,7 +70,7 @@ def homes_of(search: GlobalSearch, ids: Sequence[str]) -> list[str]:
     return homes
 
 
-def answer_ids(search: GlobalSearch, ids: Sequence[str], k: int) -> list[dict[str, Any]]:
+def answer_ids(search: GlobalSearch, ids: Sequence[str], k: int, where: Where | None = None) -> list[dict[str, Any]]:
     """Top-k for each id, in the order given (each query's own document left out)."""
     homes = homes_of(search, ids)
     out: list[dict[str, Any] | None] = [None] * len(ids)
@@ -77,21 +78,21 @@ def answer_ids(search: GlobalSearch, ids: Sequence[str], k: int) -> list[dict[st
         rows = [i for i, h in enumerate(homes) if h == home]
         index = search.indexes[home]
         vectors = np.stack([index.vector_of(ids[i]) for i in rows])
-        hits = search.search(home, vectors, k, [ids[i] for i in rows])
+        hits = search.search(home, vectors, k, [ids[i] for i in rows], where)
         for i, h in zip(rows, hits):
             out[i] = _answer(search, {"id": ids[i]}, home, h)
     return [a for a in out if a is not None]
 
 
 def answer_vectors(search: GlobalSearch, vectors: np.ndarray, home: str, k: int,
-                   queries: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                   queries: Sequence[dict[str, Any]] | None = None, where: Where | None = None) -> list[dict[str, Any]]:
     """Top-k for each row of `vectors`, given in the space of site `home`."""
     if home not in search.indexes:
         raise ValueError(f"home site {home!r}: no such site (sites: {', '.join(search.indexes)})")
     dim = search.indexes[home].dim
     if vectors.ndim != 2 or vectors.shape[1] != dim:
         raise ValueError(f"query vectors must have {dim} numbers (site {home}'s dimension), got {vectors.shape[-1]}")
-    hits = search.search(home, vectors, k)
+    hits = search.search(home, vectors, k, None, where)
     shown = queries or [{"vector": f"<{dim} floats>", "home": home}] * len(vectors)
     return [_answer(search, q, home, h) for q, h in zip(shown, hits)]
 
@@ -126,7 +127,7 @@ class TextVectorizer:
 
 
 def answer_texts(search: GlobalSearch, texts: Sequence[str], home: str, k: int,
-                 vectorize: TextVectorizer) -> list[dict[str, Any]]:
+                 vectorize: TextVectorizer, where: Where | None = None) -> list[dict[str, Any]]:
     """Top-k for each text, vectorised by the model of site `home`."""
     if home not in search.indexes:
         raise ValueError(f"--home {home}: no such site (sites: {', '.join(search.indexes)})")
@@ -134,21 +135,12 @@ def answer_texts(search: GlobalSearch, texts: Sequence[str], home: str, k: int,
         return []
     check_text_queries(search, home)
     vectors = np.stack([vectorize(home, t) for t in texts])
-    return answer_vectors(search, vectors, home, k, [{"text": t, "home": home} for t in texts])
+    return answer_vectors(search, vectors, home, k, [{"text": t, "home": home} for t in texts], where)
 
 
 def _answer(search: GlobalSearch, query: dict[str, Any], home: str, hits: Iterable[Any]) -> dict[str, Any]:
     return {"query": query, "home": home, "mode": search.mode, "merge": search.merge,
-            "results": [_named(search, h) for h in hits]}
-
-
-def _named(search: GlobalSearch, hit: Any) -> dict[str, Any]:
-    """The hit's JSON, with ``label_name`` where its site's export names the label (an event, a class)."""
-    out: dict[str, Any] = hit.as_dict()
-    name = search.label_name(hit.site, hit.label)
-    if name is not None:
-        out["label_name"] = name
-    return out
+            "results": [search.shown(h) for h in hits]}
 
 
 def check_text_queries(search: GlobalSearch, home: str) -> None:

@@ -1,7 +1,7 @@
 """``hpcfed search``: cross-site semantic search over per-site HDF5 exports.
 
     hpcfed search query RUN (--id ID | --text TEXT [--home S] | --ids-file F | --texts-file F)
-                            [--mode joint|mapping|nomapping] [--k 10] [--jsonl] [--exact]
+                            [--mode joint|mapping|nomapping] [--k 10] [--jsonl] [--exact] [--where KEY=VALUE]
     mpiexec -n K+1 python -m hpcfed search live RUN (--id ID | --text TEXT [--home S]) [...]
     hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress auto|none|int8|pq]
     hpcfed search serve RUN [--host 127.0.0.1] [--port 8765] [--token-file F]
@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
             q.add_argument("--compact", action="store_true", help="one-line JSON")
         if name == "query":
             q.add_argument("--jsonl", action="store_true", help="one JSON answer per line")
+            q.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                           help="only documents with this attribute (repeatable): site=S, label=L, label_name=N, "
+                                "time=FROM..TO, or any attribute the exports carry")
         if name == "live":
             q.add_argument("--config", default=None,
                            help="YAML whose security: section to use (default: psk from $HPCFED_PSK)")
@@ -102,7 +105,9 @@ def _index_parser(x: argparse.ArgumentParser) -> None:
                    help="auto: int8 for ivf/hnsw, none for flat; int8: 1 byte per dimension (SQ8); none: float32; "
                         "pq: d/8 bytes per vector (IVF-PQ), lower recall")
     x.add_argument("--nlist", type=int, default=0, help="IVF cells (default about 2*sqrt(n), a power of two)")
-    x.add_argument("--nprobe", type=int, default=0, help="IVF cells searched per query (default nlist/8, >= 8)")
+    x.add_argument("--nprobe", type=int, default=0,
+                   help="IVF cells searched per query (default: the cells holding about 20,000 vectors, at least "
+                        "64, raised at build until the index finds .97 of 200 of its own vectors' neighbours)")
     x.add_argument("--hnsw-m", type=int, default=32, help="HNSW links per vector")
     x.add_argument("--ef-construction", type=int, default=40)
     x.add_argument("--ef-search", type=int, default=0, help="HNSW candidates per query (default 64)")
@@ -110,6 +115,8 @@ def _index_parser(x: argparse.ArgumentParser) -> None:
     x.add_argument("--read-mib", type=int, default=64, help="read the export this many MiB of vectors at a time")
     x.add_argument("--threads", type=int, default=0, help="FAISS threads (default: all cores)")
     x.add_argument("--force", action="store_true", help="rebuild even where the index is up to date")
+    x.add_argument("--append", default=None, metavar="NEW_RUN",
+                   help="add the vectors of NEW_RUN's exports to each site's existing index, without a rebuild")
     x.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -157,10 +164,11 @@ def _offline(args: argparse.Namespace) -> int:
                                       mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
                                       exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search,
                                       force=args.force)
-    answers = answer_ids(search, args.id, args.k)
+    where = search.where(args.where)
+    answers = answer_ids(search, args.id, args.k, where)
     if args.text:
         vectorize = TextVectorizer(Path(args.models) if args.models else base / "models", args.infer_epochs)
-        answers += answer_texts(search, args.text, str(args.home), args.k, vectorize)
+        answers += answer_texts(search, args.text, str(args.home), args.k, vectorize, where)
     write_answers(sys.stdout, answers, len(search.indexes), jsonl=args.jsonl, compact=args.compact)
     return 0
 
@@ -175,6 +183,12 @@ def _index(args: argparse.Namespace) -> int:
         faiss.omp_set_num_threads(args.threads)
     if args.read_mib < 1:
         raise ValueError(f"--read-mib must be >= 1, got {args.read_mib}")
+    if args.append:
+        from hpcfed.search.append import append_run
+
+        appended = append_run(args.exports, args.append, entity=args.entity, block_bytes=args.read_mib << 20)
+        print(json.dumps({"indexes": appended}, indent=2))
+        return 0
     spec = IndexSpec(kind=args.kind, compress=args.compress, nlist=args.nlist, nprobe=args.nprobe,
                      hnsw_m=args.hnsw_m, ef_construction=args.ef_construction, ef_search=args.ef_search)
     exports = site_exports(args.exports)

@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
+from hpcfed.search import columns
 from hpcfed.search.ann import SiteSearcher, open_site
+from hpcfed.search.filters import MaskCache, Where, compile_where, parse_cli
 from hpcfed.search.index import MERGES, STANDARDIZED_MERGES, Hit, merge_results
 from hpcfed.search.pool import map_ordered, row_spans
 from hpcfed.store.vectors import read_header
@@ -57,6 +59,14 @@ def label_names(attrs: Mapping[str, Any]) -> list[str]:
         return []
     events = attrs.get("events")
     return events.split(",") if isinstance(events, str) and events else []
+
+
+def joint_refusal(site: str, model: str) -> str:
+    """Why ``--mode joint`` is refused over a site whose vectors come from a model of its own."""
+    return (f"--mode joint treats the sites' vectors as one space, but site {site}'s export (model {model}) comes "
+            f"from a model of its own (a personalised DAMe model or an independently trained doc2vec): use --mode "
+            f"nomapping (each site answers in its own space, which is what joint would do here, named for what it "
+            f"is) or --mode mapping with mappers; --force searches as joint anyway")
 
 
 def site_exports(folder: str | Path) -> dict[str, Path]:
@@ -103,6 +113,7 @@ class GlobalSearch:
         self.merge = merge
         self.infos = {site: dict(attrs) for site, attrs in (infos or {}).items()}  # export attributes per site
         self.names = {site: label_names(attrs) for site, attrs in self.infos.items()}
+        self.masks = MaskCache()
 
     def label_name(self, site: str, label: int) -> str | None:
         """The name of `label` in `site`'s export (an event, a class), or None if it names none."""
@@ -122,12 +133,7 @@ class GlobalSearch:
         infos = {site: read_header(path, entity).attrs for site, path in exports}
         own = [site for site, attrs in infos.items() if shared_space(attrs) is False]
         if mode == "joint" and own and len(exports) > 1 and not force:
-            what = infos[own[0]].get("model", "?")
-            raise ValueError(f"--mode joint treats the sites' vectors as one space, but site {own[0]}'s export "
-                             f"(model {what}) comes from a model of its own (a personalised DAMe model or an "
-                             f"independently trained doc2vec): use --mode nomapping (each site answers in its own "
-                             f"space, which is what joint would do here, named for what it is) or --mode mapping "
-                             f"with mappers; --force searches as joint anyway")
+            raise ValueError(joint_refusal(own[0], str(infos[own[0]].get("model", "?"))))
 
         def load(item: tuple[str, Path]) -> SiteSearcher:
             return open_site(item[1], entity, item[0], exact=exact, nprobe=nprobe, ef_search=ef_search)
@@ -152,27 +158,51 @@ class GlobalSearch:
                 return site
         raise ValueError(f"id {doc_id!r} is in none of the sites' exports ({', '.join(self.indexes)})")
 
+    def where(self, raw: Mapping[str, list[Any]] | Sequence[str] | None) -> Where | None:
+        """A filter checked against these sites: ``{key: [values]}`` or ``--where KEY=VALUE`` strings
+        (`hpcfed.search.filters`); FilterError naming what no site has."""
+        if not raw:
+            return None
+        parsed = parse_cli(raw) if not isinstance(raw, Mapping) else raw
+        return compile_where(parsed, self.indexes, {site: self.names.get(site, []) for site in self.indexes})
+
     def search(self, home: str, vectors: np.ndarray, k: int,
-               exclude: Sequence[str | None] | None = None) -> list[list[Hit]]:
-        """Top-k merged over all sites for each query vector of site `home` (batched)."""
+               exclude: Sequence[str | None] | None = None, where: Where | None = None) -> list[list[Hit]]:
+        """Top-k merged over all sites for each query vector of site `home` (batched), only over the
+        documents `where` keeps (see `GlobalSearch.where`)."""
         vectors = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
         standardize = self.merge in STANDARDIZED_MERGES
-        mapped = {site: map_query(self.mode, home, site, vectors, self.mappers) for site in self.indexes}
-        tasks = [(site, lo, hi) for site in self.indexes for lo, hi in row_spans(len(vectors), len(self.indexes))]
+        masks = {site: None if where is None else self.masks.get(where, site, index, self.names.get(site, []))
+                 for site, index in self.indexes.items()}
+        searched = [site for site, mask in masks.items() if mask is None or mask.any()]
+        mapped = {site: map_query(self.mode, home, site, vectors, self.mappers) for site in searched}
+        tasks = [(site, lo, hi) for site in searched for lo, hi in row_spans(len(vectors), len(searched))]
 
         def hits(task: tuple[str, int, int]) -> list[list[Hit]]:
             site, lo, hi = task
             skip = list(exclude[lo:hi]) if exclude is not None else None
-            return self.indexes[site].hits(mapped[site][lo:hi], k, skip, standardize)
+            return self.indexes[site].hits(mapped[site][lo:hi], k, skip, standardize, masks[site])
 
-        per_site: dict[str, list[list[Hit]]] = {site: [] for site in self.indexes}
+        per_site: dict[str, list[list[Hit]]] = {site: [] for site in searched}
         for (site, _, _), found in zip(tasks, map_ordered(hits, tasks)):  # the sites searched side by side
             per_site[site] += found
         lists = list(per_site.values())
         return [merge_results([site_lists[i] for site_lists in lists], k, self.merge, home)
                 for i in range(len(vectors))]
 
-    def search_id(self, doc_id: str, k: int) -> list[Hit]:
+    def shown(self, hit: Hit) -> dict[str, Any]:
+        """A hit as JSON: site, id, score, label, ``label_name`` where the export names the label (an
+        event, a class), and the row's attributes where the export carries them (``time``, ``text``)."""
+        out: dict[str, Any] = hit.as_dict()
+        name = self.label_name(hit.site, hit.label)
+        if name is not None:
+            out["label_name"] = name
+        index = self.indexes.get(hit.site)
+        if index is not None and index.columns:
+            out.update(columns.shown(index.columns, index.position[hit.id]))
+        return out
+
+    def search_id(self, doc_id: str, k: int, where: Where | None = None) -> list[Hit]:
         """The merged top-k for document `doc_id`, asked from its home site (itself left out)."""
         home = self.home_of(doc_id)
-        return self.search(home, self.indexes[home].vector_of(doc_id)[None], k, [doc_id])[0]
+        return self.search(home, self.indexes[home].vector_of(doc_id)[None], k, [doc_id], where)[0]

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcfed.search.columns import checked
 from hpcfed.store.embeddings import read_export
 
 
@@ -57,7 +58,7 @@ class SiteIndex:
     """Cosine top-k over one site's vectors (rows L2-normalised once, queries in batches)."""
 
     def __init__(self, site: str, ids: Sequence[str], vectors: np.ndarray, labels: np.ndarray | None = None,
-                 attrs: Mapping[str, Any] | None = None) -> None:
+                 attrs: Mapping[str, Any] | None = None, columns: Mapping[str, np.ndarray] | None = None) -> None:
         if len(ids) != len(vectors):
             raise ValueError(f"site {site}: {len(ids)} ids for {len(vectors)} vectors")
         self.site = str(site)
@@ -67,6 +68,7 @@ class SiteIndex:
         self.unit = normalize_rows(self.raw)
         self.labels = np.full(len(ids), -1, dtype=np.int64) if labels is None else np.asarray(labels, dtype=np.int64)
         self.attrs = dict(attrs or {})
+        self.columns = checked(dict(columns or {}), len(self.ids), f"site {site}")
 
     @property
     def dim(self) -> int:
@@ -78,7 +80,7 @@ class SiteIndex:
         """The index over one embedding export (site name from the file unless given)."""
         es = read_export(path, entity)
         return cls(site if site is not None else str(es.attrs.get("site", Path(path).stem)), es.ids, es.vectors,
-                   es.labels, es.attrs)
+                   es.labels, es.attrs, es.columns)
 
     def vector_of(self, doc_id: str) -> np.ndarray:
         """The raw (not normalised) vector of document `doc_id`; ValueError if this site lacks it."""
@@ -88,11 +90,14 @@ class SiteIndex:
         return vector
 
     def topk(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
-             block: int = 1024, standardize: bool = False) -> tuple[np.ndarray, np.ndarray]:
+             block: int = 1024, standardize: bool = False,
+             allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Indices and cosine scores (m, k') of the nearest rows to each query, best first, k' = min(k, n).
 
         ``standardize``: scores become z-scores against the query's cosines over this site's other
         documents (the excluded one left out), so that sites in different vector spaces compare.
+        ``allowed``: a mask of the rows a filter keeps; the others score -inf (after standardizing, so
+        that z-scores are over all the site's documents, as the index's are).
         """
         q = normalize_rows(np.atleast_2d(queries))
         if q.shape[1] != self.dim:
@@ -111,6 +116,8 @@ class SiteIndex:
                         scores[row, pos] = -np.inf
             if standardize:
                 scores = _zscores(scores)
+            if allowed is not None:
+                scores[:, ~allowed] = -np.inf
             if kk < n:
                 part = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]
             else:
@@ -124,9 +131,9 @@ class SiteIndex:
         return idx_out, score_out
 
     def hits(self, queries: np.ndarray, k: int, exclude: Sequence[str | None] | None = None,
-             standardize: bool = False) -> list[list[Hit]]:
-        """Per query, the top-k as Hits, best first (excluded documents left out)."""
-        idx, scores = self.topk(queries, k, exclude, standardize=standardize)
+             standardize: bool = False, allowed: np.ndarray | None = None) -> list[list[Hit]]:
+        """Per query, the top-k as Hits, best first (excluded documents, and rows `allowed` drops, left out)."""
+        idx, scores = self.topk(queries, k, exclude, standardize=standardize, allowed=allowed)
         return [[Hit(self.site, self.ids[i], float(sc), int(self.labels[i])) for i, sc in zip(ri, rs)
                  if np.isfinite(sc)] for ri, rs in zip(idx, scores)]
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from hpcfed.search.ann import open_site
 from hpcfed.search.index import STANDARDIZED_MERGES, Hit, merge_results
+from hpcfed.store.vectors import read_header
 
 VECTORIZE, VECTORS, SEARCH, HITS, STOP = 40, 41, 42, 43, 44
 log = logging.getLogger("hpcfed.search")
@@ -57,9 +58,15 @@ class SiteServer:
     def __init__(self, site: str, export: Path, *, entity: str | None, mode: str, models_dir: Path | None,
                  mappers_dir: Path | None, sites: list[str], exact: bool = False, nprobe: int | None = None,
                  ef_search: int | None = None) -> None:
+        from hpcfed.search.global_search import label_names, shared_space
+
         self.site = site
         # the site's index when one is beside its export (`hpcfed search index`), else exact search
         self.index = open_site(export, entity, site, exact=exact, nprobe=nprobe, ef_search=ef_search)
+        attrs = read_header(export, entity).attrs
+        self.names = label_names(attrs)  # sent with the hits: the front end has no export to read them from
+        self.own_space = shared_space(attrs) is False
+        self.model = str(attrs.get("model", "?"))
         self.mode = mode
         self.models_dir = models_dir
         self.mappers_dir = mappers_dir
@@ -71,12 +78,12 @@ class SiteServer:
         doc_id, text, home = header.get("id"), header.get("text"), header.get("home")
         if doc_id is not None:
             if str(doc_id) not in self.index.position:
-                return {"mine": False}, {}
+                return self._space({"mine": False}), {}
             v = self.index.vector_of(str(doc_id))
         elif text is not None and str(home) == self.site:
             v = self._infer(str(text))
         else:
-            return {"mine": False}, {}
+            return self._space({"mine": False}), {}
         from hpcfed.search.global_search import map_query
 
         vectors = {}
@@ -84,7 +91,11 @@ class SiteServer:
             mapper = self._mapper(j) if self.mode == "mapping" and j != self.site else None
             mappers = {(self.site, j): mapper} if mapper else None
             vectors[f"site{j}"] = map_query(self.mode, self.site, j, v[None], mappers)[0]
-        return {"mine": True, "home": self.site}, vectors
+        return self._space({"mine": True, "home": self.site}), vectors
+
+    def _space(self, header: dict) -> dict:
+        """A VECTORS answer says whether this site's space is its own (for the front end's joint refusal)."""
+        return {**header, "own_space": self.own_space, "model": self.model}
 
     def search(self, header: dict, tensors: dict[str, np.ndarray]) -> dict:
         q = tensors.get("query")
@@ -94,7 +105,10 @@ class SiteServer:
         exclude = header.get("exclude")
         hits = self.index.hits(q[None].astype(np.float32), k, [exclude] if exclude else None,
                                standardize=bool(header.get("standardize", False)))[0]
-        return {"hits": [[h.id, h.score, h.label] for h in hits]}
+        return {"hits": [[h.id, h.score, h.label, self._name(h.label)] for h in hits]}
+
+    def _name(self, label: int) -> str:
+        return self.names[label] if 0 <= label < len(self.names) else ""
 
     def _infer(self, text: str) -> np.ndarray:
         from hpcfed.data.corpus import tokenize
@@ -134,20 +148,28 @@ class SiteServer:
 
 
 def front_end(channel: Any, queries: list[dict], *, k: int, mode: str, timeout: float,
-              merge: str = "score") -> list[dict]:
-    """Rank 0: run each query through the sites and merge their answers."""
+              merge: str = "score", force: bool = False) -> list[dict]:
+    """Rank 0: run each query through the sites and merge their answers (``--mode joint`` over a site
+    whose space is its own is refused, as `GlobalSearch.from_folder` refuses it, unless `force`)."""
+    from hpcfed.search.global_search import joint_refusal
+
     sites = [str(r - 1) for r in range(1, channel.size)]
     out = []
     for query in queries:
         for r in range(1, channel.size):
             channel.send(r, VECTORIZE, query)
-        vectors, home = None, None
+        vectors, home, own = None, None, []
         for _ in sites:
             msg = _recv(channel, VECTORS, timeout)
             if "error" in msg.header:
                 raise ValueError(msg.header["error"])
+            if msg.header.get("own_space") is True:
+                own.append((msg.source - 1, str(msg.header.get("model", "?"))[:100]))
             if msg.header.get("mine") and (home is None or int(msg.header["home"]) < int(home)):
                 vectors, home = msg.tensors, str(msg.header["home"])
+        if mode == "joint" and own and len(sites) > 1 and not force:
+            site, model = min(own)
+            raise ValueError(joint_refusal(str(site), model))
         if vectors is None:
             what = f"id {query['id']!r}" if query.get("id") is not None else f"home site {query.get('home')!r}"
             raise ValueError(f"no site holds {what}; sites are {', '.join(sites)}")
@@ -155,16 +177,38 @@ def front_end(channel: Any, queries: list[dict], *, k: int, mode: str, timeout: 
         for r, j in zip(range(1, channel.size), sites):
             channel.send(r, SEARCH, {"k": k, "exclude": exclude, "standardize": merge in STANDARDIZED_MERGES},
                          {"query": np.asarray(vectors[f"site{j}"], np.float32)})
-        per_site = []
+        per_site, names = [], {}
         for _ in sites:
             msg = _recv(channel, HITS, timeout)
             if "error" in msg.header:
                 raise ValueError(msg.header["error"])
             site = str(msg.source - 1)
-            per_site.append([Hit(site, str(i), float(s), int(lab)) for i, s, lab in msg.header.get("hits", [])])
+            found = site_hits(site, msg.header.get("hits"), k)
+            names.update({(h.site, h.label): name for h, name in found if name})
+            per_site.append([h for h, _ in found])
         merged = merge_results(per_site, k, merge, home)
         out.append({"query": query, "home": home, "mode": mode, "merge": merge,
-                    "results": [h.as_dict() for h in merged]})
+                    "results": [_shown(h, names.get((h.site, h.label))) for h in merged]})
+    return out
+
+
+def site_hits(site: str, raw: object, k: int) -> list[tuple[Hit, str]]:
+    """A site's HITS answer, checked: at most k entries of [id, score, label, label name]."""
+    if not isinstance(raw, list) or len(raw) > k:
+        raise ValueError(f"site {site} answered with a malformed hit list")
+    out = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+                and isinstance(entry[1], (int, float)) and isinstance(entry[2], int) and isinstance(entry[3], str)):
+            raise ValueError(f"site {site} answered with a malformed hit")
+        out.append((Hit(site, entry[0][:1000], float(entry[1]), int(entry[2])), entry[3][:1000]))
+    return out
+
+
+def _shown(hit: Hit, name: str | None) -> dict:
+    out: dict[str, Any] = hit.as_dict()
+    if name:
+        out["label_name"] = name
     return out
 
 
@@ -194,7 +238,8 @@ def run_live(args: Any) -> int:
         channel = open_channel(security, args.timeout)
         if rank == 0:
             queries = [{"id": i} for i in args.id] + [{"text": t, "home": str(args.home)} for t in args.text]
-            results = front_end(channel, queries, k=args.k, mode=args.mode, timeout=args.timeout, merge=args.merge)
+            results = front_end(channel, queries, k=args.k, mode=args.mode, timeout=args.timeout, merge=args.merge,
+                                force=args.force)
             for r in range(1, size):
                 channel.send(r, STOP, {})
             print(json.dumps({"queries": results, "sites": size - 1}, indent=None if args.compact else 2), flush=True)

@@ -2,10 +2,12 @@
 
     hpcfed search serve RUN [--host 127.0.0.1] [--port 8765] [--token-file FILE] [--mode ...] [--merge ...]
 
+    GET  /              the search page (`hpcfed.search.page`): a query box, filters, results by site
     GET  /health        {"status": "ok", "mode", "merge", "sites": [{"site", "count", "dim", "index"}]}
     GET  /openapi.json  an OpenAPI 3.0 description of these three endpoints
     POST /search        {"id": ID} | {"text": TEXT, "home": S} | {"vector": [d numbers], "home": S}
-                        or {"queries": [those, ...]}; optional "k" (1..--max-k) and "merge"
+                        or {"queries": [those, ...]}; optional "k" (1..--max-k), "merge" and
+                        "where" ({"site": "0", "label": [...], "time": "FROM..TO", ...}, filters.py)
                         -> {"queries": [answer, ...]}, answers as `hpcfed search query` prints them
 
 The indexes (or, without one, the exports for exact search) are loaded once and kept in memory; the
@@ -34,8 +36,10 @@ from typing import Any
 import numpy as np
 
 from hpcfed.search.batch import TextVectorizer, UnknownIdError, answer_ids, answer_texts, answer_vectors
+from hpcfed.search.filters import FilterError, Where, parse_json
 from hpcfed.search.global_search import GlobalSearch
 from hpcfed.search.index import MERGES
+from hpcfed.search.page import page_bytes
 
 MAX_TEXT_CHARS = 20_000
 PARALLEL_SEARCHES = 4  # requests parsed and searched at once (each may hold a 4 MiB body's objects)
@@ -95,8 +99,12 @@ class SearchService:
         if len(queries) > self.max_batch:
             raise HttpError(413, f"{len(queries)} queries in one request; at most {self.max_batch}")
         search = self.searches[merge]
+        try:
+            where = search.where(parse_json(body["where"])) if body.get("where") else None
+        except FilterError as exc:
+            raise HttpError(400, str(exc)) from None
         parsed = [self._query(q, i, search) for i, q in enumerate(queries)]
-        return {"queries": self._search(search, parsed, k)}
+        return {"queries": self._search(search, parsed, k, where)}
 
     def _query(self, q: object, i: int, search: GlobalSearch) -> tuple[str, Any, str]:
         where = f"queries[{i}]"
@@ -126,13 +134,14 @@ class SearchService:
             raise HttpError(400, f"{where}.vector must hold finite numbers")
         return key, vector.astype(np.float32), home
 
-    def _search(self, search: GlobalSearch, parsed: list[tuple[str, Any, str]], k: int) -> list[dict[str, Any]]:
+    def _search(self, search: GlobalSearch, parsed: list[tuple[str, Any, str]], k: int,
+                where: Where | None) -> list[dict[str, Any]]:
         """Answer in batches (ids together, vectors and texts per home), then restore the request's order."""
         out: dict[int, dict[str, Any]] = {}
         ids = [(i, v) for i, (kind, v, _) in enumerate(parsed) if kind == "id"]
         if ids:
             try:
-                answers = answer_ids(search, [v for _, v in ids], k)
+                answers = answer_ids(search, [v for _, v in ids], k, where)
             except UnknownIdError as exc:
                 raise HttpError(404, str(exc)) from None
             out.update(zip((i for i, _ in ids), answers))
@@ -140,13 +149,13 @@ class SearchService:
             texts = [(i, v) for i, (kind, v, h) in enumerate(parsed) if kind == "text" and h == home]
             if texts:
                 try:
-                    found = answer_texts(search, [v for _, v in texts], home, k, self.vectorize)
+                    found = answer_texts(search, [v for _, v in texts], home, k, self.vectorize, where)
                 except ValueError as exc:
                     raise HttpError(400, str(exc)) from None
                 out.update(zip((i for i, _ in texts), found))
             vecs = [(i, v) for i, (kind, v, h) in enumerate(parsed) if kind == "vector" and h == home]
             if vecs:
-                found = answer_vectors(search, np.stack([v for _, v in vecs]), home, k)
+                found = answer_vectors(search, np.stack([v for _, v in vecs]), home, k, where=where)
                 out.update(zip((i for i, _ in vecs), found))
         return [out[i] for i in range(len(parsed))]
 
@@ -165,11 +174,14 @@ def openapi(service: SearchService) -> dict[str, Any]:
     request = {"allOf": [query, {"type": "object", "properties": {
         "queries": {"type": "array", "items": query, "maxItems": service.max_batch},
         "k": {"type": "integer", "minimum": 1, "maximum": service.max_k, "default": 10},
-        "merge": {"type": "string", "enum": list(MERGES)}}}]}
+        "merge": {"type": "string", "enum": list(MERGES)},
+        "where": {"type": "object", "description": "filters: site, label, label_name, time (FROM..TO) or any "
+                                                   "attribute the exports carry; a key's value or list of values"}}}]}
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {"title": "hpcfed search", "version": __version__},
         "paths": {
+            "/": {"get": {"summary": "the search page (HTML)", "responses": ok}},
             "/health": {"get": {"summary": "sites, counts and index kinds", "responses": ok}},
             "/openapi.json": {"get": {"summary": "this document", "responses": ok}},
             "/search": {"post": {
@@ -204,6 +216,9 @@ class Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def do_GET(self) -> None:
+        if self.path in ("/", "/index.html"):  # the page holds no data: it asks /health and /search, with the token
+            self._send(200, page_bytes(), "text/html; charset=utf-8")
+            return
         self._handle(lambda: self._get())
 
     def do_POST(self) -> None:
@@ -261,10 +276,13 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(500, {"error": "internal error; see the service's log"})
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = (json.dumps(body) + "\n").encode()
+        self._send(status, (json.dumps(body) + "\n").encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Content-Type-Options", "nosniff")
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
         if self.close_connection:

@@ -5,6 +5,8 @@ Layout (one file per site, written by that site: raw data never leaves it)::
     /<entity>/vectors   float32 (n, d), chunked + gzip
     /<entity>/ids       UTF-8 strings (n,)
     /<entity>/labels    int64 (n,)          optional
+    /<entity>/columns/<name>  (n,) numbers or UTF-8 strings, optional: per-row attributes the search
+                        filters on and shows (DAMe: ``time``, seconds since the epoch, and ``text``)
     attrs on the file:  format="hpcfed-embeddings", format_version, hpcfed_version, created
     attrs on /<entity>: model, dim, metric, normalized, site, config_hash, version
 
@@ -46,6 +48,7 @@ class EmbeddingSet:
     labels: np.ndarray | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     verified: bool = False  # its tag checked out against the job key
+    columns: dict[str, np.ndarray] = field(default_factory=dict)  # per-row attributes (``/<entity>/columns``)
 
 
 def write_export(
@@ -63,6 +66,7 @@ def write_export(
     version: int = 0,
     extra: dict[str, Any] | None = None,
     append: bool = False,
+    columns: dict[str, Any] | None = None,
 ) -> Path:
     """Write (or, with `append`, add an entity to) an embedding export atomically."""
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
@@ -72,6 +76,9 @@ def write_export(
         raise ExportError(f"{len(ids)} ids for {vectors.shape[0]} vectors")
     if labels is not None and len(labels) != vectors.shape[0]:
         raise ExportError(f"{len(labels)} labels for {vectors.shape[0]} vectors")
+    for name, values in (columns or {}).items():
+        if len(values) != vectors.shape[0]:
+            raise ExportError(f"column {name!r} has {len(values)} values for {vectors.shape[0]} vectors")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     appending = append and path.exists()
@@ -79,13 +86,15 @@ def write_export(
         if appending:
             shutil.copyfile(path, tmp)
         _write_entity(tmp, "a" if appending else "w", entity, vectors, ids, labels, model=model, metric=metric,
-                      normalized=normalized, site=site, config_hash=config_hash, version=version, extra=extra)
+                      normalized=normalized, site=site, config_hash=config_hash, version=version, extra=extra,
+                      columns=columns)
     return path
 
 
 def _write_entity(path: Path, mode: str, entity: str, vectors: np.ndarray, ids: Sequence[Any],
                   labels: np.ndarray | None, *, model: str, metric: str, normalized: bool, site: int | str,
-                  config_hash: str, version: int, extra: dict[str, Any] | None) -> None:
+                  config_hash: str, version: int, extra: dict[str, Any] | None,
+                  columns: dict[str, Any] | None = None) -> None:
     import h5py
 
     from hpcfed import __version__
@@ -105,6 +114,13 @@ def _write_entity(path: Path, mode: str, entity: str, vectors: np.ndarray, ids: 
         g.create_dataset("ids", data=np.array([str(i) for i in ids], dtype=object), dtype=h5py.string_dtype("utf-8"))
         if labels is not None:
             g.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
+        for cname, values in (columns or {}).items():
+            values = np.asarray(values)
+            if values.dtype.kind in "OUS":
+                g.create_dataset(f"columns/{cname}", data=np.array([str(v) for v in values], dtype=object),
+                                 dtype=h5py.string_dtype("utf-8"))
+            else:
+                g.create_dataset(f"columns/{cname}", data=values)
         attrs = {"model": model, "dim": d, "metric": metric, "normalized": bool(normalized),
                  "site": str(site), "config_hash": config_hash, "version": int(version)}
         attrs.update(extra or {})
@@ -146,8 +162,10 @@ def read_export(path: str | Path, entity: str | None = None, auth: sealed.FileAu
         raise ExportError(f"{path}: /{name}/vectors shape {vectors.shape} does not match {len(ids)} ids")
     if labels is not None and np.asarray(labels).shape != (len(ids),):
         raise ExportError(f"{path}: /{name}/labels shape {np.asarray(labels).shape} does not match {len(ids)} ids")
+    columns = {key.rsplit("/", 1)[1]: np.asarray(value) for key, value in tree.datasets.items()
+               if key.startswith(f"{name}/columns/")}  # checked by whoever uses them (`hpcfed.search.columns`)
     return EmbeddingSet(name, vectors, ids, None if labels is None else np.asarray(labels), attrs,
-                        verified=tree.verified)
+                        verified=tree.verified, columns=columns)
 
 
 def seal_export(path: str | Path, auth: sealed.FileAuth) -> None:

@@ -56,6 +56,7 @@ class StreamedExport:
     labels: np.ndarray | None
     digest: str  # hex SHA-256 of the canonical encoding (equal to what `sealed.read` computes)
     verified: bool  # the tag checked out against the key given
+    columns: dict[str, np.ndarray] = field(default_factory=dict)  # ``/<entity>/columns/<name>``, unchecked
 
 
 def read_header(path: str | Path, entity: str | None = None) -> ExportHeader:
@@ -146,8 +147,10 @@ def stream_export(path: str | Path, entity: str | None, auth: sealed.FileAuth | 
         raise ExportError(f"{path}: /{header.entity} has {walk.rows} vectors and {len(ids)} ids")
     if labels is not None and labels.shape != (len(ids),):
         raise ExportError(f"{path}: /{header.entity}/labels shape {labels.shape} does not match {len(ids)} ids")
+    prefix = f"{header.entity}/columns/"
+    columns = {key[len(prefix):]: value for key, value in walk.kept.items() if key.startswith(prefix)}
     return StreamedExport(header, ids, None if labels is None else labels.astype(np.int64), walk.digest.hexdigest(),
-                          verified)
+                          verified, columns)
 
 
 def _int(value: object, path: Path, what: str) -> int:

@@ -459,7 +459,10 @@ class EventsTask(Task):
                                    "label_names": json.dumps(self.event_names),
                                    # BOLA and Ditto end with a model of each site's own: no shared space
                                    "shared_space": not (self.config.bola or self.config.ditto
-                                                        or self.site.method == "local")})
+                                                        or self.site.method == "local")},
+                            # what `hpcfed search` filters on (--where time=FROM..TO) and shows
+                            columns={"time": self.messages.times.astype("datetime64[s]").astype(np.int64),
+                                     "text": list(self.messages.texts)})
 
     # -- resumable state ---------------------------------------------------------------------------
 

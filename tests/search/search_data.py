@@ -40,3 +40,27 @@ def write_doc2vec_models(run: Path, sites: int, d: int = 32) -> None:
     for site in range(sites):
         model = site_model([(w, 10) for w in words], settings, seed=site, tagged_docs=[])
         save_model(run / "models" / f"site{site}.h5", model, settings, site=site)
+
+
+EVENTS = ["flood", "fire", "storm", "quake"]
+T0 = 1_350_000_000  # 2012-10-12T00:06:40Z
+
+
+def write_message_sites(run: Path, sizes: list[int], d: int = 32) -> dict[str, np.ndarray]:
+    """DAMe-like exports: ids ``m<site>-<row>``, event labels named by `EVENTS` (site 1 has no "quake"),
+    a ``time`` (T0 + one hour per row) and a ``text`` column, and a numeric ``lang`` column on site 0 only."""
+    import json
+
+    out = {}
+    for site, n in enumerate(sizes):
+        vectors = clustered(n, d, seed=10 + site)
+        events = EVENTS if site != 1 else EVENTS[:3]
+        columns = {"time": T0 + 3600 * np.arange(n), "text": [f"message {i} about {events[i % len(events)]}"
+                                                               for i in range(n)]}
+        if site == 0:
+            columns["lang"] = np.arange(n) % 3
+        write_export(export_path(run, site), vectors, [f"m{site}-{i}" for i in range(n)],
+                     np.arange(n) % len(events), entity="message", model="dame-gat", site=site,
+                     extra={"label_names": json.dumps(events), "shared_space": True}, columns=columns)
+        out[str(site)] = vectors
+    return out

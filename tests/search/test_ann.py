@@ -220,7 +220,31 @@ def test_index_of_an_older_format_is_refused_with_the_rebuild_command(tmp_path: 
     with h5py.File(path, "r+") as f:
         f.attrs["format_version"] = 1
     sealed.seal(path, index_auth())
-    with pytest.raises(SearchIndexError, match=r"index format version 1, this hpcfed reads 2; rebuild it with "
+    with pytest.raises(SearchIndexError, match=r"index format version 1, this hpcfed reads 3; rebuild it with "
                                                r"`hpcfed search index"):
         AnnIndex.load(export_path(tmp_path, 0))
     assert not index_is_current(export_path(tmp_path, 0), None, IndexSpec(kind="flat"))
+
+
+def test_nprobe_is_raised_at_build_until_the_index_finds_its_own_neighbours(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Diffuse vectors (no clusters): the size rule's nprobe (8 of 64 cells, forced low) misses
+    neighbours, so the build measures recall on a sample of its own vectors and probes more cells."""
+    from hpcfed.search.calibrate import TARGET
+
+    rng = np.random.default_rng(4)
+    vectors = rng.normal(size=(8000, 24)).astype(np.float32)
+    write_export(export_path(tmp_path, 0), vectors, [f"d{i}" for i in range(8000)], entity="doc", model="test", site=0)
+    low = IndexSpec(kind="ivf", nlist=64)
+    monkeypatch.setattr("hpcfed.search.ann_build.auto_nprobe", lambda nlist, n: 8)  # a rule far too low here
+    report = build_index(export_path(tmp_path, 0), spec=low, progress=False)
+    assert report["nprobe"] > 8 and report["calibrated_recall"] >= TARGET
+    ann = AnnIndex.load(export_path(tmp_path, 0))
+    assert ann.index.nprobe == report["nprobe"]  # stored in the index: a load searches with it
+    exact = SiteIndex.from_export(export_path(tmp_path, 0))
+    queries = vectors[::80]
+    ids = [f"d{i}" for i in range(0, 8000, 80)]
+    got, want = ann.hits(queries, 10, ids), exact.hits(queries, 10, ids)
+    assert np.mean([len({h.id for h in g} & {h.id for h in w}) / 10 for g, w in zip(got, want)]) >= 0.95
+    fixed = build_index(export_path(tmp_path, 0), spec=IndexSpec(kind="ivf", nlist=64, nprobe=8), progress=False)
+    assert fixed["nprobe"] == 8 and "calibrated_recall" not in fixed  # a fixed --nprobe is kept as given

@@ -93,8 +93,8 @@ def test_health_and_openapi(service: Service) -> None:
     assert [(s["site"], s["count"], s["dim"]) for s in health["sites"]] == [("0", 500, 32), ("1", 400, 32)]
     assert all(s["index"].startswith("IVF") for s in health["sites"])
     status, doc = service.call("/openapi.json")
-    assert status == 200 and doc["openapi"].startswith("3.") and set(doc["paths"]) == {"/health", "/openapi.json",
-                                                                                       "/search"}
+    assert status == 200 and doc["openapi"].startswith("3.") and set(doc["paths"]) == {"/", "/health",
+                                                                                       "/openapi.json", "/search"}
 
 
 def test_answers_equal_the_cli(service: Service, run: Path) -> None:

@@ -51,7 +51,11 @@ def test_round_trip_with_bola_glecc_and_final_evaluation(tmp_path):
     path = task.export_embeddings(tmp_path)
     from hpcfed.store.embeddings import read_export
 
-    assert read_export(path).vectors.shape == (len(task.ids), 8)
+    exported = read_export(path)
+    assert exported.vectors.shape == (len(task.ids), 8)
+    # the messages' times and texts, for `hpcfed search --where time=...` and the search page
+    assert list(exported.columns["time"]) == list(task.messages.times.astype("datetime64[s]").astype(np.int64))
+    assert [t.decode() if isinstance(t, bytes) else t for t in exported.columns["text"]] == list(task.messages.texts)
 
 
 def test_glecc_own_model_switch_skips_glecc_only_when_the_server_sends_the_own_model(tmp_path):
