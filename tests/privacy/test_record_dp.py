@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from hpcfed.config import ConfigError, RecordDPConfig, from_mapping
 from hpcfed.privacy import record_dp as R
@@ -16,6 +17,7 @@ from hpcfed.privacy.dp_sgd import DPSGD, poisson_batch, round_generator
 from hpcfed.registry import resolve
 from hpcfed.tasks.base import Site
 from hpcfed.tasks.synthetic import SyntheticTask
+from hpcfed.tasks.torch_adapter import TorchTask
 
 
 def test_epsilon_matches_opacus_rdp_accountant_for_a_hand_set_case():
@@ -146,3 +148,46 @@ def test_a_resumed_site_reports_the_same_epsilon_and_refuses_other_settings(tmp_
     other = _task(tmp_path, RecordDPConfig(epsilon=2.0), rounds=4)
     with pytest.raises(ValueError, match="record_dp plan"):
         other.load_state_dict(state)
+
+
+class _Tiny(TorchTask):
+    def build_model(self):
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+    def train_data(self):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(60, 4, generator=g), torch.randint(0, 3, (60,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=12, shuffle=True)
+
+    def eval_data(self, split):
+        return self.train_data()
+
+
+class _Streamed(_Tiny):
+    def train_data(self):
+        return [(torch.randn(12, 4), torch.randint(0, 3, (12,)))]
+
+
+def _torch_task(cls, tmp_path: Path, **config):
+    spec = R.SiteSettings(RecordDPConfig(epsilon=3.0), rounds=2, secret_seed=5)
+    return cls(cls.Config(**config), Site(client_id=0, num_clients=2, seed=0, out_dir=tmp_path, record_dp=spec))
+
+
+def test_torch_task_trains_by_dp_sgd_over_its_dataset_and_resumes_its_accountant(tmp_path):
+    task = _torch_task(_Tiny, tmp_path, local_epochs=2)
+    assert task.private.plan.steps_per_round == 10 and task.private.plan.sample_rate == 0.2
+    before = task.get_parameters()
+    result = task.fit(0)
+    assert result.num_examples == 60 and 0 < result.metrics["record_dp_epsilon"] < 3.0
+    assert any(not np.array_equal(before[k], v) for k, v in task.get_parameters().items())
+    twin = _torch_task(_Tiny, tmp_path, local_epochs=2)
+    twin.load_state_dict(task.state_dict())
+    assert twin.fit(1).metrics == task.fit(1).metrics
+    assert task.evaluate(1, final=True)["record_dp_epsilon"] == pytest.approx(3.0, abs=0.01)
+
+
+def test_torch_task_refuses_record_dp_without_a_dataset_or_with_personalization(tmp_path):
+    with pytest.raises(ValueError, match="map-style dataset"):
+        _torch_task(_Streamed, tmp_path)
+    with pytest.raises(ValueError, match="personalize_epochs"):
+        _torch_task(_Tiny, tmp_path, personalize_epochs=1)
