@@ -5,9 +5,11 @@ gradient as on any other: what it does with it is post-processing.
 
 Per-example gradients come from `torch.func` rather than Opacus's GradSampleModule: it needs no
 per-layer rule, so a user's model, a frozen encoder with LoRA adapters and the quickstart MLP all take
-the same path; only the parameters with ``requires_grad`` get per-example gradients. A model whose
-forward mixes the examples of a batch (BatchNorm in training mode) cannot be vmapped, and that is
-right: one record would then move the others' gradients.
+the same path; only the parameters with ``requires_grad`` get per-example gradients. A forward with
+data-dependent control flow (Hugging Face's attention-mask shortcuts) cannot be vmapped: the first
+such failure switches the site to one backward pass per example (the same gradients, slower). A
+model whose forward mixes the examples of a batch (BatchNorm in training mode) is refused by
+torch.func, and that is right: one record would then move the others' gradients.
 
 The batches and the noise come from one generator seeded from the site's secret seed (derived from
 the job's key, `hpcfed.credentials.secret_seed`) and the round: a resumed site draws what its
@@ -17,12 +19,15 @@ regenerate the noise, nor tell which records a step sampled (the sampling amplif
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hpcfed.privacy.record_dp import Plan
+
+log = logging.getLogger("hpcfed.client")
 
 
 def round_generator(secret_seed: int, client_id: int, round: int) -> Any:
@@ -39,6 +44,17 @@ def poisson_batch(records: int, sample_rate: float, generator: Any) -> Any:
     import torch
 
     return torch.nonzero(torch.rand(records, generator=generator) < sample_rate).flatten()
+
+
+def _example(value: Any, i: int) -> Any:
+    """Example `i` of a batch's tensors (dicts/lists/tuples of them), as a batch of one."""
+    if hasattr(value, "unsqueeze"):
+        return value[i:i + 1]
+    if isinstance(value, dict):
+        return {k: _example(v, i) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_example(v, i) for v in value)
+    return value
 
 
 def _unsqueeze(value: Any) -> Any:
@@ -78,10 +94,36 @@ class DPSGD:
         self.plan = plan
         self.model = model
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self._loss = loss
         self._wrapper = _LossOf.build(model, loss)
+        self.looped = False  # vmap failed on this model: one backward pass per example
 
     def per_example_grads(self, inputs: Any, target: Any) -> list[Any]:
         """Each trainable parameter's gradient, per example (a leading batch dimension)."""
+        if not self.looped:
+            try:
+                return self._vmapped(inputs, target)
+            except RuntimeError as exc:
+                if "vmap" not in str(exc):
+                    raise
+                log.info("per-example gradients: the model cannot be vmapped (%s); one backward pass per example",
+                         str(exc).split(".")[0][:120])
+                self.looped = True
+        return self._looped(inputs, target)
+
+    def _looped(self, inputs: Any, target: Any) -> list[Any]:
+        import torch
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        per_param: list[list[Any]] = [[] for _ in params]
+        for i in range(int(target.shape[0])):
+            loss = self._loss(_example(inputs, i), _example(target, i))
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for into, g, p in zip(per_param, grads, params, strict=True):
+                into.append(g if g is not None else torch.zeros_like(p))
+        return [torch.stack(gs) for gs in per_param]
+
+    def _vmapped(self, inputs: Any, target: Any) -> list[Any]:
         from torch.func import functional_call, grad, vmap
 
         params = {f"model.{n}": p.detach() for n, p in self.model.named_parameters() if p.requires_grad}

@@ -191,3 +191,19 @@ def test_torch_task_refuses_record_dp_without_a_dataset_or_with_personalization(
         _torch_task(_Streamed, tmp_path)
     with pytest.raises(ValueError, match="personalize_epochs"):
         _torch_task(_Tiny, tmp_path, personalize_epochs=1)
+
+
+def test_a_model_vmap_cannot_run_gets_the_same_gradients_one_example_at_a_time():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+
+    def loss(x, y):  # data-dependent control flow, as Hugging Face's attention-mask shortcuts have
+        out = model(x) if bool((x.abs() < 1e9).all()) else model(x) * 0
+        return torch.nn.functional.cross_entropy(out, y)
+
+    plain = DPSGD(model, lambda x, y: torch.nn.functional.cross_entropy(model(x), y), _plan())
+    branching = DPSGD(model, loss, _plan())
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
+    got = branching.per_example_grads(x, y)
+    assert branching.looped and not plain.looped
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, plain.per_example_grads(x, y), strict=True))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 from hpcfed.privacy.record_dp import epsilon
 from hpcfed.store import checkpoint as ck
@@ -83,8 +83,9 @@ def test_record_dp_with_secure_aggregation(tmp_path):
 
 
 def test_record_dp_with_an_asynchronous_strategy(tmp_path):
-    out = tmp_path / "run"
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(out), *QUICK, "rounds=2", "checkpoint_every=0",
-             "privacy.record_dp.epsilon=8", "strategy=fedasync"], np=3, timeout=400)
+    out, config = tmp_path / "run", tmp_path / "quickstart_async.yaml"
+    config.write_text((REPO / "configs" / "quickstart.yaml").read_text().replace("  weighting: num_examples\n", ""))
+    run_cli(["run", str(config), "--out", str(out), *QUICK, "rounds=2", "checkpoint_every=0",
+             "privacy.record_dp.epsilon=8", "strategy.name=fedasync"], np=3, timeout=400)
     record = json.loads((out / "summary.json").read_text())["privacy"]["record_dp"]
     assert set(record["sites"]) == {"0", "1"} and 0 < record["epsilon"] <= 8 + 1e-6
