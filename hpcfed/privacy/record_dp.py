@@ -21,6 +21,7 @@ site reports the very ε its uninterrupted twin does.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any
 
 import dp_accounting
@@ -46,6 +47,7 @@ def _event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_accoun
     return dp_accounting.SelfComposedDpEvent(step, steps)
 
 
+@lru_cache(maxsize=256)  # a round asks for ε after its steps, the next for ε before its own: the same call
 def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """ε at `delta` after `steps` Poisson-sampled Gaussian steps (rate `sample_rate`, multiplier z); 0 for none."""
     if steps < 0 or not noise_multiplier > 0 or not 0 < sample_rate <= 1 or not 0 < delta < 1:
