@@ -30,9 +30,9 @@ from hpcfed.config import ConfigError, RecordDPConfig, locate
 
 DEFAULT_DELTA = 1e-5
 _EPS_SLACK = 1e-9  # ε computed twice from the same numbers may differ in the last bits
-# RDP orders: dp-accounting's default set without those below 1.75, where its series for the sampled
+# RDP orders: dp-accounting's default set without those below 2, where its series for the sampled
 # Gaussian does not converge at small q (it drops them with a warning); they never give the best ε here.
-ORDERS = (1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, *range(5, 64), 128.0, 256.0, 512.0)
+ORDERS = (2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, *range(5, 64), 128.0, 256.0, 512.0)
 
 
 def default_delta(records: int) -> float:
