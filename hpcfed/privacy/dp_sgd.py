@@ -8,8 +8,8 @@ per-layer rule, so a user's model, a frozen encoder with LoRA adapters and the q
 the same path; only the parameters with ``requires_grad`` get per-example gradients. A forward with
 data-dependent control flow (Hugging Face's attention-mask shortcuts) cannot be vmapped: the first
 such failure switches the site to one backward pass per example (the same gradients, slower). A
-model whose forward mixes the examples of a batch (BatchNorm in training mode) is refused by
-torch.func, and that is right: one record would then move the others' gradients.
+model whose forward mixes the examples of a batch (BatchNorm in training mode) must not come here:
+one record would move the others' gradients (`TorchTask` refuses it).
 
 The batches and the noise come from one generator seeded from the site's secret seed (derived from
 the job's key, `hpcfed.credentials.secret_seed`) and the round: a resumed site draws what its

@@ -186,11 +186,18 @@ def test_torch_task_trains_by_dp_sgd_over_its_dataset_and_resumes_its_accountant
     assert task.evaluate(1, final=True)["record_dp_epsilon"] == pytest.approx(3.0, abs=0.01)
 
 
-def test_torch_task_refuses_record_dp_without_a_dataset_or_with_personalization(tmp_path):
+class _Normed(_Tiny):
+    def build_model(self):
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+
+
+def test_torch_task_refuses_record_dp_where_it_cannot_bound_one_record(tmp_path):
     with pytest.raises(ValueError, match="map-style dataset"):
         _torch_task(_Streamed, tmp_path)
     with pytest.raises(ValueError, match="personalize_epochs"):
         _torch_task(_Tiny, tmp_path, personalize_epochs=1)
+    with pytest.raises(ValueError, match=r"BatchNorm \(1\)"):
+        _torch_task(_Normed, tmp_path)
 
 
 def test_a_model_vmap_cannot_run_gets_the_same_gradients_one_example_at_a_time():
