@@ -86,3 +86,19 @@ def steps_per_round(records: int, batch_size: int, epochs: int, max_steps: int |
     """Local steps in one round: `epochs` passes of ceil(n / batch) expected batches, capped by `max_steps`."""
     steps = epochs * -(-records // max(batch_size, 1))
     return min(steps, max_steps) if max_steps is not None else steps
+
+
+def refuse_record_mixing(model: Any, shared: list[str], task: str) -> None:
+    """Under record DP: no BatchNorm (it mixes the records of a batch, and its running statistics are
+    computed from them outside DP-SGD), and no shared buffer (computed from the records, not noised)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    if norms:
+        raise ValueError(f"task {task}: privacy.record_dp cannot bound one record through BatchNorm ({norms[0]}): it "
+                         f"mixes the records of a batch; use GroupNorm or LayerNorm")
+    params = {n for n, _ in model.named_parameters()}
+    buffers = [n for n in shared if n not in params]
+    if buffers:
+        raise ValueError(f"task {task}: with privacy.record_dp only parameters may travel, and buffer {buffers[0]!r} "
+                         f"is shared (share / share_patterns): it is computed from the records outside DP-SGD")

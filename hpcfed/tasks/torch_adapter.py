@@ -42,7 +42,7 @@ from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
-from hpcfed.tasks.private_training import RecordDPTraining, steps_per_round
+from hpcfed.tasks.private_training import RecordDPTraining, refuse_record_mixing, steps_per_round
 
 LOCAL_PREFIX = "local/"  # state_dict arrays: tensors that never leave the site
 
@@ -199,7 +199,7 @@ class TorchTask(Task):
         if c.personalize_epochs:
             raise ValueError(f"task.personalize_epochs = {c.personalize_epochs} with privacy.record_dp: the personal "
                              f"model would train on the records outside the accountant; set it to 0")
-        _refuse_record_mixing(self.model, self.shared, type(self).__name__)
+        refuse_record_mixing(self.model, self.shared, type(self).__name__)
         records = len(dataset)  # type: ignore[arg-type]  # _dataset_len checked it has one
         return RecordDPTraining(site.record_dp, site.client_id, model=self.model,  # type: ignore[arg-type]  # set
                                 loss=lambda x, y: self.loss(self.forward(x), y), records=records,
@@ -373,22 +373,6 @@ class TorchTask(Task):
                     raise ValueError(f"saved site state has tensor {name!r} that the model does not have "
                                      f"(or of another shape); resume with the same task config")
                 tensor.copy_(torch.as_tensor(np.asarray(value)).to(tensor.dtype).reshape(tensor.shape))
-
-
-def _refuse_record_mixing(model: Any, shared: list[str], task: str) -> None:
-    """Under record DP: no BatchNorm (it mixes the records of a batch, and its running statistics are
-    computed from them outside DP-SGD), and no shared buffer (computed from the records, not noised)."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    norms = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
-    if norms:
-        raise ValueError(f"task {task}: privacy.record_dp cannot bound one record through BatchNorm ({norms[0]}): it "
-                         f"mixes the records of a batch; use GroupNorm or LayerNorm")
-    params = {n for n, _ in model.named_parameters()}
-    buffers = [n for n in shared if n not in params]
-    if buffers:
-        raise ValueError(f"task {task}: with privacy.record_dp only parameters may travel, and buffer {buffers[0]!r} "
-                         f"is shared (share / share_patterns): it is computed from the records outside DP-SGD")
 
 
 def _batch_len(target: Any) -> int:
