@@ -215,12 +215,43 @@ class SecAggConfig:
 
 
 @dataclass(kw_only=True)
+class RecordDPConfig:
+    """Record-level differential privacy: DP-SGD inside each site (hpcfed.privacy.record_dp). Each
+    site clips every example's gradient to `clip_norm`, adds Gaussian noise and samples its batches
+    by Poisson sampling; its own accountant holds ε at `delta` over every local step of the run."""
+
+    epsilon: float  # the target for the whole run, per site (required)
+    delta: float | None = None  # default min(1 / (10 n_site), 1e-5); must be < 1 / n_site
+    clip_norm: float = 1.0  # per-example gradient L2 bound
+    noise_multiplier: float | None = None  # None: computed from epsilon, the sampling rate, the steps and rounds
+    site_epsilon: dict[int, float] = field(default_factory=dict)  # client_id -> its own target, over `epsilon`
+
+    def validate(self) -> None:
+        checks = {name: getattr(self, name) for name in ("epsilon", "delta", "clip_norm", "noise_multiplier")}
+        checks.update({f"site_epsilon.{cid}": eps for cid, eps in self.site_epsilon.items()})
+        for name, value in checks.items():
+            if value is not None and not math.isfinite(value):
+                raise InvalidValue(name, f"must be a finite number, got {value!r}")
+            if value is not None and name != "delta" and not value > 0:
+                raise InvalidValue(name, f"must be > 0, got {value!r}")
+        if self.delta is not None and not 0.0 < self.delta < 1.0:
+            raise InvalidValue("delta", f"must be in (0, 1) and below 1 / (records per site), got {self.delta!r}")
+
+    def target(self, client_id: int) -> float:
+        """Site `client_id`'s target ε: its own in `site_epsilon`, else `epsilon`."""
+        return self.site_epsilon.get(client_id, self.epsilon)
+        if self.delta is not None and not 0.0 < self.delta < 1.0:
+            raise InvalidValue("delta", f"must be in (0, 1) and below 1 / (records per site), got {self.delta!r}")
+
+
+@dataclass(kw_only=True)
 class PrivacyConfig:
     """What the server may learn of each site (README, "What the server sees")."""
 
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     dp: DPConfig | None = None
+    record_dp: RecordDPConfig | None = None
 
 
 @dataclass(kw_only=True)
@@ -370,7 +401,7 @@ def _apply_override(data: dict[str, Any], item: str) -> str:
 # like rounds and may change.
 RESUME_MUST_MATCH = ("seed", "method", "strategy", "task", "privacy.secure_aggregation", "privacy.dp.clip_norm",
                      "privacy.dp.noise_multiplier", "privacy.dp.delta", "privacy.dp.adaptive",
-                     "privacy.secagg.clip_norm", "privacy.secagg.max_examples")
+                     "privacy.secagg.clip_norm", "privacy.secagg.max_examples", "privacy.record_dp")
 
 
 def check_resume_compatible(saved: Mapping[str, Any], current: Config, where: str = "the checkpoint") -> None:

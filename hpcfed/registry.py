@@ -167,6 +167,10 @@ def resolve(cfg: Config) -> Components:
     build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
     build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
     check_privacy(cfg, strategy_cls)
+    if cfg.privacy.record_dp is not None:
+        from hpcfed.privacy.record_dp import check_task
+
+        check_task(cfg.task.name, task_cls.record_dp_refusal, cfg.source)
     return Components(task_cls, strategy_cls)
 
 

@@ -16,6 +16,12 @@ Utility: the quickstart (8 rounds, K sites) plain, with secure aggregation, with
 with distributed DP (secure aggregation, each site adding its share of the noise) at noise
 multiplier z and clip C; the final mean test accuracy and ε at δ = 1e-5.
 
+Record DP (`--record-dp`): the quickstart for each K in `--record-k`, `--record-rounds` rounds, plain
+(ε = ∞) and with `privacy.record_dp` at each target ε in `--epsilons` (δ = 1e-5, clip `--record-clip`),
+run one after the other; the final mean test accuracy, the largest site ε the run reports (summary.json
+privacy.record_dp), and the median round time against plain's; then plain and ε = 8 at each batch
+size in `--batch-sizes` (K = the first of `--record-k`): how the cost of per-example gradients grows.
+
 A benchmark, not a test: on a shared machine the times move with the load (printed with them).
 """
 
@@ -109,6 +115,45 @@ def utility_table(k: int, rounds: int, z: float, clip: float, timeout: float) ->
     return rows
 
 
+def record_run(k: int, rounds: int, overrides: list[str], timeout: float) -> dict:
+    """One quickstart federation (no checkpoints): accuracy, max site ε, median round time (first left out)."""
+    res = run(k, [f"rounds={rounds}", "checkpoint_every=0", *overrides], timeout)
+    times = [e["value"] for e in res["events"] if e["name"] == "round_time_s"]
+    record = (res["summary"].get("privacy") or {}).get("record_dp") or {}
+    return {"accuracy": res["summary"]["mean"]["accuracy"], "epsilon": record.get("epsilon"),
+            "sites": record.get("sites"), "round_time_s": statistics.median(times[1:] if len(times) > 1 else times)}
+
+
+def record_dp_table(ks: list[int], rounds: int, epsilons: list[float], clip: float, batch_sizes: list[int],
+                    extra: list[str], timeout: float) -> dict:
+    """Accuracy against ε and round time against plain, per K; then the cost against the batch size."""
+    rows: list[dict] = []
+    for k in ks:
+        plain = record_run(k, rounds, extra, timeout)
+        rows.append({"k": k, "target": None, **plain, "time_ratio": 1.0})
+        print(f"  K={k} {rounds} rounds, ε = ∞ (plain): accuracy {plain['accuracy']:.3f}, round "
+              f"{plain['round_time_s']:.2f} s; load {os.getloadavg()[0]:.1f}", flush=True)
+        for eps in epsilons:
+            dp = record_run(k, rounds, [*extra, f"privacy.record_dp.epsilon={eps}", "privacy.record_dp.delta=1e-5",
+                                        f"privacy.record_dp.clip_norm={clip}"], timeout)
+            rows.append({"k": k, "target": eps, **dp, "time_ratio": dp["round_time_s"] / plain["round_time_s"]})
+            gap = dp["accuracy"] - plain["accuracy"]
+            print(f"  K={k} {rounds} rounds, ε = {eps:g}: accuracy {dp['accuracy']:.3f} ({gap:+.3f}), "
+                  f"max site ε {dp['epsilon']:.3f}, round {dp['round_time_s']:.2f} s (x{rows[-1]['time_ratio']:.2f}); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    growth = []
+    for bs in batch_sizes:
+        plain = record_run(ks[0], rounds, [*extra, f"task.batch_size={bs}"], timeout)
+        dp = record_run(ks[0], rounds, [*extra, f"task.batch_size={bs}", "privacy.record_dp.epsilon=8",
+                                        "privacy.record_dp.delta=1e-5", f"privacy.record_dp.clip_norm={clip}"], timeout)
+        growth.append({"batch_size": bs, "plain_s": plain["round_time_s"], "record_dp_s": dp["round_time_s"],
+                       "time_ratio": dp["round_time_s"] / plain["round_time_s"]})
+        print(f"  K={ks[0]} batch {bs}: round {plain['round_time_s']:.2f} s plain, "
+              f"{dp['round_time_s']:.2f} s record DP (x{growth[-1]['time_ratio']:.2f}); "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+    return {"rows": rows, "batch_growth": growth}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8, 16])
@@ -120,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip", type=float, default=0.3)
     ap.add_argument("--baseline", type=Path, default=None,
                     help="an earlier hpcfed checkout whose secure aggregation rounds run beside this tree's")
+    ap.add_argument("--record-dp", action="store_true", help="only the record-level DP table (see the docstring)")
+    ap.add_argument("--record-k", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--record-rounds", type=int, default=8)
+    ap.add_argument("--epsilons", type=float, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--record-clip", type=float, default=1.0)
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[32, 128])
+    ap.add_argument("--record-set", nargs="*", default=[], help="extra key=value overrides for the record-DP runs")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--skip-utility", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -128,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     print(f"bench_privacy: {os.cpu_count()} cores, load average {load:.1f} at the start", flush=True)
     result: dict = {"load_average": load}
-    if not args.skip_cost:
+    if args.record_dp:
+        result["record_dp"] = record_dp_table(args.record_k, args.record_rounds, args.epsilons, args.record_clip,
+                                              args.batch_sizes, args.record_set, args.timeout)
+    if not args.skip_cost and not args.record_dp:
         result["cost"] = cost_table(args.k, parse_count(args.p), args.rounds, args.timeout, args.baseline)
-    if not args.skip_utility:
+    if not args.skip_utility and not args.record_dp:
         result["utility"] = utility_table(args.utility_k, args.utility_rounds, args.z, args.clip, args.timeout)
     result["load_average_end"] = os.getloadavg()[0]
     if args.json:

@@ -46,7 +46,8 @@ class Client:
         malicious = cfg.attack is not None and self.client_id == self.num_clients - 1
         self.site = Site(client_id=self.client_id, num_clients=self.num_clients, seed=cfg.seed, out_dir=out_dir,
                          data_root=data_root(cfg.data_root), device=device, method=cfg.method,
-                         attack=attacks.base(cfg.attack) if malicious else None, config_hash=cfg.hash())
+                         attack=attacks.base(cfg.attack) if malicious else None, config_hash=cfg.hash(),
+                         record_dp=_record_dp(cfg, channel.rank))
         self._lingers = malicious and attacks.lingers(cfg.attack)  # a hostile site that will not leave
         self.task: Task = task_cls(task_config, self.site)
         self.layout: ParamLayout | None = None
@@ -293,6 +294,17 @@ class Client:
                 f"client {self.client_id} (rank {self.client_id + 1}): the server (rank 0) sent nothing for "
                 f"{timeout:g} s (federation.client_timeout_s); it has probably died — leaving")
         return msg
+
+
+def _record_dp(cfg: Config, rank: int) -> Any:
+    """The site's `privacy.record_dp` settings with its secret seed (its batches and noise), or None."""
+    if cfg.privacy.record_dp is None:
+        return None
+    from hpcfed.credentials import secret_seed
+    from hpcfed.privacy.record_dp import SiteSettings
+
+    seed = secret_seed(cfg.security, rank, "record-dp")
+    return SiteSettings(cfg.privacy.record_dp, cfg.rounds, seed, str(cfg.source))
 
 
 def _is_answer(msg: Message) -> bool:

@@ -110,7 +110,7 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         mean[k] = float(np.mean(vals)) if vals else None
     stats = core.channel.stats
     _warn_if_partial(core, sorted(results))
-    return {
+    summary = {
         **mean,
         "mean": mean,
         "mean_over": sorted(results),  # the sites whose final results the mean is taken over
@@ -143,6 +143,18 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         **({"privacy": {"secure_aggregation": True, "epsilon": None}} if core.cfg.privacy.secure_aggregation else {}),
         **core.strategy.report(),  # DP-FedAvg: "privacy" (ε, δ, z, C, rounds)
     }
+    if core.cfg.privacy.record_dp is not None:
+        summary.setdefault("privacy", {})["record_dp"] = record_dp_report(results)
+    return summary
+
+
+def record_dp_report(results: Results) -> dict[str, Any]:
+    """summary.json privacy.record_dp: each site's ε from its final RESULT, their max, and δ (the
+    largest of the sites', as each site's default δ follows its own record count)."""
+    sites = {str(c): r["record_dp_epsilon"] for c, r in sorted(results.items()) if "record_dp_epsilon" in r}
+    deltas = [r["record_dp_delta"] for r in results.values() if "record_dp_delta" in r]
+    return {"delta": max(deltas) if deltas else None, "epsilon": max(sites.values()) if sites else None,
+            "sites": sites}
 
 
 def _warn_if_partial(core: ServerCore, over: list[int]) -> None:

@@ -57,6 +57,7 @@ class SyncRounds:
         self.sent_round: dict[int, int] = {}  # client id -> the round whose model it was last given
         self.owed: set[int] = set()  # late sites owed the current round's model
         self.checkpointed = False  # whether the last round ended with a checkpoint
+        self.budgets_spent = False  # every site that answered the last round had stopped (privacy.record_dp)
         # privacy.secure_aggregation: rank 0 learns each round's sum only (hpcfed.server.secagg_round)
         self.secagg = SecAggRound(core) if core.cfg.privacy.secure_aggregation else None
 
@@ -66,6 +67,10 @@ class SyncRounds:
         cfg = self.core.cfg
         for rnd in range(self.start_round, self.end):
             self.round(rnd)
+            if self.budgets_spent:
+                log.warning("round %d: every site has spent its record-level DP budget (privacy.record_dp) and "
+                            "stopped training: the run ends here", rnd)
+                return None
             # A halt asked for during a round without a checkpoint waits for the next round's.
             halt = cfg.halt_after_round == rnd or (self.core.halt_requested and self.checkpointed)
             if halt and rnd < self.end - 1:
@@ -106,6 +111,8 @@ class SyncRounds:
             for c in missing:
                 core.metrics.log(rnd, c, "straggler", 1)
         updates = [] if lost else [got[c][0] for c in sorted(got) if c not in refused]
+        # privacy.record_dp: a site that would pass its ε stops training and says so in its metrics
+        self.budgets_spent = bool(updates) and all(u.metrics.get("record_dp_stopped") == 1.0 for u in updates)
         core.participation.folded([u.client_id for u in updates])
         self.strategy.end_round(rnd)  # a lost round folded nothing: the model stays (DP still counts the round)
         core.influence.settle()

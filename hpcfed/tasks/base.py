@@ -24,11 +24,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from hpcfed.params import Params
+
+if TYPE_CHECKING:
+    from hpcfed.privacy.record_dp import SiteSettings
 
 # A bundle is what travels in one message: a small JSON-able header plus named arrays.
 Bundle = tuple[dict[str, Any], dict[str, np.ndarray]]
@@ -48,6 +51,7 @@ class Site:
     method: str | None = None
     attack: str | None = None  # set on the malicious site only
     config_hash: str = ""
+    record_dp: SiteSettings | None = None  # privacy.record_dp: this site trains by DP-SGD (tasks/private_training.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +87,9 @@ class Task(ABC):
     name: ClassVar[str] = ""
     # ``method=NAME`` shortcuts (a run's whole federation in one word); empty: the task has none.
     METHODS: ClassVar[Mapping[str, MethodPreset]] = MappingProxyType({})
+    # Why ``privacy.record_dp`` does not apply (one clause, refused at config time); "" where the task
+    # trains by DP-SGD over independent records under it (`hpcfed.tasks.private_training`).
+    record_dp_refusal: ClassVar[str] = "its training is not DP-SGD over independent records"
 
     @dataclass(kw_only=True)
     class Config:

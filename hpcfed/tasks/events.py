@@ -52,6 +52,8 @@ def _method(strategy: str, *, bola: bool = False, glecc: bool = False, ditto: bo
 
 class EventsTask(Task):
     name = "events"
+    record_dp_refusal = ("DAMe's GAT attends over the message graph, so one message flows through its neighbours' "
+                         "gradients and a record is not one example")
     METHODS: ClassVar[Mapping[str, MethodPreset]] = {
         # safe by construction (`hpcfed.tasks.dame_safe`): never worse than the site's own Local model
         # (the cluster model is a default, not a switch: task.cluster_track=false gives rules 1-3 alone)

@@ -45,6 +45,8 @@ def _rng(*keys: int) -> np.random.Generator:
 
 class HINTask(Task):
     name = "hin"
+    record_dp_refusal = ("FedAHE's attention over the heterogeneous graph mixes each node with its neighbours, so one "
+                         "node's data flows through its neighbours' gradients and a record is not one example")
     METHODS: ClassVar[Mapping[str, MethodPreset]] = {
         "feddwa": MethodPreset(strategy="feddwa", task_defaults=_ASYNC_EVAL),
         "afed": MethodPreset(strategy="fedasync", task_defaults=_ASYNC_EVAL),

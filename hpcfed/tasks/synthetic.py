@@ -20,6 +20,7 @@ from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+from hpcfed.tasks.private_training import RecordDPTraining, steps_per_round
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -62,6 +63,7 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, num_classes: int) -> float:
 
 class SyntheticTask(Task):
     name = "synthetic"
+    record_dp_refusal = ""  # each training example is one independent record
     # printed under the run's final figures (see hpcfed.launcher.closing_lines)
     evaluation_note = ("val_accuracy is on each site's validation split, label-skewed like its training data; "
                        "the final test split is balanced over the classes (every class counts equally)")
@@ -117,6 +119,13 @@ class SyntheticTask(Task):
                 self.data[key] = self.data[key].to(dtype)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr)
         self.loss_fn = nn.CrossEntropyLoss()
+        self.private: RecordDPTraining | None = None
+        if site.record_dp is not None:
+            records = len(self.data["x_train"])
+            self.private = RecordDPTraining(
+                site.record_dp, site.client_id, model=self.model, loss=lambda x, y: self.loss_fn(self.model(x), y),
+                records=records, batch_size=c.batch_size,
+                steps_per_round=steps_per_round(records, c.batch_size, c.local_epochs))
 
     # -- parameters ---------------------------------------------------------------------------
     def get_parameters(self) -> Params:
@@ -131,6 +140,9 @@ class SyntheticTask(Task):
 
         c = self.config
         x, y = self.data["x_train"], self.data["y_train"]
+        if self.private is not None:
+            self.model.train()
+            return self.private.fit(round, self.optimizer, lambda idx: (x[idx], y[idx]))
         gen = torch.Generator().manual_seed(int(_rng(self.site.seed, self.site.client_id, round).integers(2**62)))
         self.model.train()
         total, count = 0.0, 0
@@ -159,7 +171,9 @@ class SyntheticTask(Task):
         acc = float((pred == y.numpy()).mean())
         if not final:
             return {"val_loss": loss, "val_accuracy": acc}
-        return {"loss": loss, "accuracy": acc, "macro_f1": macro_f1(y.numpy(), pred, self.config.num_classes)}
+        private = self.private.final_metrics() if self.private is not None else {}
+        f1 = macro_f1(y.numpy(), pred, self.config.num_classes)
+        return {"loss": loss, "accuracy": acc, "macro_f1": f1, **private}
 
     def export_embeddings(self, out_dir: Path) -> Path:
         import torch
@@ -174,7 +188,10 @@ class SyntheticTask(Task):
 
     # -- resumable state ------------------------------------------------------------------------
     def state_dict(self) -> Bundle:
-        return torch_state.training_state(self.optimizer)
+        state = torch_state.training_state(self.optimizer)
+        return self.private.save(state) if self.private is not None else state
 
     def load_state_dict(self, state: Bundle) -> None:
+        if self.private is not None:
+            state = self.private.load(state)
         torch_state.load_training_state(self.optimizer, *state)

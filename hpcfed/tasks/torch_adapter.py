@@ -42,6 +42,7 @@ from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
+from hpcfed.tasks.private_training import RecordDPTraining, refuse_record_mixing, steps_per_round
 
 LOCAL_PREFIX = "local/"  # state_dict arrays: tensors that never leave the site
 
@@ -81,6 +82,7 @@ class TorchTask(Task):
     """A `Task` around a user's torch model; see the module docstring."""
 
     name = "torch"
+    record_dp_refusal = ""  # DP-SGD over train_data()'s dataset, one item one record (tasks/private_training.py)
 
     @dataclass(kw_only=True)
     class Config:
@@ -183,6 +185,32 @@ class TorchTask(Task):
             raise ValueError(f"task {type(self).__name__}: the model has no parameter with requires_grad")
         self.optimizer = self._optimizer(trainable)
         self._train = self.train_data()
+        self.private = self._record_dp(site) if site.record_dp is not None else None
+
+    def _record_dp(self, site: Site) -> RecordDPTraining:
+        """DP-SGD over train_data()'s dataset: a map-style dataset of independent records, which the
+        steps sample by Poisson sampling and batch with the loader's own collate_fn."""
+        c, loader = self.config, self._train
+        dataset, batch_size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+        if _dataset_len(loader) is None or not hasattr(dataset, "__getitem__") or not batch_size:
+            raise ValueError(f"task {type(self).__name__}: privacy.record_dp samples records from train_data()'s "
+                             f"dataset, so train_data() must return a DataLoader over a map-style dataset with a "
+                             f"batch_size (got {type(loader).__name__})")
+        if c.personalize_epochs:
+            raise ValueError(f"task.personalize_epochs = {c.personalize_epochs} with privacy.record_dp: the personal "
+                             f"model would train on the records outside the accountant; set it to 0")
+        refuse_record_mixing(self.model, self.shared, type(self).__name__)
+        records = len(dataset)  # type: ignore[arg-type]  # _dataset_len checked it has one
+        return RecordDPTraining(site.record_dp, site.client_id, model=self.model,  # type: ignore[arg-type]  # set
+                                loss=lambda x, y: self.loss(self.forward(x), y), records=records,
+                                batch_size=int(batch_size),
+                                steps_per_round=steps_per_round(records, int(batch_size), c.local_epochs, c.max_steps))
+
+    def _gather(self, indices: Any) -> tuple[Any, Any]:
+        """The batch of records `indices` of the training dataset, collated as the loader does, on the device."""
+        loader = self._train
+        batch = loader.collate_fn([loader.dataset[int(i)] for i in indices])  # type: ignore[attr-defined]  # _record_dp checked
+        return to_device(self.split_batch(batch), self.device)
 
     def shared_names(self) -> list[str]:
         """Names (state_dict keys) of the tensors that travel, in the model's order."""
@@ -224,6 +252,9 @@ class TorchTask(Task):
 
     def fit(self, round: int) -> FitResult:
         seed_everything(round_seed(self.site.seed, self.site.client_id, round))
+        if self.private is not None:
+            self.model.train()
+            return self.private.fit(round, self.optimizer, self._gather)
         total, seen = self._train_epochs(self.config.local_epochs)
         size = _dataset_len(self._train)
         return FitResult(num_examples=size if size is not None else seen,
@@ -259,6 +290,8 @@ class TorchTask(Task):
         if final and self.config.personalize_epochs:
             self.personalize(round)
         result = self.evaluate_on(self.eval_data("test" if final else "val"))
+        if final and self.private is not None:
+            result.update(self.private.final_metrics())
         return result if final else {f"val_{k}": v for k, v in result.items()}
 
     def personalize(self, round: int) -> None:
@@ -319,11 +352,14 @@ class TorchTask(Task):
         header, arrays = torch_state.training_state(self.optimizer)
         state = self.model.state_dict()
         local = {LOCAL_PREFIX + n: _wire_array(state[n]) for n in self._local_names()}
-        return header, {**arrays, **local}
+        bundle = (header, {**arrays, **local})
+        return self.private.save(bundle) if self.private is not None else bundle
 
     def load_state_dict(self, state: Bundle) -> None:
         import torch
 
+        if self.private is not None:
+            state = self.private.load(state)
         header, arrays = state
         torch_state.load_training_state(self.optimizer, header, arrays)
         model_state = self.model.state_dict()
