@@ -52,7 +52,6 @@ class LoopSection:
 class UploadSection:
     """What the upload pipeline is assembled from (`hpcfed.client.assemble.upload_pipeline`)."""
 
-    attack: str | None  # the run's ``attack=`` (played by the last client only)
     privacy: PrivacyConfig  # secure aggregation and its encoding, site-side DP under it
     quorum: float  # the fewest sites a securely aggregated sum may hold, as a fraction of K
     uniform_weighting: bool  # strategy weighting=uniform: every site weighs 1
@@ -81,7 +80,7 @@ class ClientConfig:
                            setup_timeout_s=fed.setup_timeout_s, slowdown=dict(fed.slowdown),
                            exclude_sites=tuple(fed.exclude_sites), site_state_dir=fed.site_state_dir,
                            keep_checkpoints=cfg.keep_checkpoints)
-        upload = UploadSection(attack=cfg.attack, privacy=cfg.privacy, quorum=fed.quorum,
+        upload = UploadSection(privacy=cfg.privacy, quorum=fed.quorum,
                                uniform_weighting=cfg.strategy.options.get("weighting", "num_examples") == "uniform",
                                client_timeout_s=fed.client_timeout_s)
         return cls(site=site, loop=loop, upload=upload, security=cfg.security)

@@ -3,9 +3,10 @@
 
 After PARAMS the site advertises two fresh X25519 keys (signed with its identity key in keys mode),
 checks its neighbours' adverts the server relays, shares its self-mask seed and mask key with them,
-trains, clips its delta, encodes it in fixed point with its weight, masks it and sends it; then it
-signs the survivor set the server sends (the consistency check) and, told who dropped and given its
-neighbours' signatures over the same set, reveals once, per neighbour, a seed share or a key share.
+trains (the stages upstream of this one clip its delta and encode it in fixed point with its weight:
+`hpcfed.client.privacy_stages`), masks that input and sends it; then it signs the survivor set the
+server sends (the consistency check) and, told who dropped and given its neighbours' signatures over
+the same set, reveals once, per neighbour, a seed share or a key share.
 Whatever the server relays is hostile: a bad advert (a forged signature), share, survivor set,
 consistency signature or unmask request makes the site refuse the round and leave, naming what was
 wrong; it never reveals both shares of one peer.

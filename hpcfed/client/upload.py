@@ -22,7 +22,7 @@ How to add a stage: write a `Stage` subclass in its own module under `hpcfed/cli
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,6 @@ class Upload:
     scale: float = 1.0
     within: bool = True
     codes: np.ndarray | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # room for a new stage's own fields
 
 
 Upstream = Callable[[RoundStart], Upload]
