@@ -8,10 +8,14 @@ layout is known (after the setup exchange). Each stage is installed only when co
 `Noise` is distributed DP (``privacy.dp`` with ``privacy.secure_aggregation``); in central DP the
 server clips and noises (`hpcfed.strategies.dp_fedavg`) and the site uploads its model as it is.
 The attacks (``attack=``, the last client only: `hpcfed.client.attacks`) and the fault hooks
-(`hpcfed.client.faults`) are stages like any other.
+(`hpcfed.client.faults`) are stages like any other. What a site does when the server evicts it
+(`eviction_hooks`) is known from the start, before the setup exchange that may evict it.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 from hpcfed.client import attacks
 from hpcfed.client.config import ClientConfig
@@ -35,9 +39,13 @@ def upload_pipeline(train: Upstream, config: ClientConfig, channel: Channel, lay
         stages.append(attacks.MalformedSend(channel, layout, attack))
     else:
         stages.append(Send(channel, layout))
-    if attack == "bad_header_then_flood":
-        stages.append(attacks.FloodAfterEviction(channel))
     return Pipeline(train, stages + fault_stages(channel.rank))
+
+
+def eviction_hooks(channel: Channel, attack: str | None) -> list[Callable[[], None]]:
+    """What this site does after the server evicted it (`attack`: the one it plays, if any): nothing,
+    unless it floods anyway (``bad_header_then_flood``)."""
+    return [functools.partial(attacks.flood_after_eviction, channel)] if attack == "bad_header_then_flood" else []
 
 
 def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, attack: str | None) -> list[Stage]:

@@ -28,7 +28,8 @@ sends: what arrives is what a modified binary would send.
 
 Each behaviour is an upload stage (`hpcfed.client.upload`) that `hpcfed.client.assemble` installs on
 the malicious site only: `Tamper`, `UnboundedEncode` (in place of the clip and the encoding under
-secure aggregation), `MalformedSend` (in place of `Send`) and `FloodAfterEviction`.
+secure aggregation) and `MalformedSend` (in place of `Send`); `flood_after_eviction` is the hook
+`hpcfed.client.assemble.eviction_hooks` installs for ``bad_header_then_flood``.
 """
 
 from __future__ import annotations
@@ -175,16 +176,11 @@ class MalformedSend(Send):
         return upload
 
 
-class FloodAfterEviction(Stage):
+def flood_after_eviction(channel: Channel) -> None:
     """``bad_header_then_flood``: evicted, the site ignores it and sends `FLOOD_AFTER` model-sized UPDATEs."""
-
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
-
-    def evicted(self) -> None:
-        flood = {P.PARAMS_KEY: np.zeros(FLOOD_FLOATS, dtype=np.float32)}
-        for _ in range(FLOOD_AFTER):
-            try:
-                self.channel.send(0, P.UPDATE, {"round": 0, "num_examples": 1, "metrics": {}}, flood)
-            except ChannelError:
-                break  # the server has finished: the flood ends with the job
+    flood = {P.PARAMS_KEY: np.zeros(FLOOD_FLOATS, dtype=np.float32)}
+    for _ in range(FLOOD_AFTER):
+        try:
+            channel.send(0, P.UPDATE, {"round": 0, "num_examples": 1, "metrics": {}}, flood)
+        except ChannelError:
+            break  # the server has finished: the flood ends with the job

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hpcfed import protocol as P
-from hpcfed.client.assemble import upload_pipeline
+from hpcfed.client.assemble import eviction_hooks, upload_pipeline
 from hpcfed.client.config import ClientConfig
 from hpcfed.client.upload import Pipeline, RoundStart, Superseded, Upload
 from hpcfed.comm.api import Channel, Message
@@ -47,6 +47,7 @@ class Client:
                          data_root=data_root(site.data_root), device=device, method=site.method,
                          attack=site.attack_played_by(self.client_id, self.num_clients), config_hash=site.config_hash)
         self.task: Task = site.task_cls(site.task_config, self.site)
+        self._on_evicted = eviction_hooks(channel, self.site.attack)
         self.layout: ParamLayout | None = None
         self.slowdown = float(self.loop.slowdown.get(self.client_id, 1.0))
         self.client_version = 1
@@ -105,8 +106,8 @@ class Client:
         reason = " ".join(str(msg.header.get("reason", "no reason given"))[:300].split())
         log.error("client %d (rank %d): evicted by the server: %s; leaving (the federation goes on without "
                   "this site)", self.client_id, self.client_id + 1, reason)
-        if self.upload is not None:
-            self.upload.evicted()
+        for hook in self._on_evicted:
+            hook()
 
     def _setup(self) -> bool:
         header, tensors = self.task.setup()

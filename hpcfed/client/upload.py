@@ -66,15 +66,12 @@ Upstream = Callable[[RoundStart], Upload]
 
 
 class Stage:
-    """One step of the upload. Subclasses override `__call__` (and `evicted` if they must)."""
+    """One step of the upload. Subclasses override `__call__`."""
 
     def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
         """Run `upstream` (training and the stages before this one) for `start` and return its upload,
         acting before or after it."""
         return upstream(start)
-
-    def evicted(self) -> None:
-        """The server evicted this site: its last word. Nothing by default."""
 
 
 class Superseded(Exception):
@@ -99,11 +96,6 @@ class Pipeline:
     def __call__(self, start: RoundStart) -> Upload:
         """One round's upload: every stage's work before training, training, then theirs after it."""
         return self._run(start)
-
-    def evicted(self) -> None:
-        """Tell every stage that the server evicted this site."""
-        for stage in self.stages:
-            stage.evicted()
 
 
 def _wrap(stage: Stage, upstream: Upstream) -> Upstream:

@@ -13,7 +13,7 @@ import pytest
 
 from hpcfed import protocol as P
 from hpcfed.client import attacks
-from hpcfed.client.assemble import upload_pipeline
+from hpcfed.client.assemble import eviction_hooks, upload_pipeline
 from hpcfed.client.config import ClientConfig
 from hpcfed.client.faults import STOP_AFTER_UPLOAD, StopAfterUpload
 from hpcfed.client.privacy_stages import Clip, Delta, Encode, Noise
@@ -57,7 +57,7 @@ def _stages(rank: int, *overrides: str) -> list[type]:
     (2, ["attack=sign_flip"], [Send]),  # only the last client plays the run's attack
     (3, ["attack=model"], [Send]),  # a task-defined attack is the task's, not a stage
     (3, ["attack=bad_header"], [attacks.MalformedSend]),
-    (3, ["attack=bad_header_then_flood"], [attacks.MalformedSend, attacks.FloodAfterEviction]),
+    (3, ["attack=bad_header_then_flood"], [attacks.MalformedSend]),
     (1, ["privacy.secure_aggregation=true", "influence.enabled=false"], [Delta, Clip, Encode, SecAggSite]),
     (1, ["privacy.secure_aggregation=true", "influence.enabled=false", "privacy.dp.noise_multiplier=1.0"],
      [Delta, Clip, Noise, Encode, SecAggSite]),
@@ -66,6 +66,13 @@ def _stages(rank: int, *overrides: str) -> list[type]:
 ])
 def test_the_config_installs_only_the_stages_it_asks_for(rank, overrides, want):
     assert _stages(rank, *overrides) == want
+
+
+def test_only_a_then_flood_site_acts_after_its_eviction():
+    # (what its flood does to the server: tests/server/test_eviction_mpi.py)
+    assert eviction_hooks(None, None) == [] and eviction_hooks(None, "bad_header") == []
+    (flood,) = eviction_hooks(None, "bad_header_then_flood")
+    assert flood.func is attacks.flood_after_eviction
 
 
 def test_a_fault_hook_is_a_stage_installed_only_when_its_environment_variable_is_set(monkeypatch):
