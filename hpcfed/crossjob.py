@@ -350,7 +350,9 @@ class _Joined:
         from hpcfed.device import select_device
 
         device = select_device(self.rank, self.cfg.device)
-        Client(self.cfg, channel, self.out, device=device, resume=resume).run()
+        from hpcfed.client.config import ClientConfig
+
+        Client(ClientConfig.from_config(self.cfg), channel, self.out, device=device, resume=resume).run()
         self.finishing.set()
         channel.close()
 

@@ -297,8 +297,9 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             signal.signal(signal.SIGUSR1, lambda *_: _peer_lost())
             torch.set_num_threads(max(1, cfg.threads_per_rank))
             from hpcfed.client.client import Client
+            from hpcfed.client.config import ClientConfig
 
-            Client(cfg, channel, out_dir, device=device, resume=resume).run()
+            Client(ClientConfig.from_config(cfg), channel, out_dir, device=device, resume=resume).run()
         channel.close()
         jobwatch.write_exit(out_dir / "logs", rank, 0)
         if rank == 0:

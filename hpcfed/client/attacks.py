@@ -33,6 +33,11 @@ sending nothing (`linger`): rank 0 ends the job after its grace (`hpcfed.launche
 
 The sender's own encoder refuses all three, so the hostile site lifts its own checks while it
 sends: what arrives is what a modified binary would send.
+
+Each behaviour is an upload stage (`hpcfed.client.upload`) that `hpcfed.client.assemble` installs on
+the malicious site only: `Tamper`, `UnboundedEncode` (in place of the clip and the encoding under
+secure aggregation) and `MalformedSend` (in place of `Send`); `flood_after_eviction` is the hook
+`hpcfed.client.assemble.eviction_hooks` installs for ``bad_header_then_flood``.
 """
 
 from __future__ import annotations
@@ -47,7 +52,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcfed.params import Params
+from hpcfed import protocol as P
+from hpcfed.client.upload import RoundStart, Send, Stage, Upload, Upstream
+from hpcfed.comm.api import Channel, ChannelError
+from hpcfed.params import ParamLayout, Params
 from hpcfed.privacy import masking
 
 if TYPE_CHECKING:
@@ -159,3 +167,65 @@ class _ShapeLie:
         if fmt == "<2Q" and values == (0, 1):
             values = (0, BEYOND_INT64 - 1)
         return struct.pack(fmt, *values)
+
+
+# ------------------------------------------------------------------------------------------------
+# the attacks as upload stages
+
+
+class Tamper(Stage):
+    """A runtime attack (`RUNTIME_ATTACKS`) on what the site trained: `tamper` with the model as received."""
+
+    def __init__(self, attack: str) -> None:
+        self.attack = attack
+
+    def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
+        received = {k: v.copy() for k, v in start.received.items()}  # before training changes the task's model
+        upload = upstream(start)
+        upload.params, upload.num_examples, upload.copies = tamper(self.attack, upload.params, received,
+                                                                   upload.num_examples)
+        return upload
+
+
+class UnboundedEncode(Stage):
+    """In place of the clip and the encoding under secure aggregation: `unbounded_input`, the tampered
+    delta weighted by its claimed count, not clipped, the count not bounded (1 when sites weigh alike)."""
+
+    def __init__(self, spec: InputSpec, uniform: bool) -> None:
+        self.spec = spec
+        self.uniform = uniform or spec.noise_std > 0
+
+    def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
+        upload = upstream(start)
+        assert upload.delta is not None, "UnboundedEncode runs downstream of Delta"
+        weight = 1 if self.uniform else upload.num_examples
+        upload.codes, upload.within = unbounded_input(upload.delta, weight, self.spec), False
+        return upload
+
+
+class MalformedSend(Send):
+    """In place of `Send`: the site's first upload is one malformed UPDATE (`malformed_update`), the
+    rest are sent as an honest site sends them."""
+
+    def __init__(self, channel: Channel, layout: ParamLayout, attack: str) -> None:
+        super().__init__(channel, layout)
+        self.attack, self.misbehaved = attack, False
+
+    def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
+        if self.misbehaved:
+            return super().__call__(start, upstream)
+        upload = upstream(start)
+        header, tensors = self.message(upload)
+        self.misbehaved = True  # once, then quiet
+        malformed_update(self.attack, header, tensors, lambda h, t: self.channel.send(0, P.UPDATE, h, t))
+        return upload
+
+
+def flood_after_eviction(channel: Channel) -> None:
+    """``bad_header_then_flood``: evicted, the site ignores it and sends `FLOOD_AFTER` model-sized UPDATEs."""
+    flood = {P.PARAMS_KEY: np.zeros(FLOOD_FLOATS, dtype=np.float32)}
+    for _ in range(FLOOD_AFTER):
+        try:
+            channel.send(0, P.UPDATE, {"round": 0, "num_examples": 1, "metrics": {}}, flood)
+        except ChannelError:
+            break  # the server has finished: the flood ends with the job

@@ -3,13 +3,15 @@
 receive model -> `Task.set_parameters` -> `Task.fit` -> (evaluate) -> upload, until the server says
 FINAL (evaluate on the test split, export embeddings, report) and STOP. Every wait has a deadline
 (`federation.client_timeout_s`): a client never loops forever after the server is gone.
+
+The loop only trains: what happens to the trained model on its way to the server (secure
+aggregation, site-side DP, a malicious site's attack, fault hooks) is the upload pipeline's
+(`hpcfed.client.upload`), assembled from the client's config (`hpcfed.client.assemble`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,13 +20,14 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.client import attacks
-from hpcfed.client.secagg import SecAggSite, Superseded
-from hpcfed.comm.api import Channel, ChannelError, Message
-from hpcfed.config import Config, build
+from hpcfed.client.assemble import eviction_hooks, upload_pipeline
+from hpcfed.client.config import ClientConfig, SiteSection
+from hpcfed.client.upload import Pipeline, RoundStart, Superseded, Upload
+from hpcfed.comm.api import Channel, Message
+from hpcfed.config import SecurityConfig
 from hpcfed.cost import rank_cost
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout, Params
-from hpcfed.registry import task_class
 from hpcfed.tasks.base import Site, Task
 
 log = logging.getLogger("hpcfed.client")
@@ -33,47 +36,45 @@ log = logging.getLogger("hpcfed.client")
 class Client:
     """One client site (rank 1..K): trains the task on the server's models and uploads the results."""
 
-    def __init__(self, cfg: Config, channel: Channel, out_dir: Path, device: str = "cpu",
+    def __init__(self, config: ClientConfig, channel: Channel, out_dir: Path, device: str = "cpu",
                  resume: bool = False) -> None:
-        self.cfg = cfg
+        self.config, self.loop = config, config.loop
         self.channel = channel
         self.client_id = channel.rank - 1
         self.num_clients = channel.size - 1
-        task_cls = task_class(cfg.task.name, cfg.source)
-        task_config = build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
         from hpcfed.data.root import data_root
 
-        malicious = cfg.attack is not None and self.client_id == self.num_clients - 1
-        self.site = Site(client_id=self.client_id, num_clients=self.num_clients, seed=cfg.seed, out_dir=out_dir,
-                         data_root=data_root(cfg.data_root), device=device, method=cfg.method,
-                         attack=attacks.base(cfg.attack) if malicious else None, config_hash=cfg.hash(),
-                         record_dp=_record_dp(cfg, channel.rank))
-        self._lingers = malicious and attacks.lingers(cfg.attack)  # a hostile site that will not leave
-        self.task: Task = task_cls(task_config, self.site)
+        site = config.site
+        played = site.attack_played_by(self.client_id, self.num_clients)
+        self.site = Site(client_id=self.client_id, num_clients=self.num_clients, seed=site.seed, out_dir=out_dir,
+                         data_root=data_root(site.data_root), device=device, method=site.method,
+                         attack=attacks.base(played), config_hash=site.config_hash,
+                         record_dp=_record_dp(site, config.security, channel.rank))
+        self._lingers = attacks.lingers(played)  # a hostile site that will not leave
+        self.task: Task = site.task_cls(site.task_config, self.site)
+        self._on_evicted = eviction_hooks(channel, self.site.attack)
         self.layout: ParamLayout | None = None
-        self.slowdown = float(cfg.federation.slowdown.get(self.client_id, 1.0))
+        self.slowdown = float(self.loop.slowdown.get(self.client_id, 1.0))
         self.client_version = 1
         # Async: one upload in flight per client. A broadcast that arrives while our upload is
         # unanswered only replaces the model (newest wins); training waits for the answer, else
         # every broadcast would start a second training chain from a model lacking our last step.
         self._awaiting_answer = False
         self._held: Message | None = None
-        self._misbehaved = False  # a MALFORMED_ATTACKS site has sent its malformed upload
-        self._received: Params = {}  # the model as the server sent it (the runtime attacks tamper from it)
-        self.secagg: SecAggSite | None = None  # privacy.secure_aggregation, once the layout is known
-        self._pending: Message | None = None  # what ended a secure aggregation round early, handled next
+        self.upload: Pipeline | None = None  # train -> ... -> send, assembled once the layout is known
+        self._pending: Message | None = None  # what ended an upload stage's wait early, handled next
         from hpcfed.credentials import state_file_auth
         from hpcfed.store import site_state
 
         # This site's own checkpoint shards: written and read here only, tagged with the site's key.
         self.resume = resume
-        self.state_dir = site_state.site_dir(cfg.federation.site_state_dir, out=out_dir, client=self.client_id,
+        self.state_dir = site_state.site_dir(self.loop.site_state_dir, out=out_dir, client=self.client_id,
                                              rank=self.client_id + 1)
-        self.state_auth = state_file_auth(cfg.security, self.client_id + 1, "site-shard")
+        self.state_auth = state_file_auth(config.security, self.client_id + 1, "site-shard")
 
     def run(self) -> None:
         """Take part in the federation until the server says STOP (or stops answering: FederationError)."""
-        if self.client_id in self.cfg.federation.exclude_sites:
+        if self.client_id in self.loop.exclude_sites:
             log.warning("client %d (rank %d) is left out of this run (federation.exclude_sites): leaving",
                         self.client_id, self.client_id + 1)
             return
@@ -99,7 +100,7 @@ class Client:
                 if model is None:
                     continue
                 self._train_and_upload(model)
-                self._awaiting_answer = self.cfg.mode == "async"
+                self._awaiting_answer = self.loop.mode == "async"
         except _Stopped:
             return
 
@@ -109,13 +110,8 @@ class Client:
         reason = " ".join(str(msg.header.get("reason", "no reason given"))[:300].split())
         log.error("client %d (rank %d): evicted by the server: %s; leaving (the federation goes on without "
                   "this site)", self.client_id, self.client_id + 1, reason)
-        if self.site.attack == "bad_header_then_flood":  # a hostile site ignores it and keeps sending
-            flood = {P.PARAMS_KEY: np.zeros(attacks.FLOOD_FLOATS, dtype=np.float32)}
-            for _ in range(attacks.FLOOD_AFTER):
-                try:
-                    self.channel.send(0, P.UPDATE, {"round": 0, "num_examples": 1, "metrics": {}}, flood)
-                except ChannelError:
-                    break  # the server has finished: the flood ends with the job
+        for hook in self._on_evicted:
+            hook()
 
     def _setup(self) -> bool:
         header, tensors = self.task.setup()
@@ -128,8 +124,7 @@ class Client:
 
             setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
         self.channel.send(0, P.SETUP, setup_header, out)
-        fed = self.cfg.federation
-        reply = self._wait({P.SETUP_REPLY, P.STOP, P.EVICTED}, fed.setup_timeout_s + fed.client_timeout_s)
+        reply = self._wait({P.SETUP_REPLY, P.STOP, P.EVICTED}, self.loop.setup_timeout_s + self.loop.client_timeout_s)
         if reply.kind == P.EVICTED:  # evicted in an earlier attempt of this run (the checkpoint says)
             self._evicted(reply)
             return False
@@ -137,9 +132,7 @@ class Client:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
         self.layout = ParamLayout.of(self.task.get_parameters())
-        if self.cfg.privacy.secure_aggregation:
-            attack = self.site.attack if self.site.attack in attacks.RUNTIME_ATTACKS else None
-            self.secagg = SecAggSite(self.cfg, self.channel, self.layout.size, attack)
+        self.upload = upload_pipeline(self._fit, self.config, self.channel, self.layout, self.site.attack)
         if reply.header.get("layout") != self.layout.describe():
             raise FederationError(
                 f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes/"
@@ -160,43 +153,17 @@ class Client:
 
     def _train_and_upload(self, msg: Message) -> None:
         rnd = int(msg.header["round"])
-        self._load(msg)
-        if self.secagg is not None:
-            sent = self._layout.flatten(self.task.get_parameters())
-            try:
-                prepared = msg.header.get("secagg_prepared") is True  # keys shared in the last round
-                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg), prepared)
-            except Superseded as exc:  # the server went on without this site (a straggler): the next message
-                self._pending = exc.msg
-            return
-        params, num_examples, header = self._fit(msg)
-        copies = 1
-        if self.site.attack in attacks.RUNTIME_ATTACKS:
-            params, num_examples, copies = attacks.tamper(self.site.attack, params, self._received, num_examples)
-        header["num_examples"] = num_examples
-        tensors = P.params_tensors(self._layout.pack(params))
-        if self.site.attack in attacks.MALFORMED_ATTACKS and not self._misbehaved:
-            self._misbehaved = True  # once, then quiet
-            attacks.malformed_update(self.site.attack, header, tensors,
-                                     lambda h, t: self.channel.send(0, P.UPDATE, h, t))
-            return
-        for _ in range(copies):
-            self.channel.send(0, P.UPDATE, header, tensors)
-        if os.environ.get("HPCFED_FAULT_STOP_AFTER_UPLOAD") == f"{self.client_id + 1}:{rnd}":
-            # the test of a site paused between its upload and the next model (a preempted node)
-            log.warning("fault injection: rank %d stops itself after its upload of round %d", self.client_id + 1, rnd)
-            os.kill(os.getpid(), signal.SIGSTOP)
+        start = RoundStart(round=rnd, header=msg.header, received=self._load(msg),
+                           current_model=self.task.get_parameters)
+        try:
+            self._pipeline(start)
+        except Superseded as exc:  # the server went on without this site (a straggler): the next message
+            self._pending = exc.msg
 
-    def _fit_for_secagg(self, msg: Message) -> tuple[np.ndarray, int, dict[str, Any]]:
-        params, num_examples, header = self._fit(msg)
-        if self.site.attack in attacks.RUNTIME_ATTACKS:  # it tampers with its input before masking
-            params, num_examples, _ = attacks.tamper(self.site.attack, params, self._received, num_examples)
-        return self._layout.flatten(params), num_examples, header
-
-    def _fit(self, msg: Message) -> tuple[Params, int, dict[str, Any]]:
-        """Train on the model loaded from `msg`: the parameters, the examples and the upload's header
+    def _fit(self, start: RoundStart) -> Upload:
+        """Train on the model loaded for `start`: the parameters, the examples and the upload's header
         (round, versions, metrics, and the shard written when PARAMS asked for a checkpoint)."""
-        rnd = int(msg.header["round"])
+        rnd = start.round
         t0 = time.monotonic()
         result = self.task.fit(rnd)
         if self.slowdown > 1.0:
@@ -204,17 +171,17 @@ class Client:
             self._straggle((self.slowdown - 1.0) * (time.monotonic() - t0))
         metrics = dict(result.metrics)
         metrics["fit_time_s"] = time.monotonic() - t0
-        if self.cfg.eval_every > 0 and (rnd + 1) % self.cfg.eval_every == 0 and self.cfg.mode == "sync":
+        if self.loop.eval_every > 0 and (rnd + 1) % self.loop.eval_every == 0 and self.loop.mode == "sync":
             metrics.update(self.task.evaluate(rnd))
         self.client_version += 1
         num_examples = int(result.num_examples)
-        header: dict[str, Any] = {"round": rnd, "version": msg.header.get("version", 0),
+        header: dict[str, Any] = {"round": rnd, "version": start.header.get("version", 0),
                                   "client_version": self.client_version, "num_examples": num_examples,
                                   "metrics": {k: _json_number(v) for k, v in metrics.items()}}
-        if msg.header.get("checkpoint"):
+        if start.header.get("checkpoint"):
             # After fit, before upload: the state the resumed twin needs to continue bit-identically.
             header["shard"] = self._write_shard(rnd)
-        return self.task.get_parameters(), num_examples, header
+        return Upload(round=rnd, params=self.task.get_parameters(), num_examples=num_examples, header=header)
 
     def _write_shard(self, rnd: object) -> dict[str, Any]:
         from hpcfed.store import site_state
@@ -222,7 +189,7 @@ class Client:
         if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
             raise FederationError(f"client {self.client_id}: the server asked for a checkpoint of round {rnd!r}")
         path, digest = site_state.write_shard(self.state_dir, rnd, self.client_id, self.task.state_dict(),
-                                              self.state_auth, keep=self.cfg.keep_checkpoints)
+                                              self.state_auth, keep=self.loop.keep_checkpoints)
         return {"round": rnd, "digest": digest, "path": str(path)}
 
     def _final(self, msg: Message) -> None:
@@ -233,21 +200,21 @@ class Client:
             from hpcfed.credentials import state_file_auth
             from hpcfed.store.embeddings import seal_export
 
-            seal_export(path, state_file_auth(self.cfg.security, self.client_id + 1, "embeddings"))
+            seal_export(path, state_file_auth(self.config.security, self.client_id + 1, "embeddings"))
             log.info("client %d: embeddings written to %s", self.client_id, path)
         self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
                                         "cost": rank_cost(self.channel.stats),
                                         "export": str(path) if path else None})
 
-    def _load(self, msg: Message) -> None:
+    def _load(self, msg: Message) -> Params:
+        """Load the model `msg` carries into the task (checked against the layout); return it as received."""
         groups = P.params_groups(msg.tensors, self._layout.groups)
         wrong = self._layout.check_packed(groups)
         if wrong:
             raise FederationError(f"client {self.client_id}: the server sent a model of the wrong form ({wrong})")
         params = {k: np.array(v) for k, v in self._layout.unpack(groups).items()}
-        if self.site.attack in attacks.RUNTIME_ATTACKS:
-            self._received = {k: v.copy() for k, v in params.items()}
         self.task.set_parameters(params)
+        return params
 
     def _skip_stale(self, msg: Message) -> Message:
         """Work only on the newest instruction: a straggler (or an async client behind broadcasts)
@@ -280,6 +247,13 @@ class Client:
             raise _Stopped
 
     @property
+    def _pipeline(self) -> Pipeline:
+        """The upload pipeline, assembled once the setup exchange is done."""
+        if self.upload is None:
+            raise FederationError(f"client {self.client_id}: an upload before the setup exchange")
+        return self.upload
+
+    @property
     def _layout(self) -> ParamLayout:
         """The model's layout, known once the setup exchange is done."""
         if self.layout is None:
@@ -287,7 +261,7 @@ class Client:
         return self.layout
 
     def _wait(self, kinds: set[int], timeout: float | None = None) -> Message:
-        timeout = timeout or self.cfg.federation.client_timeout_s
+        timeout = timeout or self.loop.client_timeout_s
         msg = self.channel.recv(source=0, kinds=kinds, timeout=timeout)
         if msg is None:
             raise FederationError(
@@ -296,15 +270,15 @@ class Client:
         return msg
 
 
-def _record_dp(cfg: Config, rank: int) -> Any:
+def _record_dp(site: SiteSection, security: SecurityConfig, rank: int) -> Any:
     """The site's `privacy.record_dp` settings with its secret seed (its batches and noise), or None."""
-    if cfg.privacy.record_dp is None:
+    if site.record_dp is None:
         return None
     from hpcfed.credentials import secret_seed
     from hpcfed.privacy.record_dp import SiteSettings
 
-    seed = secret_seed(cfg.security, rank, "record-dp")
-    return SiteSettings(cfg.privacy.record_dp, cfg.rounds, seed, str(cfg.source))
+    seed = secret_seed(security, rank, "record-dp")
+    return SiteSettings(site.record_dp, site.rounds, seed, site.source)
 
 
 def _is_answer(msg: Message) -> bool:

@@ -3,9 +3,10 @@
 
 After PARAMS the site advertises two fresh X25519 keys (signed with its identity key in keys mode),
 checks its neighbours' adverts the server relays, shares its self-mask seed and mask key with them,
-trains, clips its delta, encodes it in fixed point with its weight, masks it and sends it; then it
-signs the survivor set the server sends (the consistency check) and, told who dropped and given its
-neighbours' signatures over the same set, reveals once, per neighbour, a seed share or a key share.
+trains (the stages upstream of this one clip its delta and encode it in fixed point with its weight:
+`hpcfed.client.privacy_stages`), masks that input and sends it; then it signs the survivor set the
+server sends (the consistency check) and, told who dropped and given its neighbours' signatures over
+the same set, reveals once, per neighbour, a seed share or a key share.
 Whatever the server relays is hostile: a bad advert (a forged signature), share, survivor set,
 consistency signature or unmask request makes the site refuse the round and leave, naming what was
 wrong; it never reveals both shares of one peer.
@@ -14,83 +15,71 @@ wrong; it never reveals both shares of one peer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hpcfed import protocol as P
-from hpcfed.client import attacks
+from hpcfed.client.upload import RoundStart, Stage, Superseded, Upload, Upstream
 from hpcfed.comm.api import Channel, Message
-from hpcfed.config import Config
+from hpcfed.config import SecurityConfig
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.secagg import ProtocolError, SiteState, round_graph
-from hpcfed.privacy.site_input import encode_update, spec_for
 
 log = logging.getLogger("hpcfed.client")
 
 # What ends a stage early: the server moved on (a newer round, the end), or evicted this site.
 _SUPERSEDING = frozenset({P.PARAMS, P.FINAL, P.STOP, P.EVICTED})
-# fit: () -> (the trained model as the float32 aggregation vector, num_examples, the upload header)
-Fit = Callable[[], tuple[np.ndarray, int, dict[str, Any]]]
 
 
-class Superseded(Exception):
-    """The server sent something else while a stage waited: the round is over for this site."""
+class SecAggSite(Stage):
+    """One site's side of secure aggregation, one round at a time: the upload stage that masks the
+    fixed-point input its upstream stages encoded (`hpcfed.client.privacy_stages`) and sends it in
+    place of UPDATE. Its keys are exchanged before the site trains (it calls `upstream` after them);
+    raises `Superseded` when the server moves on without this site, FederationError when it refuses."""
 
-    def __init__(self, msg: Message) -> None:
-        super().__init__(f"{P.NAMES.get(msg.kind, msg.kind)} arrived during secure aggregation")
-        self.msg = msg
-
-
-class SecAggSite:
-    """One site's side of secure aggregation, one round at a time."""
-
-    def __init__(self, cfg: Config, channel: Channel, size: int, attack: str | None = None) -> None:
+    def __init__(self, channel: Channel, size: int, *, security: SecurityConfig, degree: int | None,
+                 timeout_s: float) -> None:
         from hpcfed.credentials import secagg_identities
 
-        self.cfg, self.channel = cfg, channel
+        self.channel, self.timeout_s, self.degree = channel, timeout_s, degree
         self.site, self.num_sites = channel.rank - 1, channel.size - 1
         self.size = size + 1  # the weighted delta and the weight
-        self.identity, self.peer_keys = secagg_identities(cfg.security, channel.rank)
-        self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
-        self.uniform = cfg.strategy.options.get("weighting", "num_examples") == "uniform"
-        self.attack = attack  # a runtime attack (hpcfed.client.attacks) this malicious site plays on its input
+        self.identity, self.peer_keys = secagg_identities(security, channel.rank)
         self.next: SiteState | None = None  # the next round's keys, shared ahead with this round's unmasking
 
-    def round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False) -> None:
-        """Take part in round `rnd` whose model was `sent` (float32 aggregation vector); `prepared`: the
-        server says this round's keys and shares were exchanged in the last one. Raises `Superseded`
-        when the server moves on without this site, FederationError when it refuses."""
+    def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
+        """Take part in round `start.round`; PARAMS's ``secagg_prepared`` says this round's keys and shares
+        were exchanged in the last one."""
         try:
-            self._round(rnd, sent, fit, prepared)
+            return self._round(start, upstream)
         except ProtocolError as exc:
             raise FederationError(f"client {self.site} (rank {self.site + 1}): secure aggregation refused in "
-                                  f"round {rnd}: {exc}") from None
+                                  f"round {start.round}: {exc}") from None
 
-    def _round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False) -> None:
-        me, n = self.site, self.num_sites
+    def _round(self, start: RoundStart, upstream: Upstream) -> Upload:
+        rnd, me, n = start.round, self.site, self.num_sites
         state, self.next = self.next, None
-        if not prepared:
+        if start.header.get("secagg_prepared") is not True:
             state = self._setup(rnd)
         elif state is None or state.rnd != rnd or not state.adverts:
             raise ProtocolError(f"the server says round {rnd}'s keys were exchanged in round {rnd - 1}, but site "
                                 f"{me} shared none for it")
         relayed = self._wait(rnd, P.SA_SHARES_FOR)
         shares = W.parse_shares(me, relayed.header.get("from"), relayed.tensors, n, me, by_sender=True)
-        trained, num_examples, header = fit()
-        delta = np.subtract(trained, sent, dtype=np.float64)  # one pass, no float64 copies of the two
-        codes, within = self._input(delta, num_examples)
+        upload = upstream(start)  # train, [attack], delta, clip, [noise], encode
+        assert upload.codes is not None, "SecAggSite runs downstream of an encoding stage"
         # The example count travels masked only: the header keeps the metrics and the checkpoint shard.
-        clear: dict[str, Any] = {k: header[k] for k in ("metrics", "shard") if k in header}
-        clear["metrics"]["secagg_clipped"] = 0.0 if within else 1.0
+        clear: dict[str, Any] = {k: upload.header[k] for k in ("metrics", "shard") if k in upload.header}
+        clear["metrics"]["secagg_clipped"] = 0.0 if upload.within else 1.0
         nxt = self._state(rnd + 1)  # fresh keys for the next round, advertised with this round's input
         masked = {"round": rnd, **clear, "next_advert": W.advert_fields(nxt.advertise())}
-        y = state.masked_input(shares, codes)
-        for _ in range(attacks.FLOOD_COPIES if self.attack == "flood" else 1):
+        y = state.masked_input(shares, upload.codes)
+        for _ in range(upload.copies):
             self._send(P.SA_MASKED, masked, {W.MASKED_TENSOR: y})
         self._reveal(rnd, state, nxt)
+        return upload
 
     def _reveal(self, rnd: int, state: SiteState, nxt: SiteState) -> None:
         """Answer the unmask request of round `rnd`, and share `nxt`'s keys when it relays them."""
@@ -113,19 +102,8 @@ class SecAggSite:
         if self.next is not None:
             self.next.premask()  # while the server unmasks and sends the next model: off the round's path
 
-    def _input(self, delta: np.ndarray, num_examples: int) -> tuple[np.ndarray, bool]:
-        """The fixed-point input to mask and whether the delta was within C (a malicious site's
-        `attack` skips the clip and the count's bound: `attacks.unbounded_input`)."""
-        weight = 1 if self.uniform or self.spec.noise_std > 0 else num_examples
-        if self.attack is not None:
-            return attacks.unbounded_input(delta, weight, self.spec), False
-        if not 0 <= weight <= self.spec.max_examples:
-            raise FederationError(f"client {self.site}: {num_examples} training examples, outside 0.."
-                                  f"privacy.secagg.max_examples={self.spec.max_examples}; raise it on every rank")
-        return encode_update(delta, weight, self.spec)
-
     def _state(self, rnd: int) -> SiteState:
-        return SiteState(self.site, round_graph(self.num_sites, rnd, self.cfg.privacy.secagg.degree), self.size,
+        return SiteState(self.site, round_graph(self.num_sites, rnd, self.degree), self.size,
                          self.identity, self.peer_keys, rnd)
 
     def _setup(self, rnd: int) -> SiteState:
@@ -143,14 +121,14 @@ class SecAggSite:
 
     def _wait(self, rnd: int, kind: int) -> Message:
         """The server's `kind` message of round `rnd` (one of an earlier round is left unread)."""
-        timeout = self.cfg.federation.client_timeout_s
+        timeout = self.timeout_s
         while True:
             msg = self.channel.recv(source=0, kinds=_SUPERSEDING | {kind}, timeout=timeout)
             if msg is None:
                 raise FederationError(f"client {self.site} (rank {self.site + 1}): the server (rank 0) sent no "
                                       f"{P.NAMES[kind]} for {timeout:g} s (federation.client_timeout_s); leaving")
             if msg.kind != kind:
-                raise Superseded(msg)
+                raise Superseded(msg, "secure aggregation")
             if msg.header.get("round") == rnd:
                 return msg
             log.warning("client %d: %s for round %r during round %d, ignored", self.site, P.NAMES[kind],

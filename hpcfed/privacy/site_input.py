@@ -66,11 +66,18 @@ def encode_update(delta: np.ndarray, num_examples: int, spec: InputSpec) -> tupl
     factor is folded into the fixed-point pass: one float64 temporary, `delta` left as it is."""
     factor, within = clip_factor(delta, spec.clip_norm)
     if spec.noise_std > 0:
-        rng = np.random.default_rng(secrets.randbits(256))
-        noised = np.multiply(delta, factor, dtype=np.float64)
-        noised += rng.normal(0.0, spec.noise_std, noised.shape)
-        return masking.encode(noised, 1, spec.max_examples, spec.value_range, spec.levels), within
+        return masking.encode(noised(delta, factor, spec.noise_std), 1, spec.max_examples, spec.value_range,
+                              spec.levels), within
     return masking.encode(delta, num_examples, spec.max_examples, spec.value_range, spec.levels, factor), within
+
+
+def noised(delta: np.ndarray, factor: float, noise_std: float) -> np.ndarray:
+    """factor·delta plus N(0, noise_std²) per coordinate, float64: a site's share of distributed DP's
+    noise, from a generator seeded with 256 fresh bits from the OS (nobody else can regenerate it)."""
+    rng = np.random.default_rng(secrets.randbits(256))
+    out = np.multiply(delta, factor, dtype=np.float64)
+    out += rng.normal(0.0, noise_std, out.shape)
+    return out
 
 
 def decode_sum(total: np.ndarray, count: int, spec: InputSpec) -> tuple[np.ndarray, int]:

@@ -1,6 +1,8 @@
 """A site's side of secure aggregation (hpcfed.client.secagg) against a hostile server, over a real
 sealed channel on the in-process transport: the test plays rank 0 and two honest peers (protocol
-state machines with their own Ed25519 identities, keys mode), the site under test runs in a thread.
+state machines with their own Ed25519 identities, keys mode), the site under test runs in a thread,
+its upload pipeline as `hpcfed.client.assemble` builds it under secure aggregation (delta, clip,
+encode, mask and send).
 
 - The next round's agreement keys, relayed with this round's unmask request, one with a bad
   signature: the site refuses, naming the peer whose key it is, and shares nothing for that round.
@@ -20,15 +22,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hpcfed import protocol as P
+from hpcfed.client.privacy_stages import Clip, Delta, Encode
 from hpcfed.client.secagg import SecAggSite
+from hpcfed.client.upload import Pipeline, RoundStart, Upload
 from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.transport import InProcTransport
-from hpcfed.config import from_mapping
+from hpcfed.config import PrivacyConfig, SecurityConfig
 from hpcfed.errors import FederationError
+from hpcfed.params import ParamLayout
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.secagg import Advert, SiteState, consistency_bytes, round_graph
 from hpcfed.privacy.secagg_server import ServerState
+from hpcfed.privacy.site_input import spec_for
 
 K, SIZE = 3, 5  # three sites: site 0 is the one under test, 1 and 2 are played by the test
 PSK = bytes(range(32))
@@ -48,12 +54,22 @@ def _channels() -> tuple[SecureChannel, SecureChannel]:
 
 
 def _site(channel: SecureChannel, ids: dict[int, Ed25519PrivateKey]) -> SecAggSite:
-    cfg = from_mapping({"rounds": 2, "task": {"name": "synthetic"}, "influence": {"enabled": False},
-                        "federation": {"client_timeout_s": 20}, "privacy": {"secure_aggregation": True}})
-    site = SecAggSite(cfg, channel, SIZE)
+    site = SecAggSite(channel, SIZE, security=SecurityConfig(), degree=None, timeout_s=20)
     site.identity = ids[0]  # keys mode, as `credentials.secagg_identities` loads it from the key files
     site.peer_keys = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
     return site
+
+
+def _round(site: SecAggSite, rnd: int, sent: np.ndarray, trained: np.ndarray, num_examples: int,
+           prepared: bool = False) -> None:
+    """One round of the site's upload pipeline: `trained` from `sent`, then delta, clip, encode, mask, send."""
+    layout = ParamLayout.of({"w": sent})
+    spec = spec_for(PrivacyConfig(secure_aggregation=True), K, 1.0)
+    pipeline = Pipeline(lambda start: Upload(round=rnd, params={"w": trained}, num_examples=num_examples,
+                                             header={"metrics": {}}),
+                        [Delta(layout), Clip(spec.clip_norm), Encode(spec, False, 0), site])
+    pipeline(RoundStart(round=rnd, header={"secagg_prepared": prepared}, received={"w": sent},
+                        current_model=lambda: {"w": sent}))
 
 
 def _in_thread(fn: Any) -> tuple[threading.Thread, list[BaseException]]:
@@ -83,7 +99,7 @@ def test_a_bad_signature_relayed_with_the_unmask_request_is_refused_naming_the_s
     pubs = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
     site = _site(channel, ids)
     sent = np.zeros(SIZE, np.float32)
-    thread, errors = _in_thread(lambda: site.round(0, sent, lambda: (sent + 0.01, 10, {"metrics": {}})))
+    thread, errors = _in_thread(lambda: _round(site, 0, sent, sent + 0.01, 10))
     graph = round_graph(K, 0)
     state = ServerState(graph, SIZE + 1, 0)
     peers = {u: SiteState(u, graph, SIZE + 1, ids[u], pubs, 0) for u in (1, 2)}
@@ -131,5 +147,5 @@ def test_a_server_that_claims_the_keys_were_exchanged_ahead_when_they_were_not_i
     sent = np.zeros(SIZE, np.float32)
     with pytest.raises(FederationError, match=r"round 3: the server says round 3's keys were exchanged in round 2, "
                                               r"but site 0 shared none for it"):
-        site.round(3, sent, lambda: (sent, 1, {"metrics": {}}), prepared=True)
+        _round(site, 3, sent, sent, 1, prepared=True)
     assert server.recv(source=1, timeout=0.2) is None  # nothing was sent

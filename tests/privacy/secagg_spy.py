@@ -59,9 +59,10 @@ def _kills() -> tuple[dict[int, str], int, float]:
 
 def _spy_site(out: Path, client: int, silent: int, silent_s: float) -> None:
     from hpcfed import protocol as P
-    from hpcfed.client import secagg
+    from hpcfed.client import privacy_stages, secagg
+    from hpcfed.client.upload import RoundStart, Upload, Upstream
 
-    encode, fit_round, send = secagg.encode_update, secagg.SecAggSite._round, secagg.SecAggSite._send
+    encode, send = privacy_stages.Encode.__call__, secagg.SecAggSite._send
     kills, kill_round, hold_s = _kills()
 
     def send_(self: secagg.SecAggSite, kind: int, header: dict, tensors: dict | None = None) -> None:
@@ -71,27 +72,21 @@ def _spy_site(out: Path, client: int, silent: int, silent_s: float) -> None:
         if kind == P.SA_MASKED and kills.get(client) == "after" and header.get("round") == kill_round:
             os.kill(os.getpid(), signal.SIGKILL)  # its masked input is on its way; the unmasking is not
 
-    current: dict[str, object] = {}
-
-    def round_(self: secagg.SecAggSite, rnd: int, sent: np.ndarray, fit: secagg.Fit, prepared: bool = False) -> None:
-        current.update(rnd=rnd, sent=np.array(sent))
-        fit_round(self, rnd, sent, fit, prepared)
-
-    def encode_update(delta: np.ndarray, weight: int, spec: object) -> tuple[np.ndarray, bool]:
-        codes, within = encode(delta, weight, spec)  # type: ignore[arg-type]
-        rnd = current["rnd"]
-        np.savez(out / f"site{client}-r{rnd}.npz", sent=current["sent"], delta=delta, weight=weight, codes=codes)
+    def encode_(self: privacy_stages.Encode, start: RoundStart, upstream: Upstream) -> Upload:
+        upload = encode(self, start, upstream)
+        rnd = start.round
+        np.savez(out / f"site{client}-r{rnd}.npz", sent=upload.sent, delta=upload.delta, weight=self.weight(upload),
+                 codes=upload.codes)
         if client == silent and rnd == 0:
             time.sleep(silent_s)  # keys shared, masked input late: the server must go on without it
         if rnd == kill_round and kills.get(client) == "before":
             os.kill(os.getpid(), signal.SIGKILL)  # keys shared, no masked input
         if rnd == kill_round and kills and client not in kills:
             time.sleep(hold_s)  # the survivors mask once rank 0 has seen both sites die
-        return codes, within
+        return upload
 
-    secagg.SecAggSite._round = round_  # type: ignore[method-assign]
+    privacy_stages.Encode.__call__ = encode_  # type: ignore[method-assign]  # the spy's whole point
     secagg.SecAggSite._send = send_  # type: ignore[method-assign]
-    secagg.encode_update = encode_update  # type: ignore[assignment]
 
 
 def main() -> None:
