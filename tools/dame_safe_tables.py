@@ -11,7 +11,8 @@ for every seed under ``OUT/METHOD/seedS`` with `dame_tables.run_one`, then write
   minus FedAvg paired by seed (mean, worst seed);
 - the goals: DAMe ≥ Local − 0.01 on every site; DAMe ahead of FedAvg; DAMe above Local on the sites
   named by ``--shared`` (the sites whose events other sites also hold);
-- what the safe DAMe kept per site (personalised or Local, over seeds) and its ``vs_local_nmi``;
+- what the safe DAMe kept per site (personalised or Local, over seeds) and its ``vs_local_nmi`` (the
+  delivered model minus Local);
 - per site and method, the mean over seeds and rounds of GLECC's weight α (``train_alpha``), GLECC's loss,
   BOLA's λ (rounds ≥ 1), the share of rounds GLECC ran (safe DAMe's gate) and the last round's validation NMI.
 
@@ -124,7 +125,7 @@ def tables(args: argparse.Namespace, runs: dict[str, dict[int, dict]]) -> str:
         vs = [np.mean([float(s["clients"][str(c)].get("vs_local_nmi", np.nan)) for s in by]) for c in range(k)]
         parts.append("| kept a model other than Local | " + " | ".join(f"{x} of {len(by)}" for x in kept) + " |")
         parts.append("| of which the cluster model | " + " | ".join(f"{x}" for x in cluster) + " |")
-        parts.append("| DAMe's model − Local (`vs_local_nmi`) | " + " | ".join(f"{v:+.3f}" for v in vs) + " |")
+        parts.append("| delivered model − Local (`vs_local_nmi`) | " + " | ".join(f"{v:+.3f}" for v in vs) + " |")
         for key, label in (("personal_nmi", "personalised − Local"), ("cluster_nmi", "cluster model − Local")):
             parts.append(f"| {label}, test | " + " | ".join(
                 "–" if not np.isfinite(v) else f"{v:+.3f}" for v in mean_diff(key)) + " |")

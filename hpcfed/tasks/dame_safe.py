@@ -16,7 +16,8 @@ nothing let a site fall back to training alone. The rules (evidence in docs/dame
    also trains a shadow Local model on the same seeded batches as ``method=local`` (so it is that
    model, bit for bit). At the end the personalised model is kept only if its validation NMI (mean
    of ``eval_repeats`` embeddings) beats the Local model's by more than ``task.select_margin``; the
-   site reports both models' test NMI, and their difference, in its final metrics. The Local
+   site reports every candidate's test NMI, the delivered model minus Local (``vs_local_nmi``, 0 where
+   it kept Local) and the best other candidate minus Local (``candidate_vs_local_nmi``). The Local
    candidate is Local's final model, not its best round on validation: a per-round snapshot chosen
    on one embedding of a small validation split picked an undertrained round-0 model (docs/dame.md).
 4. **A cluster model is uploaded and is a third candidate** (``task.cluster_track``, on for
@@ -92,11 +93,18 @@ def selection_report(val: dict[str, float], chosen: str) -> dict[str, float]:
     return report
 
 
-def vs_local(val: dict[str, float], test: dict[str, float]) -> float:
-    """The one figure a site reports: DAMe's model (the better non-Local candidate on validation) minus
-    Local, test NMI; 0 when no other candidate has a finite validation score."""
-    dame = choose_final(-math.inf, [(n, v) for n, v in val.items() if n != "local"])
-    return test[dame] - test["local"] if dame != "local" else 0.0
+def vs_local(test: dict[str, float], chosen: str) -> float:
+    """The one figure a site reports (``vs_local_nmi``): the model it delivered minus Local, test NMI;
+    exactly 0 where the site kept Local."""
+    return test[chosen] - test["local"] if chosen != "local" else 0.0
+
+
+def candidate_vs_local(val: dict[str, float], test: dict[str, float]) -> float | None:
+    """``candidate_vs_local_nmi``: the best non-Local candidate on validation minus Local, test NMI, kept
+    or not (where the site kept Local, what the rejected candidate would have scored); None if no other
+    candidate has a finite validation score."""
+    best = choose_final(-math.inf, [(n, v) for n, v in val.items() if n != "local"])
+    return test[best] - test["local"] if best != "local" else None
 
 
 class Track:
@@ -132,22 +140,33 @@ class Track:
 
 
 def closing_lines(summary: dict[str, Any]) -> list[str]:
-    """The console's per-site line after ``done:``: DAMe's model (personalised, or the cluster model where
-    that scored higher on validation) minus the site's own Local model, test NMI, and what the site kept."""
+    """The console's per-site line after ``done:``: the model each site delivered minus its own Local
+    model, test NMI (0 where it kept Local), what it kept, and where it kept Local the rejected
+    candidate's figure under its own name."""
     clients = summary.get("clients")
     if not isinstance(clients, dict):
         return []
     parts = []
     for cid in sorted(clients, key=lambda c: int(c) if str(c).isdigit() else 0):
         site = clients[cid]
-        figure = site.get("vs_local_nmi") if isinstance(site, dict) else None
-        if not isinstance(figure, (int, float)) or isinstance(figure, bool) or not math.isfinite(figure):
+        figure = _finite(site.get("vs_local_nmi")) if isinstance(site, dict) else None
+        if figure is None:
             continue  # a site that sent none (dame-paper, a late or hostile site): nothing to say
         kept = ("kept cluster model" if site.get("kept_cluster") == 1.0
                 else "kept personalised" if site.get("kept_personal") == 1.0 else "kept local")
+        rejected = _finite(site.get("candidate_vs_local_nmi"))
+        if kept == "kept local" and rejected is not None:
+            kept += f"; rejected candidate {rejected:+.3f}"
         parts.append(f"site {cid} {figure:+.3f} ({kept})")
     if not parts:
         return []
-    return ["DAMe's model minus each site's own Local model (the candidate it was validated against), test NMI: "
+    return ["Delivered model minus each site's own Local model, test NMI (0 where it kept Local): "
             + "; ".join(parts)
-            + " (summary.json: clients.K.vs_local_nmi)"]
+            + " (summary.json: clients.K.vs_local_nmi, candidate_vs_local_nmi)"]
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite number (not a bool), else None: summary.json is read back."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None

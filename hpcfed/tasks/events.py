@@ -441,7 +441,10 @@ class EventsTask(Task):
             test = {name: self._scores(m, self.test_idx, 43)["nmi"] for name, m in self.final[1].items()}
             val = {name: self.final[2][f"val_{name}_nmi"] for name in test}
             out.update(self.final[2], **{f"{name}_nmi": v for name, v in test.items()})
-            out["vs_local_nmi"] = safe.vs_local(val, test)
+            chosen = next(name for name, m in self.final[1].items() if m is self.final[0])
+            out["vs_local_nmi"] = safe.vs_local(test, chosen)  # what the site delivered, 0 if it kept Local
+            if (candidate := safe.candidate_vs_local(val, test)) is not None:
+                out["candidate_vs_local_nmi"] = candidate
         out["num_test"] = float(len(self.test_idx))
         out["num_events"] = float(len(np.unique(self.labels[self.test_idx])))
         return out

@@ -53,13 +53,17 @@ def test_bola_scores_the_local_anchor_first_and_ties_go_to_the_local_side():
 
 
 def test_closing_line_one_figure_per_site():
-    summary = {"clients": {"0": {"nmi": 0.8, "vs_local_nmi": -0.031, "kept_personal": 0.0},
-                           "1": {"nmi": 0.9, "vs_local_nmi": 0.0125, "kept_personal": 1.0},
+    summary = {"clients": {"0": {"nmi": 0.8, "vs_local_nmi": 0.0, "candidate_vs_local_nmi": -0.031,
+                                 "kept_personal": 0.0},
+                           "1": {"nmi": 0.9, "vs_local_nmi": 0.0125, "candidate_vs_local_nmi": 0.0125,
+                                 "kept_personal": 1.0},
                            "2": {"nmi": 0.7},
                            "3": {"nmi": 0.9, "vs_local_nmi": 0.02, "kept_personal": 1.0, "kept_cluster": 1.0}}}
     (line,) = closing_lines(summary)
-    assert "site 0 -0.031 (kept local); site 1 +0.013 (kept personalised)" in line and "site 2" not in line
-    assert "site 3 +0.020 (kept cluster model)" in line
+    # the figure is what the site delivered; a rejected candidate is named as such, never as the delivered one
+    assert line.startswith("Delivered model minus each site's own Local model")
+    assert "site 0 +0.000 (kept local; rejected candidate -0.031); site 1 +0.013 (kept personalised)" in line
+    assert "site 2" not in line and "site 3 +0.020 (kept cluster model)" in line
     assert closing_lines({"clients": {"0": {"nmi": 0.5}}}) == []
     hostile = {"clients": {"0": "x", "1": {"vs_local_nmi": "1e9"}, "2": {"vs_local_nmi": math.nan},
                            "3": {"vs_local_nmi": True}, "4": {"vs_local_nmi": 0.5, "kept_personal": "yes"}}}
@@ -89,8 +93,9 @@ def test_shadow_is_method_local_bit_for_bit_and_the_gate_and_selection_report(tm
     final = safe.evaluate(1, final=True)
     assert {"personal_nmi", "local_nmi", "vs_local_nmi", "kept_personal", "val_personal_nmi",
             "val_local_nmi"} <= set(final)
-    assert final["vs_local_nmi"] == pytest.approx(final["personal_nmi"] - final["local_nmi"])
+    assert final["candidate_vs_local_nmi"] == pytest.approx(final["personal_nmi"] - final["local_nmi"])
     assert final["nmi"] == (final["personal_nmi"] if final["kept_personal"] else final["local_nmi"])
+    assert final["vs_local_nmi"] == pytest.approx(final["nmi"] - final["local_nmi"])  # what was delivered
     assert final["kept_personal"] == float(final["val_personal_nmi"] > final["val_local_nmi"])
     state = safe.state_dict()
     again = make_task(tmp_path, safe=True, bola_calls=2)
@@ -144,7 +149,8 @@ def test_cluster_track_uploads_theta_g_trained_as_fedavg_and_is_a_final_candidat
     chosen = ("cluster" if final["kept_cluster"] else "personal" if final["kept_personal"] else "local")
     assert final["nmi"] == final[f"{chosen}_nmi"]
     dame = "cluster" if final["val_cluster_nmi"] > final["val_personal_nmi"] else "personal"
-    assert final["vs_local_nmi"] == pytest.approx(final[f"{dame}_nmi"] - final["local_nmi"])
+    assert final["candidate_vs_local_nmi"] == pytest.approx(final[f"{dame}_nmi"] - final["local_nmi"])
+    assert final["vs_local_nmi"] == (final[f"{chosen}_nmi"] - final["local_nmi"] if chosen != "local" else 0.0)
 
 
 def test_cluster_track_needs_the_safe_dame():
@@ -217,6 +223,9 @@ def test_a_saved_model_vector_of_the_wrong_size_is_refused_by_name(tmp_path, key
 
 def test_closing_line_reads_a_hostile_kept_cluster_as_not_kept():
     summary = {"clients": {"0": {"vs_local_nmi": 0.01, "kept_personal": 1.0, "kept_cluster": "yes"},
-                           "1": {"vs_local_nmi": 0.02, "kept_personal": 0.0, "kept_cluster": [1.0]}}}
+                           "1": {"vs_local_nmi": 0.02, "kept_personal": 0.0, "kept_cluster": [1.0],
+                                 "candidate_vs_local_nmi": "-1"},
+                           "2": {"vs_local_nmi": 0.0, "candidate_vs_local_nmi": math.inf}}}
     (line,) = closing_lines(summary)
     assert "site 0 +0.010 (kept personalised)" in line and "site 1 +0.020 (kept local)" in line
+    assert "site 2 +0.000 (kept local)" in line and "rejected" not in line  # no finite number: not said
