@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
