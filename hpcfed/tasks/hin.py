@@ -75,6 +75,9 @@ class HINTask(Task):
         "centralized": MethodPreset(strategy="fedavg", task_options={"partition": "none"}, num_clients=1),
     }
 
+    evaluation_note = ("each site's validation Micro-F1 per round is in metrics.jsonl (val_micro_f1; in "
+                       "asynchronous runs received_val_micro_f1, from the uploads)")
+
     @dataclass(kw_only=True)
     class Config:
         dataset: str = "synthetic"  # synthetic | hin/acm | hin/aminer | a HeCo-layout folder | path/to/graph.npz

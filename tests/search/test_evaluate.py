@@ -106,3 +106,23 @@ def test_cross_site_label_figures_compare_names_not_numbers(tmp_path: Path) -> N
                  extra={"label_names": json.dumps(["flood", "quake"])})  # ...once site 1 numbers them its way
     same = score(None, swapped, mode="nomapping", k=1, write_summary=False)
     assert same["cross_site_label_precision_at_1"] == 1.0 and same["label_precision_at_1"] == 1.0
+
+
+@pytest.mark.usefixtures("own_keys")
+def test_search_query_picks_the_mode_and_index_says_how_to_verify(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40: `search query` on a DAMe run refused the joint default, naming --mode nomapping; it now
+    picks it as `hpcfed eval` does. `search index` printed "export_verified": false with no hint."""
+    from hpcfed.credentials import job_key_path
+
+    _, fed = _runs(tmp_path, model="dame-gat")
+    assert cli_main(["search", "query", str(fed), "--id", "d0", "--k", "3", "--compact"]) == 0
+    assert json.loads(capsys.readouterr().out)["queries"][0]["mode"] == "nomapping"
+    assert cli_main(["search", "index", str(fed), "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["indexes"][0]["export_verified"] is False and "HPCFED_STATE_KEY" in out["hint"]
+    key = job_key_path(fed)
+    key.parent.mkdir(parents=True, exist_ok=True)
+    key.write_text("ab" * 32)
+    assert cli_main(["search", "index", str(fed), "--quiet", "--force"]) == 0
+    assert f"export HPCFED_STATE_KEY=$(cat {key})" in json.loads(capsys.readouterr().out)["hint"]
