@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         _search_options(q)
         if name != "serve":
             q.add_argument("--id", action="append", default=[], help="query by the id of a document/node (repeatable)")
-            q.add_argument("--text", action="append", default=[], help="query by new text (doc2vec; repeatable)")
+            q.add_argument("--text", action="append", default=[],
+                           help="query by new text (doc2vec; repeatable). Rough: a short text's inferred vector "
+                                "often lands off-topic; prefer --id, raise --infer-epochs (docs/seec.md)")
             q.add_argument("--ids-file", default=None, help="file of ids to query, one per line")
             q.add_argument("--texts-file", default=None, help="file of texts to query, one per line (doc2vec)")
             q.add_argument("--home", default="0", help="site that vectorises --text queries (default 0)")
