@@ -44,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         if name != "serve":
             q.add_argument("--id", action="append", default=[], help="query by the id of a document/node (repeatable)")
             q.add_argument("--text", action="append", default=[],
-                           help="query by new text (doc2vec; repeatable). Rough: a short text's inferred vector "
-                                "often lands off-topic; prefer --id, raise --infer-epochs (docs/seec.md)")
+                           help="query by new text (doc2vec; repeatable). Rough: a 25-word sentence found its "
+                                "class in 1 of 8 answers on 20NG; prefer --id, use --infer-epochs 400 (docs/seec.md)")
             q.add_argument("--ids-file", default=None, help="file of ids to query, one per line")
             q.add_argument("--texts-file", default=None, help="file of texts to query, one per line (doc2vec)")
             q.add_argument("--home", default="0", help="site that vectorises --text queries (default 0)")
