@@ -6,7 +6,7 @@
     hpcfed keygen PATH
     hpcfed inspect FILE.h5
     hpcfed bench comm [--json]
-    hpcfed data import-hin|import-messages ...
+    hpcfed data import-docs|import-hin|import-messages ...
     hpcfed search ... / hpcfed eval RUN [--central RUN] / hpcfed report DIR
     hpcfed new DIR [--template torch|lora]
 
@@ -26,6 +26,7 @@ from collections.abc import Callable
 DATA_COMMANDS: dict[str, str] = {
     "verify": "hpcfed.data.manifest:verify_main",
     "fetch": "hpcfed.data.manifest:fetch_main",
+    "import-docs": "hpcfed.data.docs_import:main",
     "import-hin": "hpcfed.data.hin_import:import_main",
     "import-messages": "hpcfed.data.messages_import:main",
 }

@@ -122,6 +122,14 @@ def secagg_identities(sec: SecurityConfig, rank: int) -> tuple[Ed25519PrivateKey
     return load_identity(_expand(sec.identity, rank)), {r - 1: public_raw(key) for r, key in peers.items()}
 
 
+def job_key_path(out_dir: Path) -> Path:
+    """Where `job_psk` keeps the key of the run in `out_dir` (whether or not it exists)."""
+    import hashlib
+
+    keys = Path(os.environ.get("HPCFED_KEYS_DIR") or Path.home() / ".hpcfed" / "keys").expanduser()
+    return keys / hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:24]
+
+
 def job_psk(out_dir: Path, resume: bool) -> str:
     """The PSK of a job launched with `hpcfed run --np` and no key of its own.
 
@@ -129,12 +137,10 @@ def job_psk(out_dir: Path, resume: bool) -> str:
     run directory would let whoever can write there forge one. So the key lives in a user-private
     file outside it, ``$HPCFED_KEYS_DIR`` (default ``~/.hpcfed/keys``)/<run id> (mode 0600), where the
     run id is a hash of the run directory's real path: --resume finds it, a fresh run replaces it."""
-    import hashlib
     import secrets
 
-    keys = Path(os.environ.get("HPCFED_KEYS_DIR") or Path.home() / ".hpcfed" / "keys").expanduser()
-    run_id = hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:24]
-    path = keys / run_id
+    path = job_key_path(out_dir)
+    keys = path.parent
     if resume and path.is_file():
         text = path.read_text().strip()
         try:

@@ -138,8 +138,20 @@ def site_names(summary: dict[str, Any] | None) -> dict[int, str]:
     for key in ("site_names", "sites"):
         names = options.get(key)
         if isinstance(names, list) and all(isinstance(n, str) for n in names):
-            return {k: n[:80] for k, n in enumerate(names)}
+            return {k: (n if key == "site_names" else short_site(n))[:80] for k, n in enumerate(names)}
     return {}
+
+
+_FILE_SITE = re.compile(r"^(.*?\.(?:parquet|jsonl|ndjson|json|csv|tsv|npz|txt))(.*)$", re.IGNORECASE)
+
+
+def short_site(name: str) -> str:
+    """A site's dataset as a legend shows it: a file's name without its folders, its selector kept
+    (``/data/runs/c6.parquet:1/3`` -> ``c6.parquet:1/3``); a built-in name as it is."""
+    m = _FILE_SITE.match(name)
+    if m:
+        return Path(m.group(1)).name + m.group(2)
+    return Path(name).name if name.startswith(("/", "~", ".")) else name
 
 
 # Metric names that are scores: higher is better, or lower for the LOWER ones. Anything else

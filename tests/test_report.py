@@ -145,3 +145,15 @@ def test_sites_are_named_and_only_scores_are_ranked(tmp_path):
     assert "| bola_lambda | site 0 (crisislext26:1/2) | 3 | 0.2 | 2 | – | – |" in text  # a weight: not ranked
     assert "| val_nmi | site 1 (arabic) | 3 | 0.5 | 2 | 0.6 | 1 |" in text
     assert "| train_loss | site 0 (crisislext26:1/2) | 3 | 0.8 | 2 | 0.8 | 2 |" in text
+
+
+def test_site_legends_show_a_files_name_not_its_folders():
+    """Issue 40: legends showed full absolute parquet paths as site names."""
+    from hpcfed.report import site_names
+
+    sites = ["/home/u/data/c6.parquet:1/3", "./x/tweets.jsonl~flood%1/2", "crisislext26~quake", "/data/my_site"]
+    summary = {"config": {"task": {"options": {"sites": sites}}}}
+    assert site_names(summary) == {0: "c6.parquet:1/3", 1: "tweets.jsonl~flood%1/2", 2: "crisislext26~quake",
+                                   3: "my_site"}
+    named = {"config": {"task": {"options": {"site_names": ["/as/the/user/wrote"], "sites": sites}}}}
+    assert site_names(named) == {0: "/as/the/user/wrote"}  # names the user gave are kept

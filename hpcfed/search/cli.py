@@ -1,7 +1,7 @@
 """``hpcfed search``: cross-site semantic search over per-site HDF5 exports.
 
     hpcfed search query RUN (--id ID | --text TEXT [--home S] | --ids-file F | --texts-file F)
-                            [--mode joint|mapping|nomapping] [--k 10] [--jsonl] [--exact] [--where KEY=VALUE]
+                            [--mode auto|joint|mapping|nomapping] [--k 10] [--jsonl] [--exact] [--where KEY=VALUE]
     mpiexec -n K+1 python -m hpcfed search live RUN (--id ID | --text TEXT [--home S]) [...]
     hpcfed search index RUN [--kind auto|flat|ivf|hnsw] [--compress auto|none|int8|pq]
     hpcfed search serve RUN [--host 127.0.0.1] [--port 8765] [--token-file F]
@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         _search_options(q)
         if name != "serve":
             q.add_argument("--id", action="append", default=[], help="query by the id of a document/node (repeatable)")
-            q.add_argument("--text", action="append", default=[], help="query by new text (doc2vec; repeatable)")
+            q.add_argument("--text", action="append", default=[],
+                           help="query by new text (doc2vec; repeatable). Rough: a 25-word sentence found its "
+                                "class in 1 of 8 answers on 20NG; prefer --id, use --infer-epochs 400 (docs/seec.md)")
             q.add_argument("--ids-file", default=None, help="file of ids to query, one per line")
             q.add_argument("--texts-file", default=None, help="file of texts to query, one per line (doc2vec)")
             q.add_argument("--home", default="0", help="site that vectorises --text queries (default 0)")
@@ -81,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _search_options(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--mode", choices=["joint", "mapping", "nomapping"], default="joint")
+    q.add_argument("--mode", choices=["auto", "joint", "mapping", "nomapping"], default="auto",
+                   help="auto (default): what the run was made for, as `hpcfed eval` picks it (docs/seec.md)")
     q.add_argument("--merge", choices=list(MERGES), default="score", help=MERGE_HELP)
     q.add_argument("--entity", default=None, help="export entity (default: the first, e.g. doc or node)")
     q.add_argument("--models", default=None, help="folder of site<k>.h5 models (default RUN/models)")
@@ -147,6 +150,10 @@ def main(argv: list[str]) -> int:
         args.text += read_lines(args.texts_file, "text") if args.texts_file else []
     if not args.id and not args.text:
         raise ValueError("give a query: --id ID, --text TEXT, --ids-file FILE or --texts-file FILE")
+    if args.mode == "auto":  # mapping for a mapping run with mappers, nomapping for spaces of their own, else joint
+        from hpcfed.search.evaluate import auto_mode
+
+        args.mode = auto_mode(Path(args.exports), Path(args.mappers) if args.mappers else None, args.entity)
     if args.action == "live":
         from hpcfed.search.live import run_live
 
@@ -205,5 +212,21 @@ def _index(args: argparse.Namespace) -> int:
         built = build_index(path, entity=args.entity, spec=spec, site=site, block_bytes=args.read_mib << 20,
                             progress=not args.quiet)
         report.append({**built, "status": "built"})
-    print(json.dumps({"indexes": report}, indent=2))
+    out: dict[str, object] = {"indexes": report}
+    if any(r.get("export_verified") is False for r in report):
+        out["hint"] = export_key_hint(Path(args.exports))
+    print(json.dumps(out, indent=2))
     return 0
+
+
+def export_key_hint(exports: Path) -> str:
+    """What "export_verified": false means and how to verify: the key of the job that wrote the exports."""
+    from hpcfed.credentials import job_key_path
+
+    run = exports if (exports / "embeddings").is_dir() else exports.parent
+    key = job_key_path(run)
+    where = (f"; `hpcfed run --np` made this run's key: export HPCFED_STATE_KEY=$(cat {key})" if key.is_file()
+             else "; a `hpcfed run --np` run without HPCFED_PSK keeps its key in ~/.hpcfed/keys/ (README: "
+                  "Where the key lives)")
+    return ("export_verified false: each export's checksum was checked, not its tag (who wrote it); set "
+            "HPCFED_STATE_KEY to the PSK of the job that wrote the exports" + where)

@@ -16,7 +16,9 @@ With ``--central`` (a run of the same documents on one site, ``method=centralize
 ``central_label_precision_at_k`` and ``cross_site_sim_k`` (the other sites' answers against the
 central top-k among those sites' documents). The figures go into RUN/summary.json (``sim_k[name]``
 and, for the default merge, ``sim_10`` / ``label_precision_at_10`` with a ``_<mode>`` suffix when
-the mode is not joint) unless ``--no-write``. ``--mode auto`` (the default) is ``mapping`` for a
+the mode is not joint) unless ``--no-write``. Labels are compared by name where the exports name them
+(``label_names``: DAMe's events, a corpus's classes), since each site numbers its own labels from 0;
+by number only where an export names none. ``--mode auto`` (the default) is ``mapping`` for a
 doc2vec mapping run with mappers, ``nomapping`` for sites with spaces of their own, else ``joint``.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,7 @@ def score(central: Path | None, fed: Path, *, mode: str = "joint", k: int = 10, 
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
     cidx: SiteIndex | None = None
+    central_key: LabelKey | None = None
     if central is not None:
         central_search = GlobalSearch.from_folder(central, entity=entity, exact=True)  # the reference: no index
         if len(central_search.indexes) != 1:
@@ -61,6 +65,7 @@ def score(central: Path | None, fed: Path, *, mode: str = "joint", k: int = 10, 
         only = next(iter(central_search.indexes.values()))
         assert isinstance(only, SiteIndex)  # exact=True opens every export as a SiteIndex
         cidx = only
+        central_key = label_key(central_search)
     # the mode is chosen on purpose here, so a joint search over sites' own spaces is allowed
     fed_search = GlobalSearch.from_folder(fed, entity=entity, mode=mode, mappers_dir=mappers_dir, merge=merge,
                                           exact=True, force=True)
@@ -73,7 +78,7 @@ def score(central: Path | None, fed: Path, *, mode: str = "joint", k: int = 10, 
             if share < len(ids):
                 ids = [ids[i] for i in sorted(rng.choice(len(ids), share, replace=False))]
         if ids:
-            _score_site(acc, fed_search, cidx, home, ids, k, merge)
+            _score_site(acc, fed_search, (cidx, central_key), home, ids, k, merge)
     if central is not None and not acc.labels:
         raise ValueError(f"{fed} and --central {central} share no document id; were they run on the same corpus?")
     result = acc.result(k, cidx is not None)
@@ -87,15 +92,15 @@ class _Figures:
     """What the queries of all sites add up to."""
 
     def __init__(self) -> None:
-        self.labels: list[int] = []
+        self.labels: list[Hashable] = []
         self.fed_ids: list[list[str]] = []
-        self.fed_labels: list[list[int]] = []
+        self.fed_labels: list[list[Hashable]] = []
         self.central_ids: list[list[str]] = []
-        self.central_labels: list[list[int]] = []
+        self.central_labels: list[list[Hashable]] = []
         self.remote_share: list[float] = []
-        self.x_labels: list[int] = []
+        self.x_labels: list[Hashable] = []
         self.x_fed_ids: list[list[str]] = []
-        self.x_fed_labels: list[list[int]] = []
+        self.x_fed_labels: list[list[Hashable]] = []
         self.x_central_ids: list[list[str]] = []
 
     def result(self, k: int, central: bool) -> dict[str, Any]:
@@ -117,26 +122,45 @@ def _ids(rows: list[list[Hit]]) -> list[list[str]]:
     return [[h.id for h in r] for r in rows]
 
 
-def _labels(rows: list[list[Hit]]) -> list[list[int]]:
-    return [[h.label for h in r] for r in rows]
+LabelKey = Callable[[str, int], Hashable]
 
 
-def _score_site(acc: _Figures, search: GlobalSearch, cidx: SiteIndex | None, home: str, ids: list[str],
-                k: int, merge: str) -> None:
+def label_key(search: GlobalSearch) -> LabelKey:
+    """What a label is compared by: its name in the site's export where that names it, else its number
+    (None for unlabelled). Each site numbers its own labels from 0, so numbers of two sites that both
+    name their labels never meet (issue 40: DAMe sites with no shared event scored 0.12)."""
+    def key(site: str, label: int) -> Hashable:
+        if label < 0:
+            return None
+        if not search.names.get(site):
+            return label  # the export names no label: numbers are all there is
+        named = search.label_name(site, label)
+        return named if named is not None else f"site{site}:{label}"  # a number past the names: this site's
+    return key
+
+
+def _labels(rows: list[list[Hit]], key: LabelKey) -> list[list[Hashable]]:
+    return [[key(h.site, h.label) for h in r] for r in rows]
+
+
+def _score_site(acc: _Figures, search: GlobalSearch, central: tuple[SiteIndex | None, LabelKey | None],
+                home: str, ids: list[str], k: int, merge: str) -> None:
     """Add the queries `ids` of site `home`: the merged search, and the other sites' answers alone."""
     index = search.indexes[home]
     assert isinstance(index, SiteIndex)  # `score` opens the exports with exact=True
+    key = label_key(search)
+    cidx, central_key = central
     qf = np.stack([index.vector_of(i) for i in ids])
     fed_hits = search.search(home, qf, k, ids)
-    labels = [int(index.labels[index.position[i]]) for i in ids]
+    labels = [key(home, int(index.labels[index.position[i]])) for i in ids]
     acc.labels += labels
     acc.fed_ids += _ids(fed_hits)
-    acc.fed_labels += _labels(fed_hits)
+    acc.fed_labels += _labels(fed_hits, key)
     acc.remote_share += [sum(h.site != home for h in r) / max(len(r), 1) for r in fed_hits]
-    if cidx is not None:
+    if cidx is not None and central_key is not None:
         c_hits = cidx.hits(np.stack([cidx.vector_of(i) for i in ids]), k, ids)
         acc.central_ids += _ids(c_hits)
-        acc.central_labels += _labels(c_hits)
+        acc.central_labels += _labels(c_hits, central_key)
     others = [s for s in search.indexes if s != home]
     if not others:
         return
@@ -147,7 +171,7 @@ def _score_site(acc: _Figures, search: GlobalSearch, cidx: SiteIndex | None, hom
     remote = [merge_results([lists[n] for lists in per_site], k, merge, home) for n in range(len(ids))]
     acc.x_labels += labels
     acc.x_fed_ids += _ids(remote)
-    acc.x_fed_labels += _labels(remote)
+    acc.x_fed_labels += _labels(remote, key)
     if cidx is not None:
         other_ids = [i for s in others for i in search.indexes[s].ids if i in cidx.position]
         c_other = SiteIndex("central", other_ids, np.stack([cidx.vector_of(i) for i in other_ids]),

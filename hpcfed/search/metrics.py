@@ -38,12 +38,15 @@ def mean_sim_k(central: Sequence[Sequence[Hashable]], federated: Sequence[Sequen
     return float(values.mean()) if values.size else float("nan")
 
 
-def label_precision_at_k(query_labels: Sequence[int], result_labels: Sequence[Sequence[int]], k: int) -> float:
-    """Mean fraction of the top-k results whose label equals the query's (unlabelled (-1) queries skipped)."""
+def label_precision_at_k(query_labels: Sequence[Hashable], result_labels: Sequence[Sequence[Hashable]],
+                         k: int) -> float:
+    """Mean fraction of the top-k results whose label equals the query's (unlabelled queries, -1 or None,
+    skipped). Labels from several sites are compared by name (`hpcfed.search.evaluate`): each site
+    numbers its own events or classes from 0."""
     scores = []
     for q, res in zip(query_labels, result_labels):
         res = list(res)[:k]
-        if q < 0 or not res:
+        if q is None or (isinstance(q, (int, np.integer)) and q < 0) or not res:
             continue
         scores.append(sum(1 for r in res if r == q) / len(res))
     return float(np.mean(scores)) if scores else float("nan")

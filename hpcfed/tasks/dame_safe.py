@@ -16,7 +16,8 @@ nothing let a site fall back to training alone. The rules (evidence in docs/dame
    also trains a shadow Local model on the same seeded batches as ``method=local`` (so it is that
    model, bit for bit). At the end the personalised model is kept only if its validation NMI (mean
    of ``eval_repeats`` embeddings) beats the Local model's by more than ``task.select_margin``; the
-   site reports both models' test NMI, and their difference, in its final metrics. The Local
+   site reports every candidate's test NMI, the delivered model minus Local (``vs_local_nmi``, 0 where
+   it kept Local) and the best other candidate minus Local (``candidate_vs_local_nmi``). The Local
    candidate is Local's final model, not its best round on validation: a per-round snapshot chosen
    on one embedding of a small validation split picked an undertrained round-0 model (docs/dame.md).
 4. **A cluster model is uploaded and is a third candidate** (``task.cluster_track``, on for
@@ -31,9 +32,22 @@ nothing let a site fall back to training alone. The rules (evidence in docs/dame
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+
+def check_options(c: Any) -> None:
+    """The safe DAMe's options of an events task config (``EventsTask.Config.validate``)."""
+    if not (0.0 <= c.glecc_gate_tol <= 1.0 and 0.0 <= c.select_margin <= 1.0):
+        raise ValueError("glecc_gate_tol and select_margin are NMI differences: each must be in [0, 1]")
+    if c.select_bootstrap < 0 or not 0.5 <= c.select_confidence < 1.0 or not 0.0 <= c.select_tolerance <= 1.0:
+        raise ValueError("select_bootstrap must be >= 0 (0: no bootstrap), select_confidence in [0.5, 1) and "
+                         "select_tolerance in [0, 1]")
+    if c.cluster_track and not (c.safe and not c.ditto):
+        raise ValueError("task.cluster_track needs the safe DAMe (method=dame, task.safe=true) "
+                         "and no Ditto; leave it false for other methods")
 
 
 def glecc_gate(val_global: float, val_local: float, own_model: bool, tol: float = 0.0) -> bool:
@@ -73,30 +87,110 @@ def choose_personal(val_personal: float, val_local: float, margin: float = 0.0) 
     return not math.isfinite(val_local) or val_personal > val_local + margin
 
 
-def choose_final(val_local: float, others: list[tuple[str, float]], margin: float = 0.0) -> str:
+def choose_final(val_local: float, others: list[tuple[str, float]], margin: float = 0.0,
+                 gain_lower: Callable[[str], float] | None = None, tolerance: float = 0.0) -> str:
     """``"local"``, or the name of the best other candidate if it beats Local on validation by more than
-    `margin`. A non-finite score never wins; of equal scores the earlier candidate in `others` wins."""
+    `margin` and, given `gain_lower`, the lower bound of its gain over Local is above −`tolerance`. A
+    non-finite score never wins; of equal scores the earlier candidate in `others` wins."""
     best: tuple[str, float] | None = None
     for name, val in others:
         if math.isfinite(val) and (best is None or val > best[1]):
             best = (name, val)
-    return best[0] if best is not None and choose_personal(best[1], val_local, margin) else "local"
+    if best is None or not choose_personal(best[1], val_local, margin):
+        return "local"
+    return best[0] if gain_lower is None or gain_lower(best[0]) > -tolerance else "local"
 
 
-def selection_report(val: dict[str, float], chosen: str) -> dict[str, float]:
-    """What a site kept (``kept_personal``: not Local; ``kept_cluster``) and the validation NMI of each
-    candidate (``val_local_nmi``, ``val_personal_nmi``, ``val_cluster_nmi`` when offered)."""
+def selection_report(val: dict[str, float], chosen: str, gain_lower: float | None = None) -> dict[str, float]:
+    """What a site kept (``kept_personal``: not Local; ``kept_cluster``), the validation NMI of each
+    candidate (``val_local_nmi``, ``val_personal_nmi``, ``val_cluster_nmi`` when offered) and the
+    bootstrap's lower bound of the best candidate's validation gain over Local (``val_gain_lower``)."""
     report = {"kept_personal": float(chosen != "local"), **{f"val_{n}_nmi": v for n, v in val.items()}}
     if "cluster" in val:
         report["kept_cluster"] = float(chosen == "cluster")
+    if gain_lower is not None:
+        report["val_gain_lower"] = gain_lower
     return report
 
 
-def vs_local(val: dict[str, float], test: dict[str, float]) -> float:
-    """The one figure a site reports: DAMe's model (the better non-Local candidate on validation) minus
-    Local, test NMI; 0 when no other candidate has a finite validation score."""
-    dame = choose_final(-math.inf, [(n, v) for n, v in val.items() if n != "local"])
-    return test[dame] - test["local"] if dame != "local" else 0.0
+def nmi_rows(labels: np.ndarray, preds: np.ndarray) -> np.ndarray:
+    """NMI of each row of `labels` (B, n) against the same row of `preds` (B, n), arithmetic normalisation
+    (scikit-learn's ``normalized_mutual_info_score``, to rounding), all rows at once."""
+    _, y = np.unique(labels, return_inverse=True)
+    _, p = np.unique(preds, return_inverse=True)
+    y, p = y.reshape(labels.shape), p.reshape(preds.shape)
+    rows, n = labels.shape
+    k, m = int(y.max()) + 1, int(p.max()) + 1
+    cells = (np.arange(rows)[:, None] * (k * m) + y * m + p).ravel()
+    joint = np.bincount(cells, minlength=rows * k * m).reshape(rows, k, m) / n
+    py, pp = joint.sum(axis=2), joint.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        outer = py[:, :, None] * pp[:, None, :]
+        mi = np.where(joint > 0, joint * np.log(joint / np.where(outer > 0, outer, 1.0)), 0.0).sum(axis=(1, 2))
+        hy = -np.where(py > 0, py * np.log(np.where(py > 0, py, 1.0)), 0.0).sum(axis=1)
+        hp = -np.where(pp > 0, pp * np.log(np.where(pp > 0, pp, 1.0)), 0.0).sum(axis=1)
+    denom = np.maximum((hy + hp) / 2, np.finfo(np.float64).eps)
+    single = (hy == 0) & (hp == 0)  # one class and one cluster: scikit-learn calls that a perfect match
+    return np.where(single, 1.0, np.clip(mi, 0.0, None) / denom)
+
+
+def bootstrap_gain(labels: np.ndarray, candidate: list[np.ndarray], local: list[np.ndarray], draws: int,
+                   seed: int | tuple[int, ...]) -> np.ndarray:
+    """Paired bootstrap over the validation messages: per draw (the same resample for both models), the
+    candidate's NMI minus Local's, each the mean over its ``eval_repeats`` clusterings."""
+    labels = np.asarray(labels)
+    idx = np.random.default_rng(seed).integers(0, len(labels), size=(draws, len(labels)))
+    gain = np.zeros(draws)
+    for pc, pl in zip(candidate, local):
+        gain += nmi_rows(labels[idx], np.asarray(pc)[idx]) - nmi_rows(labels[idx], np.asarray(pl)[idx])
+    return gain / max(len(candidate), 1)
+
+
+def select(preds: dict[str, list[np.ndarray]], labels: np.ndarray, *, margin: float, draws: int,
+           confidence: float, seed: int | tuple[int, ...], tolerance: float = 0.01) -> tuple[str, dict[str, float]]:
+    """Safe DAMe's final choice from each candidate's validation clusterings (``local`` among them): the
+    chosen name and `selection_report`. With `draws` > 0 another candidate than Local is kept only if,
+    besides beating Local on validation by more than `margin`, the (1 − `confidence`) quantile of its
+    paired bootstrap gain over Local is above −`tolerance`: with that confidence, on resamples of the
+    validation messages, it is no worse than Local − `tolerance`, the promise (issue 40: a model kept on
+    a validation edge of +.0008 was −.0106 on test)."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    val = {name: float(np.mean([normalized_mutual_info_score(labels, p) for p in runs]))
+           for name, runs in preds.items()}
+    lower: dict[str, float] = {}
+
+    def gain_lower(name: str) -> float:
+        gain = bootstrap_gain(labels, preds[name], preds["local"], draws, seed)
+        lower[name] = float(np.quantile(gain, 1.0 - confidence))
+        return lower[name]
+
+    chosen = choose_final(val["local"], [(n, v) for n, v in val.items() if n != "local"], margin,
+                          gain_lower if draws > 0 else None, tolerance)
+    return chosen, selection_report(val, chosen, next(iter(lower.values()), None))
+
+
+def final_figures(val: dict[str, float], test: dict[str, float], chosen: str) -> dict[str, float]:
+    """``vs_local_nmi`` (what was delivered minus Local) and, where another candidate has a finite
+    validation score, ``candidate_vs_local_nmi``."""
+    out = {"vs_local_nmi": vs_local(test, chosen)}
+    if (candidate := candidate_vs_local(val, test)) is not None:
+        out["candidate_vs_local_nmi"] = candidate
+    return out
+
+
+def vs_local(test: dict[str, float], chosen: str) -> float:
+    """The one figure a site reports (``vs_local_nmi``): the model it delivered minus Local, test NMI;
+    exactly 0 where the site kept Local."""
+    return test[chosen] - test["local"] if chosen != "local" else 0.0
+
+
+def candidate_vs_local(val: dict[str, float], test: dict[str, float]) -> float | None:
+    """``candidate_vs_local_nmi``: the best non-Local candidate on validation minus Local, test NMI, kept
+    or not (where the site kept Local, what the rejected candidate would have scored); None if no other
+    candidate has a finite validation score."""
+    best = choose_final(-math.inf, [(n, v) for n, v in val.items() if n != "local"])
+    return test[best] - test["local"] if best != "local" else None
 
 
 class Track:
@@ -132,22 +226,33 @@ class Track:
 
 
 def closing_lines(summary: dict[str, Any]) -> list[str]:
-    """The console's per-site line after ``done:``: DAMe's model (personalised, or the cluster model where
-    that scored higher on validation) minus the site's own Local model, test NMI, and what the site kept."""
+    """The console's per-site line after ``done:``: the model each site delivered minus its own Local
+    model, test NMI (0 where it kept Local), what it kept, and where it kept Local the rejected
+    candidate's figure under its own name."""
     clients = summary.get("clients")
     if not isinstance(clients, dict):
         return []
     parts = []
     for cid in sorted(clients, key=lambda c: int(c) if str(c).isdigit() else 0):
         site = clients[cid]
-        figure = site.get("vs_local_nmi") if isinstance(site, dict) else None
-        if not isinstance(figure, (int, float)) or isinstance(figure, bool) or not math.isfinite(figure):
+        figure = _finite(site.get("vs_local_nmi")) if isinstance(site, dict) else None
+        if figure is None:
             continue  # a site that sent none (dame-paper, a late or hostile site): nothing to say
         kept = ("kept cluster model" if site.get("kept_cluster") == 1.0
                 else "kept personalised" if site.get("kept_personal") == 1.0 else "kept local")
+        rejected = _finite(site.get("candidate_vs_local_nmi"))
+        if kept == "kept local" and rejected is not None:
+            kept += f"; rejected candidate {rejected:+.3f}"
         parts.append(f"site {cid} {figure:+.3f} ({kept})")
     if not parts:
         return []
-    return ["DAMe's model minus each site's own Local model (the candidate it was validated against), test NMI: "
+    return ["Delivered model minus each site's own Local model, test NMI (0 where it kept Local): "
             + "; ".join(parts)
-            + " (summary.json: clients.K.vs_local_nmi)"]
+            + " (summary.json: clients.K.vs_local_nmi, candidate_vs_local_nmi)"]
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite number (not a bool), else None: summary.json is read back."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None

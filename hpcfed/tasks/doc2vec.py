@@ -254,6 +254,7 @@ class Doc2VecTask(GensimJointTask):
     entity = "doc"
     final_figures_on = ("each site's own documents, as doc2vec has no test split: label P@k ranks a site's "
                         "documents among its own; the cross-site figures: `hpcfed eval RUN --central RUN`")
+    evaluation_note = "doc2vec has no validation split: the round lines show the training loss"
 
     @dataclass(kw_only=True)
     class Config(GensimJointOptions):

@@ -78,17 +78,25 @@ def train_epochs(models: list[tuple[Any, Any, float]], data: TrainData, config: 
 
 def kmeans_metrics(embeddings: np.ndarray, labels: np.ndarray, seed: int = 0) -> dict[str, float]:
     """k-means (k = distinct labels in `labels`) on `embeddings`; NMI, AMI, ARI (spec 1.7)."""
-    from sklearn.cluster import KMeans
     from sklearn.metrics import adjusted_mutual_info_score, adjusted_rand_score, normalized_mutual_info_score
 
     k = len(np.unique(labels))
     if len(labels) < 2 or k < 1:
         return {"nmi": 0.0, "ami": 0.0, "ari": 0.0}
-    x = np.nan_to_num(np.asarray(embeddings, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
-    pred = KMeans(n_clusters=min(k, len(np.unique(x, axis=0))) or 1, random_state=seed, n_init=10).fit_predict(x)
+    pred = kmeans_predict(embeddings, k, seed)
     return {"nmi": float(normalized_mutual_info_score(labels, pred)),
             "ami": float(adjusted_mutual_info_score(labels, pred, average_method="arithmetic")),
             "ari": float(adjusted_rand_score(labels, pred))}
+
+
+def kmeans_predict(embeddings: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
+    """The cluster of each row of `embeddings` by k-means with `k` clusters (fewer if fewer distinct rows)."""
+    from sklearn.cluster import KMeans
+
+    x = np.nan_to_num(np.asarray(embeddings, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    pred: np.ndarray = KMeans(n_clusters=min(k, len(np.unique(x, axis=0))) or 1, random_state=seed,
+                              n_init=10).fit_predict(x)
+    return pred
 
 
 def seeded_rng(*keys: int) -> np.random.Generator:

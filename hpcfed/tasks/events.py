@@ -35,7 +35,7 @@ from hpcfed.tasks import dame_safe as safe
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 from hpcfed.tasks.event_site import load_event_site
-from hpcfed.tasks.event_training import TrainData, kmeans_metrics, train_epochs
+from hpcfed.tasks.event_training import TrainData, kmeans_metrics, kmeans_predict, train_epochs
 from hpcfed.tasks.event_training import seeded_rng as _rng
 
 log = logging.getLogger("hpcfed.tasks.events")
@@ -115,7 +115,10 @@ class EventsTask(Task):
         # (cluster_track, rule 4) the site uploads a cluster model whose θ^g is a third candidate
         safe: bool = False
         glecc_gate_tol: float = 0.0  # GLECC runs if val NMI(θ^g) >= val NMI(θ^l) − tol
-        select_margin: float = 0.0  # keep another model than Local if its val NMI > Local's + margin
+        select_margin: float = 0.0  # keep another model than Local if its val NMI > Local's + margin and
+        select_bootstrap: int = 1000  # the (1 - confidence) quantile of its bootstrap val gain > -tolerance
+        select_tolerance: float = 0.01
+        select_confidence: float = 0.9
         cluster_track: bool = False
         # baselines
         prox_mu: float = 0.0  # FedProx
@@ -140,11 +143,7 @@ class EventsTask(Task):
                 raise ValueError("bola_calls and bola_init must be >= 1")
             if self.attack_model not in ("random", "scaled"):
                 raise ValueError(f"attack_model={self.attack_model!r}; choose random or scaled")
-            if not (0.0 <= self.glecc_gate_tol <= 1.0 and 0.0 <= self.select_margin <= 1.0):
-                raise ValueError("glecc_gate_tol and select_margin are NMI differences: each must be in [0, 1]")
-            if self.cluster_track and not (self.safe and not self.ditto):
-                raise ValueError("task.cluster_track needs the safe DAMe (method=dame, task.safe=true) "
-                                 "and no Ditto; leave it false for other methods")
+            safe.check_options(self)
             if self.max_messages_per_site is not None and self.max_messages_per_site < 20:
                 raise ValueError("max_messages_per_site must be >= 20 (or null for all)")
 
@@ -192,6 +191,8 @@ class EventsTask(Task):
         model.load_state_dict(self.model.state_dict())
         return model, torch.optim.Adam(model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
 
+    evaluation_note = "round lines: training loss; each site's val_nmi per round (validation split): metrics.jsonl"
+
     @classmethod
     def summary_lines(cls, summary: dict[str, Any]) -> list[str]:
         """Console lines after ``done:`` (launcher): personalised vs each site's own Local model."""
@@ -226,8 +227,6 @@ class EventsTask(Task):
                 model.eval()
                 outs.append(model(xs, ei_t)[: len(seeds)].numpy().astype(np.float64))
         return outs
-
-    # -- parameters --------------------------------------------------------------------------------
 
     def _flat(self, module: Any) -> np.ndarray:
         return self.layout.flatten(torch_state.module_parameters(module))
@@ -412,18 +411,19 @@ class EventsTask(Task):
         return self.final[0]
 
     def _select(self) -> tuple[Any, dict[str, Any], dict[str, float]]:
-        """Safe DAMe's final choice on validation among Local, the personalised model and (cluster_track)
-        the cluster's θ^g: the chosen model, every candidate by name, and the scores behind the choice."""
+        """Safe DAMe's final choice (Local, personalised, the cluster's θ^g): model, candidates, report."""
         assert self.shadow is not None
         candidates = {"local": self.shadow.model, "personal": self.model}
         if self.cluster is not None and self.received is not None and not self._own(self.received) \
                 and np.isfinite(self.received).all():
             self._load_flat(self.cluster.model, self.received)  # training is over: the module holds θ^g now
             candidates["cluster"] = self.cluster.model
-        val = {name: self._scores(m, self.val_idx, 53)["nmi"] for name, m in candidates.items()}
-        chosen = safe.choose_final(val["local"], [(n, v) for n, v in val.items() if n != "local"],
-                              self.config.select_margin)
-        return candidates[chosen], candidates, safe.selection_report(val, chosen)
+        c, labels, key = self.config, self.labels[self.val_idx], (self.site.seed, 53, self.site.client_id)
+        preds = {name: [kmeans_predict(self._embed(m, self.val_idx, _rng(*key, r)), len(np.unique(labels)))
+                        for r in range(c.eval_repeats)] for name, m in candidates.items()}  # `_scores`' draws
+        chosen, report = safe.select(preds, labels, margin=c.select_margin, draws=c.select_bootstrap,
+                                     confidence=c.select_confidence, tolerance=c.select_tolerance, seed=key)
+        return candidates[chosen], candidates, report
 
     def _scores(self, model: Any, nodes: np.ndarray, key: int) -> dict[str, float]:
         """NMI/AMI/ARI of `model` on `nodes`, the mean over ``eval_repeats`` sampled embeddings (the same
@@ -443,7 +443,8 @@ class EventsTask(Task):
             test = {name: self._scores(m, self.test_idx, 43)["nmi"] for name, m in self.final[1].items()}
             val = {name: self.final[2][f"val_{name}_nmi"] for name in test}
             out.update(self.final[2], **{f"{name}_nmi": v for name, v in test.items()})
-            out["vs_local_nmi"] = safe.vs_local(val, test)
+            chosen = next(name for name, m in self.final[1].items() if m is self.final[0])
+            out.update(safe.final_figures(val, test, chosen))
         out["num_test"] = float(len(self.test_idx))
         out["num_events"] = float(len(np.unique(self.labels[self.test_idx])))
         return out

@@ -43,6 +43,28 @@ def _rng(*keys: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([abs(int(k)) for k in keys]))
 
 
+ANY_HECO_CONFIG = "configs/fedahe_hin.yaml"
+
+
+def fit_metapaths(hin: Any, c: Any) -> Any:
+    """`hin` with the meta-paths of ``task.metapaths`` (None: the dataset's own, inferred for a HeCo folder),
+    validated; the error for a meta-path that does not fit names the dataset's own and the override."""
+    own = list(hin.metapaths)
+    if c.metapaths:
+        hin.metapaths = list(c.metapaths)
+    if not hin.metapaths:
+        raise ValueError(f"dataset {c.dataset}: no meta-paths; set task.metapaths (e.g. [PAP, PSP])")
+    try:
+        hin.validate(c.dataset)
+    except ValueError as exc:
+        if not c.metapaths or not own or own == hin.metapaths:
+            raise
+        raise ValueError(f"dataset {c.dataset}: task.metapaths {list(c.metapaths)} do not fit it ({exc}); its own "
+                         f"meta-paths are {', '.join(own)}: set task.metapaths=null to use them, or run "
+                         f"{ANY_HECO_CONFIG}, made for any HeCo folder") from None
+    return hin
+
+
 class HINTask(Task):
     name = "hin"
     record_dp_refusal = ("FedAHE's attention over the heterogeneous graph mixes each node with its neighbours, so one "
@@ -54,6 +76,9 @@ class HINTask(Task):
         "local": MethodPreset(strategy="local"),
         "centralized": MethodPreset(strategy="fedavg", task_options={"partition": "none"}, num_clients=1),
     }
+
+    evaluation_note = ("each site's validation Micro-F1 per round is in metrics.jsonl (val_micro_f1; in "
+                       "asynchronous runs received_val_micro_f1, from the uploads)")
 
     @dataclass(kw_only=True)
     class Config:
@@ -117,15 +142,17 @@ class HINTask(Task):
         c = config
         hin = load_dataset(c.dataset, site.data_root, **({"seed": site.seed, **c.synthetic}
                                                          if c.dataset == "synthetic" else {}))
-        if c.metapaths:
-            hin.metapaths = list(c.metapaths)
-        if not hin.metapaths:
-            raise ValueError(f"dataset {c.dataset}: no meta-paths; set task.metapaths (e.g. [PAP, PSP])")
-        hin.validate(c.dataset)
-        self.hin = hin
+        self.hin = hin = fit_metapaths(hin, c)
         names = self._split_names(hin, c.split)
-        self.partition = make_partition(hin, site.num_clients, c.partition, site.seed, attribute=c.partition_attribute,
-                                        alpha=c.dirichlet_alpha, owner_type=c.partition_type)
+        try:
+            self.partition = make_partition(hin, site.num_clients, c.partition, site.seed,
+                                            attribute=c.partition_attribute, alpha=c.dirichlet_alpha,
+                                            owner_type=c.partition_type)
+        except ValueError as exc:
+            if c.partition != "by_type":
+                raise
+            raise ValueError(f"dataset {c.dataset}: {exc}; set task.partition=random (or task.partition_type= one "
+                             f"of those), or run {ANY_HECO_CONFIG}, made for any HeCo folder") from None
         view = site_view(hin, self.partition, site.client_id)
         held = self.partition.holds[site.client_id]
         self.nodes = {k: np.sort(hin.splits[n][held[hin.splits[n]]]) for k, n in zip(("train", "val", "test"), names)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,9 @@ TABLE_METRICS = (("micro_f1", "Micro-F1"), ("macro_f1", "Macro-F1"), ("home_micr
                  ("lr_micro_f1", "LogReg Micro-F1"), ("lr_macro_f1", "LogReg Macro-F1"))
 
 
+STRATEGY_METHODS = {"fedasync": "afed"}  # HINTask.METHODS: the method whose strategy has another name
+
+
 def run_group(summary: dict) -> tuple[str, str, str, str]:
     """(dataset, split, partition, method) of a run, read from the config in its summary.json."""
     cfg = summary.get("config", {})
@@ -146,7 +150,10 @@ def run_group(summary: dict) -> tuple[str, str, str, str]:
     part = task.get("partition", "random")
     if part == "by_type":
         part = f"by_type {task.get('partition_type')}"
-    return (str(task.get("dataset", "?")), str(task.get("split", "20")), part, str(cfg.get("method") or "?"))
+    # a run started without method= is named by its strategy, as the method of that strategy is
+    strategy = cfg.get("strategy", {}).get("name") if isinstance(cfg.get("strategy"), dict) else None
+    method = cfg.get("method") or STRATEGY_METHODS.get(str(strategy), strategy) or "?"
+    return (str(task.get("dataset", "?")), str(task.get("split", "20")), part, str(method))
 
 
 def results_table(run_dirs: list[str | Path]) -> str:
@@ -184,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     tb = sub.add_parser("table")
     tb.add_argument("run_dirs", nargs="+")
     args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError) as exc:  # a bad path or file: one line, no traceback
+        print(f"hin_plots {args.what}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.what == "tsne":
         print(plot_tsne(args.run_dir, args.out))
     elif args.what == "table":

@@ -75,3 +75,54 @@ def test_runs_sharing_no_document(tmp_path: Path) -> None:
                  site=0)
     with pytest.raises(ValueError, match="share no document id"):
         score(central, fed, k=3, write_summary=False)
+
+
+def _colliding_sites(tmp_path: Path, names_1: list[str]) -> Path:
+    """Two sites whose documents pair up (site 1's doc i lies next to site 0's doc i) and whose label
+    numbers are equal pair by pair, each site numbering its own events from 0 (as DAMe's sites do)."""
+    rng = np.random.default_rng(1)
+    base = rng.normal(size=(12, 8)).astype(np.float32)
+    numbers = np.arange(12) % 2
+    write_export(export_path(tmp_path, 0), base, [f"a{i}" for i in range(12)], numbers, entity="message",
+                 model="t", site=0, extra={"label_names": json.dumps(["quake", "flood"])})
+    write_export(export_path(tmp_path, 1), base + np.float32(1e-3), [f"b{i}" for i in range(12)], numbers,
+                 entity="message", model="t", site=1, extra={"label_names": json.dumps(names_1)})
+    return tmp_path
+
+
+def test_cross_site_label_figures_compare_names_not_numbers(tmp_path: Path) -> None:
+    """Issue 40: sites sharing no event scored 0.12 cross-site precision because label 0 at one site was
+    compared with label 0 at another. Names decide: no shared name, 0; the same events numbered the
+    other way round, 1."""
+    apart = score(None, _colliding_sites(tmp_path / "apart", ["fire", "haze"]), mode="nomapping", k=1,
+                  write_summary=False)
+    assert apart["cross_site_label_precision_at_1"] == 0.0
+    assert apart["label_precision_at_1"] == 0.0  # the nearest answer is the other site's twin
+    swapped = _colliding_sites(tmp_path / "swapped", ["flood", "quake"])  # numbers differ, names agree...
+    rng = np.random.default_rng(1)
+    base = rng.normal(size=(12, 8)).astype(np.float32)
+    write_export(export_path(swapped, 1), base + np.float32(1e-3), [f"b{i}" for i in range(12)],
+                 1 - np.arange(12) % 2, entity="message", model="t", site=1,
+                 extra={"label_names": json.dumps(["flood", "quake"])})  # ...once site 1 numbers them its way
+    same = score(None, swapped, mode="nomapping", k=1, write_summary=False)
+    assert same["cross_site_label_precision_at_1"] == 1.0 and same["label_precision_at_1"] == 1.0
+
+
+@pytest.mark.usefixtures("own_keys")
+def test_search_query_picks_the_mode_and_index_says_how_to_verify(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40: `search query` on a DAMe run refused the joint default, naming --mode nomapping; it now
+    picks it as `hpcfed eval` does. `search index` printed "export_verified": false with no hint."""
+    from hpcfed.credentials import job_key_path
+
+    _, fed = _runs(tmp_path, model="dame-gat")
+    assert cli_main(["search", "query", str(fed), "--id", "d0", "--k", "3", "--compact"]) == 0
+    assert json.loads(capsys.readouterr().out)["queries"][0]["mode"] == "nomapping"
+    assert cli_main(["search", "index", str(fed), "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["indexes"][0]["export_verified"] is False and "HPCFED_STATE_KEY" in out["hint"]
+    key = job_key_path(fed)
+    key.parent.mkdir(parents=True, exist_ok=True)
+    key.write_text("ab" * 32)
+    assert cli_main(["search", "index", str(fed), "--quiet", "--force"]) == 0
+    assert f"export HPCFED_STATE_KEY=$(cat {key})" in json.loads(capsys.readouterr().out)["hint"]

@@ -9,7 +9,15 @@ import pytest
 from test_events import make_task
 
 from hpcfed.tasks.bola import bola
-from hpcfed.tasks.dame_safe import choose_final, choose_personal, closing_lines, glecc_gate
+from hpcfed.tasks.dame_safe import (
+    bootstrap_gain,
+    choose_final,
+    choose_personal,
+    closing_lines,
+    glecc_gate,
+    nmi_rows,
+    select,
+)
 
 
 @pytest.mark.parametrize("val_global, val_local, own, tol, expect", [
@@ -53,13 +61,17 @@ def test_bola_scores_the_local_anchor_first_and_ties_go_to_the_local_side():
 
 
 def test_closing_line_one_figure_per_site():
-    summary = {"clients": {"0": {"nmi": 0.8, "vs_local_nmi": -0.031, "kept_personal": 0.0},
-                           "1": {"nmi": 0.9, "vs_local_nmi": 0.0125, "kept_personal": 1.0},
+    summary = {"clients": {"0": {"nmi": 0.8, "vs_local_nmi": 0.0, "candidate_vs_local_nmi": -0.031,
+                                 "kept_personal": 0.0},
+                           "1": {"nmi": 0.9, "vs_local_nmi": 0.0125, "candidate_vs_local_nmi": 0.0125,
+                                 "kept_personal": 1.0},
                            "2": {"nmi": 0.7},
                            "3": {"nmi": 0.9, "vs_local_nmi": 0.02, "kept_personal": 1.0, "kept_cluster": 1.0}}}
     (line,) = closing_lines(summary)
-    assert "site 0 -0.031 (kept local); site 1 +0.013 (kept personalised)" in line and "site 2" not in line
-    assert "site 3 +0.020 (kept cluster model)" in line
+    # the figure is what the site delivered; a rejected candidate is named as such, never as the delivered one
+    assert line.startswith("Delivered model minus each site's own Local model")
+    assert "site 0 +0.000 (kept local; rejected candidate -0.031); site 1 +0.013 (kept personalised)" in line
+    assert "site 2" not in line and "site 3 +0.020 (kept cluster model)" in line
     assert closing_lines({"clients": {"0": {"nmi": 0.5}}}) == []
     hostile = {"clients": {"0": "x", "1": {"vs_local_nmi": "1e9"}, "2": {"vs_local_nmi": math.nan},
                            "3": {"vs_local_nmi": True}, "4": {"vs_local_nmi": 0.5, "kept_personal": "yes"}}}
@@ -89,9 +101,11 @@ def test_shadow_is_method_local_bit_for_bit_and_the_gate_and_selection_report(tm
     final = safe.evaluate(1, final=True)
     assert {"personal_nmi", "local_nmi", "vs_local_nmi", "kept_personal", "val_personal_nmi",
             "val_local_nmi"} <= set(final)
-    assert final["vs_local_nmi"] == pytest.approx(final["personal_nmi"] - final["local_nmi"])
+    assert final["candidate_vs_local_nmi"] == pytest.approx(final["personal_nmi"] - final["local_nmi"])
     assert final["nmi"] == (final["personal_nmi"] if final["kept_personal"] else final["local_nmi"])
-    assert final["kept_personal"] == float(final["val_personal_nmi"] > final["val_local_nmi"])
+    assert final["vs_local_nmi"] == pytest.approx(final["nmi"] - final["local_nmi"])  # what was delivered
+    edge = final["val_personal_nmi"] > final["val_local_nmi"]
+    assert final["kept_personal"] == float(edge and final["val_gain_lower"] > -0.01)  # and the bootstrap agrees
     state = safe.state_dict()
     again = make_task(tmp_path, safe=True, bola_calls=2)
     again.load_state_dict(state)
@@ -144,7 +158,8 @@ def test_cluster_track_uploads_theta_g_trained_as_fedavg_and_is_a_final_candidat
     chosen = ("cluster" if final["kept_cluster"] else "personal" if final["kept_personal"] else "local")
     assert final["nmi"] == final[f"{chosen}_nmi"]
     dame = "cluster" if final["val_cluster_nmi"] > final["val_personal_nmi"] else "personal"
-    assert final["vs_local_nmi"] == pytest.approx(final[f"{dame}_nmi"] - final["local_nmi"])
+    assert final["candidate_vs_local_nmi"] == pytest.approx(final[f"{dame}_nmi"] - final["local_nmi"])
+    assert final["vs_local_nmi"] == (final[f"{chosen}_nmi"] - final["local_nmi"] if chosen != "local" else 0.0)
 
 
 def test_cluster_track_needs_the_safe_dame():
@@ -217,6 +232,57 @@ def test_a_saved_model_vector_of_the_wrong_size_is_refused_by_name(tmp_path, key
 
 def test_closing_line_reads_a_hostile_kept_cluster_as_not_kept():
     summary = {"clients": {"0": {"vs_local_nmi": 0.01, "kept_personal": 1.0, "kept_cluster": "yes"},
-                           "1": {"vs_local_nmi": 0.02, "kept_personal": 0.0, "kept_cluster": [1.0]}}}
+                           "1": {"vs_local_nmi": 0.02, "kept_personal": 0.0, "kept_cluster": [1.0],
+                                 "candidate_vs_local_nmi": "-1"},
+                           "2": {"vs_local_nmi": 0.0, "candidate_vs_local_nmi": math.inf}}}
     (line,) = closing_lines(summary)
     assert "site 0 +0.010 (kept personalised)" in line and "site 1 +0.020 (kept local)" in line
+    assert "site 2 +0.000 (kept local)" in line and "rejected" not in line  # no finite number: not said
+
+
+def test_nmi_rows_is_scikit_learns_nmi_row_by_row():
+    from sklearn.metrics import normalized_mutual_info_score
+
+    rng = np.random.default_rng(0)
+    labels, preds = rng.integers(0, 4, (6, 40)), rng.integers(0, 3, (6, 40))
+    labels[1] = 2  # one class
+    labels[2], preds[2] = 1, 0  # one class and one cluster: 1.0 as scikit-learn has it
+    preds[3] = labels[3] * 7 + 1  # the same partition, other cluster names: 1.0
+    want = [normalized_mutual_info_score(a, b) for a, b in zip(labels, preds)]
+    assert nmi_rows(labels, preds) == pytest.approx(want, abs=1e-12)
+
+
+def test_a_validation_edge_the_bootstrap_does_not_keep_is_noise():
+    """Issue 40: the safe DAMe kept a model on a validation edge of 0.0008 and lost 0.0106 on test.
+    With the paired bootstrap over validation messages, a candidate that is better on 6 messages and
+    worse on 3 (+.0013 NMI) keeps Local (its 10 % quantile is well below -0.01); an edge on many messages
+    is kept; without draws the margin alone decides, as before."""
+    labels = np.repeat(np.arange(3), 20)
+    rng = np.random.default_rng(0)
+    local = labels.copy()
+    wrong = rng.choice(60, 15, replace=False)
+    local[wrong] = (local[wrong] + 1) % 3  # Local gets 15 of 60 wrong
+    slightly, others = local.copy(), np.setdiff1d(np.arange(60), wrong)[:3]
+    slightly[wrong[:6]] = labels[wrong[:6]]
+    slightly[others] = (labels[others] + 2) % 3
+    much = labels.copy()
+    much[wrong[:2]] = (much[wrong[:2]] + 1) % 3  # 13 messages better
+    preds = {"local": [local], "personal": [slightly]}
+    chosen, report = select(preds, labels, margin=0.0, draws=500, confidence=0.9, seed=0)
+    assert 0.0 < report["val_personal_nmi"] - report["val_local_nmi"] < 0.002 and chosen == "local"
+    assert report["val_gain_lower"] <= -0.01 and report["kept_personal"] == 0.0
+    assert select(preds, labels, margin=0.0, draws=500, confidence=0.9, seed=0, tolerance=1.0)[0] == "personal"
+    assert select(preds, labels, margin=0.0, draws=0, confidence=0.9, seed=0)[0] == "personal"
+    chosen, report = select({**preds, "cluster": [much]}, labels, margin=0.0, draws=500, confidence=0.9, seed=0)
+    assert chosen == "cluster" and report["val_gain_lower"] > 0.0 and report["kept_cluster"] == 1.0
+    gain = bootstrap_gain(labels, [much], [local], 200, seed=1)
+    assert gain.shape == (200,) and np.array_equal(gain, bootstrap_gain(labels, [much], [local], 200, seed=1))
+
+
+def test_select_options_are_checked():
+    from hpcfed.config import build
+    from hpcfed.tasks.events import EventsTask
+
+    for bad in ({"select_bootstrap": -1}, {"select_confidence": 1.0}, {"select_confidence": 0.2}):
+        with pytest.raises(ValueError, match="select_bootstrap must be >= 0"):
+            build(EventsTask.Config, bad, prefix="task.")

@@ -66,9 +66,9 @@ def test_results_table_gives_mean_and_sd_over_seeds(tmp_path: Path) -> None:
     for seed, micro, method in ((0, 0.9, "feddwa"), (1, 0.8, "feddwa"), (0, 0.7, "local")):
         run = tmp_path / f"{method}{seed}"
         run.mkdir()
-        cfg = {"method": method, "seed": seed,
+        cfg = {"method": method if seed == 0 else None, "seed": seed, "strategy": {"name": method},
                "task": {"options": {"dataset": "hin/acm", "split": "frac:0.3", "partition": "by_type",
-                                    "partition_type": "A"}}}
+                                    "partition_type": "A"}}}  # seed 1: started without method= (issue 40)
         (run / "summary.json").write_text(json.dumps({"micro_f1": micro, "macro_f1": 0.5, "config": cfg}))
         dirs.append(run)
     lines = results_table(dirs).splitlines()
@@ -76,3 +76,11 @@ def test_results_table_gives_mean_and_sd_over_seeds(tmp_path: Path) -> None:
     assert lines[3].startswith("| hin/acm | frac:0.3 | by_type A | local | 0 | 0.700 | 0.500 |")
     with pytest.raises(ValueError, match=r"summary\.json does not exist"):
         results_table([tmp_path / "nope"])
+
+
+def test_a_bad_path_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcfed.tasks.hin_plots import main
+
+    assert main(["table", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hin_plots table: ") and "summary.json does not exist" in err and len(err.splitlines()) == 1

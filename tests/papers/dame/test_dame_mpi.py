@@ -28,13 +28,14 @@ def test_dame_federation_with_a_malicious_site(tmp_path):
         site = summary["clients"][cid]
         assert {"nmi", "ami", "ari"} <= set(site) and 0.0 <= site["nmi"] <= 1.0
         assert site["num_events"] == 6
-        # the safe DAMe (issue 26): the personalised model against the site's own Local model, one figure
-        # (the better of the personalised and the cluster model on validation, against Local)
+        # the safe DAMe (issue 26): the delivered model against the site's own Local model, one figure
+        # (0 where Local was kept); the better other candidate on validation under its own name (issue 40)
         dame = "cluster" if site.get("val_cluster_nmi", -1.0) > site["val_personal_nmi"] else "personal"
-        assert site["vs_local_nmi"] == site[f"{dame}_nmi"] - site["local_nmi"]
+        assert site["candidate_vs_local_nmi"] == site[f"{dame}_nmi"] - site["local_nmi"]
         kept = "cluster" if site.get("kept_cluster") == 1.0 else "personal" if site["kept_personal"] else "local"
         assert site["nmi"] == site[f"{kept}_nmi"]
-    line = next(x for x in proc.stderr.splitlines() if "DAMe's model minus each site's own Local model" in x)
+        assert site["vs_local_nmi"] == (site["nmi"] - site["local_nmi"] if kept != "local" else 0.0)
+    line = next(x for x in proc.stderr.splitlines() if "Delivered model minus each site's own Local model" in x)
     assert all(f"site {cid} " in line for cid in "0123")
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     names = {e["name"] for e in events}
