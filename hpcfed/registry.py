@@ -47,6 +47,7 @@ TASKS: dict[str, str] = {
 
 STRATEGIES: dict[str, str] = {
     "fedavg": "hpcfed.strategies.fedavg:FedAvg",
+    "fedavgm": "hpcfed.strategies.fedavgm:FedAvgM",
     "sega": "hpcfed.strategies.sega:Sega",
     "median": "hpcfed.strategies.robust:Median",
     "trimmed_mean": "hpcfed.strategies.robust:TrimmedMean",
