@@ -39,7 +39,7 @@ class CentralDP(SyncStrategy):
     """`inner` (a strategy that declares WEIGHTED_SUM) under central DP: clip each delta, add the noise
     to the round's sum, hand `inner` the noised mean (see the module's docstring)."""
 
-    name = "dp"  # logged as "dp" around the wrapped strategy's name (`inner.name`)
+    name = "dp"  # the wrapper's own (class-level, as every strategy's); the wrapped one is `inner.name`
 
     def __init__(self, inner: SyncStrategy, context: StrategyContext) -> None:
         if inner.aggregates_with(inner.config) != WEIGHTED_SUM:
