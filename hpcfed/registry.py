@@ -47,6 +47,7 @@ TASKS: dict[str, str] = {
 
 STRATEGIES: dict[str, str] = {
     "fedavg": "hpcfed.strategies.fedavg:FedAvg",
+    "fedavgm": "hpcfed.strategies.fedavgm:FedAvgM",
     "sega": "hpcfed.strategies.sega:Sega",
     "median": "hpcfed.strategies.robust:Median",
     "trimmed_mean": "hpcfed.strategies.robust:TrimmedMean",
@@ -157,85 +158,25 @@ class Components(NamedTuple):
 
 def resolve(cfg: Config) -> Components:
     """Make a loaded config ready to run (every rank does the same): apply its ``method=`` preset,
-    look up the task and strategy, derive ``federation.mode`` from the strategy, and validate both
-    components' options. Raises a one-line `ConfigError` naming the key and the fix; calling it
+    look up the task and strategy, derive ``federation.mode`` from the strategy, validate both
+    components' options, and check the ``privacy`` section against what the strategy declares
+    (`hpcfed.privacy.requirements`). Raises a one-line `ConfigError` naming the key and the fix; calling it
     again on the result changes nothing."""
     task_cls = _component(task_class, cfg.task.name, "task.name", cfg.source)
     apply_method(cfg, task_cls)
     strategy_cls = _component(strategy_class, cfg.strategy.name, "strategy.name", cfg.source)
     derive_mode(cfg, strategy_cls)
     build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
-    build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
-    check_privacy(cfg, strategy_cls)
+    strategy_config = build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
+    from hpcfed.privacy.requirements import Declared, check_privacy
+
+    declared = strategy_cls.aggregates_with(strategy_config)
+    check_privacy(cfg, Declared(cfg.strategy.name, strategy_cls.synchronous, declared, cfg.strategy.options))
     if cfg.privacy.record_dp is not None:
         from hpcfed.privacy.record_dp import check_task
 
         check_task(cfg.task.name, task_cls.record_dp_refusal, cfg.source)
     return Components(task_cls, strategy_cls)
-
-
-def check_privacy(cfg: Config, strategy_cls: type[Strategy]) -> None:
-    """Refuse a ``privacy`` section the run cannot honour, in one line naming the key and the fix."""
-    where = cfg.source
-    if cfg.privacy.secure_aggregation:
-        check_secure_aggregation(cfg, strategy_cls)
-    dp = cfg.privacy.dp
-    if dp is None:
-        return
-    key = locate(where, "privacy.dp")
-    if not strategy_cls.synchronous:
-        raise ConfigError(f"{key}: differential privacy runs in synchronous rounds only, and strategy "
-                          f"{cfg.strategy.name!r} is asynchronous; choose strategy fedavg, or remove privacy.dp")
-    from hpcfed.strategies.fedavg import FedAvg
-
-    if strategy_cls is not FedAvg or cfg.strategy.options.get("rule", "mean") != "mean":
-        raise ConfigError(f"{key}: DP-FedAvg is FedAvg's mean over clipped updates; strategy "
-                          f"{cfg.strategy.name!r} (rule {cfg.strategy.options.get('rule', 'mean')!r}) cannot carry "
-                          f"it: choose strategy fedavg with rule mean, or remove privacy.dp")
-    if cfg.influence.enabled and not cfg.privacy.secure_aggregation:
-        raise ConfigError(f"{locate(where, 'influence.enabled')} = true with privacy.dp: the guard clips each site "
-                          f"by the median of the others, so one site changes what the others add and DP's bound "
-                          f"on one site breaks; set influence.enabled=false (the clip to privacy.dp.clip_norm "
-                          f"bounds every site)")
-    from hpcfed.privacy.accountant import epsilon
-
-    first = epsilon(dp.noise_multiplier, 1, dp.delta)
-    if dp.max_epsilon is not None and first > dp.max_epsilon:
-        raise ConfigError(f"{locate(where, 'privacy.dp.max_epsilon')} = {dp.max_epsilon:g} is below the ε of a "
-                          f"single round ({first:.3g} at δ={dp.delta:g}, z={dp.noise_multiplier:g}); raise it or "
-                          f"the noise_multiplier")
-
-
-def check_secure_aggregation(cfg: Config, strategy_cls: type[Strategy]) -> None:
-    """Secure aggregation gives rank 0 one sum per round: only synchronous FedAvg's mean can use it."""
-    key = locate(cfg.source, "privacy.secure_aggregation")
-    if not strategy_cls.synchronous:
-        raise ConfigError(f"{key} = true: secure aggregation runs in synchronous rounds only, and strategy "
-                          f"{cfg.strategy.name!r} is asynchronous (each upload is applied alone, so its sum is that "
-                          f"site's update); choose strategy fedavg, or remove privacy.secure_aggregation")
-    from hpcfed.strategies.fedavg import FedAvg
-
-    if strategy_cls is not FedAvg or cfg.strategy.options.get("rule", "mean") != "mean":
-        raise ConfigError(f"{key} = true: rank 0 learns only the sum of the updates, which FedAvg's mean needs and "
-                          f"strategy {cfg.strategy.name!r} (rule {cfg.strategy.options.get('rule', 'mean')!r}) cannot "
-                          f"work from; choose strategy fedavg with rule mean, or remove privacy.secure_aggregation")
-    dp = cfg.privacy.dp
-    if dp is not None and dp.adaptive is not None:
-        raise ConfigError(f"{locate(cfg.source, 'privacy.dp.adaptive')} with secure aggregation: the clipped count "
-                          f"is not masked yet; use a fixed privacy.dp.clip_norm, or remove one of the two")
-    if cfg.security.mode == "keys" and not cfg.security.authorized_keys:
-        raise ConfigError(f"{key} = true in keys mode: every site checks its peers' signed agreement keys against "
-                          f"security.authorized_keys (the site public keys, rank=N); set it on every rank")
-
-
-def private_strategy(strategy_cls: type[Strategy], cfg: Config) -> type[Strategy]:
-    """The class that runs `strategy_cls` under the run's ``privacy`` section (checked by `check_privacy`):
-    DP-FedAvg for FedAvg with ``privacy.dp``, else `strategy_cls` itself."""
-    if cfg.privacy.dp is None:
-        return strategy_cls
-    from hpcfed.strategies.dp_fedavg import DistributedDPFedAvg, DPFedAvg
-
-    return DistributedDPFedAvg if cfg.privacy.secure_aggregation else DPFedAvg
 
 
 def apply_method(cfg: Config, task_cls: type[Task]) -> None:

@@ -60,28 +60,31 @@ from hpcfed.privacy.secagg import ProtocolError, round_graph
 from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import decode_sum, sites_needed, spec_for
 from hpcfed.server import validation as V
+from hpcfed.server.collect import RoundUploads
 from hpcfed.server.core import ServerCore
-from hpcfed.strategies.base import Update
-from hpcfed.strategies.fedavg import FedAvg
+from hpcfed.strategies.base import WEIGHTED_SUM, SyncStrategy, Update
 
 log = logging.getLogger("hpcfed.server")
 
 _KINDS = set(P.SECAGG_CLIENT_KINDS | {P.UPDATE, P.FAILED})
-Taken = dict[int, tuple[Update, V.ShardRef | None]]  # site -> its metrics (no vector) and shard
 
 
-class SecAggRound:
-    """Rank 0's side of secure aggregation, one round at a time."""
+class SecAggCollector:
+    """Rank 0's side of secure aggregation, one round at a time: a collector (`hpcfed.server.collect`)
+    that folds each round's unmasked sum into a strategy that declares a weighted mean."""
 
-    def __init__(self, core: ServerCore) -> None:
-        self.core = core
+    def __init__(self, core: ServerCore, strategy: SyncStrategy) -> None:
+        declared = strategy.aggregates_with(strategy.config)
+        if declared != WEIGHTED_SUM:  # hpcfed.privacy.requirements refuses the config before this
+            raise TypeError(f"strategy {strategy.name!r} declares aggregates={declared!r}: it cannot take the secure "
+                            f"sum (it needs {WEIGHTED_SUM!r})")
+        self.core, self.strategy = core, strategy
         cfg = core.cfg
         self.num_sites = core.num_clients
         self.size = core.layout.size + 1  # the weighted delta and the weight
         self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
         self.dp = cfg.privacy.dp is not None
         self.prepared: ServerState | None = None  # the next round's keys and shares, exchanged in this one
-        self.sat_out: set[int] = set()  # live sites left out of this round: too few of their neighbours advertised
         # the sites' identity keys, to check their consistency signatures on arrival (keys mode; psk: none)
         self.identities: dict[int, bytes] | None = None
         if cfg.security.mode == "keys":
@@ -93,11 +96,12 @@ class SecAggRound:
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
                         "a check of the sum's norm (README, 'What the server sees')", self.spec.clip_norm)
 
-    def collect(self, rnd: int, want_state: bool) -> tuple[Taken, bool]:
-        """Run round `rnd`'s protocol and fold the sum into the strategy: the sites whose inputs are in
-        it, and whether the round was lost (its sum could not be unmasked: nothing of it is folded)."""
+    def collect(self, rnd: int, want_state: bool) -> RoundUploads:
+        """Run round `rnd`'s protocol and fold the sum into the strategy (`hpcfed.server.collect.Collector`):
+        the sites whose inputs are in it (their metrics, no vector), the live ones that sat the round
+        out, and whether the round was lost (its sum could not be unmasked: nothing of it is folded)."""
         core = self.core
-        started, self.sat_out = set(core.live), set()
+        started, taken = set(core.live), RoundUploads(rnd)
         state, self.prepared = self.prepared, None
         if state is not None and (state.rnd != rnd or set(state.shared) != core.live):
             state = None  # prepared for another round, or a site has joined the live ones since: set up anew
@@ -108,9 +112,8 @@ class SecAggRound:
             if state is not None:  # its keys and shares came in the last round: nothing to wait for
                 self._relay_shares(rnd, cid, state)
         if state is None:
-            state = self._setup(rnd)
+            state = self._setup(rnd, taken)
         nxt = ServerState(self._graph(rnd + 1), self.size, rnd + 1) if rnd + 1 < core.cfg.rounds else None
-        taken: Taken = {}
         self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
             rnd, cid, msg, want_state, state, taken, nxt))
         for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
@@ -120,13 +123,13 @@ class SecAggRound:
         short = state.shortfall()
         if short is not None:  # decided before any site is asked for a share: none is revealed in vain
             self._lose(rnd, short.describe(), started, alive, dropped)
-            return {cid: taken[cid] for cid in alive & core.live}, True
+            return _kept(taken, alive & core.live, lost=True)
         answering = self._check(rnd, state, alive)
         short = state.shortfall(answering)
         if short is not None:  # too few signed: the sites that cannot answer are not asked, none reveals in vain
             self._lose(rnd, f"{short.describe()} (after the consistency check: signed by "
                             f"{', '.join(map(str, sorted(state.signatures))) or 'none'})", started, alive, dropped)
-            return {cid: taken[cid] for cid in alive & core.live}, True
+            return _kept(taken, alive & core.live, lost=True)
         # The next round is set up alongside this one's unmasking only when every live site is in both.
         # (Not when a site would be short of advertised neighbours in it: it sits that round out, set up in it.)
         ahead = nxt is not None and answering == alive == core.live == set(nxt.adverts) and not nxt.leave_out_short()
@@ -157,9 +160,9 @@ class SecAggRound:
         except ValueError as exc:  # ProtocolError included: a site left or went silent while unmasking
             silent = ", ".join(map(str, sorted(answering - set(state.answers))))
             self._lose(rnd, f"{exc}; no unmask answer from site(s) {silent or 'none'}", started, alive, dropped)
-            return {cid: taken[cid] for cid in alive & core.live}, True
+            return _kept(taken, alive & core.live, lost=True)
         self._fold(rnd, total, summed)
-        return {cid: taken[cid] for cid in alive}, False
+        return _kept(taken, alive, lost=False)
 
     def _check(self, rnd: int, state: ServerState, alive: set[int]) -> set[int]:
         """The consistency check: each survivor signs the survivor set; the survivors that hold their
@@ -178,9 +181,10 @@ class SecAggRound:
     def _graph(self, rnd: int) -> dict[int, set[int]]:
         return round_graph(self.num_sites, rnd, self.core.cfg.privacy.secagg.degree)
 
-    def _setup(self, rnd: int) -> ServerState:
+    def _setup(self, rnd: int, uploads: RoundUploads) -> ServerState:
         """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
-        round some live site missed): two more exchanges before the sites can mask."""
+        round some live site missed): two more exchanges before the sites can mask. A live site short
+        of advertised neighbours sits the round out (`uploads.sat_out`)."""
         core, n = self.core, self.num_sites
         state = ServerState(self._graph(rnd), self.size, rnd)
 
@@ -190,7 +194,7 @@ class SecAggRound:
         advertised = self._gather(rnd, P.SA_ADVERT, set(core.live), advert)
         if short := state.leave_out_short():
             advertised -= short
-            self.sat_out = short
+            uploads.sat_out = short
             log.warning("round %d: site(s) %s sit this round out: fewer of their neighbours advertised keys than "
                         "the Shamir threshold needs (the others ended or are silent); a larger "
                         "privacy.secagg.degree tolerates more losses in one neighbourhood", rnd,
@@ -249,7 +253,7 @@ class SecAggRound:
         done.add(cid)
 
     def _take_masked(self, rnd: int, cid: int, msg: Message, want_state: bool, state: ServerState,
-                     taken: Taken, nxt: ServerState | None) -> None:
+                     taken: RoundUploads, nxt: ServerState | None) -> None:
         y = W.parse_masked(cid, msg.tensors, self.size)
         advert = None  # the site's keys for the next round, advertised with this round's input
         if nxt is not None and msg.header.get("next_advert") is not None:
@@ -264,7 +268,7 @@ class SecAggRound:
             nxt.take_advert(cid, advert)
         upd = Update(client_id=cid, flat=None, num_examples=0,
                      metrics={k: (float(v) if v is not None else math.nan) for k, v in metrics.items()})
-        taken[cid] = (upd, shard if want_state else None)
+        taken.add(upd, shard if want_state else None)
 
     def _quorum(self, rnd: int, sites: set[int], what: str) -> None:
         """Enough sites to go on: the quorum of the live ones (under DP, of all K: the noise counts on it)."""
@@ -310,7 +314,6 @@ class SecAggRound:
 
     def _fold(self, rnd: int, total: np.ndarray, alive: set[int]) -> None:
         """Hand the unmasked sum to the strategy, unless its norm says a site cheated its clip."""
-        core = self.core
         try:
             weighted_sum, examples = decode_sum(total, len(alive), self.spec)
         except ValueError as exc:  # a site wrote a weight outside the encoding: one round lost, not the run
@@ -318,9 +321,7 @@ class SecAggRound:
             return
         if not self._sum_ok(rnd, weighted_sum, examples, len(alive)):
             return
-        if not isinstance(core.strategy, FedAvg):  # registry.check_secure_aggregation allows only FedAvg
-            raise TypeError(f"strategy {core.strategy.name!r} cannot take a secure sum")
-        core.strategy.fold_secure_sum(weighted_sum, examples, len(alive))
+        self.strategy.fold_sum(weighted_sum, examples, len(alive))  # it declares WEIGHTED_SUM (checked when built)
 
     def _sum_ok(self, rnd: int, weighted_sum: np.ndarray, examples: int, count: int) -> bool:
         """Honest sites clipped to C: ‖Σ n_k δ_k‖ ≤ C·Σ n_k (plus the noise's 4 stds under DP). Beyond
@@ -337,3 +338,11 @@ class SecAggRound:
         log.warning("round %d: the securely aggregated sum is refused, the model stays: %s; a site sent an input "
                     "outside the encoding (which one, secure aggregation hides)", rnd, why)
         self.core.metrics.log(rnd, None, "secagg_sum_refused", 1)
+
+
+def _kept(taken: RoundUploads, sites: set[int], lost: bool) -> RoundUploads:
+    """The round's uploads of `sites` only (those whose inputs are in its sum, or would have been)."""
+    kept = RoundUploads(taken.round, sat_out=taken.sat_out, lost=lost)
+    for cid in sorted(sites):
+        kept.add(taken.updates[cid], taken.shards[cid])
+    return kept

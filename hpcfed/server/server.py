@@ -21,12 +21,13 @@ from typing import Any
 
 from hpcfed.comm.api import Channel
 from hpcfed.config import Config, build
-from hpcfed.registry import private_strategy, strategy_class, task_class
+from hpcfed.registry import strategy_class, task_class
 from hpcfed.server import setup, summary
 from hpcfed.server.async_loop import AsyncLoop
 from hpcfed.server.core import BelowFloor, ServerCore
 from hpcfed.server.sync_rounds import SyncRounds
 from hpcfed.strategies.base import Strategy, StrategyContext
+from hpcfed.strategies.dp import with_privacy
 
 log = logging.getLogger("hpcfed.server")
 
@@ -37,13 +38,13 @@ class Server:
     def __init__(self, cfg: Config, channel: Channel, out_dir: Path, resume: bool = False) -> None:
         task_cls = task_class(cfg.task.name, cfg.source)
         task_config = build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
-        strategy_cls = private_strategy(strategy_class(cfg.strategy.name, cfg.source), cfg)
-        strategy: Strategy = strategy_cls(
-            build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
-            StrategyContext(num_clients=channel.size - 1, seed=cfg.seed, task_cls=task_cls,
-                            task_config=task_config, log=log.info, dp=cfg.privacy.dp,
-                            secret_seed=_noise_seed(cfg)),
-        )
+        strategy_cls = strategy_class(cfg.strategy.name, cfg.source)
+        context = StrategyContext(num_clients=channel.size - 1, seed=cfg.seed, task_cls=task_cls,
+                                  task_config=task_config, log=log.info, dp=cfg.privacy.dp,
+                                  secret_seed=_noise_seed(cfg))
+        strategy: Strategy = with_privacy(  # privacy.dp wraps the strategy (hpcfed.strategies.dp)
+            strategy_cls(build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
+                         context), cfg.privacy, context)
         self.core = ServerCore(cfg, channel, out_dir, strategy, task_cls, task_config)
         self.resume = resume
 

@@ -13,6 +13,17 @@ config derives ``federation.mode`` from it, `hpcfed.registry.resolve`):
 
 Either way `model_for(client_id)` says what a client receives, so personalised dispatch (SEGA,
 Local-only) is a strategy decision, not a runtime one.
+
+Capabilities are declared on the class, and the runtime and the privacy layer read the declaration,
+never the class (docs/architecture.md, "Capabilities"):
+
+- ``synchronous`` (set by the base): rounds or the async loop;
+- ``aggregates``: what a round needs of the uploads. `WEIGHTED_SUM`: only Σ_k w_k·δ_k and Σ_k w_k (a
+  weighted mean of the deltas from the model sent), so secure aggregation (rank 0 learns that sum
+  only) and the DP wrappers (`hpcfed.strategies.dp`) can carry it; the strategy implements
+  `SyncStrategy.fold_sum`. `EACH_UPLOAD`: every upload on its own (median, Krum, SEGA, ...).
+  `aggregates_with(config)` refines it for a strategy whose options change it (FedAvg's ``rule``);
+- ``shares_updates``: whether one site's upload reaches another's model (bounded influence).
 """
 
 from __future__ import annotations
@@ -20,12 +31,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final, Literal
 
 import numpy as np
 
 from hpcfed.config import DPConfig
 from hpcfed.params import ParamLayout, Params
+
+Aggregates = Literal["weighted_sum", "each_upload"]
+# A round folds from Σ_k w_k·δ_k and Σ_k w_k alone (`SyncStrategy.fold_sum`): secure aggregation and DP can carry it.
+WEIGHTED_SUM: Final = "weighted_sum"
+# A round needs every upload on its own (robust rules, clustering): rank 0 must see each.
+EACH_UPLOAD: Final = "each_upload"
 
 
 @dataclass
@@ -72,6 +89,8 @@ class Strategy(ABC):
     # Does one site's upload reach another site's model? Then the server bounds its influence
     # (`hpcfed.server.influence`); a strategy that keeps every site to itself says False.
     shares_updates: ClassVar[bool] = True
+    # What a round needs of the uploads: WEIGHTED_SUM or EACH_UPLOAD (see the module's docstring).
+    aggregates: ClassVar[Aggregates] = EACH_UPLOAD
 
     layout: ParamLayout  # the model's parameter layout; set by `initialize`
     global_flat: np.ndarray  # the global model, float32 (layout.size,); set by `initialize` / `load_state_dict`
@@ -79,6 +98,12 @@ class Strategy(ABC):
     @dataclass(kw_only=True)
     class Config:
         pass
+
+    @classmethod
+    def aggregates_with(cls, config: Any) -> Aggregates:
+        """What a round needs of the uploads under `config` (this strategy's built ``Config``):
+        the class's declaration, unless an option changes it (FedAvg's robust ``rule``)."""
+        return cls.aggregates
 
     def __init__(self, config: Any, context: StrategyContext) -> None:
         problem = kind_problem(type(self))
@@ -174,6 +199,19 @@ class SyncStrategy(Strategy):
         """Every update of the round that will come has come: aggregate them."""
         held, self._held = sorted(self._held, key=lambda u: u.client_id), []
         self.aggregate(round, held)
+
+    def fold_sum(self, delta_sum: np.ndarray, total_weight: float, count: int) -> None:
+        """Fold a round's weighted sum instead of its uploads, between `begin_round` and `end_round`:
+        `delta_sum` = Σ_k w_k·δ_k (float64, δ_k = site k's model minus the model it was sent; taken
+        over, not copied), `total_weight` = Σ_k w_k > 0, from `count` sites. Secure aggregation hands
+        rank 0 only this; the DP wrappers hand their noised mean as (step, 1.0). Only a strategy that
+        declares ``aggregates = WEIGHTED_SUM`` implements it; the config checks refuse the others first.
+
+        Example (FedAvg, global model g = [1, 1]; two sites of weight 1 sent deltas [1, 2] and [1, 2]):
+        ``begin_round(r); fold_sum(np.array([2.0, 4.0]), 2.0, 2); end_round(r)`` leaves g = [2, 3].
+        """
+        raise TypeError(f"strategy {self.name!r} declares aggregates={self.aggregates!r}: it cannot fold a "
+                        f"weighted sum (only a strategy that declares {WEIGHTED_SUM!r} can)")
 
     @abstractmethod
     def aggregate(self, round: int, updates: list[Update]) -> None:

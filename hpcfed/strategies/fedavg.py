@@ -13,18 +13,22 @@ The robust rules need every update at once: K + 1 models (median and trimmed mea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hpcfed.strategies.aggregate import RunningMean
-from hpcfed.strategies.base import SyncStrategy, Update
+from hpcfed.strategies.base import EACH_UPLOAD, WEIGHTED_SUM, Aggregates, SyncStrategy, Update
 from hpcfed.strategies.robust import RULES, robust_rule
 
 MEAN_OR_ROBUST = ("mean", *RULES)
 
 
 class FedAvg(SyncStrategy):
+    """The example-weighted (or uniform) mean of the round's models; with a robust ``rule``, that rule."""
+
     name = "fedavg"
+    aggregates = WEIGHTED_SUM  # the mean: secure aggregation and DP can carry it (a robust rule cannot)
 
     @dataclass(kw_only=True)
     class Config:
@@ -38,6 +42,11 @@ class FedAvg(SyncStrategy):
                 raise ValueError(f"weighting={self.weighting!r}; choose num_examples or uniform")
             if self.rule not in MEAN_OR_ROBUST:
                 raise ValueError(f"rule={self.rule!r}; choose one of: {', '.join(MEAN_OR_ROBUST)}")
+
+    @classmethod
+    def aggregates_with(cls, config: Any) -> Aggregates:
+        """The mean takes a weighted sum; a robust rule needs each upload."""
+        return WEIGHTED_SUM if config.rule == "mean" else EACH_UPLOAD
 
     # -- streaming mean: fold each update on arrival ---------------------------------------------
     def begin_round(self, round: int) -> None:
@@ -57,16 +66,16 @@ class FedAvg(SyncStrategy):
             self._mean.result(out=self.global_flat)
         self._mean = None
 
-    def fold_secure_sum(self, weighted_sum: np.ndarray, total_weight: int, count: int) -> None:
-        """Secure aggregation: fold the round's Σ n_k·δ_k (deltas from the global model; float64, taken
-        over) and Σ n_k, all rank 0 learns, as the weighted sum of the sites' models Σ n_k (g + δ_k)."""
+    def fold_sum(self, delta_sum: np.ndarray, total_weight: float, count: int) -> None:
+        """Fold the round's Σ w_k·δ_k (deltas from the global model; float64, taken over) and Σ w_k, as
+        the weighted sum of the sites' models Σ w_k (g + δ_k) (`SyncStrategy.fold_sum`)."""
         if self._mean is None:
-            raise RuntimeError("secure aggregation needs FedAvg's mean rule")
-        block = RunningMean.BLOCK  # Σ n_k (g + δ_k) = W·g + Σ n_k δ_k, in place, a block at a time
-        for start in range(0, weighted_sum.size, block):
-            weighted_sum[start:start + block] += np.multiply(self.global_flat[start:start + block], float(total_weight),
-                                                             dtype=np.float64)
-        self._mean.add_sum(weighted_sum, float(total_weight))
+            raise RuntimeError(f"a weighted sum needs FedAvg's mean rule, not rule {self.config.rule!r}")
+        block = RunningMean.BLOCK  # Σ w_k (g + δ_k) = W·g + Σ w_k δ_k, in place, a block at a time
+        for start in range(0, delta_sum.size, block):
+            delta_sum[start:start + block] += np.multiply(self.global_flat[start:start + block], float(total_weight),
+                                                          dtype=np.float64)
+        self._mean.add_sum(delta_sum, float(total_weight))
 
     def _weight(self, update: Update) -> float:
         return float(update.num_examples) if self.config.weighting == "num_examples" else 1.0

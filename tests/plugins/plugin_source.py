@@ -94,7 +94,7 @@ def write_dist_info(root: Path, dist: str, tasks: dict[str, str], strategies: di
 
 
 ENTRY_TASKS = {"blobs": "myplug.task:BlobTask", "broken": "myplug.nowhere:Nothing"}
-ENTRY_STRATEGIES = {"fedavgm": "myplug.strategy:FedAvgM"}
+ENTRY_STRATEGIES = {"myfedavgm": "myplug.strategy:FedAvgM"}  # not "fedavgm": a built-in name wins
 
 
 @pytest.fixture(scope="session")

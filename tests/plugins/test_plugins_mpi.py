@@ -29,7 +29,7 @@ rounds: 3
 checkpoint_every: 1
 device: auto
 federation: {mode: sync, round_deadline_s: 120, client_timeout_s: 300}
-strategy: {name: fedavgm, momentum: 0.5}
+strategy: {name: myfedavgm, momentum: 0.5}
 task: {name: "myplug.task:BlobTask", lr: 0.01, classes: 3, samples: 64}
 """
 

@@ -33,7 +33,8 @@ def test_import_path_resolves_task_and_strategy(plugin_path):
 def test_entry_points_from_an_installed_package(plugin_path):
     assert plugin_names("hpcfed.tasks")["blobs"] == "myplug.task:BlobTask"
     assert task_class("blobs").__name__ == "BlobTask"
-    assert strategy_class("fedavgm").__name__ == "FedAvgM"
+    plugin = strategy_class("myfedavgm")
+    assert plugin.__name__ == "FedAvgM" and plugin.__module__ == "myplug.strategy"
     with pytest.raises(ValueError, match=r"entry point 'broken'.*cannot import module 'myplug\.nowhere'"):
         task_class("broken")
 
@@ -67,7 +68,7 @@ def test_task_as_strategy_is_refused(plugin_path):
 
 def test_plugin_options_validated_like_builtins(plugin_path, tmp_path):
     good = _config(tmp_path, "task: {name: 'myplug.task:BlobTask', classes: 3}\n"
-                             "strategy: {name: fedavgm, momentum: 0.5}\n")
+                             "strategy: {name: myfedavgm, momentum: 0.5}\n")
     cfg = prepare_config(good, [])
     assert cfg.task.options == {"classes": 3}
     cases = [

@@ -47,7 +47,7 @@ def test_quantisation_round_trip_within_one_step():
 
 def answer(server: ServerState, sites: dict[int, SiteState], alive: set[int], dropped: set[int],
            identities: dict[int, bytes] | None = None) -> None:
-    """The consistency check, then the unmasking, as an honest server runs them (`SecAggRound`)."""
+    """The consistency check, then the unmasking, as an honest server runs them (`SecAggCollector`)."""
     survivors = set(server.survivor_set())
     for u in sorted(alive):
         server.take_signature(u, sites[u].sign_survivors(survivors), identities)

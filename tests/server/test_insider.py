@@ -25,11 +25,11 @@ from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import InfluenceConfig, from_mapping
 from hpcfed.server.async_loop import AsyncLoop
 from hpcfed.server.bounding import Bounding
+from hpcfed.server.collect import PlainCollector, RoundUploads
 from hpcfed.server.core import ServerCore
 from hpcfed.server.influence import InfluenceGuard, Refused
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.server import Server
-from hpcfed.server.sync_rounds import SyncRounds
 from hpcfed.server.validation import metrics_ok, short
 
 INT64 = 2**63 - 1
@@ -213,7 +213,7 @@ def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tm
     measures each as it comes, parks it under out/scratch/parked, and once the round is in folds the
     honest ones whole and the flip clipped to the honest median; the scratch is gone after."""
     server, chans = _in_process_federation(tmp_path, 5)
-    rounds = SyncRounds(server)
+    collector = PlainCollector(server, server.strategy, 0)
     try:
         step = np.full(SIZE, 0.5, dtype=np.float32)
         uploads = {1: -10 * step, 2: step, 3: 1.1 * step, 4: 1.2 * step}
@@ -221,19 +221,17 @@ def test_the_server_parks_the_first_round_on_disk_and_bounds_it_by_its_median(tm
             chans[rank].send(0, P.UPDATE, {"round": 0, "num_examples": 10, "metrics": {}}, {"params": flat})
         server.strategy.begin_round(0)
         server.influence.begin_round(server.live)
-        got: dict = {}
-        refused: set = set()
         parked_during_round = []
-        take = rounds.take_update
+        take = collector.take_update
 
         def watching_take(*args):
             take(*args)
             parked_during_round.append(sorted(p.name for p in (tmp_path / "scratch" / "parked").glob("*")))
 
-        rounds.take_update = watching_take
-        rounds.collect_uploads(0, time.monotonic(), False, got, refused)
+        collector.take_update = watching_take
+        got = collector.collect(0, False)
         server.strategy.end_round(0)
-        assert set(got) == {0, 1, 2, 3} and not refused
+        assert got.answered == {0, 1, 2, 3} and not got.refused
         assert len(parked_during_round[-1]) == 4  # all four were on disk before any was folded
         assert not (tmp_path / "scratch").exists()
         median = float(np.median([np.linalg.norm(f) for f in uploads.values()]))  # 1.41: honest scale
@@ -262,11 +260,9 @@ def test_hostile_first_round_uploads_are_refused_before_they_are_parked(tmp_path
             chans[rank].send(0, P.UPDATE, header, {"params": flat})
         server.strategy.begin_round(0)
         server.influence.begin_round(server.live)
-        got: dict = {}
-        refused: set = set()
-        SyncRounds(server).collect_uploads(0, time.monotonic(), False, got, refused)
+        got = PlainCollector(server, server.strategy, 0).collect(0, False)
         server.strategy.end_round(0)
-        assert refused == {0}
+        assert got.refused == {0}
         assert server.rejected_by_rank.get(1, 0) == 3
         assert {"update out of range", "duplicate update", "stale update"} <= set(server.rejected)
         np.testing.assert_array_equal(server.strategy.global_flat, step)
@@ -287,9 +283,8 @@ def test_a_duplicate_upload_evicts_its_site_and_the_round_closes_with_the_others
             chans[rank].send(0, P.UPDATE, header, {"params": step})
         server.strategy.begin_round(0)
         server.influence.begin_round(server.live)
-        got: dict = {}
         t0 = time.monotonic()
-        SyncRounds(server).collect_uploads(0, t0, False, got, set())
+        PlainCollector(server, server.strategy, 0).collect(0, False)
         assert time.monotonic() - t0 < server.cfg.federation.round_deadline_s
         assert server.live == {1, 2, 3} and [e["reason"] for e in server.ledger.state()] == [
             "unrequested update (duplicate update: a second update for round 0)"]
@@ -458,15 +453,15 @@ def federation(tmp_path_factory):
     server.metrics.close()
 
 
-def _send_and_take(server: ServerCore, sender: SecureChannel, header: dict, tensors: dict, rnd: int,
-                   got: dict, refused: set) -> None:
+def _send_and_take(server: ServerCore, sender: SecureChannel, header: dict, tensors: dict,
+                   collector: PlainCollector) -> None:
     try:
         sender.send(0, P.UPDATE, header, tensors)
     except ValueError:  # our own encoder refuses it (e.g. a lone surrogate): nothing is sent
         return
     msg = server.channel.recv(kinds={P.UPDATE}, timeout=5)
     if msg is not None:  # a message the channel itself refused never reaches the server
-        server.contained(msg.source, SyncRounds(server).take_update, rnd, msg, got, False, refused)
+        server.contained(msg.source, collector.take_update, msg)
 
 
 json_values = st.recursive(
@@ -498,15 +493,15 @@ def test_no_update_header_or_bundle_ends_the_server_and_honest_updates_still_agg
     rnd = 0
     server.strategy.begin_round(rnd)
     server.influence = InfluenceGuard(InfluenceConfig(enabled=False), num_clients=2)
-    got: dict = {}
-    refused: set = set()
-    _send_and_take(server, hostile, {"round": rnd, **header}, tensors, rnd, got, refused)
-    if 0 in got:  # a well-formed hostile update is taken; the honest one must still be exact
+    collector = PlainCollector(server, server.strategy, 0)
+    collector.uploads = got = RoundUploads(rnd)  # the round being gathered (`collect` starts one so)
+    _send_and_take(server, hostile, {"round": rnd, **header}, tensors, collector)
+    if 0 in got.answered:  # a well-formed hostile update is taken; the honest one must still be exact
         return
     _send_and_take(server, honest, {"round": rnd, "num_examples": 3, "metrics": {"loss": 1.0}},
-                   {"params": np.full(SIZE, 2.0, dtype=np.float32)}, rnd, got, refused)
+                   {"params": np.full(SIZE, 2.0, dtype=np.float32)}, collector)
     server.strategy.end_round(rnd)
-    assert set(got) == {1}
+    assert got.answered == {1}
     np.testing.assert_array_equal(server.strategy.global_flat, np.full(SIZE, 2.0, dtype=np.float32))
     server.strategy.global_flat[:] = 0.0
 

@@ -1,5 +1,6 @@
-"""DP-FedAvg as a strategy: one round by hand, the budget, the checkpointed accountant; and the config
-checks that select it (hostile values, async, other rules, the influence guard)."""
+"""DP-FedAvg as a wrapper around a weighted-mean strategy (`hpcfed.strategies.dp`): one round by hand,
+the budget, the checkpointed accountant; and the config checks that select it (hostile values, async,
+other rules, the influence guard), which read the strategy's declaration (`hpcfed.privacy.requirements`)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import pytest
 import yaml
 
 from hpcfed.config import AdaptiveClipConfig, ConfigError, DPConfig, from_mapping
-from hpcfed.privacy import dp
+from hpcfed.privacy import dp, requirements
 from hpcfed.privacy.accountant import epsilon
-from hpcfed.registry import private_strategy, resolve
+from hpcfed.registry import resolve
+from hpcfed.strategies import base
 from hpcfed.strategies.base import StrategyContext, Update
-from hpcfed.strategies.dp_fedavg import DistributedDPFedAvg, DPFedAvg
+from hpcfed.strategies.dp import CentralDP, DistributedDP, with_privacy
 from hpcfed.strategies.fedavg import FedAvg
+from hpcfed.strategies.robust import Median
 
 
-def _strategy(dp_cfg: DPConfig, k: int = 3) -> DPFedAvg:
-    s = DPFedAvg(FedAvg.Config(), StrategyContext(num_clients=k, seed=11, dp=dp_cfg))
+def _strategy(dp_cfg: DPConfig, k: int = 3) -> CentralDP:
+    ctx = StrategyContext(num_clients=k, seed=11, dp=dp_cfg)
+    s = CentralDP(FedAvg(FedAvg.Config(), ctx), ctx)
     s.initialize({"w": np.array([1.0, 1.0], dtype=np.float32)})
     return s
 
@@ -89,12 +93,43 @@ def test_privacy_dp_in_an_async_federation_is_refused():
         resolve(from_mapping(raw, DP_OK, source="q.yaml"))
 
 
-def test_privacy_dp_selects_dp_fedavg_and_nothing_else_does():
+def _fedavg(cfg, k: int = 3) -> FedAvg:
+    s = FedAvg(FedAvg.Config(), StrategyContext(num_clients=k, seed=1, dp=cfg.privacy.dp))
+    s.initialize({"w": np.array([1.0, 1.0], dtype=np.float32)})
+    return s
+
+
+def test_privacy_dp_wraps_the_strategy_and_nothing_else_does():
     plain = from_mapping(QUICKSTART, [], source="q.yaml")
     private = from_mapping(QUICKSTART, DP_OK, source="q.yaml")
     resolve(private)
-    assert private_strategy(FedAvg, plain) is FedAvg
-    assert private_strategy(FedAvg, private) is DPFedAvg
+    inner = _fedavg(plain)
+    assert with_privacy(inner, plain.privacy, inner.context) is inner
+    wrapped = with_privacy(inner, private.privacy, StrategyContext(num_clients=3, seed=1, dp=private.privacy.dp))
+    assert isinstance(wrapped, CentralDP) and not isinstance(wrapped, DistributedDP) and wrapped.inner is inner
+    assert wrapped.global_flat is inner.global_flat and wrapped.version == inner.version == 1
+
+
+def test_the_wrapper_refuses_a_strategy_that_needs_each_upload_by_its_declaration():
+    ctx = StrategyContext(num_clients=3, seed=1, dp=DPConfig())
+    robust = FedAvg(FedAvg.Config(rule="median"), ctx)
+    assert FedAvg.aggregates_with(robust.config) == base.EACH_UPLOAD and Median.aggregates == base.EACH_UPLOAD
+    with pytest.raises(TypeError, match="aggregates='weighted_sum'"):
+        CentralDP(robust, ctx)
+    with pytest.raises(TypeError, match="cannot fold a weighted sum"):
+        Median(Median.Config(), ctx).fold_sum(np.zeros(2), 1.0, 1)
+    assert requirements.WEIGHTED_SUM == base.WEIGHTED_SUM  # privacy reads the declaration without importing strategies
+
+
+def test_a_central_dp_round_moves_the_model_as_the_unwrapped_formula_does_to_the_bit():
+    """θ + (Σ clip + noise) / K, in float64 then float32: the wrapper hands FedAvg (step, weight 1.0)."""
+    s = _strategy(DPConfig(clip_norm=1.0, noise_multiplier=0.5))
+    g = s.global_flat.copy()
+    s.begin_round(0)
+    s.fold(Update(0, np.array([4.0, 5.0], dtype=np.float32), 10))
+    s.end_round(0)
+    step = (np.array([0.6, 0.8]) + dp.gaussian_noise(2, 0.5, 11, 0)) / 3
+    assert s.global_flat.tobytes() == (g.astype(np.float64) + step).astype(np.float32).tobytes()
 
 
 SECAGG = ["privacy.secure_aggregation=true"]
@@ -116,11 +151,12 @@ def test_secure_aggregation_configs_it_cannot_honour_are_refused_naming_the_key(
 def test_distributed_dp_adds_no_noise_of_its_own_and_divides_the_sites_noised_sum_by_k():
     cfg = from_mapping(QUICKSTART, [*SECAGG, "privacy.dp.clip_norm=1"], source="q.yaml")
     resolve(cfg)  # the influence guard may stay on: secure aggregation replaces it
-    assert private_strategy(FedAvg, cfg) is DistributedDPFedAvg
-    s = DistributedDPFedAvg(FedAvg.Config(), StrategyContext(num_clients=4, seed=1, dp=DPConfig(clip_norm=1.0)))
+    ctx = StrategyContext(num_clients=4, seed=1, dp=DPConfig(clip_norm=1.0))
+    s = with_privacy(FedAvg(FedAvg.Config(), ctx), cfg.privacy, ctx)
+    assert isinstance(s, DistributedDP) and s.aggregates == base.WEIGHTED_SUM
     s.initialize({"w": np.array([1.0, 1.0], dtype=np.float32)})
     s.begin_round(0)
-    s.fold_secure_sum(np.array([2.0, -1.0]), 3, 3)  # three sites answered; the denominator stays K = 4
+    s.fold_sum(np.array([2.0, -1.0]), 3, 3)  # three sites answered; the denominator stays K = 4
     s.end_round(0)
     assert s.global_flat.tolist() == [1.5, 0.75] and s.accountant.rounds == 1
     assert s.report()["privacy"]["secure_aggregation"] is True
