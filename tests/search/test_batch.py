@@ -99,14 +99,17 @@ def test_dame_runs_refuse_joint_and_text_but_name_their_events(tmp_path: Path,
     from hpcfed.cli import main as cli_main
 
     run = _dame_like(tmp_path / "dame")
-    assert cli_main(["search", "query", str(run), "--id", "m0-1"]) == 2
+    assert cli_main(["search", "query", str(run), "--id", "m0-1", "--mode", "joint"]) == 2
     assert "--mode joint treats the sites' vectors as one space" in capsys.readouterr().err
+    assert cli_main(["search", "query", str(run), "--id", "m0-1", "--compact"]) == 0  # auto: each site's own space
+    assert json.loads(capsys.readouterr().out)["queries"][0]["mode"] == "nomapping"
     assert cli_main(["search", "query", str(run), "--id", "m0-1", "--mode", "nomapping", "--k", "12",
                      "--compact"]) == 0
     results = json.loads(capsys.readouterr().out)["queries"][0]["results"]
     names = {(r["site"], r["label"]): r["label_name"] for r in results}
     assert names == {("0", 0): "flood", ("0", 1): "quake", ("1", 0): "fire"}
-    assert cli_main(["search", "query", str(run), "--id", "m0-1", "--force", "--compact"]) == 0  # joint anyway
+    assert cli_main(["search", "query", str(run), "--id", "m0-1", "--mode", "joint", "--force",
+                     "--compact"]) == 0  # joint anyway
     capsys.readouterr()
     assert cli_main(["search", "query", str(run), "--text", "flood", "--mode", "nomapping"]) == 2
     err = capsys.readouterr().err
