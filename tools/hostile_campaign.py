@@ -425,8 +425,8 @@ def _plan(total: int, rounds: int) -> list[int]:
 
 def worker_main(args: argparse.Namespace) -> int:
     """Body of the hostile rank: the real client loop, with attacks before each honest upload."""
-    from hpcfed import launcher
     from hpcfed.client import client as client_mod
+    from hpcfed.launch import rank as launcher
 
     cfg = launcher.prepare_config(args.config, args.overrides)
     out_dir = Path(args.out)
@@ -521,7 +521,7 @@ def _num_clients(config: str, overrides: list[str]) -> int:
 def campaign(config: str, overrides: list[str], *, messages: int, out: Path, timeout: float = 300,
              log: Callable[[str], None] = lambda s: None, flood_mib: int = 0) -> dict[str, Any]:
     """A clean run and the same run with a hostile client; what was sent, refused, and whether results match."""
-    from hpcfed.launcher import prepare_config
+    from hpcfed.launch.rank import prepare_config
 
     cfg = prepare_config(config, overrides)
     if cfg.mode != "sync":

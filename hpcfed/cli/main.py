@@ -34,10 +34,10 @@ DATA_COMMANDS: dict[str, str] = {
 EXTRA_COMMANDS: dict[str, str] = {
     "eval": "hpcfed.search.evaluate:main",
     "report": "hpcfed.report:main",
-    "search": "hpcfed.search.cli:main",
-    "new": "hpcfed.scaffold:main",
-    "serve": "hpcfed.crossjob:serve_main",
-    "join": "hpcfed.crossjob:join_main",
+    "search": "hpcfed.cli.search:main",
+    "new": "hpcfed.cli.new:main",
+    "serve": "hpcfed.launch.crossjob:serve_main",
+    "join": "hpcfed.launch.crossjob:join_main",
 }
 
 USER_ERROR_EXIT = 2
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "run":
-        from hpcfed.launcher import run_command
+        from hpcfed.launch.rank import run_command
 
         return _guard(lambda: run_command(args.config, args.overrides, np=args.np, out=args.out,
                                           resume=args.resume, mpiexec=args.mpiexec, force=args.force))

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from hpcfed.config import Config, ConfigError
 from hpcfed.errors import FederationError
-from hpcfed.launcher import (
+from hpcfed.launch.rank import (
     HALT_SIGNAL,
     _setup_logging,  # one log format for every rank, however it was started
     channel_settings,
@@ -142,7 +142,7 @@ class _Served:
         from hpcfed.comm.rendezvous import Listener, write_port_file
         from hpcfed.comm.spokes import SpokeTransport
         from hpcfed.credentials import load_credentials
-        from hpcfed.crossjob_sites import SiteDoor
+        from hpcfed.launch.crossjob_sites import SiteDoor
 
         cred = load_credentials(self.cfg.security, 0)
         job_id = secrets.token_bytes(32)
@@ -347,7 +347,7 @@ class _Joined:
         channel.expect({0: protocol.SERVER_KINDS})
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))
-        from hpcfed.device import select_device
+        from hpcfed.launch.device import select_device
 
         device = select_device(self.rank, self.cfg.device)
         Client(self.cfg, channel, self.out, device=device, resume=resume).run()

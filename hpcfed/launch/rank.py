@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpcfed import jobwatch
 from hpcfed.config import Config, ConfigError, check_resume_compatible, load
 from hpcfed.errors import FederationError
-from hpcfed.jobwatch import HALT_FILE
+from hpcfed.launch import jobwatch
+from hpcfed.launch.jobwatch import HALT_FILE
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
 
@@ -167,7 +167,7 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     if cfg.federation.on_client_failure == "continue" and _is_hydra(exe):
         # Let the server outlive a dead client: hydra must not clean up, and each rank runs under a
         # guard, since hydra's proxy kills a node's ranks when one of them ends by a signal.
-        cmd += ["-disable-auto-cleanup", sys.executable, "-m", "hpcfed.rank_guard"]
+        cmd += ["-disable-auto-cleanup", sys.executable, "-m", "hpcfed.launch.rank_guard"]
     cmd += [sys.executable, "-m", "hpcfed", "run", config, *overrides, "--out", str(out)]
     if resume:
         cmd.append("--resume")
@@ -429,7 +429,7 @@ def channel_settings(cfg: Config) -> dict[str, Any]:
 
 
 def _device(cfg: Config, rank: int) -> str:
-    from hpcfed.device import select_device
+    from hpcfed.launch.device import select_device
 
     return select_device(rank, cfg.device)
 

@@ -22,7 +22,7 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Channel, ChannelError, Message, Outgoing
 from hpcfed.config import Config
 from hpcfed.errors import FederationError
-from hpcfed.jobwatch import HALT_FILE
+from hpcfed.launch.jobwatch import HALT_FILE
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
 from hpcfed.server.departures import Departures

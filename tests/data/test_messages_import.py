@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcfed.cli import main as cli_main
+from hpcfed.cli.main import main as cli_main
 from hpcfed.data.messages import read_messages
 from hpcfed.data.messages_import import main
 from hpcfed.data.root import DataError

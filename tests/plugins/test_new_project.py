@@ -9,9 +9,9 @@ import sys
 import pytest
 from conftest import run_cli
 
+from hpcfed.cli.new import write_project
 from hpcfed.config import build
 from hpcfed.registry import task_class
-from hpcfed.scaffold import write_project
 from hpcfed.tasks.base import Site
 
 
