@@ -139,7 +139,7 @@ def test_unknown_keys_get_a_did_you_mean():
 
 
 def test_task_option_errors_name_the_override():
-    from hpcfed.launch.rank import prepare_config
+    from hpcfed.launch.parent import prepare_config
 
     with pytest.raises(ConfigError, match=r"^command line \(task\.num_classes=1\): task\.num_classes must be >= 2"):
         prepare_config(str(REPO / "configs" / "quickstart.yaml"), ["task.num_classes=1"])

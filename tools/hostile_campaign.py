@@ -427,8 +427,9 @@ def worker_main(args: argparse.Namespace) -> int:
     """Body of the hostile rank: the real client loop, with attacks before each honest upload."""
     from hpcfed.client import client as client_mod
     from hpcfed.launch import rank as launcher
+    from hpcfed.launch.parent import prepare_config
 
-    cfg = launcher.prepare_config(args.config, args.overrides)
+    cfg = prepare_config(args.config, args.overrides)
     out_dir = Path(args.out)
     if cfg.mode != "sync":
         raise SystemExit("the campaign compares against a baseline bit for bit: use a sync config")
@@ -521,7 +522,7 @@ def _num_clients(config: str, overrides: list[str]) -> int:
 def campaign(config: str, overrides: list[str], *, messages: int, out: Path, timeout: float = 300,
              log: Callable[[str], None] = lambda s: None, flood_mib: int = 0) -> dict[str, Any]:
     """A clean run and the same run with a hostile client; what was sent, refused, and whether results match."""
-    from hpcfed.launch.rank import prepare_config
+    from hpcfed.launch.parent import prepare_config
 
     cfg = prepare_config(config, overrides)
     if cfg.mode != "sync":

@@ -44,7 +44,7 @@ def run_inprocess(config: str, overrides: list[str], num_clients: int, out: Path
     """The synchronous runtime's steps, in one process (no MPI, no encryption)."""
     from hpcfed.config import build
     from hpcfed.data.root import data_root
-    from hpcfed.launch.rank import prepare_config
+    from hpcfed.launch.parent import prepare_config
     from hpcfed.params import ParamLayout
     from hpcfed.registry import strategy_class, task_class
     from hpcfed.strategies.base import StrategyContext, Update

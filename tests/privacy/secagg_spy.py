@@ -102,7 +102,7 @@ def main() -> None:
     else:
         spy_dir.mkdir(parents=True, exist_ok=True)
         _spy_site(spy_dir, rank - 1, silent, float(os.environ.get("SPY_SILENT_S", "0")))
-    from hpcfed.cli.main import main as cli_main
+    from hpcfed.cli.commands import main as cli_main
 
     sys.exit(cli_main(args))
 
