@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcfed.config import ConfigError, build, from_mapping, load
+from hpcfed.config import ConfigError, from_mapping, load
 from hpcfed.registry import resolve
+from hpcfed.schema import build
 from hpcfed.tasks.synthetic import SyntheticTask
 
 REPO = Path(__file__).resolve().parents[1]

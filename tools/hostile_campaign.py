@@ -439,9 +439,10 @@ def worker_main(args: argparse.Namespace) -> int:
     attacks: Iterator[str] = _cycle(ALL_ATTACKS)
 
     class HostileClient(client_mod.Client):
-        def __init__(self, cfg: Any, channel: Any, out_dir: Path, device: str = "cpu", resume: bool = False) -> None:
+        def __init__(self, cfg: Any, channel: Any, out_dir: Path, device: str = "cpu", resume: bool = False,
+                     keys: Any = None) -> None:
             channel.transport = _RecordingTransport(channel.transport)
-            super().__init__(cfg, channel, out_dir, device=device, resume=resume)
+            super().__init__(cfg, channel, out_dir, device=device, resume=resume, keys=keys)
             self.forger: Forger | None = None
             report["rank"] = channel.rank
 

@@ -20,11 +20,13 @@ from hpcfed import protocol as P
 from hpcfed.client import attacks
 from hpcfed.client.secagg import SecAggSite, Superseded
 from hpcfed.comm.api import Channel, ChannelError, Message
-from hpcfed.config import Config, build
+from hpcfed.config import Config
 from hpcfed.cost import rank_cost
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout, Params
 from hpcfed.registry import task_class
+from hpcfed.schema import build
 from hpcfed.tasks.base import Site, Task
 
 log = logging.getLogger("hpcfed.client")
@@ -34,7 +36,7 @@ class Client:
     """One client site (rank 1..K): trains the task on the server's models and uploads the results."""
 
     def __init__(self, cfg: Config, channel: Channel, out_dir: Path, device: str = "cpu",
-                 resume: bool = False) -> None:
+                 resume: bool = False, keys: RankKeys | None = None) -> None:
         self.cfg = cfg
         self.channel = channel
         self.client_id = channel.rank - 1
@@ -60,14 +62,14 @@ class Client:
         self._received: Params = {}  # the model as the server sent it (the runtime attacks tamper from it)
         self.secagg: SecAggSite | None = None  # privacy.secure_aggregation, once the layout is known
         self._pending: Message | None = None  # what ended a secure aggregation round early, handled next
-        from hpcfed.credentials import state_file_auth
         from hpcfed.store import site_state
 
         # This site's own checkpoint shards: written and read here only, tagged with the site's key.
         self.resume = resume
         self.state_dir = site_state.site_dir(cfg.federation.site_state_dir, out=out_dir, client=self.client_id,
                                              rank=self.client_id + 1)
-        self.state_auth = state_file_auth(cfg.security, self.client_id + 1, "site-shard")
+        self.keys = keys or RankKeys(cfg.security, channel.rank)  # read once (the launch passes them)
+        self.state_auth = self.keys.file_auth("site-shard")
 
     def run(self) -> None:
         """Take part in the federation until the server says STOP (or stops answering: FederationError)."""
@@ -138,7 +140,7 @@ class Client:
         self.layout = ParamLayout.of(self.task.get_parameters())
         if self.cfg.privacy.secure_aggregation:
             attack = self.site.attack if self.site.attack in attacks.RUNTIME_ATTACKS else None
-            self.secagg = SecAggSite(self.cfg, self.channel, self.layout.size, attack)
+            self.secagg = SecAggSite(self.cfg, self.channel, self.layout.size, attack, keys=self.keys)
         if reply.header.get("layout") != self.layout.describe():
             raise FederationError(
                 f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes/"
@@ -229,10 +231,9 @@ class Client:
         metrics = self.task.evaluate(int(msg.header.get("round", 0)), final=True)
         path = self.task.export_embeddings(self.site.out_dir)
         if path is not None:
-            from hpcfed.credentials import state_file_auth
             from hpcfed.store.embeddings import seal_export
 
-            seal_export(path, state_file_auth(self.cfg.security, self.client_id + 1, "embeddings"))
+            seal_export(path, self.keys.file_auth("embeddings"))
             log.info("client %d: embeddings written to %s", self.client_id, path)
         self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
                                         "cost": rank_cost(self.channel.stats),

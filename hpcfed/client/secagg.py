@@ -23,6 +23,7 @@ from hpcfed import protocol as P
 from hpcfed.client import attacks
 from hpcfed.comm.api import Channel, Message
 from hpcfed.config import Config
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.secagg import ProtocolError, SiteState, round_graph
@@ -47,13 +48,13 @@ class Superseded(Exception):
 class SecAggSite:
     """One site's side of secure aggregation, one round at a time."""
 
-    def __init__(self, cfg: Config, channel: Channel, size: int, attack: str | None = None) -> None:
-        from hpcfed.credentials import secagg_identities
-
+    def __init__(self, cfg: Config, channel: Channel, size: int, attack: str | None = None,
+                 keys: RankKeys | None = None) -> None:
         self.cfg, self.channel = cfg, channel
         self.site, self.num_sites = channel.rank - 1, channel.size - 1
         self.size = size + 1  # the weighted delta and the weight
-        self.identity, self.peer_keys = secagg_identities(cfg.security, channel.rank)
+        keys = keys or RankKeys(cfg.security, channel.rank)
+        self.identity, self.peer_keys = keys.secagg_identities()
         self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
         self.uniform = cfg.strategy.options.get("weighting", "num_examples") == "uniform"
         self.attack = attack  # a runtime attack (hpcfed.client.attacks) this malicious site plays on its input

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpcfed.config import Config, ConfigError
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.launch.out_dir import prepare_out_dir
 from hpcfed.launch.parent import prepare_config, under_mpi
@@ -93,15 +94,15 @@ class _Served:
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path, ports: tuple[int, int] | None) -> None:
         self.cfg, self.args, self.out, self.ports = cfg, args, out, ports
         self.size = (cfg.federation.num_clients or 0) + 1
+        self.keys = RankKeys(cfg.security, 0)  # the server's keys, read once and passed down
 
     def run(self) -> int:
         from hpcfed.comm import port as mpiport
         from hpcfed.comm.rendezvous import Listener, write_port_file
         from hpcfed.comm.spokes import SpokeTransport
-        from hpcfed.credentials import load_credentials
         from hpcfed.launch.crossjob_sites import SiteDoor
 
-        cred = load_credentials(self.cfg.security, 0)
+        cred = self.keys.credentials()
         job_id = secrets.token_bytes(32)
         port_name = mpiport.open_port()
         host = _advertised_host(self.args.iface)
@@ -137,7 +138,7 @@ class _Served:
         channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout)
         for rank in channel.peers:
             log.info("rank %d authenticated as %s", rank, channel.identity(rank))
-        server = Server(self.cfg, channel, self.out, resume=self.args.resume)
+        server = Server(self.cfg, channel, self.out, resume=self.args.resume, keys=self.keys)
         signal.signal(HALT_SIGNAL, lambda *_: server.request_halt())
         server.late_sites(absent, lambda: door.admit(channel, timeout))
         door.serve(server)
@@ -217,6 +218,7 @@ class _Joined:
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path) -> None:
         self.cfg, self.args, self.out = cfg, args, out
         self.rank = args.site + 1
+        self.keys = RankKeys(cfg.security, self.rank)  # this site's keys, read once for every attempt
         self.finishing = threading.Event()
         self.gone: str | None = None  # why the server went away, until the main thread has heard it
         self.recovering = threading.Event()  # the main thread has left the lost federation
@@ -266,9 +268,7 @@ class _Joined:
         from hpcfed.comm.lifeline import Lifelines
         from hpcfed.comm.rendezvous import await_go
         from hpcfed.comm.spokes import SpokeTransport
-        from hpcfed.credentials import load_credentials
-
-        cred = load_credentials(self.cfg.security, self.rank)
+        cred = self.keys.credentials()
         fed = self.cfg.federation
         welcome, where = _knock_until(self.args.server, cred, self.args.site, fed.setup_timeout_s)
         # A late joiner is let in at the server's next round: at most a round's deadline away.
@@ -307,7 +307,7 @@ class _Joined:
         from hpcfed.launch.device import select_device
 
         device = select_device(self.rank, self.cfg.device)
-        Client(self.cfg, channel, self.out, device=device, resume=resume).run()
+        Client(self.cfg, channel, self.out, device=device, resume=resume, keys=self.keys).run()
         self.finishing.set()
         channel.close()
 

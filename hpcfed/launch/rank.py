@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcfed.config import Config, ConfigError
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.launch import jobwatch
 from hpcfed.launch.out_dir import prepare_out_dir
@@ -45,13 +46,14 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             prepare_out_dir(out_dir, cfg, resume=resume, force=force, keep_logs=True)
             (out_dir / "embeddings").mkdir(exist_ok=True)
         comm.Barrier()
-        channel = _open_channel(cfg, comm, out_dir)
+        keys = RankKeys(cfg.security, rank)  # this rank's keys, read once and passed down
+        channel = _open_channel(cfg, comm, out_dir, keys)
         device = _device(cfg, rank)
         log.info("rank %d on %s uses %s", rank, socket.gethostname(), device)
         if rank == 0:
             from hpcfed.server.server import Server
 
-            server = Server(cfg, channel, out_dir, resume=resume)
+            server = Server(cfg, channel, out_dir, resume=resume, keys=keys)
             # SIGUSR2 (Slurm's warning signal, see slurm/requeue.sbatch) or OUT/HALT: checkpoint
             # after this round and stop. SIGUSR1 is hydra's word that some rank has ended.
             signal.signal(HALT_SIGNAL, lambda *_: server.request_halt())
@@ -69,7 +71,7 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             torch.set_num_threads(max(1, cfg.threads_per_rank))
             from hpcfed.client.client import Client
 
-            Client(cfg, channel, out_dir, device=device, resume=resume).run()
+            Client(cfg, channel, out_dir, device=device, resume=resume, keys=keys).run()
         channel.close()
         jobwatch.write_exit(out_dir / "logs", rank, 0)
         if _PEER_LOST:
@@ -157,17 +159,16 @@ def _check_world(cfg: Config, size: int) -> None:
                           f"(world size {size}); start it with -n {want + 1} or drop the key")
 
 
-def _open_channel(cfg: Config, comm: object, out_dir: Path):
+def _open_channel(cfg: Config, comm: object, out_dir: Path, keys: RankKeys):
     """This rank's secure channel of the job's star (see `hpcfed.comm.star`), set up from `cfg`.
     With on_client_failure=continue the server does not wait for a site that ended during the
     handshake: the setup exchange drops it (`hpcfed.server.setup`)."""
     from hpcfed.comm.star import draw_job_id, open_star
     from hpcfed.comm.transport import MPITransport
-    from hpcfed.credentials import load_credentials
 
     transport = MPITransport(comm)
     job_id = draw_job_id(transport, os.environ.get("SLURM_JOB_ID", "").encode() + b":")
-    credentials = load_credentials(cfg.security, transport.rank)
+    credentials = keys.credentials()
     log = logging.getLogger("hpcfed.comm")
     if os.environ.get("HPCFED_FAULT_KILL_IN_HANDSHAKE") == str(transport.rank):
         log.error("fault injection: killing rank %d before the secure handshake", transport.rank)

@@ -51,7 +51,7 @@ def _site(channel: SecureChannel, ids: dict[int, Ed25519PrivateKey]) -> SecAggSi
     cfg = from_mapping({"rounds": 2, "task": {"name": "synthetic"}, "influence": {"enabled": False},
                         "federation": {"client_timeout_s": 20}, "privacy": {"secure_aggregation": True}})
     site = SecAggSite(cfg, channel, SIZE)
-    site.identity = ids[0]  # keys mode, as `credentials.secagg_identities` loads it from the key files
+    site.identity = ids[0]  # keys mode, as `RankKeys.secagg_identities` loads it from the key files
     site.peer_keys = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
     return site
 

@@ -10,8 +10,8 @@ import pytest
 from conftest import run_cli
 
 from hpcfed.cli.new import write_project
-from hpcfed.config import build
 from hpcfed.registry import task_class
+from hpcfed.schema import build
 from hpcfed.tasks.base import Site
 
 

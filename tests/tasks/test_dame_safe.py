@@ -148,7 +148,7 @@ def test_cluster_track_uploads_theta_g_trained_as_fedavg_and_is_a_final_candidat
 
 
 def test_cluster_track_needs_the_safe_dame():
-    from hpcfed.config import build
+    from hpcfed.schema import build
     from hpcfed.tasks.events import EventsTask
 
     with pytest.raises(ValueError, match="cluster_track needs the safe DAMe"):
