@@ -28,6 +28,7 @@ _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK
 
 
 def under_mpi() -> bool:
+    """Whether this process was started by an MPI launcher (it is a rank, not the parent)."""
     return any(v in os.environ for v in _MPI_ENV)
 
 
@@ -42,6 +43,7 @@ def prepare_config(path: str, overrides: list[str]) -> Config:
 
 def run_command(config: str, overrides: list[str], *, np: int | None, out: str | None, resume: bool,
                 mpiexec: str | None = None, force: bool = False) -> int:
+    """`hpcfed run`: outside MPI, check and relaunch under mpiexec; under MPI, run this rank."""
     if under_mpi():
         # From the start: a peer that dies while this rank still loads would otherwise end it too
         # (SIGUSR1's default action), and a halt before the server is up is dropped.
@@ -61,6 +63,8 @@ def run_command(config: str, overrides: list[str], *, np: int | None, out: str |
 
 def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: bool, mpiexec: str | None,
              cfg: Config) -> int:
+    """Start the job under ``mpiexec -n NP`` (with a fresh job key if none is set), follow its ranks,
+    and return its exit status, with the cause of a failure as the last line."""
     if np < 2:
         raise ConfigError(f"--np {np}: a federation needs at least 2 ranks (one server and one client)")
     exe = mpiexec or shutil.which("mpiexec") or shutil.which("mpirun")
