@@ -21,12 +21,8 @@ from hpcfed.errors import ConfigError as ConfigError
 from hpcfed.safe_yaml import MAX_YAML_BYTES
 from hpcfed.safe_yaml import load_yaml as load_yaml
 
-# The typed builder is re-exported: tasks and strategies build their own Config sections with it.
-from hpcfed.schema import InvalidValue as InvalidValue
-from hpcfed.schema import Origin as Origin
-from hpcfed.schema import build as build
-from hpcfed.schema import locate as locate
-from hpcfed.schema import to_plain as to_plain
+# The typed builder (`hpcfed.schema`) is below the run configuration: config uses it, never the reverse.
+from hpcfed.schema import InvalidValue, Origin, build, to_plain
 
 MAX_CRYPTO_THREADS = 64
 

@@ -1,4 +1,5 @@
-"""Config `security:` section -> `hpcfed.comm.crypto.Credentials` for this rank.
+"""Config `security:` section -> this rank's keys (`RankKeys`): its `hpcfed.comm.crypto.Credentials`,
+the tags of its state files, its secret seeds; built once where the rank starts and passed down.
 
 It builds on `hpcfed.comm` (crypto, keys): the dependency runs one way, from here down to comm,
 which knows nothing of the configuration.
@@ -25,26 +26,97 @@ from hpcfed.config import ConfigError, SecurityConfig
 from hpcfed.store.sealed import FileAuth
 
 
-def load_credentials(sec: SecurityConfig, rank: int) -> Credentials:
-    """This rank's credentials from the `security:` section (ConfigError naming the key on a problem)."""
-    if sec.mode == "psk":
-        return Credentials(mode="psk", psk=_read_psk(sec), identity=None, authorized=[], server_public=None)
-    if not sec.identity:
-        raise ConfigError("security.mode=keys needs security.identity (path to this rank's key; "
-                          "'{rank}' expands), made with `hpcfed keygen PATH`")
-    identity = load_identity(_expand(sec.identity, rank))
-    if rank == 0:
-        if not sec.authorized_keys:
-            raise ConfigError("security.mode=keys: the server needs security.authorized_keys "
-                              "(one site public key per line, with rank=N)")
-        authorized = _authorized_keys(sec, rank)
-        return Credentials(mode="keys", psk=None, identity=identity, authorized=authorized, server_public=None)
-    if not sec.server_public_key:
-        raise ConfigError("security.mode=keys: clients need security.server_public_key (the server's .pub file)")
-    server = load_public_keys(_expand(sec.server_public_key, rank))
-    if len(server) != 1:
-        raise ConfigError(f"security.server_public_key must hold exactly one key, found {len(server)}")
-    return Credentials(mode="keys", psk=None, identity=identity, authorized=[], server_public=server[0])
+class RankKeys:
+    """This rank's keys, read once from the `security:` section where the rank starts and passed
+    down to what needs them: the channel's credentials, the tags of its state files, its secret
+    seeds, secure aggregation's signing key. Each is read on first use (a psk-mode run never looks
+    for identity files); a problem is a `ConfigError` naming the key."""
+
+    def __init__(self, sec: SecurityConfig, rank: int) -> None:
+        self.sec, self.rank = sec, rank
+        self._psk: bytes | None = None
+        self._identity: Ed25519PrivateKey | None = None
+        self._credentials: Credentials | None = None
+
+    def psk(self) -> bytes:
+        """The job's pre-shared key (psk mode)."""
+        if self._psk is None:
+            self._psk = _read_psk(self.sec)
+        return self._psk
+
+    def identity(self, missing: str) -> Ed25519PrivateKey:
+        """This rank's Ed25519 identity (keys mode); `missing` is the error when none is configured."""
+        if self._identity is None:
+            if not self.sec.identity:
+                raise ConfigError(missing)
+            self._identity = load_identity(_expand(self.sec.identity, self.rank))
+        return self._identity
+
+    def credentials(self) -> Credentials:
+        """This rank's credentials for the secure channel."""
+        if self._credentials is None:
+            self._credentials = self._load_credentials()
+        return self._credentials
+
+    def _load_credentials(self) -> Credentials:
+        sec, rank = self.sec, self.rank
+        if sec.mode == "psk":
+            return Credentials(mode="psk", psk=self.psk(), identity=None, authorized=[], server_public=None)
+        identity = self.identity("security.mode=keys needs security.identity (path to this rank's key; "
+                                 "'{rank}' expands), made with `hpcfed keygen PATH`")
+        if rank == 0:
+            if not sec.authorized_keys:
+                raise ConfigError("security.mode=keys: the server needs security.authorized_keys "
+                                  "(one site public key per line, with rank=N)")
+            authorized = _authorized_keys(sec, rank)
+            return Credentials(mode="keys", psk=None, identity=identity, authorized=authorized, server_public=None)
+        if not sec.server_public_key:
+            raise ConfigError("security.mode=keys: clients need security.server_public_key (the server's .pub file)")
+        server = load_public_keys(_expand(sec.server_public_key, rank))
+        if len(server) != 1:
+            raise ConfigError(f"security.server_public_key must hold exactly one key, found {len(server)}")
+        return Credentials(mode="keys", psk=None, identity=identity, authorized=[], server_public=server[0])
+
+    def file_auth(self, purpose: str) -> FileAuth:
+        """The key that tags this rank's state files of `purpose` (see `hpcfed.store.sealed`).
+
+        psk mode: HMAC keyed from the job PSK (never stored in the run directory); keys mode: this
+        rank's Ed25519 identity signs, and its public half verifies."""
+        if self.sec.mode == "psk":
+            return FileAuth.from_psk(self.psk(), purpose)
+        return FileAuth.from_identity(
+            self.identity("security.mode=keys needs security.identity to sign checkpoints and shards"), purpose)
+
+    def secret_seed(self, purpose: str) -> int:
+        """A 256-bit seed only the holders of this rank's key can compute (HKDF-SHA256 of the job PSK,
+        or of the identity key in keys mode, labelled with `purpose`): randomness a run must reproduce
+        on --resume (DP noise) without anyone who reads the run's outputs, where the config seed is
+        written, being able to reproduce it too."""
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        if self.sec.mode == "psk":
+            ikm = self.psk()
+        else:
+            ikm = self.identity("security.mode=keys needs security.identity (it keys the run's secret seeds)") \
+                .private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                               serialization.NoEncryption())
+        okm = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                   info=b"hpcfed secret seed v1/" + purpose.encode()).derive(ikm)
+        return int.from_bytes(okm, "big")
+
+    def secagg_identities(self) -> tuple[Ed25519PrivateKey | None, dict[int, bytes] | None]:
+        """Secure aggregation's signing key for this site and its peers' raw public keys by client id,
+        in keys mode (psk mode: none, agreement keys go unsigned; README "What the server sees")."""
+        sec = self.sec
+        if sec.mode == "psk":
+            return None, None
+        if not sec.identity or not sec.authorized_keys:
+            raise ConfigError("privacy.secure_aggregation in keys mode needs security.identity and "
+                              "security.authorized_keys on every site (to sign its agreement keys and check its "
+                              "peers')")
+        peers = _authorized_keys(sec, self.rank)
+        return self.identity(""), {r - 1: public_raw(key) for r, key in peers.items()}
 
 
 def _read_psk(sec: SecurityConfig) -> bytes:
@@ -76,50 +148,6 @@ def _read_psk(sec: SecurityConfig) -> bytes:
 
 def _expand(template: str, rank: int) -> Path:
     return Path(template.replace("{rank}", str(rank)).replace("{client_id}", str(rank - 1))).expanduser()
-
-
-def state_file_auth(sec: SecurityConfig, rank: int, purpose: str) -> FileAuth:
-    """The key that tags this rank's state files of `purpose` (see `hpcfed.store.sealed`).
-
-    psk mode: HMAC keyed from the job PSK (never stored in the run directory); keys mode: this
-    rank's Ed25519 identity signs, and its public half verifies."""
-    if sec.mode == "psk":
-        return FileAuth.from_psk(_read_psk(sec), purpose)
-    if not sec.identity:
-        raise ConfigError("security.mode=keys needs security.identity to sign checkpoints and shards")
-    return FileAuth.from_identity(load_identity(_expand(sec.identity, rank)), purpose)
-
-
-def secret_seed(sec: SecurityConfig, rank: int, purpose: str) -> int:
-    """A 256-bit seed only the holders of this rank's key can compute (HKDF-SHA256 of the job PSK,
-    or of the identity key in keys mode, labelled with `purpose`): randomness a run must reproduce
-    on --resume (DP noise) without anyone who reads the run's outputs, where the config seed is
-    written, being able to reproduce it too."""
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
-    if sec.mode == "psk":
-        ikm = _read_psk(sec)
-    else:
-        if not sec.identity:
-            raise ConfigError("security.mode=keys needs security.identity (it keys the run's secret seeds)")
-        ikm = load_identity(_expand(sec.identity, rank)).private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
-    okm = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
-               info=b"hpcfed secret seed v1/" + purpose.encode()).derive(ikm)
-    return int.from_bytes(okm, "big")
-
-
-def secagg_identities(sec: SecurityConfig, rank: int) -> tuple[Ed25519PrivateKey | None, dict[int, bytes] | None]:
-    """Secure aggregation's signing key for this site and its peers' raw public keys by client id,
-    in keys mode (psk mode: none, agreement keys go unsigned; README "What the server sees")."""
-    if sec.mode == "psk":
-        return None, None
-    if not sec.identity or not sec.authorized_keys:
-        raise ConfigError("privacy.secure_aggregation in keys mode needs security.identity and "
-                          "security.authorized_keys on every site (to sign its agreement keys and check its peers')")
-    peers = _authorized_keys(sec, rank)
-    return load_identity(_expand(sec.identity, rank)), {r - 1: public_raw(key) for r, key in peers.items()}
 
 
 def job_key_path(out_dir: Path) -> Path:

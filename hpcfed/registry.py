@@ -30,7 +30,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from hpcfed.config import ComponentConfig, Config, ConfigError, build, locate
+from hpcfed.config import ComponentConfig, Config, ConfigError
+from hpcfed.schema import build, locate
 
 if TYPE_CHECKING:
     from hpcfed.strategies.base import Strategy

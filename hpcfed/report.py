@@ -20,11 +20,9 @@ with no valid line is an error that names it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -414,24 +412,3 @@ def make_report(run_dir: str | Path, *, out: str | Path | None = None, tensorboa
     if tensorboard:
         result["tensorboard"] = str(write_tensorboard(metrics, out_dir / "tensorboard"))
     return result
-
-
-def main(argv: list[str]) -> int:
-    """`hpcfed report DIR`: write report.md and the plots of a run; exit status."""
-    p = argparse.ArgumentParser(prog="hpcfed report", description=__doc__.split("\n\n")[0])
-    p.add_argument("dir", help="run directory (the --out of `hpcfed run`) holding metrics.jsonl")
-    p.add_argument("--out", default=None, help="where to write report.md and report/*.png (default: DIR)")
-    p.add_argument("--tensorboard", action="store_true",
-                   help="also write TensorBoard event files to OUT/tensorboard (needs `pip install tensorboard`)")
-    p.add_argument("--json", action="store_true", help="print what was written as JSON")
-    args = p.parse_args(argv)
-    result = make_report(args.dir, out=args.out, tensorboard=args.tensorboard)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"wrote {result['report']} and {len(result['plots'])} plot(s)"
-              + (f"; TensorBoard logs in {result['tensorboard']}" if "tensorboard" in result else ""))
-        if result["skipped_lines"]:
-            print(f"note: skipped {result['skipped_lines']} malformed line(s); see the report's last section",
-                  file=sys.stderr)
-    return 0

@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcfed.config import ConfigError, build, from_mapping, load
+from hpcfed.config import ConfigError, from_mapping, load
 from hpcfed.registry import resolve
+from hpcfed.schema import build
 from hpcfed.tasks.synthetic import SyntheticTask
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def test_unknown_keys_get_a_did_you_mean():
 
 
 def test_task_option_errors_name_the_override():
-    from hpcfed.launcher import prepare_config
+    from hpcfed.launch.parent import prepare_config
 
     with pytest.raises(ConfigError, match=r"^command line \(task\.num_classes=1\): task\.num_classes must be >= 2"):
         prepare_config(str(REPO / "configs" / "quickstart.yaml"), ["task.num_classes=1"])

@@ -6,7 +6,11 @@ import pytest
 
 from hpcfed.comm.keys import generate_identity
 from hpcfed.config import ConfigError, SecurityConfig
-from hpcfed.credentials import secret_seed
+from hpcfed.credentials import RankKeys
+
+
+def secret_seed(sec: SecurityConfig, rank: int, purpose: str) -> int:
+    return RankKeys(sec, rank).secret_seed(purpose)  # the keys read afresh each time
 
 
 def test_secret_seed_follows_the_psk_and_purpose_only(monkeypatch: pytest.MonkeyPatch) -> None:

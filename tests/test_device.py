@@ -1,10 +1,10 @@
-"""GPU binding of client ranks (`hpcfed.device.select_device`), checked with a given GPU count."""
+"""GPU binding of client ranks (`hpcfed.launch.device.select_device`), checked with a given GPU count."""
 
 from __future__ import annotations
 
 import pytest
 
-from hpcfed.device import gpu_for, local_rank, select_device
+from hpcfed.launch.device import gpu_for, local_rank, select_device
 
 
 def test_server_rank_always_on_cpu():

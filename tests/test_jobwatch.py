@@ -10,13 +10,14 @@ import threading
 import time
 from pathlib import Path
 
-from hpcfed import jobwatch
+from hpcfed.launch import jobwatch
 
 
 def _fake_rank(log_dir, rank: int, then: str = "", env: dict | None = None) -> subprocess.Popen:
     """A process that registers as rank `rank` the way `run_rank` does, runs `then`, then sleeps."""
-    code = f"from pathlib import Path; from hpcfed import jobwatch; import os, time; log = Path({str(log_dir)!r}); " \
-           f"jobwatch.write_pid(log, {rank}); jobwatch.hold_lifeline({rank}); {then or 'pass'}; time.sleep(120)"
+    code = f"from pathlib import Path; from hpcfed.launch import jobwatch; import os, time; " \
+           f"log = Path({str(log_dir)!r}); jobwatch.write_pid(log, {rank}); " \
+           f"jobwatch.hold_lifeline({rank}); {then or 'pass'}; time.sleep(120)"
     return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **(env or {})})
 
 
@@ -112,7 +113,7 @@ def test_a_killed_rank_releases_its_lifeline_before_its_pipes_and_sockets(tmp_pa
     # only to readers that were there when the writer came), in one epoll with the rank's pipes.
     lifeline = os.open(Path(env[jobwatch.LIFELINES_ENV]) / "rank0", os.O_RDONLY | os.O_NONBLOCK)
     pipe_read, pipe_write = os.pipe()  # stands in for the PMI socket, at a low descriptor
-    rank = subprocess.Popen([sys.executable, "-c", "from hpcfed import jobwatch; import time; "
+    rank = subprocess.Popen([sys.executable, "-c", "from hpcfed.launch import jobwatch; import time; "
                              "assert jobwatch.hold_lifeline(0); print('held', flush=True); time.sleep(120)"],
                             env={**os.environ, **env}, stdout=subprocess.PIPE, pass_fds=(pipe_write,))
     os.close(pipe_write)

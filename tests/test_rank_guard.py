@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 
-from hpcfed.rank_guard import exit_code
+from hpcfed.launch.rank_guard import exit_code
 
 
 def _guard(code: str) -> subprocess.Popen:
     # its own process group, as hydra gives each rank
-    return subprocess.Popen([sys.executable, "-m", "hpcfed.rank_guard", sys.executable, "-c", code],
+    return subprocess.Popen([sys.executable, "-m", "hpcfed.launch.rank_guard", sys.executable, "-c", code],
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
 
 

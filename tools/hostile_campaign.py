@@ -425,10 +425,11 @@ def _plan(total: int, rounds: int) -> list[int]:
 
 def worker_main(args: argparse.Namespace) -> int:
     """Body of the hostile rank: the real client loop, with attacks before each honest upload."""
-    from hpcfed import launcher
     from hpcfed.client import client as client_mod
+    from hpcfed.launch import rank as launcher
+    from hpcfed.launch.parent import prepare_config
 
-    cfg = launcher.prepare_config(args.config, args.overrides)
+    cfg = prepare_config(args.config, args.overrides)
     out_dir = Path(args.out)
     if cfg.mode != "sync":
         raise SystemExit("the campaign compares against a baseline bit for bit: use a sync config")
@@ -438,9 +439,10 @@ def worker_main(args: argparse.Namespace) -> int:
     attacks: Iterator[str] = _cycle(ALL_ATTACKS)
 
     class HostileClient(client_mod.Client):
-        def __init__(self, config: Any, channel: Any, out_dir: Path, device: str = "cpu", resume: bool = False) -> None:
+        def __init__(self, config: Any, channel: Any, out_dir: Path, device: str = "cpu", resume: bool = False,
+                     keys: Any = None) -> None:
             channel.transport = _RecordingTransport(channel.transport)
-            super().__init__(config, channel, out_dir, device=device, resume=resume)
+            super().__init__(config, channel, out_dir, device=device, resume=resume, keys=keys)
             self.forger: Forger | None = None
             report["rank"] = channel.rank
 
@@ -521,7 +523,7 @@ def _num_clients(config: str, overrides: list[str]) -> int:
 def campaign(config: str, overrides: list[str], *, messages: int, out: Path, timeout: float = 300,
              log: Callable[[str], None] = lambda s: None, flood_mib: int = 0) -> dict[str, Any]:
     """A clean run and the same run with a hostile client; what was sent, refused, and whether results match."""
-    from hpcfed.launcher import prepare_config
+    from hpcfed.launch.parent import prepare_config
 
     cfg = prepare_config(config, overrides)
     if cfg.mode != "sync":

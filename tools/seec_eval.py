@@ -42,11 +42,11 @@ from hpcfed.search.index import MERGE_HELP, MERGES  # noqa: E402
 # -- running federations ---------------------------------------------------------------------------------
 def run_inprocess(config: str, overrides: list[str], num_clients: int, out: Path) -> dict:
     """The synchronous runtime's steps, in one process (no MPI, no encryption)."""
-    from hpcfed.config import build
     from hpcfed.data.root import data_root
-    from hpcfed.launcher import prepare_config
+    from hpcfed.launch.parent import prepare_config
     from hpcfed.params import ParamLayout
     from hpcfed.registry import strategy_class, task_class
+    from hpcfed.schema import build
     from hpcfed.strategies.base import StrategyContext, Update
     from hpcfed.tasks.base import Site
 

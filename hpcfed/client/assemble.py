@@ -24,17 +24,18 @@ from hpcfed.client.privacy_stages import Clip, Delta, Encode, Noise
 from hpcfed.client.secagg import SecAggSite
 from hpcfed.client.upload import Pipeline, Send, Stage, Upstream
 from hpcfed.comm.api import Channel
+from hpcfed.credentials import RankKeys
 from hpcfed.params import ParamLayout
 from hpcfed.privacy.site_input import spec_for
 
 
 def upload_pipeline(train: Upstream, config: ClientConfig, channel: Channel, layout: ParamLayout,
-                    attack: str | None) -> Pipeline:
+                    attack: str | None, keys: RankKeys) -> Pipeline:
     """`train` wrapped by the stages `config` asks for on this site (`attack`: the one it plays, if any)."""
     runtime_attack = attack if attack in attacks.RUNTIME_ATTACKS else None
     stages: list[Stage] = [attacks.Tamper(runtime_attack)] if runtime_attack else []
     if config.upload.privacy.secure_aggregation:
-        stages += _secagg_stages(config, channel, layout, runtime_attack)
+        stages += _secagg_stages(config, channel, layout, runtime_attack, keys)
     elif attack in attacks.MALFORMED_ATTACKS:
         stages.append(attacks.MalformedSend(channel, layout, attack))
     else:
@@ -48,7 +49,8 @@ def eviction_hooks(channel: Channel, attack: str | None) -> list[Callable[[], No
     return [functools.partial(attacks.flood_after_eviction, channel)] if attack == "bad_header_then_flood" else []
 
 
-def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, attack: str | None) -> list[Stage]:
+def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, attack: str | None,
+                   keys: RankKeys) -> list[Stage]:
     """Delta, clip, [noise], encode, mask and send; a malicious site's input is neither clipped nor bounded."""
     up, num_sites = config.upload, channel.size - 1
     spec = spec_for(up.privacy, num_sites, up.quorum)
@@ -60,7 +62,7 @@ def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, 
         if spec.noise_std > 0:
             stages.append(Noise(spec.noise_std))
         stages.append(Encode(spec, up.uniform_weighting, channel.rank - 1))
-    site = SecAggSite(channel, layout.size, security=config.security, degree=up.privacy.secagg.degree,
+    site = SecAggSite(channel, layout.size, keys=keys, degree=up.privacy.secagg.degree,
                       timeout_s=up.client_timeout_s)
     return [*stages, site]
 

@@ -29,7 +29,7 @@ it is evicted):
 
 A hostile site that will not leave (``ignore_stop``: honest uploads; ``NAME_then_linger`` for each
 malformed NAME above) ignores STOP, EVICTED and every later message and keeps its process alive,
-sending nothing (`linger`): rank 0 ends the job after its grace (`hpcfed.launcher`).
+sending nothing (`linger`): rank 0 ends the job after its grace (`hpcfed.launch.rank`).
 
 The sender's own encoder refuses all three, so the hostile site lifts its own checks while it
 sends: what arrives is what a modified binary would send.

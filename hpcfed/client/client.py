@@ -24,8 +24,8 @@ from hpcfed.client.assemble import eviction_hooks, upload_pipeline
 from hpcfed.client.config import ClientConfig, SiteSection
 from hpcfed.client.upload import Pipeline, RoundStart, Superseded, Upload
 from hpcfed.comm.api import Channel, Message
-from hpcfed.config import SecurityConfig
 from hpcfed.cost import rank_cost
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks.base import Site, Task
@@ -37,19 +37,20 @@ class Client:
     """One client site (rank 1..K): trains the task on the server's models and uploads the results."""
 
     def __init__(self, config: ClientConfig, channel: Channel, out_dir: Path, device: str = "cpu",
-                 resume: bool = False) -> None:
+                 resume: bool = False, keys: RankKeys | None = None) -> None:
         self.config, self.loop = config, config.loop
         self.channel = channel
         self.client_id = channel.rank - 1
         self.num_clients = channel.size - 1
         from hpcfed.data.root import data_root
 
+        self.keys = keys or RankKeys(config.security, channel.rank)  # read once (the launch passes them)
         site = config.site
         played = site.attack_played_by(self.client_id, self.num_clients)
         self.site = Site(client_id=self.client_id, num_clients=self.num_clients, seed=site.seed, out_dir=out_dir,
                          data_root=data_root(site.data_root), device=device, method=site.method,
                          attack=attacks.base(played), config_hash=site.config_hash,
-                         record_dp=_record_dp(site, config.security, channel.rank))
+                         record_dp=_record_dp(site, self.keys))
         self._lingers = attacks.lingers(played)  # a hostile site that will not leave
         self.task: Task = site.task_cls(site.task_config, self.site)
         self._on_evicted = eviction_hooks(channel, self.site.attack)
@@ -63,14 +64,13 @@ class Client:
         self._held: Message | None = None
         self.upload: Pipeline | None = None  # train -> ... -> send, assembled once the layout is known
         self._pending: Message | None = None  # what ended an upload stage's wait early, handled next
-        from hpcfed.credentials import state_file_auth
         from hpcfed.store import site_state
 
         # This site's own checkpoint shards: written and read here only, tagged with the site's key.
         self.resume = resume
         self.state_dir = site_state.site_dir(self.loop.site_state_dir, out=out_dir, client=self.client_id,
                                              rank=self.client_id + 1)
-        self.state_auth = state_file_auth(config.security, self.client_id + 1, "site-shard")
+        self.state_auth = self.keys.file_auth("site-shard")
 
     def run(self) -> None:
         """Take part in the federation until the server says STOP (or stops answering: FederationError)."""
@@ -132,7 +132,7 @@ class Client:
             raise FederationError(f"the server stopped the federation during setup: {reply.header.get('reason')}")
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
         self.layout = ParamLayout.of(self.task.get_parameters())
-        self.upload = upload_pipeline(self._fit, self.config, self.channel, self.layout, self.site.attack)
+        self.upload = upload_pipeline(self._fit, self.config, self.channel, self.layout, self.site.attack, self.keys)
         if reply.header.get("layout") != self.layout.describe():
             raise FederationError(
                 f"client {self.client_id}: this site's model does not match the server's (parameter names/shapes/"
@@ -197,10 +197,9 @@ class Client:
         metrics = self.task.evaluate(int(msg.header.get("round", 0)), final=True)
         path = self.task.export_embeddings(self.site.out_dir)
         if path is not None:
-            from hpcfed.credentials import state_file_auth
             from hpcfed.store.embeddings import seal_export
 
-            seal_export(path, state_file_auth(self.config.security, self.client_id + 1, "embeddings"))
+            seal_export(path, self.keys.file_auth("embeddings"))
             log.info("client %d: embeddings written to %s", self.client_id, path)
         self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
                                         "cost": rank_cost(self.channel.stats),
@@ -270,14 +269,13 @@ class Client:
         return msg
 
 
-def _record_dp(site: SiteSection, security: SecurityConfig, rank: int) -> Any:
+def _record_dp(site: SiteSection, keys: RankKeys) -> Any:
     """The site's `privacy.record_dp` settings with its secret seed (its batches and noise), or None."""
     if site.record_dp is None:
         return None
-    from hpcfed.credentials import secret_seed
     from hpcfed.privacy.record_dp import SiteSettings
 
-    seed = secret_seed(security, rank, "record-dp")
+    seed = keys.secret_seed("record-dp")
     return SiteSettings(site.record_dp, site.rounds, seed, site.source)
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hpcfed.config import Config, PrivacyConfig, RecordDPConfig, SecurityConfig, build
+from hpcfed.config import Config, PrivacyConfig, RecordDPConfig, SecurityConfig
 from hpcfed.registry import task_class
+from hpcfed.schema import build
 from hpcfed.tasks.base import Task
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from hpcfed import protocol as P
 from hpcfed.client.upload import RoundStart, Stage, Superseded, Upload, Upstream
 from hpcfed.comm.api import Channel, Message
-from hpcfed.config import SecurityConfig
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.secagg import ProtocolError, SiteState, round_graph
@@ -39,14 +39,12 @@ class SecAggSite(Stage):
     place of UPDATE. Its keys are exchanged before the site trains (it calls `upstream` after them);
     raises `Superseded` when the server moves on without this site, FederationError when it refuses."""
 
-    def __init__(self, channel: Channel, size: int, *, security: SecurityConfig, degree: int | None,
+    def __init__(self, channel: Channel, size: int, *, keys: RankKeys, degree: int | None,
                  timeout_s: float) -> None:
-        from hpcfed.credentials import secagg_identities
-
         self.channel, self.timeout_s, self.degree = channel, timeout_s, degree
         self.site, self.num_sites = channel.rank - 1, channel.size - 1
         self.size = size + 1  # the weighted delta and the weight
-        self.identity, self.peer_keys = secagg_identities(security, channel.rank)
+        self.identity, self.peer_keys = keys.secagg_identities()
         self.next: SiteState | None = None  # the next round's keys, shared ahead with this round's unmasking
 
     def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import argparse
 import getpass
 import os
 import socket
@@ -121,17 +120,3 @@ def _line_number(path: Path, text: str) -> int:
             return num
     return 0
 
-
-def keygen_main(argv: list[str]) -> int:
-    """``hpcfed keygen PATH [--force] [--comment TEXT]``."""
-    p = argparse.ArgumentParser(prog="hpcfed keygen", description="create an Ed25519 site identity")
-    p.add_argument("path")
-    p.add_argument("--force", action="store_true", help="overwrite an existing key")
-    p.add_argument("--comment", default=None)
-    args = p.parse_args(argv)
-    line = generate_identity(args.path, overwrite=args.force, comment=args.comment)
-    print(f"wrote {args.path} (private, mode 0600) and {args.path}.pub")
-    kind, b64, *comment = line.split(None, 2)
-    print("add this line to the server's authorized_keys file, with N = the MPI rank this site runs as:\n"
-          + " ".join([kind, b64, "rank=N", *comment]))
-    return 0

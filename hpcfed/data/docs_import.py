@@ -21,7 +21,6 @@ the field; with it, bad rows are skipped, counted and listed (the first 20) on s
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcfed.data.columns import parse_columns
 from hpcfed.data.messages import LoadReport, read_records
 from hpcfed.data.root import DataError
 
@@ -94,7 +92,7 @@ def table_rows(path: Path, fmt: str | None, names: dict[str, str], required: tup
                   cells.get("label"))
 
 
-def _names(columns: dict[str, str], fields: tuple[str, ...]) -> tuple[dict[str, str], tuple[str, ...]]:
+def names_of(columns: dict[str, str], fields: tuple[str, ...]) -> tuple[dict[str, str], tuple[str, ...]]:
     """Our fields' column names (mapped, else the field's own name), and the fields that must be there:
     the text, and whatever --columns named."""
     return ({f: columns.get(f, f) for f in fields},
@@ -114,7 +112,7 @@ def parallel_rows(texts: Path, labels: Path, fmt: str | None, columns: dict[str,
                   on_error: str) -> Iterator[Row]:
     """Rows joined from a texts file and a labels file, row n with row n; their lengths must agree."""
     if _is_table(texts, fmt):
-        text_rows: Iterable[Row] = table_rows(texts, fmt, *_names(columns, ("id", "text")), on_error)
+        text_rows: Iterable[Row] = table_rows(texts, fmt, *names_of(columns, ("id", "text")), on_error)
     else:
         if "id" in columns:
             raise DataError(f"--columns id={columns['id']}: {texts} is plain text (one document per line), "
@@ -200,48 +198,3 @@ def write_corpus(corpus: Corpus, out: Path) -> None:
         for d in corpus.docs:
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
     os.replace(tmp, out)
-
-
-def main(argv: list[str]) -> int:
-    """`hpcfed data import-docs`: check documents and labels, write the corpus JSONL; exit status."""
-    p = argparse.ArgumentParser(prog="hpcfed data import-docs",
-                                description="Documents (text and optional id and label) from a table or two "
-                                            "parallel files into the corpus file task.dataset=file reads.",
-                                epilog="Format and examples: docs/seec.md (Files)")
-    p.add_argument("input", nargs="?", default=None,
-                   help="CSV/TSV/JSONL/Parquet table, or 20newsgroups[:train|test|all] (from the data root)")
-    p.add_argument("--texts", type=Path, default=None, help="texts file (a table, or one document per line)")
-    p.add_argument("--labels", type=Path, default=None,
-                   help="labels file parallel to --texts (a table, or one label per line)")
-    p.add_argument("--out", type=Path, required=True, help="output corpus file, .jsonl")
-    p.add_argument("--format", choices=["csv", "tsv", "jsonl", "parquet"], default=None,
-                   help="table format (default: from the file suffix)")
-    p.add_argument("--columns", default=None, help="the file's names for ours, e.g. id=doc_id,text=body,label=topic")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count bad rows instead of stopping")
-    p.add_argument("--data-root", default=None, help="data root for 20newsgroups (default $HPCFED_DATA)")
-    args = p.parse_args(argv)
-    if args.out.suffix.lower() != ".jsonl":
-        raise DataError(f"--out {args.out}: write a .jsonl file (the corpus format task.dataset=file reads)")
-    if (args.input is None) == (args.texts is None):
-        raise DataError("give either INPUT (one table) or --texts FILE --labels FILE (two parallel files)")
-    if (args.texts is None) != (args.labels is None):
-        raise DataError("--texts and --labels go together: one file of texts, one of labels in the same order")
-    columns = parse_columns(args.columns, COLUMNS)
-    on_error = "skip" if args.skip_bad else "raise"
-    if args.texts is not None:
-        rows, source = parallel_rows(args.texts, args.labels, args.format, columns, on_error), str(args.texts)
-    elif args.input.split(":")[0] == NEWSGROUPS_PREFIX:
-        rows, source = newsgroups_rows(args.input, args.data_root), args.input
-    else:
-        rows = table_rows(Path(args.input), args.format, *_names(columns, COLUMNS), on_error)
-        source = args.input
-    corpus = build_corpus(rows, source, on_error)
-    if not corpus.docs:
-        raise DataError(f"{source}: no usable rows ({corpus.report.summary()})")
-    write_corpus(corpus, args.out)
-    for line in corpus.report.skipped[:20]:
-        print(f"skipped: {line}", file=sys.stderr)
-    if corpus.report.num_skipped > 20:
-        print(f"skipped: ... and {corpus.report.num_skipped - 20} more", file=sys.stderr)
-    print(f"{corpus.report.summary()}; {corpus.num_labels()} labels -> {args.out}")
-    return 0

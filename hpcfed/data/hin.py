@@ -233,22 +233,6 @@ def load_hin_file(path: str | Path) -> HIN:
     return hin
 
 
-def load_dataset(dataset: str, data_root: str | Path | None = None, **synthetic: Any) -> HIN:
-    """``synthetic`` | ``hin/acm`` | ``hin/aminer`` | a HeCo-layout folder | a project HIN file (``.npz``)."""
-    from hpcfed.data import heco
-
-    if dataset == "synthetic":
-        return synthetic_hin(**synthetic)
-    if dataset in heco.HECO:
-        return heco.load_heco(dataset, data_root)
-    if dataset.endswith(".npz"):
-        return load_hin_file(dataset)
-    if Path(dataset).expanduser().is_dir():
-        return heco.read_heco_folder(Path(dataset).expanduser())
-    raise DataError(f"dataset {dataset!r}: use synthetic, {', '.join(sorted(heco.HECO))}, the path of a HeCo-layout "
-                    f"folder (xy.txt edge lists, labels.npy), or a .npz file written by `hpcfed data import-hin`")
-
-
 def stratified_split(labels: np.ndarray, train_fraction: float, val_fraction: float,
                      seed: int) -> dict[str, np.ndarray]:
     """Per class: `train_fraction` of the labelled nodes to train, `val_fraction` to val, the rest to test."""

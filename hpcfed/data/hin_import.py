@@ -30,16 +30,13 @@ format is described in `hpcfed.data.hin`; use it as ``task.dataset: graph.npz``.
 
 from __future__ import annotations
 
-import argparse
 import csv
 from pathlib import Path
 
 import numpy as np
 
-from hpcfed.data.columns import parse_columns
 from hpcfed.data.corpus import label_order
-from hpcfed.data.heco import is_heco_folder, read_heco_folder
-from hpcfed.data.hin import HIN, save_hin, stratified_split
+from hpcfed.data.hin import HIN, stratified_split
 from hpcfed.data.root import DataError
 
 COLUMNS = ("id", "src", "dst", "label", "split")
@@ -219,44 +216,3 @@ def _is_float(text: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def import_main(argv: list[str]) -> int:
-    """`hpcfed data import-hin FOLDER --out FILE`: check the CSV tables, write the HIN file; exit status."""
-    p = argparse.ArgumentParser(prog="hpcfed data import-hin",
-                                description="Validate a HIN given as CSV tables and write the project's HIN file.")
-    p.add_argument("folder", help="folder with nodes_<T>.csv, edges_<XY>.csv, labels.csv [features.csv, splits.csv] "
-                                  "(or .tsv), or a HeCo-layout folder (xy.txt, labels.npy)")
-    p.add_argument("--out", required=True, help="output .npz (use it as task.dataset)")
-    p.add_argument("--target", default=None, help="labelled node type letter (default: inferred from labels.csv)")
-    p.add_argument("--metapaths", default=None, help="comma-separated, e.g. PAP,PSP (default: T?T per relation of T)")
-    p.add_argument("--columns", default=None, help="the files' names for id, src, dst, label, split, "
-                                                  "e.g. id=node_id,label=class")
-    p.add_argument("--train-fraction", type=float, default=0.3)
-    p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if not args.out.endswith(".npz"):
-        raise DataError(f"--out {args.out}: the HIN file must end in .npz")
-    metapaths = args.metapaths.split(",") if args.metapaths else None
-    if is_heco_folder(args.folder):
-        if args.columns:
-            raise DataError(f"--columns: {args.folder} is a HeCo-layout folder (xy.txt, labels.npy), which has no "
-                            f"named columns; leave --columns out")
-        hin = read_heco_folder(args.folder, target=args.target, metapaths=metapaths)
-        if not hin.splits:
-            hin.splits = stratified_split(hin.labels, args.train_fraction, args.val_fraction, args.seed)
-    else:
-        hin = read_hin_folder(args.folder, target=args.target, metapaths=metapaths,
-                              train_fraction=args.train_fraction, val_fraction=args.val_fraction, seed=args.seed,
-                              columns=parse_columns(args.columns, COLUMNS))
-    path = save_hin(hin, args.out)
-    from hpcfed.data.hin import metapath_instances
-
-    counts = ", ".join(f"{t}={c}" for t, c in sorted(hin.counts.items()))
-    print(f"wrote {path}: nodes {counts}; relations "
-          + ", ".join(f"{k}={len(v)}" for k, v in sorted(hin.relations.items()))
-          + f"; {int((hin.labels >= 0).sum())} labelled {hin.target} nodes in {hin.num_classes} classes; splits "
-          + ", ".join(f"{k}={len(v)}" for k, v in sorted(hin.splits.items()))
-          + "; meta-path instances " + ", ".join(f"{mp}={metapath_instances(hin, mp)}" for mp in hin.metapaths))
-    return 0

@@ -8,10 +8,7 @@ is reachable) into the data root and verifies it. Datasets are never copied into
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import os
-import sys
 import tarfile
 import urllib.request
 from pathlib import Path
@@ -92,48 +89,3 @@ def fetch(name: str, root: Path | None = None) -> Path:
         with tarfile.open(target) as tar:
             tar.extractall(folder, filter="data")
     return folder
-
-
-def verify_main(argv: list[str]) -> int:
-    """`hpcfed data verify [NAMES]`: compare local datasets with the manifest's digests; exit status."""
-    p = argparse.ArgumentParser(prog="hpcfed data verify",
-                                description="check local datasets against data_manifest.yaml")
-    p.add_argument("names", nargs="*")
-    p.add_argument("--root", default=None, help="data root (default $HPCFED_DATA, else ~/.cache/hpcfed/data)")
-    p.add_argument("--allow-missing", action="store_true",
-                   help="exit 0 when datasets are missing (those present must still verify)")
-    args = p.parse_args(argv)
-    root = data_root(args.root)
-    print(f"data root: {root} ({_root_origin(args.root)})")
-    result = verify(args.names or None, root)
-    for name, status in result.items():
-        print(f"{name:16s} {status}")
-    missing = [n for n, s in result.items() if s == "missing"]
-    bad = [n for n, s in result.items() if s not in ("ok", "missing")]
-    if missing:
-        print(f"{len(missing)} of {len(result)} datasets missing under {root}: set HPCFED_DATA (or --root, or "
-              f"data_root in a config) to the folder that holds them; sources: data_manifest.yaml, "
-              f"`hpcfed data fetch NAME`", file=sys.stderr)
-    if bad:
-        print(f"{len(bad)} dataset(s) do not match data_manifest.yaml ({', '.join(bad)}): a partial or altered "
-              f"copy; fetch it again", file=sys.stderr)
-    return 1 if bad or (missing and not args.allow_missing) else 0
-
-
-def _root_origin(explicit: str | None) -> str:
-    if explicit:
-        return "--root"
-    if os.environ.get("HPCFED_DATA"):
-        return "from $HPCFED_DATA"
-    return "the default; set HPCFED_DATA to use another folder"
-
-
-def fetch_main(argv: list[str]) -> int:
-    """`hpcfed data fetch NAME`: download a dataset, then verify it; exit status."""
-    p = argparse.ArgumentParser(prog="hpcfed data fetch", description="download a dataset into the data root")
-    p.add_argument("name")
-    p.add_argument("--root", default=None)
-    args = p.parse_args(argv)
-    folder = fetch(args.name, Path(args.root) if args.root else None)
-    print(f"fetched {args.name} into {folder}", file=sys.stderr)
-    return verify_main([args.name] + (["--root", args.root] if args.root else []))

@@ -5,19 +5,35 @@ label (``NAME~PATTERN``), or as one of K disjoint random shares of every event (
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from hpcfed.data.root import DataError
 
-if TYPE_CHECKING:
-    from hpcfed.data.messages import Messages
+T = TypeVar("T", bound="MessageTable")
+
+
+class MessageTable(Protocol):
+    """What selecting reads of a message table (`hpcfed.data.messages.Messages`, which imports this
+    module: typed by its shape, the two import each other neither way back)."""
+
+    times: np.ndarray
+    events: list[str]
+
+    def __len__(self) -> int:
+        """The number of messages."""
+        ...
+
+    def take(self: T, index: Iterable[int]) -> T:
+        """The rows at `index`, in that order."""
+        ...
 
 SHARE_SEED = 26  # message_share's shuffle: fixed, so that the K parts of one dataset are disjoint at every site
 
 
-def event_part(messages: Messages, part: int, parts: int) -> Messages:
+def event_part(messages: T, part: int, parts: int) -> T:
     """The messages of the `part`-th (1-based) of `parts` groups of events, events ordered by time.
 
     Events are ordered by their first message's time (ties by name) and cut into `parts` contiguous
@@ -36,7 +52,7 @@ def event_part(messages: Messages, part: int, parts: int) -> Messages:
     return messages.take(np.flatnonzero(np.isin(events, list(keep))).tolist())
 
 
-def message_share(messages: Messages, part: int, parts: int, site: str = "") -> Messages:
+def message_share(messages: T, part: int, parts: int, site: str = "") -> T:
     """The `part`-th (1-based) of `parts` disjoint random parts of the messages, each event dealt evenly.
 
     Every event's messages are shuffled (seed `SHARE_SEED`, the same at every site, so the parts are
@@ -63,7 +79,7 @@ def message_share(messages: Messages, part: int, parts: int, site: str = "") -> 
     return messages.take(sorted(keep))
 
 
-def event_subset(messages: Messages, pattern: str, site: str = "") -> Messages:
+def event_subset(messages: T, pattern: str, site: str = "") -> T:
     """The messages of the events whose label matches `pattern` (a regular expression, case-insensitive,
     searched anywhere in the label), e.g. ``quake|flood``: one site per disaster type."""
     where = f"site {site!r}: " if site else ""

@@ -21,22 +21,15 @@ named in ``task.sites`` of an ``events`` config. Built-in datasets can be export
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hpcfed.data.columns import parse_columns
 from hpcfed.data.messages import (
-    COLUMNS,
-    LOADERS,
     LoadReport,
     Messages,
     from_records,
-    load_site,
     read_records,
-    write_messages,
 )
 from hpcfed.data.root import DataError
 
@@ -98,42 +91,3 @@ def read_input(path: Path, *, fmt: str | None, columns: dict[str, str], time_fro
                 yield rec
 
     return from_records(records(), str(path), on_error=on_error, first_row=1, time_from_id=time_from_id)
-
-
-def main(argv: list[str]) -> int:
-    """`hpcfed data import-messages INPUT --out FILE`: check messages, write Parquet or JSONL; exit status."""
-    p = argparse.ArgumentParser(prog="hpcfed data import-messages",
-                                description="Validate social messages (id, text, time, event, user, mentions, "
-                                            "hashtags, entities) and write Parquet or JSONL.")
-    p.add_argument("input", help="CSV/TSV/JSONL/Parquet file, a folder with --event-from, or a built-in dataset: "
-                                 + ", ".join(LOADERS))
-    p.add_argument("--out", required=True, help="output file, .parquet or .jsonl")
-    p.add_argument("--format", choices=["csv", "tsv", "jsonl", "parquet"], default=None,
-                   help="input format (default: from the file suffix)")
-    p.add_argument("--columns", default=None,
-                   help="the file's names for our columns, e.g. id=tweet_id,text=tweet_text,event=disaster")
-    p.add_argument("--time-from-id", choices=["snowflake"], default=None,
-                   help="read each message's time from its Twitter (snowflake) id; no time column needed")
-    p.add_argument("--event-from", choices=EVENT_FROM, default=None,
-                   help="INPUT is a folder: the event is the sub-folder's name (folder) or the file's name (file)")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count bad rows instead of stopping")
-    p.add_argument("--data-root", default=None, help="data root for built-in datasets (default $HPCFED_DATA)")
-    args = p.parse_args(argv)
-    if not args.out.endswith((".parquet", ".jsonl")):
-        raise DataError(f"--out {args.out}: write a .parquet or .jsonl file")
-    columns = parse_columns(args.columns, COLUMNS)
-    if args.input in LOADERS:
-        messages, report = load_site(args.input, args.data_root)
-    else:
-        messages, report = read_input(Path(args.input), fmt=args.format, columns=columns,
-                                      time_from_id=args.time_from_id == "snowflake", event_from=args.event_from,
-                                      on_error="skip" if args.skip_bad else "raise")
-    if len(messages) == 0:
-        raise DataError(f"{args.input}: no usable rows ({report.summary()})")
-    write_messages(messages, args.out)
-    for line in report.skipped[:20]:
-        print(f"skipped: {line}", file=sys.stderr)
-    if report.num_skipped > 20:
-        print(f"skipped: ... and {report.num_skipped - 20} more", file=sys.stderr)
-    print(f"{report.summary()}; {len(set(messages.events))} events -> {args.out}")
-    return 0

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m hpcfed.data.partition hin/acm --sites 3 --scheme by_type --type A``: print the report."""
     import argparse
 
-    from hpcfed.data.hin import load_dataset
+    from hpcfed.data.hin_dataset import load_dataset
 
     p = argparse.ArgumentParser(prog="python -m hpcfed.data.partition", description=main.__doc__)
     p.add_argument("dataset", help="hin/acm, hin/aminer, synthetic or a .npz from import-hin")

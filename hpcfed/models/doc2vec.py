@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcfed.config import build
+from hpcfed.schema import build
 from hpcfed.store.models import read_model_file, write_model_file
 
 VOCAB_MODES = ("sum", "reference_compat")

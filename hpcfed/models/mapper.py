@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcfed.config import build
+from hpcfed.schema import build
 from hpcfed.store.models import AttrValue, read_model_file, write_model_file
 
 MAPPER_FORMAT = "hpcfed-mapper"

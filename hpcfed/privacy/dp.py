@@ -9,7 +9,7 @@ target quantile of the update norms, and the budget z is split between the count
 
 The noise is drawn from a numpy Generator seeded from (noise seed, round): a run and its resumed
 twin add the same noise. The runtime's noise seed is 256 bits derived from the job's key
-(`hpcfed.credentials.secret_seed`), never the config's seed, which summary.json publishes: noise
+(`hpcfed.credentials.RankKeys.secret_seed`), never the config's seed, which summary.json publishes: noise
 that readers of the outputs could regenerate could be subtracted from the released model. The
 server that adds the noise knows it; it is trusted with that in central mode (README, "What the
 server sees").

@@ -26,7 +26,8 @@ from typing import Any
 
 import dp_accounting
 
-from hpcfed.config import ConfigError, RecordDPConfig, locate
+from hpcfed.config import ConfigError, RecordDPConfig
+from hpcfed.schema import locate
 
 DEFAULT_DELTA = 1e-5
 _EPS_SLACK = 1e-9  # ε computed twice from the same numbers may differ in the last bits

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcfed.config import Config, ConfigError, locate
+from hpcfed.config import Config, ConfigError
+from hpcfed.schema import locate
 
 WEIGHTED_SUM = "weighted_sum"  # hpcfed.strategies.base.WEIGHTED_SUM (privacy imports no strategy)
 

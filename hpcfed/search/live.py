@@ -44,11 +44,11 @@ def open_channel(security: Any, timeout: float) -> Any:
 
     from hpcfed.comm.star import draw_job_id, open_star
     from hpcfed.comm.transport import MPITransport
-    from hpcfed.credentials import load_credentials
+    from hpcfed.credentials import RankKeys
 
     transport = MPITransport(MPI.COMM_WORLD)
     job_id = draw_job_id(transport, b"search:" + os.environ.get("SLURM_JOB_ID", "").encode() + b":")
-    return open_star(transport, load_credentials(security, transport.rank), job_id, timeout=timeout,
+    return open_star(transport, RankKeys(security, transport.rank).credentials(), job_id, timeout=timeout,
                      log=logging.getLogger("hpcfed.comm").warning)
 
 
@@ -223,7 +223,8 @@ def run_live(args: Any) -> int:
     """Body of every rank of ``hpcfed search live``; any failure aborts the whole job."""
     from mpi4py import MPI
 
-    from hpcfed.config import SecurityConfig, build, load
+    from hpcfed.config import SecurityConfig, load
+    from hpcfed.schema import build
     from hpcfed.search.global_search import site_exports
 
     comm = MPI.COMM_WORLD

@@ -53,19 +53,6 @@ class HttpError(Exception):
         self.status = status
 
 
-def add_serve_options(p: argparse.ArgumentParser) -> None:
-    """The service's own options (the search options are shared with `query`)."""
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8765, help="port (0: any free one; the chosen one is printed)")
-    p.add_argument("--token-file", default=None,
-                   help="file holding the bearer token (default $HPCFED_SEARCH_TOKEN); required off localhost")
-    p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask")
-    p.add_argument("--max-batch", type=int, default=1000, help="most queries in one request")
-    p.add_argument("--max-body-kib", type=int, default=4096, help="largest request body, KiB")
-    p.add_argument("--max-connections", type=int, default=64, help="connections served at once")
-    p.add_argument("--request-timeout", type=float, default=30.0, help="seconds a client may take to send")
-
-
 class SearchService:
     """The state every request shares: the loaded search per merge, the text models, the limits."""
 

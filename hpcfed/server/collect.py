@@ -86,15 +86,6 @@ class Collector(Protocol):
         ...
 
 
-def collector_for(core: ServerCore, strategy: SyncStrategy, start_round: int) -> Collector:
-    """The run's collector: secure aggregation's when ``privacy.secure_aggregation``, else the plain one."""
-    if core.cfg.privacy.secure_aggregation:
-        from hpcfed.server.secagg_round import SecAggCollector
-
-        return SecAggCollector(core, strategy)
-    return PlainCollector(core, strategy, start_round)
-
-
 class PlainCollector:
     """Each site's upload, validated, bounded and folded into the strategy as it arrives."""
 

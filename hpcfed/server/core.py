@@ -22,8 +22,9 @@ import numpy as np
 from hpcfed import protocol as P
 from hpcfed.comm.api import Channel, ChannelError, Message, Outgoing
 from hpcfed.config import Config
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
-from hpcfed.jobwatch import HALT_FILE
+from hpcfed.launch.jobwatch import HALT_FILE
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
 from hpcfed.server.departures import Departures
@@ -49,9 +50,7 @@ class ServerCore:
     """Rank 0's link to its sites and the state every stage of the federation reads."""
 
     def __init__(self, cfg: Config, channel: Channel, out_dir: Path, strategy: Strategy,
-                 task_cls: type[Task], task_config: Any) -> None:
-        from hpcfed.credentials import state_file_auth
-
+                 task_cls: type[Task], task_config: Any, keys: RankKeys) -> None:
         self.cfg, self.channel, self.out_dir, self.strategy = cfg, channel, out_dir, strategy
         self.task_cls, self.task_config = task_cls, task_config  # what the setup exchange runs
         self.num_clients = channel.size - 1
@@ -76,7 +75,8 @@ class ServerCore:
         self.joiners: Callable[[], list[int]] | None = None
         self.setup_reply: tuple[dict[str, Any], dict[str, np.ndarray]] = ({}, {})  # a late site's
         # Checkpoints are tagged with a key derived from the job's credentials, never kept in out_dir.
-        self.file_auth: FileAuth = state_file_auth(cfg.security, 0, "checkpoint")
+        self.keys = keys
+        self.file_auth: FileAuth = keys.file_auth("checkpoint")
         self._layout: ParamLayout | None = None
         self._metrics: MetricsLog | None = None
         # Misbehaviour: the evidence against each site and who is out (`hpcfed.server.eviction`).

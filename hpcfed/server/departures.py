@@ -1,9 +1,9 @@
 """Sites that ended mid-run (`federation.on_client_failure: continue`): how the server learns of
 it, the record of each site dropped, and the last checkpoint shard of every site.
 
-Under ``hpcfed run`` (hydra, ``-disable-auto-cleanup``, `hpcfed.rank_guard`) every surviving rank
+Under ``hpcfed run`` (hydra, ``-disable-auto-cleanup``, `hpcfed.launch.rank_guard`) every surviving rank
 gets SIGUSR1 when one ends. The signal does not say which, so the server then looks at each live
-site's records (`hpcfed.jobwatch.rank_ended`: its exit record, or its process gone from this host)
+site's records (`hpcfed.launch.jobwatch.rank_ended`: its exit record, or its process gone from this host)
 and drops the ones that ended at once: nothing more is sent to them and no round or checkpoint
 waits for them. A site on another node cannot be seen from here: once the signal came and no site
 on this node had ended, a remote site that stays silent past a deadline is dropped as well (alive
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcfed import jobwatch
+from hpcfed.launch import jobwatch
 
 log = logging.getLogger("hpcfed.server")
 

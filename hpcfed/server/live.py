@@ -24,12 +24,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpcfed.cost import peak_rss_bytes
+from hpcfed.server.progress import Progress
 
-if TYPE_CHECKING:
-    from hpcfed.server.core import ServerCore
+# What the live file reads of rank 0: a `hpcfed.server.core.ServerCore` (not imported here, as the
+# core writes this file: the two modules would import each other).
+ServerCore = Any
 
 LIVE_FILE = "live.json"
 FORMAT = "hpcfed-live"
@@ -100,12 +102,13 @@ def site_state(core: ServerCore, cid: int) -> tuple[str, str]:
 
 def next_checkpoint(core: ServerCore) -> int | None:
     """The round (async: the accepted-update count) after which the next checkpoint is written."""
-    progress, every = core.progress, core.cfg.checkpoint_every
+    progress: Progress | None = core.progress
+    every: int = core.cfg.checkpoint_every
     if progress is None or every <= 0 or progress.done >= progress.total:
         return None
     if progress.unit == "rounds":  # a checkpoint after round r when (r + 1) % every == 0, and after the last
         return min(((progress.done // every) + 1) * every, progress.total) - 1
-    step = every * core.num_clients
+    step: int = every * core.num_clients
     return min(((progress.done // step) + 1) * step, progress.total)
 
 

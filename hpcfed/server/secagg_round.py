@@ -88,9 +88,7 @@ class SecAggCollector:
         # the sites' identity keys, to check their consistency signatures on arrival (keys mode; psk: none)
         self.identities: dict[int, bytes] | None = None
         if cfg.security.mode == "keys":
-            from hpcfed.credentials import secagg_identities
-
-            self.identities = secagg_identities(cfg.security, 0)[1]
+            self.identities = core.keys.secagg_identities()[1]
         if cfg.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcfed.comm.api import Channel
-from hpcfed.config import Config, build
+from hpcfed.config import Config
+from hpcfed.credentials import RankKeys
 from hpcfed.registry import strategy_class, task_class
+from hpcfed.schema import build
 from hpcfed.server import setup, summary
 from hpcfed.server.async_loop import AsyncLoop
 from hpcfed.server.core import BelowFloor, ServerCore
@@ -35,17 +37,19 @@ log = logging.getLogger("hpcfed.server")
 class Server:
     """Rank 0 of a federation over `channel`, writing into `out_dir`; `run()` it once."""
 
-    def __init__(self, cfg: Config, channel: Channel, out_dir: Path, resume: bool = False) -> None:
+    def __init__(self, cfg: Config, channel: Channel, out_dir: Path, resume: bool = False,
+                 keys: RankKeys | None = None) -> None:
+        keys = keys or RankKeys(cfg.security, 0)  # one rank's keys, read once (the launch passes them)
         task_cls = task_class(cfg.task.name, cfg.source)
         task_config = build(task_cls.Config, cfg.task.options, where=cfg.source, prefix="task.")
         strategy_cls = strategy_class(cfg.strategy.name, cfg.source)
         context = StrategyContext(num_clients=channel.size - 1, seed=cfg.seed, task_cls=task_cls,
                                   task_config=task_config, log=log.info, dp=cfg.privacy.dp,
-                                  secret_seed=_noise_seed(cfg))
+                                  secret_seed=_noise_seed(cfg, keys))
         strategy: Strategy = with_privacy(  # privacy.dp wraps the strategy (hpcfed.strategies.dp)
             strategy_cls(build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
                          context), cfg.privacy, context)
-        self.core = ServerCore(cfg, channel, out_dir, strategy, task_cls, task_config)
+        self.core = ServerCore(cfg, channel, out_dir, strategy, task_cls, task_config, keys)
         self.resume = resume
 
     def run(self) -> dict[str, Any]:
@@ -100,11 +104,9 @@ class Server:
         self.core.departures.report(cid, cause)
 
 
-def _noise_seed(cfg: Config) -> int | None:
+def _noise_seed(cfg: Config, keys: RankKeys) -> int | None:
     """The DP noise seed, from the job's key: the config's seed is in summary.json, and noise anyone
     can regenerate from it can be subtracted from the released model."""
     if cfg.privacy.dp is None:
         return None
-    from hpcfed.credentials import secret_seed
-
-    return secret_seed(cfg.security, 0, "dp-noise")
+    return keys.secret_seed("dp-noise")

@@ -120,7 +120,7 @@ def _left_out(core: ServerCore, resume: bool) -> set[int]:
 def _load_checkpoint(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
     """Load the newest checkpoint every site holds into the strategy and the core; None to start over.
 
-    Its config is not compared with this run's here: `hpcfed.launcher.prepare_out_dir` does that
+    Its config is not compared with this run's here: `hpcfed.launch.out_dir.prepare_out_dir` does that
     (before any rank starts, and again on rank 0 under a bare mpiexec), and every checkpoint in one
     run directory has the same resume-critical config (see the comment there)."""
     folder = core.out_dir / "checkpoints"

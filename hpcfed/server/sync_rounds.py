@@ -15,9 +15,10 @@ import numpy as np
 
 from hpcfed.errors import FederationError
 from hpcfed.server import joining
-from hpcfed.server.collect import RoundUploads, collector_for
+from hpcfed.server.collect import Collector, PlainCollector, RoundUploads
 from hpcfed.server.core import ServerCore
 from hpcfed.server.progress import Progress
+from hpcfed.server.secagg_round import SecAggCollector
 from hpcfed.strategies.base import SyncStrategy, Update
 
 log = logging.getLogger("hpcfed.server")
@@ -143,3 +144,10 @@ def _metric_brief(updates: list[Update]) -> str:
         return ""
     names = [n for n in ("loss", "accuracy", "val_accuracy", "micro_f1", "nmi") if all(n in u.metrics for u in updates)]
     return "".join(f", mean {n} {np.mean([u.metrics[n] for u in updates]):.4f}" for n in names[:2])
+
+
+def collector_for(core: ServerCore, strategy: SyncStrategy, start_round: int) -> Collector:
+    """The run's collector: secure aggregation's when ``privacy.secure_aggregation``, else the plain one."""
+    if core.cfg.privacy.secure_aggregation:
+        return SecAggCollector(core, strategy)
+    return PlainCollector(core, strategy, start_round)

@@ -74,7 +74,7 @@ class StrategyContext:
     task_config: Any = None
     log: Callable[[str], None] = print
     dp: DPConfig | None = None  # the run's privacy.dp section (DP-FedAvg), when it has one
-    # A seed derived from the job's key (`hpcfed.credentials.secret_seed`): for randomness that must
+    # A seed derived from the job's key (`hpcfed.credentials.RankKeys.secret_seed`): for randomness that must
     # be reproducible on resume yet unknown to whoever reads the outputs (DP noise). None in tests.
     secret_seed: int | None = None
 

@@ -135,7 +135,8 @@ class HINTask(Task):
         super().__init__(config, site)
         import torch
 
-        from hpcfed.data.hin import load_dataset, metapath_adjacency
+        from hpcfed.data.hin import metapath_adjacency
+        from hpcfed.data.hin_dataset import load_dataset
         from hpcfed.data.partition import make_partition, site_view
         from hpcfed.models.fedahe import FedAHE, MetapathInput
 

@@ -64,7 +64,7 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, num_classes: int) -> float:
 class SyntheticTask(Task):
     name = "synthetic"
     record_dp_refusal = ""  # each training example is one independent record
-    # printed under the run's final figures (see hpcfed.launcher.closing_lines)
+    # printed under the run's final figures (see hpcfed.launch.rank.closing_lines)
     evaluation_note = ("val_accuracy is on each site's validation split, label-skewed like its training data; "
                        "the final test split is balanced over the classes (every class counts equally)")
 

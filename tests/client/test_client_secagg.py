@@ -29,6 +29,7 @@ from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.transport import InProcTransport
 from hpcfed.config import PrivacyConfig, SecurityConfig
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.privacy import secagg_wire as W
@@ -54,8 +55,8 @@ def _channels() -> tuple[SecureChannel, SecureChannel]:
 
 
 def _site(channel: SecureChannel, ids: dict[int, Ed25519PrivateKey]) -> SecAggSite:
-    site = SecAggSite(channel, SIZE, security=SecurityConfig(), degree=None, timeout_s=20)
-    site.identity = ids[0]  # keys mode, as `credentials.secagg_identities` loads it from the key files
+    site = SecAggSite(channel, SIZE, keys=RankKeys(SecurityConfig(), channel.rank), degree=None, timeout_s=20)
+    site.identity = ids[0]  # keys mode, as `RankKeys.secagg_identities` loads it from the key files
     site.peer_keys = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
     return site
 

@@ -7,8 +7,9 @@ import stat
 
 import pytest
 
+from hpcfed.cli.commands import main as cli_main
 from hpcfed.comm import crypto
-from hpcfed.comm.keys import generate_identity, keygen_main, load_authorized_keys, load_identity, load_public_keys
+from hpcfed.comm.keys import generate_identity, load_authorized_keys, load_identity, load_public_keys
 
 
 def test_generate_writes_a_private_key_only_the_owner_reads(tmp_path):
@@ -70,7 +71,7 @@ def test_authorized_keys_file_with_comments_and_errors_named_by_line(tmp_path):
 
 
 def test_keygen_main(tmp_path, capsys):
-    assert keygen_main([str(tmp_path / "id"), "--comment", "x"]) == 0
+    assert cli_main(["keygen", str(tmp_path / "id"), "--comment", "x"]) == 0
     out = capsys.readouterr().out
     assert "hpcfed-ed25519" in out and (tmp_path / "id.pub").exists()
     assert " rank=N x" in out and "MPI rank" in out  # the hint says how to bind the key to its rank

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from hpcfed.cli import main as cli_main
+from hpcfed.cli.data import import_docs_main as main
 from hpcfed.data.corpus import label_names, load_corpus_file
-from hpcfed.data.docs_import import main
 from hpcfed.data.root import DataError
 
 

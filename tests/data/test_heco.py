@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from hpcfed.cli import main as cli_main
+from hpcfed.cli.commands import main as cli_main
 from hpcfed.data.heco import load_heco, read_heco_folder
-from hpcfed.data.hin import load_dataset, load_hin_file
+from hpcfed.data.hin import load_hin_file
+from hpcfed.data.hin_dataset import load_dataset
 from hpcfed.data.partition import site_view
 from hpcfed.data.root import DataError
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from hpcfed.cli import main as cli_main
+from hpcfed.cli.commands import main as cli_main
 from hpcfed.data.hin import (
     load_hin_file,
     metapath_adjacency,

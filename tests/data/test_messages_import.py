@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcfed.cli import main as cli_main
+from hpcfed.cli.commands import main as cli_main
+from hpcfed.cli.data import import_messages_main as main
 from hpcfed.data.messages import read_messages
-from hpcfed.data.messages_import import main
 from hpcfed.data.root import DataError
 
 # HumAID-like TSV: tweet_id, tweet_text, class_label (no time, no event column)

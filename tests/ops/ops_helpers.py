@@ -68,7 +68,7 @@ def job_pids(out: Path) -> dict[str, int]:
         except OSError:
             continue
         rank = next((kv[len(b"PMI_RANK="):] for kv in environ.split(b"\0") if kv.startswith(b"PMI_RANK=")), None)
-        if b"hpcfed.rank_guard" in cmdline:
+        if b"hpcfed.launch.rank_guard" in cmdline:
             continue  # a rank's parent (federation.on_client_failure=continue), not the rank
         if rank is not None and b"hydra_pmi_proxy" not in cmdline:
             found[f"rank{int(rank)}"] = int(d.name)

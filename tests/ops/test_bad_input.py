@@ -70,7 +70,10 @@ def test_unknown_task_option_is_named_even_inside_mpi(tmp_path):
 
 def test_bad_pre_shared_key_names_the_variable(tmp_path):
     from hpcfed.config import SecurityConfig
-    from hpcfed.credentials import load_credentials
+    from hpcfed.credentials import RankKeys
+
+    def load_credentials(sec, rank):
+        return RankKeys(sec, rank).credentials()
 
     os.environ.pop("HPCFED_TEST_PSK", None)
     with pytest.raises(ConfigError, match=r"no pre-shared key: set HPCFED_TEST_PSK"):

@@ -1,5 +1,5 @@
 """Secure aggregation loses two sites to SIGKILL in one round (issue 22, "Dropout"): under `hpcfed
-run` (`federation.on_client_failure=continue`, each rank under `hpcfed.rank_guard`), K = 8 sites,
+run` (`federation.on_client_failure=continue`, each rank under `hpcfed.launch.rank_guard`), K = 8 sites,
 round 1's keys set up ahead in round 0. In round 1 site 5 kills itself after sharing its keys, before
 masking; site 2 just after it sent its masked input. Rank 0 learns of both from hydra's SIGUSR1
 (`hpcfed.server.departures`) before it asks for the unmasking: both count as dropped, their pairwise

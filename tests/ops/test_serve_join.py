@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, run_cli
 from crossjob_helpers import CONFIG, SMALL, finish, join, serve, summary, values, wait_for
 
-from hpcfed.cli import main
+from hpcfed.cli.commands import main
 from hpcfed.store import checkpoint as ck
 from hpcfed.store.embeddings import read_export
 

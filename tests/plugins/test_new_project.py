@@ -9,9 +9,9 @@ import sys
 import pytest
 from conftest import run_cli
 
-from hpcfed.config import build
+from hpcfed.cli.new import write_project
 from hpcfed.registry import task_class
-from hpcfed.scaffold import write_project
+from hpcfed.schema import build
 from hpcfed.tasks.base import Site
 
 

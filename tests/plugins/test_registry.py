@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpcfed.config import ConfigError
-from hpcfed.launcher import prepare_config
+from hpcfed.launch.parent import prepare_config
 from hpcfed.registry import plugin_names, strategy_class, task_class
 from hpcfed.strategies.base import Strategy
 from hpcfed.tasks.base import Task

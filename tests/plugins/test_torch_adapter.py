@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcfed.config import build
 from hpcfed.registry import task_class
+from hpcfed.schema import build
 from hpcfed.store.embeddings import read_export
 from hpcfed.tasks.base import Site
 

@@ -13,7 +13,7 @@ mpiexec in place of ``python -m hpcfed``: ``secagg_spy.py SPY_DIR SILENT_CLIENT 
   after it sent SA_MASKED, or "reveal" when asked for the unmasking, instead of answering; the other
   sites then hold their masked input for SPY_HOLD_S seconds, so that rank 0 learns of the deaths
   (`hpcfed.server.departures`) before it asks for the unmasking.
-  Needs `hpcfed run` (`hpcfed.rank_guard`): the test passes a wrapper as --mpiexec that starts
+  Needs `hpcfed run` (`hpcfed.launch.rank_guard`): the test passes a wrapper as --mpiexec that starts
   this file in place of ``-m hpcfed`` (``secagg_spy.py SPY_DIR -1 run ...``).
 
 Only the test uses this file; nothing in hpcfed imports it.
@@ -97,7 +97,7 @@ def main() -> None:
     else:
         spy_dir.mkdir(parents=True, exist_ok=True)
         _spy_site(spy_dir, rank - 1, silent, float(os.environ.get("SPY_SILENT_S", "0")))
-    from hpcfed.cli import main as cli_main
+    from hpcfed.cli.commands import main as cli_main
 
     sys.exit(cli_main(args))
 

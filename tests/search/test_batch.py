@@ -96,7 +96,7 @@ def _dame_like(folder: Path) -> Path:
 
 def test_dame_runs_refuse_joint_and_text_but_name_their_events(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from hpcfed.cli import main as cli_main
+    from hpcfed.cli.commands import main as cli_main
 
     run = _dame_like(tmp_path / "dame")
     assert cli_main(["search", "query", str(run), "--id", "m0-1", "--mode", "joint"]) == 2
@@ -119,7 +119,7 @@ def test_dame_runs_refuse_joint_and_text_but_name_their_events(tmp_path: Path,
 def test_malformed_label_names_are_left_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import numpy as np
 
-    from hpcfed.cli import main as cli_main
+    from hpcfed.cli.commands import main as cli_main
     from hpcfed.store.embeddings import export_path, write_export
 
     for site, names in ((0, "not json"), (1, json.dumps([1, 2]))):

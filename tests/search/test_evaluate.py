@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcfed.cli import main as cli_main
+from hpcfed.cli.commands import main as cli_main
 from hpcfed.search.evaluate import auto_mode, score
 from hpcfed.store.embeddings import export_path, write_export
 

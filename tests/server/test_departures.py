@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from hpcfed import jobwatch
+from hpcfed.launch import jobwatch
 from hpcfed.server import departures as D
 
 

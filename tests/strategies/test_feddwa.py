@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcfed.config import ConfigError, build
+from hpcfed.config import ConfigError
+from hpcfed.schema import build
 from hpcfed.strategies.base import StrategyContext, Update
 from hpcfed.strategies.fedasync import FedAsync, staleness_factor
 from hpcfed.strategies.feddwa import FedDWA, dwa_weights

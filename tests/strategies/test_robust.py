@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcfed.config import build
 from hpcfed.registry import strategy_class
+from hpcfed.schema import build
 from hpcfed.strategies.base import StrategyContext, Update
 
 

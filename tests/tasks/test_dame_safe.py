@@ -163,7 +163,7 @@ def test_cluster_track_uploads_theta_g_trained_as_fedavg_and_is_a_final_candidat
 
 
 def test_cluster_track_needs_the_safe_dame():
-    from hpcfed.config import build
+    from hpcfed.schema import build
     from hpcfed.tasks.events import EventsTask
 
     with pytest.raises(ValueError, match="cluster_track needs the safe DAMe"):
@@ -280,7 +280,7 @@ def test_a_validation_edge_the_bootstrap_does_not_keep_is_noise():
 
 
 def test_select_options_are_checked():
-    from hpcfed.config import build
+    from hpcfed.schema import build
     from hpcfed.tasks.events import EventsTask
 
     for bad in ({"select_bootstrap": -1}, {"select_confidence": 1.0}, {"select_confidence": 0.2}):

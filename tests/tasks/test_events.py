@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcfed.config import Config, ConfigError, build, from_mapping
+from hpcfed.config import Config, ConfigError, from_mapping
 from hpcfed.params import ParamLayout
 from hpcfed.registry import resolve
+from hpcfed.schema import build
 from hpcfed.strategies.base import StrategyContext, Update
 from hpcfed.strategies.sega import Sega
 from hpcfed.tasks.base import Site

@@ -9,8 +9,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hpcfed.config import ConfigError, build, from_mapping
+from hpcfed.config import ConfigError, from_mapping
 from hpcfed.registry import resolve
+from hpcfed.schema import build
 from hpcfed.store.embeddings import read_export
 from hpcfed.tasks.base import Site
 from hpcfed.tasks.hin import HINTask

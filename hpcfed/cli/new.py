@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 TEMPLATES = ("torch", "lora")
+SUMMARY = "write a small runnable federated project"
 
 
 def write_project(target: str | Path, template: str = "torch") -> list[Path]:
@@ -37,7 +38,7 @@ def write_project(target: str | Path, template: str = "torch") -> list[Path]:
 
 def main(argv: list[str]) -> int:
     """`hpcfed new DIR [--template T]`: write a small runnable federated project; exit status."""
-    p = argparse.ArgumentParser(prog="hpcfed new", description="Write a small runnable federated project.")
+    p = argparse.ArgumentParser(prog="hpcfed new", description=SUMMARY)
     p.add_argument("dir", help="new project folder (must not exist or be empty)")
     p.add_argument("--template", choices=TEMPLATES, default="torch",
                    help="torch: your PyTorch model on built-in data; lora: LoRA fine-tuning of a transformer")

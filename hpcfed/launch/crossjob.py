@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpcfed.config import Config, ConfigError
+from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
-from hpcfed.launcher import (
+from hpcfed.launch.out_dir import prepare_out_dir
+from hpcfed.launch.parent import prepare_config, under_mpi
+from hpcfed.launch.rank import (
     HALT_SIGNAL,
     _setup_logging,  # one log format for every rank, however it was started
     channel_settings,
     closing_lines,
-    prepare_config,
-    prepare_out_dir,
-    under_mpi,
 )
 
 log = logging.getLogger("hpcfed")
@@ -45,48 +45,6 @@ log = logging.getLogger("hpcfed")
 CONNECT_S = 60.0  # a site's Connect to the port it was told; past this the site ends
 DISCONNECT_S = 20.0  # the closing Disconnects, all of them; past this the job ends without them
 SERVER_GONE_GRACE_S = 30.0  # a site whose server's lifeline closed ends after this, STOP or not
-
-
-# -- the command lines ---------------------------------------------------------------------------------
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="the federation's YAML config (the same on every side)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
-    p.add_argument("--iface", default=None, help="network interface MPI uses (sets FI_TCP_IFACE)")
-    p.add_argument("--lifeline-timeout", type=float, default=60.0,
-                   help="seconds of silence on a peer's lifeline before it is declared lost (default 60)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
-
-
-def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpcfed serve", description="run rank 0 as a job of its own; sites join it")
-    _common(p)
-    p.add_argument("--out", required=True, help="the run's folder (summary, metrics, checkpoints)")
-    p.add_argument("--port-file", default=None, help="where to publish the knock address (default OUT/port.json)")
-    p.add_argument("--port-range", default=None, metavar="LO-HI",
-                   help="TCP ports for the knock and for MPI (open these in the firewall)")
-    p.add_argument("--force", action="store_true", help="OUT holds an earlier run: start over")
-    p.add_argument("--start-deadline", type=float, default=None, metavar="S",
-                   help="start after S s with the sites present (at least federation.min_sites); the others "
-                        "join later, from the next round (default: federation.setup_timeout_s)")
-    return p
-
-
-def _join_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpcfed join", description="run one site as a job of its own")
-    _common(p)
-    p.add_argument("--server", required=True, help="the server's port file, or its knock address HOST:PORT")
-    p.add_argument("--site", required=True, type=int, help="this site's client id (0..K-1; it runs as rank N+1)")
-    p.add_argument("--out", default=None, help="this site's folder (exports, shards; default runs/NAME-siteN)")
-    return p
-
-
-def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    args, extra = parser.parse_known_args(argv)
-    stray = [a for a in [*args.overrides, *extra] if a.startswith("-") or "=" not in a]
-    if stray:
-        parser.error(f"unrecognized argument {stray[0]!r} (overrides look like key=value)")
-    args.overrides = [*args.overrides, *extra]
-    return args
 
 
 def port_range(text: str | None) -> tuple[int, int] | None:
@@ -112,9 +70,9 @@ def _relaunch(command: str, argv: list[str]) -> int:
 
 
 # -- the server ----------------------------------------------------------------------------------------
-def serve_main(argv: list[str]) -> int:
-    """``hpcfed serve``: rank 0 of a federation whose sites join as jobs of their own."""
-    args = _parse(_serve_parser(), argv)
+def serve_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """``hpcfed serve`` (`args` parsed from `argv` by `hpcfed.cli.serve`): rank 0 of a federation whose
+    sites join as jobs of their own."""
     cfg = prepare_config(args.config, args.overrides)
     ports = port_range(args.port_range)
     if cfg.federation.num_clients is None:
@@ -136,15 +94,15 @@ class _Served:
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path, ports: tuple[int, int] | None) -> None:
         self.cfg, self.args, self.out, self.ports = cfg, args, out, ports
         self.size = (cfg.federation.num_clients or 0) + 1
+        self.keys = RankKeys(cfg.security, 0)  # the server's keys, read once and passed down
 
     def run(self) -> int:
         from hpcfed.comm import port as mpiport
         from hpcfed.comm.rendezvous import Listener, write_port_file
         from hpcfed.comm.spokes import SpokeTransport
-        from hpcfed.credentials import load_credentials
-        from hpcfed.crossjob_sites import SiteDoor
+        from hpcfed.launch.crossjob_sites import SiteDoor
 
-        cred = load_credentials(self.cfg.security, 0)
+        cred = self.keys.credentials()
         job_id = secrets.token_bytes(32)
         port_name = mpiport.open_port()
         host = _advertised_host(self.args.iface)
@@ -180,7 +138,7 @@ class _Served:
         channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout)
         for rank in channel.peers:
             log.info("rank %d authenticated as %s", rank, channel.identity(rank))
-        server = Server(self.cfg, channel, self.out, resume=self.args.resume)
+        server = Server(self.cfg, channel, self.out, resume=self.args.resume, keys=self.keys)
         signal.signal(HALT_SIGNAL, lambda *_: server.request_halt())
         server.late_sites(absent, lambda: door.admit(channel, timeout))
         door.serve(server)
@@ -223,9 +181,9 @@ def _advertised_host(iface: str | None) -> str:
 
 
 # -- a site --------------------------------------------------------------------------------------------
-def join_main(argv: list[str]) -> int:
-    """``hpcfed join``: one site of a federation served by `hpcfed serve`."""
-    args = _parse(_join_parser(), argv)
+def join_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """``hpcfed join`` (`args` parsed from `argv` by `hpcfed.cli.join`): one site of a federation
+    served by `hpcfed serve`."""
     cfg = prepare_config(args.config, args.overrides)
     want = cfg.federation.num_clients
     if args.site < 0 or (want is not None and args.site >= want):
@@ -260,6 +218,7 @@ class _Joined:
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path) -> None:
         self.cfg, self.args, self.out = cfg, args, out
         self.rank = args.site + 1
+        self.keys = RankKeys(cfg.security, self.rank)  # this site's keys, read once for every attempt
         self.finishing = threading.Event()
         self.gone: str | None = None  # why the server went away, until the main thread has heard it
         self.recovering = threading.Event()  # the main thread has left the lost federation
@@ -309,9 +268,7 @@ class _Joined:
         from hpcfed.comm.lifeline import Lifelines
         from hpcfed.comm.rendezvous import await_go
         from hpcfed.comm.spokes import SpokeTransport
-        from hpcfed.credentials import load_credentials
-
-        cred = load_credentials(self.cfg.security, self.rank)
+        cred = self.keys.credentials()
         fed = self.cfg.federation
         welcome, where = _knock_until(self.args.server, cred, self.args.site, fed.setup_timeout_s)
         # A late joiner is let in at the server's next round: at most a round's deadline away.
@@ -347,12 +304,13 @@ class _Joined:
         channel.expect({0: protocol.SERVER_KINDS})
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))
-        from hpcfed.device import select_device
+        from hpcfed.launch.device import select_device
 
         device = select_device(self.rank, self.cfg.device)
         from hpcfed.client.config import ClientConfig
 
-        Client(ClientConfig.from_config(self.cfg), channel, self.out, device=device, resume=resume).run()
+        Client(ClientConfig.from_config(self.cfg), channel, self.out, device=device, resume=resume,
+               keys=self.keys).run()
         self.finishing.set()
         channel.close()
 

@@ -6,7 +6,7 @@ signal* (`src/pm/hydra/proxy/pmip.c`: ``WIFSIGNALED`` -> ``PMIP_bcast_signal(SIG
 5.0.2: a client SIGKILLed mid-run took the server and the other clients down within 0.1 s.
 
 ``hpcfed run`` with ``federation.on_client_failure=continue`` therefore starts each rank as
-``python -m hpcfed.rank_guard python -m hpcfed run ...``: this process runs the rank as its child
+``python -m hpcfed.launch.rank_guard python -m hpcfed run ...``: this process runs the rank as its child
 and exits with 128+N when the child is ended by signal N. The proxy then sees an exit, tells the
 other ranks (SIGUSR1) and leaves them running. Signals hydra sends to a rank go to its whole
 process group, so the child gets them directly; this process only ignores them (it must not die
@@ -33,7 +33,7 @@ def exit_code(returncode: int) -> int:
 def main(argv: list[str]) -> int:
     """Run `argv` as the rank and return the status to exit with."""
     if not argv:
-        print("usage: python -m hpcfed.rank_guard PROGRAM [ARG...]", file=sys.stderr)
+        print("usage: python -m hpcfed.launch.rank_guard PROGRAM [ARG...]", file=sys.stderr)
         return 2
     for sig in _IGNORED:
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN: the child must not inherit "ignored"

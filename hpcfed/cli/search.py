@@ -30,6 +30,8 @@ from pathlib import Path
 from hpcfed.search.ann_build import COMPRESSIONS, KINDS
 from hpcfed.search.index import MERGE_HELP, MERGES
 
+SUMMARY = "search the sites' exported vectors, or serve them"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpcfed search", description=__doc__,
@@ -61,9 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="YAML whose security: section to use (default: psk from $HPCFED_PSK)")
             q.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any rank")
         if name == "serve":
-            from hpcfed.search.service import add_serve_options
-
-            add_serve_options(q)
+            _serve_options(q)
     _index_parser(sub.add_parser("index", help="build or refresh each site's search index beside its export"))
     t = sub.add_parser("train-mappers", help="fit m_{i->j} for every pair of sites of a method=mapping run")
     t.add_argument("exports")
@@ -97,6 +97,19 @@ def _search_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--infer-epochs", type=int, default=None,
                    help="doc2vec inference epochs for --text queries (default: the model's; more steadies "
                         "short keyword queries, see docs/seec.md)")
+
+
+def _serve_options(p: argparse.ArgumentParser) -> None:
+    """The service's own options (the search options are shared with `query`)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="port (0: any free one; the chosen one is printed)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the bearer token (default $HPCFED_SEARCH_TOKEN); required off localhost")
+    p.add_argument("--max-k", type=int, default=100, help="largest k a request may ask")
+    p.add_argument("--max-batch", type=int, default=1000, help="most queries in one request")
+    p.add_argument("--max-body-kib", type=int, default=4096, help="largest request body, KiB")
+    p.add_argument("--max-connections", type=int, default=64, help="connections served at once")
+    p.add_argument("--request-timeout", type=float, default=30.0, help="seconds a client may take to send")
 
 
 def _index_parser(x: argparse.ArgumentParser) -> None:

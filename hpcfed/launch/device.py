@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-log = logging.getLogger("hpcfed.device")
+log = logging.getLogger("hpcfed.launch.device")
 
 # Node-local rank, by launcher; the first one set wins (Slurm first: with `srun` it is authoritative).
 LOCAL_RANK_ENV: tuple[str, ...] = (
