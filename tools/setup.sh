@@ -45,7 +45,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   mapfile -t args < <(torch_install)
   "$PY" -m pip "${args[@]}"
 fi
-"$PY" -m pip install -q -e ".[test,check,mpich,model,lora,multilingual,report,tracking,browser]"
+"$PY" -m pip install -q -e ".[test,check,mpich,model,lora,multilingual,report,tracking,browser,docs]"
 "$PY" -m pip check >/dev/null 2>&1 || true
 command -v mpiexec >/dev/null || { echo "setup: no mpiexec on PATH after installing mpich" >&2; exit 1; }
 echo "hpcfed installed: $("$PY" -c 'import hpcfed, torch, mpi4py; print(hpcfed.__version__, "torch", torch.__version__, "mpi4py", mpi4py.__version__)')"

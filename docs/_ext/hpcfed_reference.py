@@ -53,21 +53,25 @@ def help_text(argv: list[str]) -> str:
     return out.getvalue().rstrip()
 
 
+def commands() -> list[str]:
+    """The commands ``hpcfed --help`` lists (one per line under COMMAND, with their summary)."""
+    text = help_text([])
+    section = text.split("COMMAND\n", 2)[-1].split("\n\n", 1)[0]
+    return [line.split()[0] for line in section.splitlines() if re.match(r"^    [a-z]", line)]
+
+
 def cli_pages() -> list[tuple[list[str], str]]:
-    """(argv, help text) for ``hpcfed`` and every subcommand under it, depth first."""
-    pages: list[tuple[list[str], str]] = []
-
-    def walk(argv: list[str]) -> None:
-        text = help_text(argv)
-        if not text or (pages and text == pages[-1][1]):
-            return  # a positional choice, not a subcommand: the parent's help again
-        pages.append((argv, text))
+    """(argv, help text) for ``hpcfed``, every command, and every action a command names in its
+    usage line (``hpcfed data {verify,...}``, ``hpcfed search {query,...}``)."""
+    pages: list[tuple[list[str], str]] = [([], help_text([]))]
+    for name in commands():
+        text = help_text([name])
+        pages.append(([name], text))
         found = _CHOICES.search(text.split("\n\n", 1)[0])
-        if found and len(argv) < 2:
-            for name in found.group(1).split(","):
-                walk([*argv, name])
-
-    walk([])
+        for action in found.group(1).split(",") if found else []:
+            sub = help_text([name, action])
+            if sub and sub != text:  # a positional choice that is no subcommand prints its parent's help
+                pages.append(([name, action], sub))
     return pages
 
 
