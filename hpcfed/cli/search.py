@@ -141,6 +141,11 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.action == "index":
         return _index(args)
+    if getattr(args, "mode", None) == "auto":
+        # mapping for a mapping run with mappers, nomapping for spaces of their own, else joint
+        from hpcfed.search.evaluate import auto_mode
+
+        args.mode = auto_mode(Path(args.exports), Path(args.mappers) if args.mappers else None, args.entity)
     if args.action == "serve":
         from hpcfed.search.service import serve
 
@@ -163,10 +168,6 @@ def main(argv: list[str]) -> int:
         args.text += read_lines(args.texts_file, "text") if args.texts_file else []
     if not args.id and not args.text:
         raise ValueError("give a query: --id ID, --text TEXT, --ids-file FILE or --texts-file FILE")
-    if args.mode == "auto":  # mapping for a mapping run with mappers, nomapping for spaces of their own, else joint
-        from hpcfed.search.evaluate import auto_mode
-
-        args.mode = auto_mode(Path(args.exports), Path(args.mappers) if args.mappers else None, args.entity)
     if args.action == "live":
         from hpcfed.search.live import run_live
 
