@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SUMMARY = "datasets: verify, fetch, import-docs, import-hin, import-messages"
+SUMMARY = "datasets: verify, fetch, import documents, graphs, messages"
 
 
 def main(argv: list[str]) -> int:

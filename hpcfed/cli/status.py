@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hpcfed.ops.live_view import watch
 
-SUMMARY = "watch a run live (like top), or serve its figures to Prometheus"
+SUMMARY = "watch a run live; serve its figures to Prometheus"
 
 
 def main(argv: list[str]) -> int:

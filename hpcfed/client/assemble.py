@@ -30,12 +30,14 @@ from hpcfed.privacy.site_input import spec_for
 
 
 def upload_pipeline(train: Upstream, config: ClientConfig, channel: Channel, layout: ParamLayout,
-                    attack: str | None, keys: RankKeys) -> Pipeline:
-    """`train` wrapped by the stages `config` asks for on this site (`attack`: the one it plays, if any)."""
+                    attack: str | None, keys: RankKeys | None = None) -> Pipeline:
+    """`train` wrapped by the stages `config` asks for on this site (`attack`: the one it plays, if any;
+    `keys`: this rank's, read from `config.security` when not given)."""
     runtime_attack = attack if attack in attacks.RUNTIME_ATTACKS else None
     stages: list[Stage] = [attacks.Tamper(runtime_attack)] if runtime_attack else []
     if config.upload.privacy.secure_aggregation:
-        stages += _secagg_stages(config, channel, layout, runtime_attack, keys)
+        stages += _secagg_stages(config, channel, layout, runtime_attack,
+                                 keys or RankKeys(config.security, channel.rank))
     elif attack in attacks.MALFORMED_ATTACKS:
         stages.append(attacks.MalformedSend(channel, layout, attack))
     else:

@@ -32,10 +32,12 @@ def test_live_joint_mode_over_own_spaces_is_refused_unless_forced(tmp_path: Path
         write_export(export_path(tmp_path, site), clustered(50, 8, seed=site), [f"s{site}-{i}" for i in range(50)],
                      np.arange(50) % 3, entity="message", model="dame-gat", site=site, extra={"shared_space": False})
     args = ["search", "live", str(tmp_path), "--id", "s0-1", "--timeout", "60", "--compact"]
-    refused = run_cli(args, np=3, check=False)
+    refused = run_cli([*args, "--mode", "joint"], np=3, check=False)
     assert refused.returncode == 2
     assert "--mode joint treats the sites' vectors as one space, but site 0's" in refused.stderr
     own = json.loads(run_cli([*args, "--mode", "nomapping"], np=3).stdout)["queries"][0]
     assert own["mode"] == "nomapping" and len(own["results"]) == 10
-    forced = json.loads(run_cli([*args, "--force"], np=3).stdout)["queries"][0]
+    auto = json.loads(run_cli(args, np=3).stdout)["queries"][0]  # the default picks each site's own space
+    assert auto["mode"] == "nomapping" and auto["results"] == own["results"]
+    forced = json.loads(run_cli([*args, "--mode", "joint", "--force"], np=3).stdout)["queries"][0]
     assert [r["id"] for r in forced["results"]] == [r["id"] for r in own["results"]]
