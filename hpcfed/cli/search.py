@@ -177,14 +177,9 @@ def main(argv: list[str]) -> int:
 
 def _offline(args: argparse.Namespace) -> int:
     from hpcfed.search.batch import TextVectorizer, answer_ids, answer_texts, write_answers
-    from hpcfed.search.global_search import GlobalSearch
+    from hpcfed.search.service import open_search
 
-    run = Path(args.exports)
-    base = run if (run / "embeddings").is_dir() else run.parent
-    search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode, merge=args.merge,
-                                      mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
-                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search,
-                                      force=args.force)
+    search, base = open_search(args)
     where = search.where(args.where)
     answers = answer_ids(search, args.id, args.k, where)
     if args.text:

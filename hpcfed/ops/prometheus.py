@@ -22,7 +22,6 @@ part in a federation. Metrics (labels: ``run``, and ``site`` per site):
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -33,6 +32,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from hpcfed.comm.addresses import is_loopback
 from hpcfed.ops.live_view import LiveStatusError, read_live, site_epsilons
 
 STATES = ("present", "late", "rejoining", "dropped", "evicted", "excluded")
@@ -122,15 +122,6 @@ def _site_metrics(snap: dict[str, Any], epsilons: dict[int, float]) -> Iterator[
         yield metric
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _with_token(app: Callable[..., Iterable[bytes]], token: str) -> Callable[..., Iterable[bytes]]:
     expected = f"Bearer {token}".encode()
 
@@ -161,7 +152,7 @@ def serve_metrics(out_dir: Path, port: int, host: str = "127.0.0.1", token_file:
         if len(token) < 16:
             raise ValueError(f"--token-file {token_file}: the token is {len(token)} characters; use at least 16 "
                              f"(e.g. python3 -c 'import secrets; print(secrets.token_hex(16))' > FILE)")
-    if token is None and not _loopback(host):
+    if token is None and not is_loopback(host):
         raise ValueError(f"--metrics-host {host} would let anyone who reaches it read the run's status: give "
                          f"--token-file FILE (scrapers send Authorization: Bearer TOKEN), or serve on 127.0.0.1")
     if not 0 <= port <= 65535:

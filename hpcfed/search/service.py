@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import ipaddress
 import json
 import os
 import signal
@@ -35,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcfed.comm.addresses import is_loopback
 from hpcfed.search.batch import TextVectorizer, UnknownIdError, answer_ids, answer_texts, answer_vectors
 from hpcfed.search.filters import FilterError, Where, parse_json
 from hpcfed.search.global_search import GlobalSearch
@@ -321,14 +321,16 @@ def _token(args: argparse.Namespace) -> str | None:
     return text or None
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def open_search(args: argparse.Namespace) -> tuple[GlobalSearch, Path]:
+    """The search over RUN's exports as the command line's options ask (`query` and `serve` share
+    them), and the run's folder (where its models and mappers are)."""
+    run = Path(args.exports)
+    base = run if (run / "embeddings").is_dir() else run.parent
+    search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode, merge=args.merge,
+                                      mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
+                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search,
+                                      force=args.force)
+    return search, base
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -340,12 +342,7 @@ def serve(args: argparse.Namespace) -> int:
     for name in ("max_k", "max_batch", "max_body_kib", "max_connections"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    run = Path(args.exports)
-    base = run if (run / "embeddings").is_dir() else run.parent
-    search = GlobalSearch.from_folder(run, entity=args.entity, mode=args.mode, merge=args.merge,
-                                      mappers_dir=Path(args.mappers) if args.mappers else base / "mappers",
-                                      exact=args.exact, nprobe=args.nprobe, ef_search=args.ef_search,
-                                      force=args.force)
+    search, base = open_search(args)
     models = Path(args.models) if args.models else base / "models"
     service = SearchService(search, TextVectorizer(models, args.infer_epochs),
                             token=token, max_k=args.max_k, max_batch=args.max_batch, max_body=args.max_body_kib << 10)
