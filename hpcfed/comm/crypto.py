@@ -175,14 +175,14 @@ def _derive(shared: bytes, psk: bytes | None, th: bytes, initiator: bool) -> tup
 
 def _auth(cred: Credentials, label: bytes, th: bytes) -> bytes:
     if cred.mode == "keys":
-        return cred.identity.sign(label + th)  # type: ignore[union-attr]
-    return hmac.new(cred.psk, label + th, hashlib.sha256).digest().ljust(64, b"\0")  # type: ignore[arg-type]
+        return cred.identity.sign(label + th)  # type: ignore[union-attr]  # keys mode: the identity (peer key) is set, checked when the credentials were made
+    return hmac.new(cred.psk, label + th, hashlib.sha256).digest().ljust(64, b"\0")  # type: ignore[arg-type]  # the mode decides which of psk / identity is set, checked when the credentials were made
 
 
 def _verify(cred: Credentials, peer_id: Ed25519PublicKey | None, label: bytes, th: bytes, tag: bytes) -> bool:
     if cred.mode == "keys":
         try:
-            peer_id.verify(tag, label + th)  # type: ignore[union-attr]
+            peer_id.verify(tag, label + th)  # type: ignore[union-attr]  # keys mode: the identity (peer key) is set, checked when the credentials were made
         except InvalidSignature:
             return False
         return True
@@ -229,7 +229,7 @@ class Initiator:
         self.cred, self.job_id, self.rank, self.peer = cred, job_id, rank, peer
         self._eph = X25519PrivateKey.generate()
         eph_pub = self._eph.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-        ident = public_raw(cred.identity) if cred.mode == "keys" else bytes(32)  # type: ignore[arg-type]
+        ident = public_raw(cred.identity) if cred.mode == "keys" else bytes(32)  # type: ignore[arg-type]  # the mode decides which of psk / identity is set, checked when the credentials were made
         self.hello = _HELLO.pack(PROTOCOL_VERSION, _MODE[cred.mode], 0, eph_pub, os.urandom(32), ident)
 
     def on_reply(self, reply: bytes) -> tuple[bytes, SessionKeys]:
@@ -291,7 +291,7 @@ class Responder:
             self._peer_id = match[0]
         eph = X25519PrivateKey.generate()
         eph_pub = eph.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-        ident = public_raw(self.cred.identity) if self.cred.mode == "keys" else bytes(32)  # type: ignore[arg-type]
+        ident = public_raw(self.cred.identity) if self.cred.mode == "keys" else bytes(32)  # type: ignore[arg-type]  # the mode decides which of psk / identity is set, checked when the credentials were made
         head = _REPLY.pack(PROTOCOL_VERSION, _MODE[self.cred.mode], 0, eph_pub, os.urandom(32), ident, bytes(64))
         head = head[:_REPLY.size - 64]
         self._th = _transcript(self.job_id, self.peer, self.rank, hello, head)

@@ -188,7 +188,7 @@ def _hello_to(sock: socket.socket, cred: crypto.Credentials, client_id: int, dea
     challenge = _hex(offer, "challenge", 32)
     hello: dict[str, Any] = {"site": client_id, "nonce": secrets.token_hex(32)}
     if cred.mode == "keys":
-        hello["key"] = crypto.public_line(cred.identity).split()[1]  # type: ignore[arg-type]
+        hello["key"] = crypto.public_line(cred.identity).split()[1]  # type: ignore[arg-type]  # keys mode: the identity is set, checked when the credentials were made
     hello["proof"] = crypto.prove(cred, b"knock site", challenge + _unsigned(hello)).hex()
     _send(sock, hello)
     hello["challenge"] = challenge

@@ -105,7 +105,7 @@ class _MPIRequest:
 
     def test(self) -> bool:
         if not self._done:
-            self._done = bool(self._req.Test())  # type: ignore[attr-defined]
+            self._done = bool(self._req.Test())  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
         return self._done
 
     def cancel(self) -> None:
@@ -118,7 +118,7 @@ class _MPIRequest:
         if self._is_send:
             _ABANDONED.append(self._req)
         else:
-            self._req.Cancel()  # type: ignore[attr-defined]
+            self._req.Cancel()  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
             self._req.Wait()  # type: ignore[attr-defined]  # a cancelled receive completes at once
         self._done = True
 
@@ -137,20 +137,20 @@ class MPITransport:
 
         self._MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
-        self.rank: int = self.comm.Get_rank()  # type: ignore[attr-defined]
-        self.size: int = self.comm.Get_size()  # type: ignore[attr-defined]
+        self.rank: int = self.comm.Get_rank()  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
+        self.size: int = self.comm.Get_size()  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
         self.tag = tag
         self._status = MPI.Status()
 
     def isend(self, frame: memoryview, dest: int) -> _MPIRequest:
-        req = self.comm.Isend([frame, self._MPI.BYTE], dest=dest, tag=self.tag)  # type: ignore[attr-defined]
+        req = self.comm.Isend([frame, self._MPI.BYTE], dest=dest, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
         return _MPIRequest(req, is_send=True)
 
     def iprobe(self, source: int | None = None) -> tuple[int, int] | None:
         """(source, bytes) of a frame that has arrived (from `source`, or from any rank), or None."""
         st = self._status
         src = self._MPI.ANY_SOURCE if source is None else source
-        if not self.comm.Iprobe(source=src, tag=self.tag, status=st):  # type: ignore[attr-defined]
+        if not self.comm.Iprobe(source=src, tag=self.tag, status=st):  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
             return None
         count = st.Get_count(self._MPI.BYTE)
         if count == self._MPI.UNDEFINED or count < 0:
@@ -158,12 +158,12 @@ class MPITransport:
         return st.Get_source(), count
 
     def irecv_into(self, source: int, out: memoryview) -> _MPIRequest:
-        req = self.comm.Irecv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]
+        req = self.comm.Irecv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
         return _MPIRequest(req, is_send=False)
 
     def recv_into(self, source: int, out: memoryview) -> None:
         """Receive a frame that `iprobe` has already seen (it has arrived, so this does not wait)."""
-        self.comm.Recv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]
+        self.comm.Recv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
 
     def discard(self, source: int) -> None:
         """Drop the next frame from `source` without reading it (an oversize frame): receiving it
@@ -171,7 +171,7 @@ class MPITransport:
         consuming the message."""
         MPI = self._MPI
         try:
-            self.comm.Recv([bytearray(1), MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]
+            self.comm.Recv([bytearray(1), MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise
@@ -182,7 +182,7 @@ class MPITransport:
             if data is None or len(data) != nbytes:
                 raise ValueError(f"bcast_bytes: the root must pass exactly {nbytes} bytes")
             buf[:] = np.frombuffer(data, dtype=np.uint8)
-        self.comm.Bcast([buf, self._MPI.BYTE], root=root)  # type: ignore[attr-defined]
+        self.comm.Bcast([buf, self._MPI.BYTE], root=root)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
         return buf.tobytes()
 
     def shm_create(self, tag: str, nbytes: int) -> tuple[str, memoryview] | None:

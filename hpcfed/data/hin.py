@@ -190,7 +190,7 @@ def save_hin(hin: HIN, path: str | Path) -> Path:
     tmp = path.with_name(path.name + ".tmp.npz")
     path.parent.mkdir(parents=True, exist_ok=True)
     # numpy's stub matches **arrays against its `allow_pickle: bool` too; no key here has that name
-    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]
+    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **arrays against allow_pickle: no key has that name
     tmp.replace(path)
     return path
 

@@ -168,7 +168,7 @@ def _abort(comm: object, out_dir: Path, rank: int, code: int, reason: str, secon
     # proxy): SIGALRM's default action ends this process regardless.
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(_ABORT_GRACE_S)
-    comm.Abort(code)  # type: ignore[attr-defined]
+    comm.Abort(code)  # type: ignore[attr-defined]  # mpi4py's Comm, imported inside run_rank
 
 
 def _check_world(cfg: Config, size: int) -> None:

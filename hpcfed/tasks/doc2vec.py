@@ -317,7 +317,7 @@ class Doc2VecTask(GensimJointTask):
                                             keep_subject=self.config.keep_subject, max_docs=max_docs,
                                             seed=self.site.seed)
         docs = corpus.gensim_test_corpus(path or "lee_background.cor") if dataset == "gensim" \
-            else corpus.load_corpus_file(path)  # type: ignore[arg-type]
+            else corpus.load_corpus_file(path)  # type: ignore[arg-type]  # a file dataset has its path: task.path is checked by the config
         return corpus.sample(docs, max_docs, self.site.seed)
 
     def _load_public(self, spec: str, max_docs: int | None) -> list[Any]:

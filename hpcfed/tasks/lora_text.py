@@ -167,4 +167,4 @@ class LoraTextTask(TorchTask):
 
         size = self.config.batch_size if shuffle else self.config.eval_batch_size
         # a list is a map-style dataset (len and getitem), which torch's stub does not say
-        return DataLoader(rows, batch_size=size, shuffle=shuffle, collate_fn=collate)  # type: ignore[arg-type]
+        return DataLoader(rows, batch_size=size, shuffle=shuffle, collate_fn=collate)  # type: ignore[arg-type]  # a list of rows is a map-style dataset; torch's stub wants its Dataset class
