@@ -7,6 +7,7 @@ holds the same messages and test split in every config, run seed and client posi
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -105,3 +106,12 @@ def _features(msgs: Any, config: Any, cid: int, input_dim: int) -> np.ndarray:
         raise ValueError(f"text model {config.text_model!r} gives {x.shape[1] - 2} dims but task.text_dim="
                          f"{config.text_dim}; set task.text_dim={x.shape[1] - 2}")
     return x
+
+
+def export_fields(dataset: str, event_names: list[str], messages: Any, shared_space: bool) -> dict[str, Any]:
+    """What a site's export carries beside its vectors: the event names (``label_names``, so that
+    cross-site figures compare names, not each site's own numbers), whether the sites share one
+    vector space, and per message its time and text (what `hpcfed search` filters on and shows)."""
+    return {"extra": {"dataset": dataset, "events": ",".join(event_names), "label_names": json.dumps(event_names),
+                      "shared_space": shared_space},
+            "columns": {"time": messages.times.astype("datetime64[s]").astype(np.int64), "text": list(messages.texts)}}

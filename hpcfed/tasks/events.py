@@ -21,7 +21,6 @@ or GLECC. Attacks on the last client (`Site.attack`): ``model`` uploads scaled o
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks import dame_safe as safe
 from hpcfed.tasks import torch_state
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
-from hpcfed.tasks.event_site import load_event_site
+from hpcfed.tasks.event_site import export_fields, load_event_site
 from hpcfed.tasks.event_training import TrainData, kmeans_metrics, kmeans_predict, train_epochs
 from hpcfed.tasks.event_training import seeded_rng as _rng
 
@@ -458,14 +457,9 @@ class EventsTask(Task):
         return write_export(export_path(out_dir, self.site.client_id), vectors.astype(np.float32),
                             self.ids, self.labels.astype(np.int64), entity="message", model="dame-gat",
                             site=self.site.client_id, config_hash=self.site.config_hash, version=0,
-                            extra={"dataset": self.dataset, "events": ",".join(self.event_names),
-                                   "label_names": json.dumps(self.event_names),
-                                   # BOLA and Ditto end with a model of each site's own: no shared space
-                                   "shared_space": not (self.config.bola or self.config.ditto
-                                                        or self.site.method == "local")},
-                            # what `hpcfed search` filters on (--where time=FROM..TO) and shows
-                            columns={"time": self.messages.times.astype("datetime64[s]").astype(np.int64),
-                                     "text": list(self.messages.texts)})
+                            # BOLA and Ditto end with a model of each site's own: no shared space
+                            **export_fields(self.dataset, self.event_names, self.messages,
+                                            not (self.config.bola or self.config.ditto or self.site.method == "local")))
 
     # -- resumable state ---------------------------------------------------------------------------
 
