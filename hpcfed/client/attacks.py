@@ -14,6 +14,12 @@ masking: the tampered model's delta, weighted by the claimed count, goes into fi
 the site's own clip to C or its bound on the count (`unbounded_input`: a modified binary keeps
 neither), within the range the encoding allows; ``flood`` sends 20 copies of each masked input.
 
+Under secure aggregation only (``garbage*``, `garbage_input`): random field elements instead of
+the site's fixed-point input (so its masked input is random too), for group testing
+(`hpcfed.privacy.group_testing`): ``garbage`` (every coordinate, every round), ``garbage_weight``
+(the weight only), ``garbage_vector`` (the weighted delta only), ``garbage_once`` (round 0 only),
+``garbage_alternate`` (even rounds).
+
 Misbehaviour the server evicts a site for (`hpcfed.server.eviction`): the site's first upload is
 replaced by one malformed UPDATE, and then it stays quiet (``then_flood``: it keeps sending after
 it is evicted):
@@ -43,6 +49,7 @@ if TYPE_CHECKING:
     from hpcfed.privacy.site_input import InputSpec
 
 RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood")
+GARBAGE_ATTACKS = ("garbage", "garbage_weight", "garbage_vector", "garbage_once", "garbage_alternate")
 FLOOD_COPIES = 20
 MALFORMED_ATTACKS = ("bad_header", "bad_shape", "bad_count", "bad_header_then_flood")
 FLOOD_AFTER = 100  # UPDATEs an evicted ``..._then_flood`` site sends anyway ...
@@ -73,6 +80,19 @@ def unbounded_input(delta: np.ndarray, claimed: int, spec: InputSpec) -> np.ndar
     masking.quantise(delta, spec.value_range, spec.levels, claimed / spec.max_examples, out=codes[:-1])
     codes[-1] = claimed % (1 << 32)
     return codes
+
+
+def garbage_input(attack: str, codes: np.ndarray, rnd: int) -> np.ndarray:
+    """A hostile site's secure aggregation input under a ``garbage*`` attack in round `rnd`: random
+    uint32 field elements where the attack puts them (`codes` as they are in a round it behaves)."""
+    if (attack == "garbage_once" and rnd != 0) or (attack == "garbage_alternate" and rnd % 2):
+        return codes
+    rng = np.random.default_rng()
+    out = codes.copy()
+    part = slice(-1, None) if attack == "garbage_weight" else slice(None, -1) if attack == "garbage_vector" \
+        else slice(None)
+    out[part] = rng.integers(0, 1 << 32, size=out[part].size, dtype=np.uint64).astype(np.uint32)
+    return out
 
 
 def _is_float(v: np.ndarray) -> bool:

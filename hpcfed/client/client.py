@@ -137,7 +137,8 @@ class Client:
         self.task.on_setup((reply.header.get("task", {}), P.split_prefixed(reply.tensors, P.SETUP_PREFIX)))
         self.layout = ParamLayout.of(self.task.get_parameters())
         if self.cfg.privacy.secure_aggregation:
-            attack = self.site.attack if self.site.attack in attacks.RUNTIME_ATTACKS else None
+            hostile = (*attacks.RUNTIME_ATTACKS, *attacks.GARBAGE_ATTACKS)
+            attack = self.site.attack if self.site.attack in hostile else None
             self.secagg = SecAggSite(self.cfg, self.channel, self.layout.size, attack)
         if reply.header.get("layout") != self.layout.describe():
             raise FederationError(
@@ -164,7 +165,8 @@ class Client:
             sent = self._layout.flatten(self.task.get_parameters())
             try:
                 prepared = msg.header.get("secagg_prepared") is True  # keys shared in the last round
-                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg), prepared)
+                self.secagg.round(rnd, sent, lambda: self._fit_for_secagg(msg), prepared,
+                                  msg.header.get("secagg_groups"))  # group testing: checked by the site
             except Superseded as exc:  # the server went on without this site (a straggler): the next message
                 self._pending = exc.msg
             return

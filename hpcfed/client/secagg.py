@@ -25,7 +25,8 @@ from hpcfed.comm.api import Channel, Message
 from hpcfed.config import Config
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import ProtocolError, SiteState, round_graph
+from hpcfed.privacy.group_rules import SiteRules
+from hpcfed.privacy.secagg import ProtocolError, SiteState, group_graph, round_graph
 from hpcfed.privacy.site_input import encode_update, spec_for
 
 log = logging.getLogger("hpcfed.client")
@@ -58,12 +59,23 @@ class SecAggSite:
         self.uniform = cfg.strategy.options.get("weighting", "num_examples") == "uniform"
         self.attack = attack  # a runtime attack (hpcfed.client.attacks) this malicious site plays on its input
         self.next: SiteState | None = None  # the next round's keys, shared ahead with this round's unmasking
+        # the sums this site let be revealed, and its rules on a group request (hpcfed.privacy.group_rules)
+        self.rules = SiteRules(self.site, self.num_sites, cfg.privacy.secagg.min_group)
+        self.groups: tuple[int, list[frozenset[int]]] | None = None  # (round, its groups) of a group round
 
-    def round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False) -> None:
+    def round(self, rnd: int, sent: np.ndarray, fit: Fit, prepared: bool = False, groups: object = None) -> None:
         """Take part in round `rnd` whose model was `sent` (float32 aggregation vector); `prepared`: the
-        server says this round's keys and shares were exchanged in the last one. Raises `Superseded`
-        when the server moves on without this site, FederationError when it refuses."""
+        server says this round's keys and shares were exchanged in the last one; `groups` (hostile,
+        as sent): the disjoint groups a group-testing round sums, checked against this site's rules.
+        Raises `Superseded` when the server moves on without this site, FederationError when it refuses."""
         try:
+            self.groups = None
+            if groups is not None:
+                self.rules.accept(rnd, groups)  # GroupRefused names the rule it would break
+                self.groups = (rnd, self.rules.groups[rnd])
+                if prepared:
+                    raise ProtocolError(f"round {rnd} sums groups, whose keys are set up in the round, yet the "
+                                        f"server says they were exchanged in round {rnd - 1}")
             self._round(rnd, sent, fit, prepared)
         except ProtocolError as exc:
             raise FederationError(f"client {self.site} (rank {self.site + 1}): secure aggregation refused in "
@@ -82,6 +94,8 @@ class SecAggSite:
         trained, num_examples, header = fit()
         delta = np.subtract(trained, sent, dtype=np.float64)  # one pass, no float64 copies of the two
         codes, within = self._input(delta, num_examples)
+        if self.attack in attacks.GARBAGE_ATTACKS:
+            codes = attacks.garbage_input(self.attack, codes, rnd)
         # The example count travels masked only: the header keeps the metrics and the checkpoint shard.
         clear: dict[str, Any] = {k: header[k] for k in ("metrics", "shard") if k in header}
         clear["metrics"]["secagg_clipped"] = 0.0 if within else 1.0
@@ -97,6 +111,7 @@ class SecAggSite:
         me, n = self.site, self.num_sites
         check = self._wait(rnd, P.SA_CHECK)
         survivors = set(W.site_ids(check.header.get("survivors"), n, "the server's survivor set", me))
+        self.rules.check_survivors(rnd, survivors)  # a group round sums whole groups only
         signature = state.sign_survivors(survivors)
         self._send(P.SA_SIGNED, {"round": rnd, "signature": signature.hex() if signature is not None else None})
         request = self._wait(rnd, P.SA_UNMASK)
@@ -104,6 +119,7 @@ class SecAggSite:
         dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
         signatures = W.parse_signatures(request.header.get("signatures"), n, me)
         reveal: dict[str, Any] = {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped, signatures))}
+        self.rules.revealed(rnd, alive)  # the sums the server may now hold: checked against in group rounds
         tensors = None
         if request.header.get("next_adverts") is not None:  # the next round is set up now, off its path
             adverts = W.parse_adverts(request.header["next_adverts"], nxt.peers, n, me)
@@ -117,7 +133,7 @@ class SecAggSite:
         """The fixed-point input to mask and whether the delta was within C (a malicious site's
         `attack` skips the clip and the count's bound: `attacks.unbounded_input`)."""
         weight = 1 if self.uniform or self.spec.noise_std > 0 else num_examples
-        if self.attack is not None:
+        if self.attack in attacks.RUNTIME_ATTACKS:
             return attacks.unbounded_input(delta, weight, self.spec), False
         if not 0 <= weight <= self.spec.max_examples:
             raise FederationError(f"client {self.site}: {num_examples} training examples, outside 0.."
@@ -125,8 +141,10 @@ class SecAggSite:
         return encode_update(delta, weight, self.spec)
 
     def _state(self, rnd: int) -> SiteState:
-        return SiteState(self.site, round_graph(self.num_sites, rnd, self.cfg.privacy.secagg.degree), self.size,
-                         self.identity, self.peer_keys, rnd)
+        degree = self.cfg.privacy.secagg.degree
+        graph = group_graph(self.groups[1], rnd, degree) if self.groups is not None and self.groups[0] == rnd \
+            else round_graph(self.num_sites, rnd, degree)
+        return SiteState(self.site, graph, self.size, self.identity, self.peer_keys, rnd)
 
     def _setup(self, rnd: int) -> SiteState:
         """Round `rnd`'s keys advertised and shared within the round (the server asked for it)."""

@@ -54,7 +54,7 @@ def parse_partition(groups: object, num_sites: int, site: int | None = None) -> 
     out: list[Group] = []
     seen: set[int] = set()
     for g in groups:
-        if not isinstance(g, list) or not all(type(v) is int and 0 <= v < num_sites for v in g):
+        if not isinstance(g, list) or len(g) > num_sites or not all(type(v) is int and 0 <= v < num_sites for v in g):
             raise GroupRefused("partition", f"a group must list site ids in 0..{num_sites - 1}, got {str(g)[:60]}")
         members = frozenset(g)
         if len(members) != len(g) or members & seen:

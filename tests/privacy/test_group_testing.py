@@ -32,6 +32,8 @@ def _site(site: int = 0, k: int = 6, m: int = 2, history: list[frozenset[int]] |
     ([[1, 2, 3], [4, 5]], "partition", "site 0 is in none"),
     ("0,1,2", "partition", "must be a list"),
     ([[0, 1, True]], "partition", "site ids"),
+    ([list(range(6)) * 1000], "partition", "site ids"),  # bounded before any work on it
+    ([[0, 1]] * 7, "partition", "1..6 lists"),
     ([[0], [1, 2, 3, 4, 5]], "min_group", "group [0] has 1 site(s), fewer than privacy.secagg.min_group=2"),
 ])
 def test_a_malformed_or_small_request_is_refused_naming_the_rule(groups, rule, words):
