@@ -2,7 +2,7 @@
 encoding"): how fast it isolates a hostile site, the smallest sum rank 0 ever sees, and what it
 costs in round time.
 
-    python tools/group_testing_costs.py [--k 8 16] [--seeds 20] [--real K] [--rounds 10]
+    python tools/group_testing_costs.py [--k 8 16] [--seeds 20] [--min-group 2] [--real K] [--rounds 10]
                                         [--baseline /path/to/other/checkout]
 
 1. The schedule and the inference rule as the server runs them (`hpcfed.privacy.group_testing`),
@@ -42,11 +42,12 @@ ATTACKERS = {  # name -> (hostile sites as offsets from the last, garbles(round,
 }
 
 
-def simulate(k: int, hostile: set[int], garbles, f: int, seed: int, rounds: int) -> tuple[int | None, int, int]:
+def simulate(k: int, hostile: set[int], garbles, f: int, seed: int, rounds: int,
+             min_group: int = 2) -> tuple[int | None, int, int]:
     """(rounds from the first refused sum to the last hostile site's eviction or None, honest sites
     evicted, smallest sum) of one run."""
-    iso, live = Isolation(k, 2, f, seed), set(range(k))
-    sites = {s: SiteRules(s, k, 2) for s in range(k)}
+    iso, live = Isolation(k, min_group, f, seed), set(range(k))
+    sites = {s: SiteRules(s, k, min_group) for s in range(k)}
     first, done, honest_out, smallest = None, None, 0, k
     for rnd in range(rounds):
         groups = iso.groups_for(rnd, live)
@@ -68,14 +69,15 @@ def simulate(k: int, hostile: set[int], garbles, f: int, seed: int, rounds: int)
     return done, honest_out, smallest
 
 
-def simulation_table(ks: list[int], seeds: int) -> list[str]:
-    rows = ["| K | attacker | isolated in (rounds, median / max) | runs isolated | honest evicted | smallest sum |",
+def simulation_table(ks: list[int], seeds: int, min_group: int) -> list[str]:
+    rows = [f"min_group = {min_group}",
+            "| K | attacker | isolated in (rounds, median / max) | runs isolated | honest evicted | smallest sum |",
             "|---|---|---|---|---|---|"]
     for k in ks:
         budget = math.ceil(math.log2(k)) + 2
         for name, (offsets, garbles, f) in ATTACKERS.items():
             hostile = {k - o for o in offsets}
-            runs = [simulate(k, hostile, garbles, f, seed, 16) for seed in range(seeds)]
+            runs = [simulate(k, hostile, garbles, f, seed, 16, min_group) for seed in range(seeds)]
             took = [r[0] for r in runs if r[0] is not None]
             spread = f"{statistics.median(took):g} / {max(took)}" if took else "-"
             rows.append(f"| {k} | {name} | {spread} (budget {budget}) | {len(took)} of {seeds} | "
@@ -129,9 +131,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--real", type=int, default=None, help="K for the real mpiexec runs (none: skip them)")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--min-group", type=int, default=2)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout, for the no-attack round time")
     args = parser.parse_args()
-    simulation_table(args.k, args.seeds)
+    simulation_table(args.k, args.seeds, args.min_group)
     if args.real:
         real_table(args.real, args.rounds, args.baseline)
 
