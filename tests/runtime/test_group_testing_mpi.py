@@ -82,3 +82,12 @@ def test_a_server_asking_for_a_small_or_overlapping_group_is_refused_naming_the_
                 + rule in line]
     assert refusals, out[-5000:]  # the first site to refuse leaves; mpiexec may end the others before they log
     assert "round 1: the secure sum of group" not in out and "round 1: the securely" not in out  # nothing unmasked
+
+
+def test_a_min_group_above_the_number_of_sites_is_refused_in_one_line_naming_the_key(tmp_path):
+    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(tmp_path / "run"), "rounds=1",
+                    "privacy.secure_aggregation=true", "influence.enabled=false", "privacy.secagg.min_group=3"],
+                   np=3, timeout=300, check=False)
+    assert proc.returncode != 0
+    assert ("privacy.secagg.min_group=3 is above the 2 sites of this run: no sum could be revealed; set it to 2..2"
+            in proc.stdout + proc.stderr)
