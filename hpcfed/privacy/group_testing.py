@@ -143,9 +143,7 @@ class Isolation:
     def record(self, rnd: int, revealed: Sequence[Group], refused: Sequence[Group], grouped: bool) -> list[Verdict]:
         """Round `rnd` unmasked the sums of `revealed`, of which `refused` were refused; the sites
         now proven hostile (each once)."""
-        for g in revealed:
-            if g not in self.history:
-                self.history.append(g)
+        self.remember(revealed)
         self.refused.extend((rnd, g) for g in refused)
         if refused:
             self.active, self.quiet = True, 0
@@ -158,6 +156,12 @@ class Isolation:
             rounds = tuple(sorted({r for r, g in self.refused if site in g}))
             verdicts.append(Verdict(site, rnd, rounds))
         return verdicts
+
+    def remember(self, revealed: Iterable[Group]) -> None:
+        """Sums the server may hold (each set once: a set seen again adds nothing to the span)."""
+        for g in revealed:
+            if g not in self.history:
+                self.history.append(g)
 
     def evicted(self, site: int) -> None:
         """`site` is out: the refused sums it is in are explained (dropping evidence can only prove less)."""

@@ -66,6 +66,12 @@ class GroupTesting:
         return f"a group round sums whole groups only, and site(s) {', '.join(map(str, gone))} sent no masked " \
                f"input" if gone else None
 
+    def answered(self, alive: set[int]) -> None:
+        """The sites answered the unmask request: each counts the round's sums (its groups, or the
+        alive set) as revealed from now on, so the server's history does too, even if the round is
+        then lost: the groups it asks for next must keep the rules against what the sites hold."""
+        self.isolation.remember(self.groups or [frozenset(alive)])
+
     def conclude(self, rnd: int, state: ServerState, alive: set[int], fold: Fold) -> None:
         """Judge the round's unmasked sums (each group's, or the whole round's), fold the clean ones,
         record the refused ones as evidence and evict a site they prove hostile."""

@@ -157,6 +157,7 @@ class SecAggRound:
             state.take_unmask(cid, answers)
 
         self._gather(rnd, P.SA_REVEAL, answering, reveal)
+        self.testing.answered(alive)  # the sites count these sums as revealed from now on, unmasked or not
         if ahead and nxt is not None and set(nxt.shared) == core.live:
             self.prepared = nxt
         try:  # judged whole, or group by group; a refused sum is evidence (hpcfed.server.secagg_groups)
