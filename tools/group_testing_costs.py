@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcfed.privacy.group_rules import SiteRules  # noqa: E402  (this checkout's, not an installed one)
-from hpcfed.privacy.group_testing import Isolation  # noqa: E402
+from hpcfed.privacy.group_testing import Isolation, Verdict  # noqa: E402
 
 ATTACKERS = {  # name -> (hostile sites as offsets from the last, garbles(round, site), max_hostile)
     "every round": ((1,), lambda r, h: True, 1),
@@ -42,31 +42,45 @@ ATTACKERS = {  # name -> (hostile sites as offsets from the last, garbles(round,
 }
 
 
+def play(k: int, hostile: set[int], garbles, f: int = 1, min_group: int = 2, rounds: int = 12,
+         seed: int = 0) -> tuple[list[Verdict], list[int], int]:
+    """The server's group testing against `hostile` sites (garbles(round, site, its group) -> bool),
+    every honest site checking each request with its real rules (`SiteRules`); (the verdicts in
+    order, the rounds with a refused sum, the smallest sum). tests/privacy/test_group_testing.py
+    plays it too."""
+    iso, live = Isolation(k, min_group, f, seed), set(range(k))
+    sites = {s: SiteRules(s, k, min_group) for s in range(k)}
+    evicted: list[Verdict] = []
+    refused_rounds: list[int] = []
+    smallest = k
+    for rnd in range(rounds):
+        picked = iso.groups_for(rnd, live)
+        groups = picked or [frozenset(live)]
+        for s in live - hostile:
+            if picked is not None:
+                sites[s].accept(rnd, [sorted(g) for g in groups])  # raises if an honest site would refuse
+            sites[s].revealed(rnd, live)
+        smallest = min(smallest, *map(len, groups))
+        bad = {h for h in hostile & live if garbles(rnd, h, next(g for g in groups if h in g))}
+        refused = [g for g in groups if g & bad]
+        refused_rounds += [rnd] if refused else []
+        for verdict in iso.record(rnd, groups, refused, picked is not None):
+            evicted.append(verdict)
+            live.discard(verdict.site)
+            iso.evicted(verdict.site)
+    return evicted, refused_rounds, smallest
+
+
 def simulate(k: int, hostile: set[int], garbles, f: int, seed: int, rounds: int,
              min_group: int = 2) -> tuple[int | None, int, int]:
     """(rounds from the first refused sum to the last hostile site's eviction or None, honest sites
     evicted, smallest sum) of one run."""
-    iso, live = Isolation(k, min_group, f, seed), set(range(k))
-    sites = {s: SiteRules(s, k, min_group) for s in range(k)}
-    first, done, honest_out, smallest = None, None, 0, k
-    for rnd in range(rounds):
-        groups = iso.groups_for(rnd, live)
-        grouped = groups is not None
-        groups = groups or [frozenset(live)]
-        for s in live - hostile:
-            if grouped:
-                sites[s].accept(rnd, [sorted(g) for g in groups])  # raises if an honest site would refuse
-            sites[s].revealed(rnd, live)
-        smallest = min(smallest, *map(len, groups))
-        refused = [g for g in groups if any(h in g and garbles(rnd, h) for h in hostile & live)]
-        first = rnd if first is None and refused else first
-        for v in iso.record(rnd, groups, refused, grouped):
-            honest_out += v.site not in hostile
-            live.discard(v.site)
-            iso.evicted(v.site)
-        if done is None and first is not None and not hostile & live:
-            done = rnd - first + 1
-    return done, honest_out, smallest
+    evicted, refused_rounds, smallest = play(k, hostile, lambda r, h, g: garbles(r, h), f, min_group, rounds, seed)
+    out = {v.site: v.round for v in evicted}
+    done = None
+    if refused_rounds and hostile <= set(out):
+        done = max(out[h] for h in hostile) - refused_rounds[0] + 1
+    return done, sum(v.site not in hostile for v in evicted), smallest
 
 
 def simulation_table(ks: list[int], seeds: int, min_group: int) -> list[str]:

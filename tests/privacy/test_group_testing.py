@@ -6,14 +6,22 @@ hostile site sending garbage every round is evicted within ceil(log2 K) + 2 roun
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 import re
+from pathlib import Path
 
 import pytest
 
 from hpcfed.privacy.group_rules import GroupRefused, SiteRules, parse_partition, small_combinations
 from hpcfed.privacy.group_testing import Isolation, Verdict, explanations, partition, proven, suspects
+
+_SPEC = importlib.util.spec_from_file_location(
+    "group_testing_costs", Path(__file__).resolve().parents[2] / "tools" / "group_testing_costs.py")
+assert _SPEC is not None and _SPEC.loader is not None
+_COSTS = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_COSTS)
 
 F6 = frozenset(range(6))
 
@@ -133,28 +141,9 @@ def test_an_adversarial_server_that_picks_the_groups_never_gets_a_sum_of_fewer_t
 
 
 def _play(k: int, hostile: set[int], garbles, f: int = 1, m: int = 2, rounds: int = 12, seed: int = 0):
-    """The server's group testing against `hostile` sites (garbles(rnd, site, group) -> bool), with
-    every honest site checking each request; (evictions, rounds with a refused sum, smallest sum)."""
-    iso = Isolation(k, m, f, seed)
-    live, sites = set(range(k)), {s: SiteRules(s, k, m) for s in range(k)}
-    evicted, refused_rounds, smallest = [], [], k
-    for rnd in range(rounds):
-        groups = iso.groups_for(rnd, live)
-        grouped = groups is not None
-        groups = groups or [frozenset(live)]
-        for s in live - hostile:
-            if grouped:
-                sites[s].accept(rnd, [sorted(g) for g in groups])  # an honest server never asks what a site refuses
-            sites[s].revealed(rnd, live)
-        smallest = min(smallest, *map(len, groups))
-        bad = {h for h in hostile & live if garbles(rnd, h, next(g for g in groups if h in g))}
-        refused = [g for g in groups if g & bad]
-        refused_rounds += [rnd] if refused else []
-        for verdict in iso.record(rnd, groups, refused, grouped):
-            evicted.append(verdict)
-            live.discard(verdict.site)
-            iso.evicted(verdict.site)
-    return evicted, refused_rounds, smallest
+    """The server's group testing against `hostile` sites, every honest site checking each request
+    (tools/group_testing_costs.py `play`); (evictions, rounds with a refused sum, smallest sum)."""
+    return _COSTS.play(k, hostile, garbles, f, m, rounds, seed)
 
 
 @pytest.mark.parametrize("k", [8, 16])
