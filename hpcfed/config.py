@@ -196,9 +196,14 @@ class SecAggConfig:
     clip_norm: float = 10.0  # L2 bound on a site's update delta (privacy.dp.clip_norm replaces it with DP)
     max_examples: int = 65536  # the masked weight is n / max_examples: a site claiming more is refused
     degree: int | None = None  # SecAgg+ neighbours per site (default 2*ceil(log2 K), all when K is small)
+    min_group: int = 2  # the fewest sites a sum rank 0 sees may cover, in group testing too (docs/threats.md)
+    max_hostile: int = 1  # the most hostile sites group testing assumes: its proofs hold up to this many
 
     def validate(self) -> None:
-        _positive(self, "clip_norm", "max_examples", "degree")
+        _positive(self, "clip_norm", "max_examples", "degree", "max_hostile")
+        if self.min_group < 2:
+            raise InvalidValue("min_group", f"must be >= 2 (a sum over one site is that site's input), got "
+                                            f"{self.min_group!r}")
         if not math.isfinite(self.clip_norm):
             raise InvalidValue("clip_norm", f"must be a finite number, got {self.clip_norm!r}")
         if self.max_examples >= 1 << 31:

@@ -4,6 +4,7 @@ layout is known (after the setup exchange). Each stage is installed only when co
     plain:              train -> [Tamper] -> Send | MalformedSend -> [faults]
     secure aggregation: train -> [Tamper] -> Delta -> Clip -> [Noise] -> Encode -> SecAggSite -> [faults]
     malicious, masked:  train -> Tamper -> Delta -> UnboundedEncode -> SecAggSite -> [faults]
+    garbage, masked:    train -> Delta -> Clip -> [Noise] -> Encode -> Garbage -> SecAggSite -> [faults]
 
 `Noise` is distributed DP (``privacy.dp`` with ``privacy.secure_aggregation``); in central DP the
 server clips and noises (`hpcfed.strategies.dp_fedavg`) and the site uploads its model as it is.
@@ -36,7 +37,8 @@ def upload_pipeline(train: Upstream, config: ClientConfig, channel: Channel, lay
     runtime_attack = attack if attack in attacks.RUNTIME_ATTACKS else None
     stages: list[Stage] = [attacks.Tamper(runtime_attack)] if runtime_attack else []
     if config.upload.privacy.secure_aggregation:
-        stages += _secagg_stages(config, channel, layout, runtime_attack,
+        garbage = attack if attack in attacks.GARBAGE_ATTACKS else None
+        stages += _secagg_stages(config, channel, layout, runtime_attack or garbage,
                                  keys or RankKeys(config.security, channel.rank))
     elif attack in attacks.MALFORMED_ATTACKS:
         stages.append(attacks.MalformedSend(channel, layout, attack))
@@ -53,18 +55,21 @@ def eviction_hooks(channel: Channel, attack: str | None) -> list[Callable[[], No
 
 def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, attack: str | None,
                    keys: RankKeys) -> list[Stage]:
-    """Delta, clip, [noise], encode, mask and send; a malicious site's input is neither clipped nor bounded."""
+    """Delta, clip, [noise], encode, mask and send; a malicious site's input is neither clipped nor
+    bounded (a runtime attack), or is random field elements after the encoding (``garbage*``)."""
     up, num_sites = config.upload, channel.size - 1
     spec = spec_for(up.privacy, num_sites, up.quorum)
     stages: list[Stage] = [Delta(layout)]
-    if attack is not None:
+    if attack in attacks.RUNTIME_ATTACKS:
         stages.append(attacks.UnboundedEncode(spec, up.uniform_weighting))
     else:
         stages.append(Clip(spec.clip_norm))
         if spec.noise_std > 0:
             stages.append(Noise(spec.noise_std))
         stages.append(Encode(spec, up.uniform_weighting, channel.rank - 1))
+        if attack is not None:  # a garbage* attack (group testing's attacker: docs/threats.md)
+            stages.append(attacks.Garbage(attack))
     site = SecAggSite(channel, layout.size, keys=keys, degree=up.privacy.secagg.degree,
-                      timeout_s=up.client_timeout_s)
+                      min_group=up.privacy.secagg.min_group, timeout_s=up.client_timeout_s)
     return [*stages, site]
 

@@ -18,6 +18,12 @@ masking: the tampered model's delta, weighted by the claimed count, goes into fi
 the site's own clip to C or its bound on the count (`unbounded_input`: a modified binary keeps
 neither), within the range the encoding allows; ``flood`` sends 20 copies of each masked input.
 
+Under secure aggregation only (``garbage*``, `garbage_input`): random field elements instead of
+the site's fixed-point input (so its masked input is random too), for group testing
+(`hpcfed.privacy.group_testing`): ``garbage`` (every coordinate, every round), ``garbage_weight``
+(the weight only), ``garbage_vector`` (the weighted delta only), ``garbage_once`` (round 0 only),
+``garbage_alternate`` (even rounds).
+
 Misbehaviour the server evicts a site for (`hpcfed.server.eviction`): the site's first upload is
 replaced by one malformed UPDATE, and then it stays quiet (``then_flood``: it keeps sending after
 it is evicted):
@@ -36,7 +42,8 @@ sends: what arrives is what a modified binary would send.
 
 Each behaviour is an upload stage (`hpcfed.client.upload`) that `hpcfed.client.assemble` installs on
 the malicious site only: `Tamper`, `UnboundedEncode` (in place of the clip and the encoding under
-secure aggregation) and `MalformedSend` (in place of `Send`); `flood_after_eviction` is the hook
+secure aggregation), `Garbage` (after the honest encoding, under secure aggregation only) and
+`MalformedSend` (in place of `Send`); `flood_after_eviction` is the hook
 `hpcfed.client.assemble.eviction_hooks` installs for ``bad_header_then_flood``.
 """
 
@@ -63,6 +70,7 @@ if TYPE_CHECKING:
 
 RUNTIME_ATTACKS = ("claim_examples", "scale", "sign_flip", "flood", "scale_later", "constant_twice")
 HONEST_UPLOADS = 2  # ``scale_later``: uploads it sends untouched first
+GARBAGE_ATTACKS = ("garbage", "garbage_weight", "garbage_vector", "garbage_once", "garbage_alternate")
 FLOOD_COPIES = 20
 MALFORMED_ATTACKS = ("bad_header", "bad_shape", "bad_count", "bad_header_then_flood")
 FLOOD_AFTER = 100  # UPDATEs an evicted ``..._then_flood`` site sends anyway ...
@@ -126,6 +134,19 @@ def unbounded_input(delta: np.ndarray, claimed: int, spec: InputSpec) -> np.ndar
     masking.quantise(delta, spec.value_range, spec.levels, claimed / spec.max_examples, out=codes[:-1])
     codes[-1] = claimed % (1 << 32)
     return codes
+
+
+def garbage_input(attack: str, codes: np.ndarray, rnd: int) -> np.ndarray:
+    """A hostile site's secure aggregation input under a ``garbage*`` attack in round `rnd`: random
+    uint32 field elements where the attack puts them (`codes` as they are in a round it behaves)."""
+    if (attack == "garbage_once" and rnd != 0) or (attack == "garbage_alternate" and rnd % 2):
+        return codes
+    rng = np.random.default_rng()
+    out = codes.copy()
+    part = slice(-1, None) if attack == "garbage_weight" else slice(None, -1) if attack == "garbage_vector" \
+        else slice(None)
+    out[part] = rng.integers(0, 1 << 32, size=out[part].size, dtype=np.uint64).astype(np.uint32)
+    return out
 
 
 def _is_float(v: np.ndarray) -> bool:
@@ -200,6 +221,20 @@ class UnboundedEncode(Stage):
         assert upload.delta is not None, "UnboundedEncode runs downstream of Delta"
         weight = 1 if self.uniform else upload.num_examples
         upload.codes, upload.within = unbounded_input(upload.delta, weight, self.spec), False
+        return upload
+
+
+class Garbage(Stage):
+    """A ``garbage*`` attack (`GARBAGE_ATTACKS`) after the honest encoding under secure aggregation:
+    `garbage_input` in place of the site's fixed-point input, in the rounds and parts the attack picks."""
+
+    def __init__(self, attack: str) -> None:
+        self.attack = attack
+
+    def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
+        upload = upstream(start)
+        assert upload.codes is not None, "Garbage runs downstream of Encode"
+        upload.codes = garbage_input(self.attack, upload.codes, start.round)
         return upload
 
 

@@ -9,7 +9,10 @@ server sends (the consistency check) and, told who dropped and given its neighbo
 the same set, reveals once, per neighbour, a seed share or a key share.
 Whatever the server relays is hostile: a bad advert (a forged signature), share, survivor set,
 consistency signature or unmask request makes the site refuse the round and leave, naming what was
-wrong; it never reveals both shares of one peer.
+wrong; it never reveals both shares of one peer. In a group-testing round (PARAMS's
+``secagg_groups``) the site checks the groups against its rules (`hpcfed.privacy.group_rules`:
+no sum, alone or combined with those it let be revealed before, covers fewer than
+``privacy.secagg.min_group`` sites) and masks on its group's graph only.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from hpcfed.comm.api import Channel, Message
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import ProtocolError, SiteState, round_graph
+from hpcfed.privacy.group_rules import SiteRules
+from hpcfed.privacy.secagg import ProtocolError, SiteState, group_graph, round_graph
 
 log = logging.getLogger("hpcfed.client")
 
@@ -39,22 +43,38 @@ class SecAggSite(Stage):
     place of UPDATE. Its keys are exchanged before the site trains (it calls `upstream` after them);
     raises `Superseded` when the server moves on without this site, FederationError when it refuses."""
 
-    def __init__(self, channel: Channel, size: int, *, keys: RankKeys, degree: int | None,
+    def __init__(self, channel: Channel, size: int, *, keys: RankKeys, degree: int | None, min_group: int,
                  timeout_s: float) -> None:
         self.channel, self.timeout_s, self.degree = channel, timeout_s, degree
         self.site, self.num_sites = channel.rank - 1, channel.size - 1
         self.size = size + 1  # the weighted delta and the weight
         self.identity, self.peer_keys = keys.secagg_identities()
         self.next: SiteState | None = None  # the next round's keys, shared ahead with this round's unmasking
+        # the sums this site let be revealed, and its rules on a group request (hpcfed.privacy.group_rules)
+        self.rules = SiteRules(self.site, self.num_sites, min_group)
+        self.groups: tuple[int, list[frozenset[int]]] | None = None  # (round, its groups) of a group round
 
     def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
         """Take part in round `start.round`; PARAMS's ``secagg_prepared`` says this round's keys and shares
-        were exchanged in the last one."""
+        were exchanged in the last one, its ``secagg_groups`` (hostile, as sent) the disjoint groups a
+        group-testing round sums, checked against this site's rules."""
         try:
+            self._groups(start)
             return self._round(start, upstream)
         except ProtocolError as exc:
             raise FederationError(f"client {self.site} (rank {self.site + 1}): secure aggregation refused in "
                                   f"round {start.round}: {exc}") from None
+
+    def _groups(self, start: RoundStart) -> None:
+        rnd, groups = start.round, start.header.get("secagg_groups")
+        self.groups = None
+        if groups is None:
+            return
+        self.rules.accept(rnd, groups)  # GroupRefused names the rule it would break
+        self.groups = (rnd, self.rules.groups[rnd])
+        if start.header.get("secagg_prepared") is True:
+            raise ProtocolError(f"round {rnd} sums groups, whose keys are set up in the round, yet the server says "
+                                f"they were exchanged in round {rnd - 1}")
 
     def _round(self, start: RoundStart, upstream: Upstream) -> Upload:
         rnd, me, n = start.round, self.site, self.num_sites
@@ -84,6 +104,7 @@ class SecAggSite(Stage):
         me, n = self.site, self.num_sites
         check = self._wait(rnd, P.SA_CHECK)
         survivors = set(W.site_ids(check.header.get("survivors"), n, "the server's survivor set", me))
+        self.rules.check_survivors(rnd, survivors)  # a group round sums whole groups only
         signature = state.sign_survivors(survivors)
         self._send(P.SA_SIGNED, {"round": rnd, "signature": signature.hex() if signature is not None else None})
         request = self._wait(rnd, P.SA_UNMASK)
@@ -91,6 +112,7 @@ class SecAggSite(Stage):
         dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
         signatures = W.parse_signatures(request.header.get("signatures"), n, me)
         reveal: dict[str, Any] = {"round": rnd, "answers": W.answers_fields(state.unmask(alive, dropped, signatures))}
+        self.rules.revealed(rnd, alive)  # the sums the server may now hold: checked against in group rounds
         tensors = None
         if request.header.get("next_adverts") is not None:  # the next round is set up now, off its path
             adverts = W.parse_adverts(request.header["next_adverts"], nxt.peers, n, me)
@@ -101,8 +123,9 @@ class SecAggSite(Stage):
             self.next.premask()  # while the server unmasks and sends the next model: off the round's path
 
     def _state(self, rnd: int) -> SiteState:
-        return SiteState(self.site, round_graph(self.num_sites, rnd, self.degree), self.size,
-                         self.identity, self.peer_keys, rnd)
+        graph = group_graph(self.groups[1], rnd, self.degree) if self.groups is not None and self.groups[0] == rnd \
+            else round_graph(self.num_sites, rnd, self.degree)
+        return SiteState(self.site, graph, self.size, self.identity, self.peer_keys, rnd)
 
     def _setup(self, rnd: int) -> SiteState:
         """Round `rnd`'s keys advertised and shared within the round (the server asked for it)."""

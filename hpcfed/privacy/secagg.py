@@ -90,6 +90,18 @@ def round_graph(num_sites: int, rnd: int, degree: int | None = None) -> dict[int
     return neighbours(num_sites, b"hpcfed-secagg-graph/" + rnd.to_bytes(8, "big"), degree)
 
 
+def group_graph(groups: Iterable[Iterable[int]], rnd: int, degree: int | None = None) -> dict[int, set[int]]:
+    """The graph of a group-testing round (`hpcfed.privacy.group_testing`): SecAgg+'s graph within
+    each group, no edge between groups, so each group's masks cancel in its own sum. Public from the
+    round number and the groups, which every site checks (`hpcfed.privacy.group_rules`)."""
+    graph: dict[int, set[int]] = {}
+    for members in sorted(sorted(g) for g in groups):
+        seed = b"hpcfed-secagg-group/" + rnd.to_bytes(8, "big") + members[0].to_bytes(4, "big")
+        for a, peers in neighbours(len(members), seed, degree).items():
+            graph[members[a]] = {members[b] for b in peers}
+    return graph
+
+
 def threshold_for(degree: int) -> int:
     """Shares needed of a site's |N(u)| + 1: over half, so two disjoint sets cannot both rebuild."""
     return degree // 2 + 1

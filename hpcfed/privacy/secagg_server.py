@@ -192,6 +192,17 @@ class ServerState:
         apply_masks(total, masks)
         return total, alive
 
+    def sum_of(self, group: frozenset[int]) -> np.ndarray:
+        """The unwrapped uint32 sum of one group's inputs in a group-testing round (`group_graph`:
+        no edge leaves the group, so its pairwise masks cancel in its own sum; no dropout in it)."""
+        if not group <= set(self.masked) or any(self.graph[u] - group for u in group):
+            raise ProtocolError(f"group {sorted(group)} is not whole in round {self.rnd}, or its masks leave it")
+        total = np.zeros(self.size, dtype=np.uint32)
+        for u in group:
+            np.add(total, self.masked[u], out=total)
+        apply_masks(total, [(self._rebuild(u, "seed"), b"self", -1) for u in group])
+        return total
+
     def _peers_of(self, u: int) -> set[int]:
         return {sh.sender for sh in self.shares_for(u)}
 

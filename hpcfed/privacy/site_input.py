@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hpcfed.privacy import masking
-from hpcfed.privacy.dp import clip_factor
+from hpcfed.privacy.dp import clip_factor, l2_norm
 
 if TYPE_CHECKING:
     from hpcfed.config import PrivacyConfig
@@ -90,6 +90,19 @@ def decode_sum(total: np.ndarray, count: int, spec: InputSpec) -> tuple[np.ndarr
     weighted = masking.dequantise_sum(total[:-1], count, spec.value_range, spec.levels)
     weighted *= spec.max_examples
     return weighted, examples
+
+
+def judge_sum(total: np.ndarray, count: int, spec: InputSpec) -> tuple[np.ndarray, int]:
+    """`decode_sum`, then the norm check: honest sites clipped to C, so ‖Σ n_k δ_k‖ ≤ C·Σ n_k (plus
+    the noise's 4 stds under DP). ValueError, saying why, when some site sent an input outside the
+    encoding: honest inputs, each within it, always pass, so a refusal is evidence against the set."""
+    weighted_sum, examples = decode_sum(total, count, spec)
+    norm = l2_norm(weighted_sum)
+    bound = spec.clip_norm * examples + 4 * spec.noise_std * math.sqrt(count * weighted_sum.size)
+    if not (math.isfinite(norm) and norm <= bound):
+        raise ValueError(f"its norm {norm:.4g} is above what {count} sites clipped to {spec.clip_norm:g} can make "
+                         f"({bound:.4g})")
+    return weighted_sum, examples
 
 
 def sites_needed(num_sites: int, quorum: float) -> int:

@@ -32,7 +32,8 @@ out of the round (after it shared its keys: its pairwise masks are removed with 
 and the round needs the quorum's count of masked inputs. A message refused by the protocol counts
 against its site like a malformed upload. What replaces the bounded-influence guard, which needs
 each site's update: sites clip before masking, the fixed-point range bounds each coordinate, and
-the server checks the norm of the sum (`_sum_ok`).
+the server checks the norm of the sum (`site_input.judge_sum`); a refused sum starts group testing
+(`hpcfed.server.secagg_groups`): disjoint groups, each summed securely, until a site is proven.
 
 A round whose sum cannot be unmasked (fewer than a site's threshold of alive neighbours hold shares
 of its seed, or of a dropped site's key: too many of one neighbourhood died) is found before any
@@ -55,13 +56,13 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.dp import l2_norm
 from hpcfed.privacy.secagg import ProtocolError, round_graph
 from hpcfed.privacy.secagg_server import ServerState
-from hpcfed.privacy.site_input import decode_sum, sites_needed, spec_for
+from hpcfed.privacy.site_input import sites_needed, spec_for
 from hpcfed.server import validation as V
 from hpcfed.server.collect import RoundUploads
 from hpcfed.server.core import ServerCore
+from hpcfed.server.secagg_groups import GroupTesting
 from hpcfed.strategies.base import WEIGHTED_SUM, SyncStrategy, Update
 
 log = logging.getLogger("hpcfed.server")
@@ -89,6 +90,7 @@ class SecAggCollector:
         self.identities: dict[int, bytes] | None = None
         if cfg.security.mode == "keys":
             self.identities = core.keys.secagg_identities()[1]
+        self.testing = GroupTesting(core, self.spec)  # after a refused sum: disjoint groups find the site
         if cfg.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
@@ -101,17 +103,21 @@ class SecAggCollector:
         core = self.core
         started, taken = set(core.live), RoundUploads(rnd)
         state, self.prepared = self.prepared, None
-        if state is not None and (state.rnd != rnd or set(state.shared) != core.live):
+        groups = self.testing.start(rnd)  # a group round sets its keys up in the round, on its groups' graph
+        if state is not None and (state.rnd != rnd or set(state.shared) != core.live or groups is not None):
             state = None  # prepared for another round, or a site has joined the live ones since: set up anew
         for cid in sorted(core.live):
             core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state,
-                                         "secagg_prepared": state is not None},
+                                         "secagg_prepared": state is not None,
+                                         **({"secagg_groups": groups} if groups is not None else {})},
                          core.model_tensors(core.strategy.model_for(cid)))
             if state is not None:  # its keys and shares came in the last round: nothing to wait for
                 self._relay_shares(rnd, cid, state)
         if state is None:
             state = self._setup(rnd, taken)
-        nxt = ServerState(self._graph(rnd + 1), self.size, rnd + 1) if rnd + 1 < core.cfg.rounds else None
+        ahead_ok = rnd + 1 < core.cfg.rounds and groups is None and not self.testing.isolation.active
+        nxt = ServerState(round_graph(self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) if ahead_ok \
+            else None
         self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
             rnd, cid, msg, want_state, state, taken, nxt))
         for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
@@ -119,8 +125,9 @@ class SecAggCollector:
         alive, dropped = state.unmask_request()
         self._quorum(rnd, alive, "sent masked inputs")
         short = state.shortfall()
-        if short is not None:  # decided before any site is asked for a share: none is revealed in vain
-            self._lose(rnd, short.describe(), started, alive, dropped)
+        why = self.testing.missing(alive) or (short.describe() if short is not None else None)
+        if why is not None:  # decided before any site is asked for a share: none is revealed in vain
+            self._lose(rnd, why, started, alive, dropped)
             return _kept(taken, alive & core.live, lost=True)
         answering = self._check(rnd, state, alive)
         short = state.shortfall(answering)
@@ -151,15 +158,17 @@ class SecAggCollector:
             state.take_unmask(cid, answers)
 
         self._gather(rnd, P.SA_REVEAL, answering, reveal)
+        self.testing.answered(alive)  # the sites count these sums as revealed from now on, unmasked or not
         if ahead and nxt is not None and set(nxt.shared) == core.live:
             self.prepared = nxt
-        try:
-            total, summed = state.result()
+        try:  # judged whole, or group by group; a refused sum is evidence (hpcfed.server.secagg_groups)
+            self.testing.conclude(rnd, state, alive, self._fold)
         except ValueError as exc:  # ProtocolError included: a site left or went silent while unmasking
             silent = ", ".join(map(str, sorted(answering - set(state.answers))))
             self._lose(rnd, f"{exc}; no unmask answer from site(s) {silent or 'none'}", started, alive, dropped)
             return _kept(taken, alive & core.live, lost=True)
-        self._fold(rnd, total, summed)
+        if set(core.live) != started:
+            self.prepared = None  # a site was evicted: the next round sets up fresh keys without it
         return _kept(taken, alive, lost=False)
 
     def _check(self, rnd: int, state: ServerState, alive: set[int]) -> set[int]:
@@ -176,15 +185,15 @@ class SecAggCollector:
         self._gather(rnd, P.SA_SIGNED, alive, signed)
         return state.answering() & self.core.live
 
-    def _graph(self, rnd: int) -> dict[int, set[int]]:
-        return round_graph(self.num_sites, rnd, self.core.cfg.privacy.secagg.degree)
+    def _degree(self) -> int | None:
+        return self.core.cfg.privacy.secagg.degree
 
     def _setup(self, rnd: int, uploads: RoundUploads) -> ServerState:
         """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
         round some live site missed): two more exchanges before the sites can mask. A live site short
         of advertised neighbours sits the round out (`uploads.sat_out`)."""
         core, n = self.core, self.num_sites
-        state = ServerState(self._graph(rnd), self.size, rnd)
+        state = ServerState(self.testing.graph(rnd, self._degree()), self.size, rnd)
 
         def advert(cid: int, msg: Message) -> None:
             state.take_advert(cid, W.parse_advert(cid, msg.header.get("advert"), n))
@@ -310,32 +319,10 @@ class SecAggCollector:
         base = self.num_sites if self.dp else len(self.core.live)
         return max(2, sites_needed(base, self.core.cfg.federation.quorum))
 
-    def _fold(self, rnd: int, total: np.ndarray, alive: set[int]) -> None:
-        """Hand the unmasked sum to the strategy, unless its norm says a site cheated its clip."""
-        try:
-            weighted_sum, examples = decode_sum(total, len(alive), self.spec)
-        except ValueError as exc:  # a site wrote a weight outside the encoding: one round lost, not the run
-            self._refuse_sum(rnd, str(exc))
-            return
-        if not self._sum_ok(rnd, weighted_sum, examples, len(alive)):
-            return
-        self.strategy.fold_sum(weighted_sum, examples, len(alive))  # it declares WEIGHTED_SUM (checked when built)
-
-    def _sum_ok(self, rnd: int, weighted_sum: np.ndarray, examples: int, count: int) -> bool:
-        """Honest sites clipped to C: ‖Σ n_k δ_k‖ ≤ C·Σ n_k (plus the noise's 4 stds under DP). Beyond
-        it some site sent an input outside the encoding; the round's sum is refused, the model stays."""
-        spec, norm = self.spec, l2_norm(weighted_sum)
-        bound = spec.clip_norm * examples + 4 * spec.noise_std * math.sqrt(count * weighted_sum.size)
-        if math.isfinite(norm) and norm <= bound:
-            return True
-        self._refuse_sum(rnd, f"its norm {norm:.4g} is above what {count} sites clipped to {spec.clip_norm:g} can "
-                              f"make ({bound:.4g})")
-        return False
-
-    def _refuse_sum(self, rnd: int, why: str) -> None:
-        log.warning("round %d: the securely aggregated sum is refused, the model stays: %s; a site sent an input "
-                    "outside the encoding (which one, secure aggregation hides)", rnd, why)
-        self.core.metrics.log(rnd, None, "secagg_sum_refused", 1)
+    def _fold(self, weighted_sum: np.ndarray, examples: int, count: int) -> None:
+        """Hand a judged sum (`site_input.judge_sum`: in the encoding, its norm within the clips) of
+        `count` sites to the strategy (it declares WEIGHTED_SUM: checked when built)."""
+        self.strategy.fold_sum(weighted_sum, examples, count)
 
 
 def _kept(taken: RoundUploads, sites: set[int], lost: bool) -> RoundUploads:

@@ -55,7 +55,8 @@ def _channels() -> tuple[SecureChannel, SecureChannel]:
 
 
 def _site(channel: SecureChannel, ids: dict[int, Ed25519PrivateKey]) -> SecAggSite:
-    site = SecAggSite(channel, SIZE, keys=RankKeys(SecurityConfig(), channel.rank), degree=None, timeout_s=20)
+    site = SecAggSite(channel, SIZE, keys=RankKeys(SecurityConfig(), channel.rank), degree=None,
+                      min_group=2, timeout_s=20)
     site.identity = ids[0]  # keys mode, as `RankKeys.secagg_identities` loads it from the key files
     site.peer_keys = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
     return site

@@ -22,7 +22,8 @@ from hpcfed.client.upload import Pipeline, RoundStart, Send, Stage, Upload, Upst
 from hpcfed.comm.channel import SecureChannel
 from hpcfed.comm.crypto import Credentials
 from hpcfed.comm.transport import InProcTransport
-from hpcfed.config import from_mapping
+from hpcfed.config import SecurityConfig, from_mapping
+from hpcfed.credentials import RankKeys
 from hpcfed.params import ParamLayout
 from hpcfed.privacy.site_input import encode_update, input_spec
 from hpcfed.registry import resolve
@@ -45,7 +46,7 @@ def _stages(rank: int, *overrides: str) -> list[type]:
         layout = ParamLayout.of({"w": np.zeros(4, np.float32)})
         attack = config.site.attack_played_by(rank - 1, K)
         pipeline = upload_pipeline(lambda start: Upload(round=0, params={}, num_examples=0, header={}), config,
-                                   channel, layout, attack)
+                                   channel, layout, attack, RankKeys(SecurityConfig(), rank))
         return [type(stage) for stage in pipeline.stages]
     finally:
         channel.close()
@@ -63,6 +64,10 @@ def _stages(rank: int, *overrides: str) -> list[type]:
      [Delta, Clip, Noise, Encode, SecAggSite]),
     (3, ["privacy.secure_aggregation=true", "influence.enabled=false", "attack=flood"],
      [attacks.Tamper, Delta, attacks.UnboundedEncode, SecAggSite]),
+    # group testing's attacker: the honest clip and encoding, then random field elements in their place
+    (3, ["privacy.secure_aggregation=true", "influence.enabled=false", "attack=garbage"],
+     [Delta, Clip, Encode, attacks.Garbage, SecAggSite]),
+    (3, ["attack=garbage"], [Send]),  # without secure aggregation it has nothing to garble
 ])
 def test_the_config_installs_only_the_stages_it_asks_for(rank, overrides, want):
     assert _stages(rank, *overrides) == want
@@ -120,6 +125,31 @@ def test_the_privacy_stages_encode_the_input_encode_update_does_bit_for_bit(norm
     want, within = encode_update(np.subtract(trained, sent, dtype=np.float64), 1 if uniform else 37, spec)
     assert upload.codes is not None and np.array_equal(upload.codes, want) and upload.within == within
     assert within == (norm == 100.0)
+
+
+@pytest.mark.parametrize(("attack", "garbled"), [
+    ("garbage_weight", dict.fromkeys(range(3), slice(-1, None))),
+    ("garbage_vector", dict.fromkeys(range(3), slice(None, -1))),
+    ("garbage_once", {0: slice(None)}), ("garbage_alternate", {0: slice(None), 2: slice(None)}),
+])
+def test_a_garbage_stage_replaces_the_honest_input_in_the_parts_and_rounds_its_attack_picks(attack, garbled):
+    rng = np.random.default_rng(3)
+    sent, trained = rng.normal(size=200).astype(np.float32), rng.normal(size=200).astype(np.float32)
+    spec = input_spec(K, clip_norm=1.0, max_examples=1000)
+    layout = ParamLayout.of({"w": sent})
+    honest = Pipeline(lambda s: Upload(round=s.round, params={"w": trained.copy()}, num_examples=37, header={}),
+                      [Delta(layout), Clip(1.0), Encode(spec, False, 0)])
+    hostile = Pipeline(lambda s: Upload(round=s.round, params={"w": trained.copy()}, num_examples=37, header={}),
+                       [Delta(layout), Clip(1.0), Encode(spec, False, 0), attacks.Garbage(attack)])
+    for rnd in range(3):
+        want = honest(_start(rnd, received={"w": sent})).codes
+        got = hostile(_start(rnd, received={"w": sent})).codes
+        assert want is not None and got is not None
+        changed = np.flatnonzero(got != want)
+        part = garbled.get(rnd)
+        expected = np.arange(want.size)[part] if part is not None else np.array([], dtype=int)
+        # random uint32s: a coordinate left as it was has odds 2**-32 per coordinate
+        assert np.array_equal(changed, expected), (rnd, changed[:5])
 
 
 def test_under_distributed_dp_every_site_weighs_one_and_its_clipped_delta_is_noised():

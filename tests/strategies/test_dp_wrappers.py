@@ -78,6 +78,8 @@ DP_OK = ["influence.enabled=false", "privacy.dp.clip_norm=1"]
     ("privacy.dp.adaptive={count_stddev: 2, target_quantile: 1.5}", "target_quantile must be in (0, 1)"),
     ("privacy.dp.sigma=1", "unknown key"),
     ("privacy.secagg.clip_norm=0", "clip_norm must be > 0"),
+    ("privacy.secagg.min_group=1", "privacy.secagg.min_group must be >= 2 (a sum over one site is that site's input)"),
+    ("privacy.secagg.max_hostile=0", "privacy.secagg.max_hostile must be > 0"),
     ("strategy.rule=median", "rule 'median'"),
     ("influence.enabled=true", "influence.enabled"),
 ])
