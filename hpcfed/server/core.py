@@ -143,6 +143,11 @@ class ServerCore:
         self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
 
     @property
+    def started(self) -> bool:
+        """Whether the setup exchange is over (the sites are in, a resumed checkpoint is loaded)."""
+        return self._layout is not None
+
+    @property
     def layout(self) -> ParamLayout:
         """The model's layout (set by `start`, at the end of the setup exchange)."""
         if self._layout is None:

@@ -49,8 +49,11 @@ class LiveFile:
         self._seen_bytes: dict[int, int] = {}
 
     def maybe_write(self, core: ServerCore, status: str = "running", *, force: bool = False) -> None:
-        """Rewrite the file if it is due; a full disk or a read-only folder never fails the run."""
+        """Rewrite the file if it is due and the federation has started; a full disk or a read-only
+        folder never fails the run."""
         now = time.monotonic()
+        if not core.started:
+            return  # before the setup exchange is over (a refused --resume leaves the old run's file as it was)
         if not force and now - self._last < self.every_s:
             return
         self._last = now
