@@ -12,7 +12,7 @@ model whose forward mixes the examples of a batch (BatchNorm in training mode) m
 one record would move the others' gradients (`TorchTask` refuses it).
 
 The batches and the noise come from one generator seeded from the site's secret seed (derived from
-the job's key, `hpcfed.credentials.secret_seed`) and the round: a resumed site draws what its
+the job's key, `hpcfed.credentials.RankKeys.secret_seed`, all 256 bits) and the round: a resumed site draws what its
 uninterrupted twin drew, and no reader of the run's outputs (where the config seed is written) can
 regenerate the noise, nor tell which records a step sampled (the sampling amplification needs that).
 """
@@ -30,20 +30,21 @@ from hpcfed.privacy.record_dp import Plan
 log = logging.getLogger("hpcfed.client")
 
 
-def round_generator(secret_seed: int, client_id: int, round: int) -> Any:
-    """The torch Generator of one site's round (batches and noise), from its secret seed."""
+def round_generator(secret_seed: int, client_id: int, round: int) -> np.random.Generator:
+    """The Generator of one site's round (batches and noise), seeded by the whole 256-bit secret seed
+    with the site and round, as DP-FedAvg's noise is (`hpcfed.privacy.dp.noise_rng`): a torch
+    Generator takes a 64-bit seed, which would fold the secret to a quarter of its bits."""
+    if secret_seed < 0 or client_id < 0 or round < 0:
+        raise ValueError(f"seed, client and round must be >= 0, got {secret_seed}, {client_id}, {round}")
+    return np.random.default_rng([secret_seed, client_id, round, 0xD95])
+
+
+def poisson_batch(records: int, sample_rate: float, generator: np.random.Generator) -> Any:
+    """Indices of one Poisson-sampled batch (a torch tensor): each record in it with probability
+    `sample_rate`."""
     import torch
 
-    words = [(secret_seed >> (32 * i)) & 0xFFFFFFFF for i in range(8)]
-    seq = np.random.SeedSequence([*words, abs(int(client_id)), abs(int(round)), 0xD95])
-    return torch.Generator().manual_seed(int(seq.generate_state(1, dtype=np.uint64)[0]) >> 1)
-
-
-def poisson_batch(records: int, sample_rate: float, generator: Any) -> Any:
-    """Indices of one Poisson-sampled batch: each record in it with probability `sample_rate`."""
-    import torch
-
-    return torch.nonzero(torch.rand(records, generator=generator) < sample_rate).flatten()
+    return torch.from_numpy(np.flatnonzero(generator.random(records) < sample_rate))
 
 
 def _example(value: Any, i: int) -> Any:
@@ -142,7 +143,7 @@ class DPSGD:
         factor = torch.clamp(self.plan.clip_norm / (norms + 1e-6), max=1.0)
         return [torch.einsum("i,i...->...", factor.to(g.dtype), g) for g in grads]
 
-    def set_noisy_grad(self, inputs: Any, target: Any, batch: int, generator: Any) -> None:
+    def set_noisy_grad(self, inputs: Any, target: Any, batch: int, generator: np.random.Generator) -> None:
         """Set each trainable parameter's .grad to (clipped sum + N(0, (zC)²)) / (q·n) for a batch of
         `batch` examples (0: the noise alone, as the accountant counts an empty batch too)."""
         import torch
@@ -154,5 +155,5 @@ class DPSGD:
             sums = [torch.zeros_like(p) for p in params]
         std = self.plan.noise_multiplier * self.plan.clip_norm
         for p, s in zip(params, sums, strict=True):
-            noise = torch.normal(0.0, std, size=p.shape, generator=generator).to(p.device, p.dtype)
+            noise = torch.from_numpy(generator.normal(0.0, std, size=tuple(p.shape))).to(p.device, p.dtype)
             p.grad = (s.to(p.dtype) + noise) / self.plan.expected_batch
