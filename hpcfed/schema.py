@@ -30,6 +30,22 @@ class InvalidValue(ValueError):
 
 
 
+def at_least(obj: Any, minimum: float, *names: str) -> None:
+    """In a config dataclass's ``validate``: each named field, when set, is at least `minimum`."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < minimum:
+            raise InvalidValue(name, f"must be >= {minimum:g}, got {value!r}")
+
+
+def positive(obj: Any, *names: str) -> None:
+    """In a config dataclass's ``validate``: each named field, when set, is above 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value > 0:
+            raise InvalidValue(name, f"must be > 0, got {value!r}")
+
+
 class Origin(str):
     """The config file's name, remembering which dotted keys the command line set, so that an error
     in one of those blames the command line (``Config.source`` after `load`)."""
