@@ -82,7 +82,11 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         return _leave(log)
     except Exception as exc:
         secondary = _is_mpi_error(exc)
-        if secondary:  # a peer ended under us (killed, aborted): that peer is the story, not this rank
+        lost = _site_rank_lost(out_dir, group) if group is not None and group.parallel else None
+        if lost is not None:  # a rank of this site ended: the collective that failed is the symptom
+            secondary, reason = True, f"{lost}; its site ends with it"
+            log.error("rank %d failed: %s", rank, reason)
+        elif secondary:  # a peer ended under us (killed, aborted): that peer is the story, not this rank
             reason = f"MPI error talking to another rank (did it end?): {_mpi_brief(exc)}"
             log.error("rank %d failed: %s", rank, reason)
         elif _expected(exc):
@@ -187,6 +191,19 @@ def _site_timeout(cfg: Config) -> float:
     between two rounds (setup, then a round's deadline and the client timeout)."""
     fed = cfg.federation
     return fed.setup_timeout_s + fed.round_deadline_s + 2 * fed.client_timeout_s
+
+
+def _site_rank_lost(out_dir: Path, group: SiteGroup, wait_s: float = 3.0) -> str | None:
+    """Which other rank of this rank's site has ended, and how (it may take a moment to be seen)."""
+    others = [r for r in group.layout.world_ranks(group.site or 0) if r != group.world_rank]
+    deadline = time.monotonic() + wait_s
+    while True:
+        for r in others:
+            if how := jobwatch.rank_ended(out_dir / "logs", r):
+                return f"{group.layout.describe(r)} {how}"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
 
 
 def _end_site(out_dir: Path, group: SiteGroup, code: int, reason: str, secondary: bool) -> None:

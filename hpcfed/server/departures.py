@@ -130,7 +130,8 @@ class Departures:
 
     def record(self, cid: int, rnd: int, cause: str) -> None:
         """Site `cid` is dropped at round `rnd`."""
-        self.dropped.setdefault(cid, Dropped(client=cid, rank=cid + 1, round=rnd, cause=" ".join(cause.split())[:300]))
+        rank = self.layout.leader(cid) if cid < self.layout.num_sites else cid + 1
+        self.dropped.setdefault(cid, Dropped(client=cid, rank=rank, round=rnd, cause=" ".join(cause.split())[:300]))
 
     def state(self) -> list[dict[str, object]]:
         """The dropped sites as plain data (summary.json)."""
