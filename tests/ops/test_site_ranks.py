@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+import yaml
+from conftest import REPO, run_cli
 from ops_helpers import events, finish, job_pids, kill_all, output, start, wait_for
 
 pytestmark = pytest.mark.mpi
@@ -28,8 +29,9 @@ QUICKSTART = "configs/quickstart.yaml"
 TWO_BY_TWO = ["federation.ranks_per_site=2", "--np", "5"]
 
 
-def _run(out: Path, overrides: list[str], env: dict | None = None) -> dict:
-    run_cli(["run", QUICKSTART, *overrides, "--out", str(out)], timeout=400, env={"OMP_NUM_THREADS": "1", **(env or {})})
+def _run(out: Path, overrides: list[str], env: dict | None = None, config: str = QUICKSTART) -> dict:
+    run_cli(["run", config, *overrides, "--out", str(out)], timeout=400,
+            env={"OMP_NUM_THREADS": "1", **(env or {})})
     return json.loads((out / "summary.json").read_text())
 
 
@@ -63,7 +65,10 @@ def test_a_non_leader_cannot_speak_for_its_site(sync_pair):
 
 
 def test_two_ranks_per_site_async_and_with_secure_aggregation(tmp_path):
-    asynchronous = _run(tmp_path / "async", [*TWO_BY_TWO, "rounds=3", "strategy.name=feddwa"])
+    cfg = yaml.safe_load((REPO / QUICKSTART).read_text())
+    cfg["strategy"] = {"name": "feddwa"}
+    (tmp_path / "async.yaml").write_text(yaml.safe_dump(cfg))
+    asynchronous = _run(tmp_path / "async", [*TWO_BY_TWO, "rounds=3"], config=str(tmp_path / "async.yaml"))
     assert asynchronous["updates_accepted"] == 6 and sorted(asynchronous["clients"]) == ["0", "1"], asynchronous
     secure = _run(tmp_path / "secagg", [*TWO_BY_TWO, "rounds=3", "privacy.secure_aggregation=true"])
     assert secure["lost_rounds"] == [] and sorted(secure["clients"]) == ["0", "1"], secure
