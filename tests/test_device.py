@@ -62,5 +62,6 @@ def test_device_cuda_with_fewer_gpus_than_ranks_on_a_node_names_the_node_and_cou
     assert gpus_on_node([("0", 1), ("1", 1), ("2", 1), ("3", 1)]) == 4
     assert gpus_on_node([(None, 0), (None, 0)]) == 0
     problem = node_gpu_problem("gpu-node-7", 4, 2, "cuda")
-    assert problem is not None and problem.startswith("node gpu-node-7: device=cuda with 4 ranks that train but 2 GPU(s)")
+    assert problem is not None
+    assert problem.startswith("node gpu-node-7: device=cuda with 4 ranks that train but 2 GPU(s)")
     assert node_gpu_problem("n", 2, 2, "cuda") is None and node_gpu_problem("n", 4, 2, "auto") is None
