@@ -6,6 +6,7 @@ under real mpiexec.
 - Rank 0 holds a channel with the K leaders only; a non-leader's frames to rank 0 (sent on
   MPI_COMM_WORLD as if for its site) are refused and counted, and change nothing.
 - The same layout runs asynchronously (FedDWA) and under secure aggregation.
+- A run halted with one rank per site resumes with two (the leader's shard holds the site's state).
 - A non-leader SIGKILLed mid-run under `on_client_failure: continue` ends its site: rank 0 drops
   that site, the other finishes.
 """
@@ -62,6 +63,18 @@ def test_a_non_leader_cannot_speak_for_its_site(sync_pair):
         in log, log[-3000:]
     assert two["evicted"] == [] and two["dropped"] == [] and two["rejected"]["runtime"] == {}, two
     assert "non-leader rank 2 sends 20 frames" in (out / "logs" / "rank2.log").read_text()
+
+
+def test_a_run_resumes_with_another_number_of_ranks_per_site(sync_pair, tmp_path):
+    # halted after round 3 with one rank per site, resumed with two: the leader restores the shard
+    # and broadcasts it to its other rank; the result is the uninterrupted one-rank run's
+    _, one, _ = sync_pair
+    out = tmp_path / "run"
+    run_cli(["run", QUICKSTART, "halt_after_round=3", "--np", "3", "--out", str(out)], timeout=400)
+    resumed = _run(out, ["--resume", *TWO_BY_TWO])
+    for site in ("0", "1"):
+        assert abs(resumed["clients"][site]["accuracy"] - one["clients"][site]["accuracy"]) <= 0.01, (resumed, one)
+        assert abs(resumed["clients"][site]["loss"] - one["clients"][site]["loss"]) <= 1e-3, (resumed, one)
 
 
 def test_two_ranks_per_site_async_and_with_secure_aggregation(tmp_path):
