@@ -65,3 +65,4 @@ def test_device_cuda_with_fewer_gpus_than_ranks_on_a_node_names_the_node_and_cou
     assert problem is not None
     assert problem.startswith("node gpu-node-7: device=cuda with 4 ranks that train but 2 GPU(s)")
     assert node_gpu_problem("n", 2, 2, "cuda") is None and node_gpu_problem("n", 4, 2, "auto") is None
+    assert node_gpu_problem("n", 2, 0, "cuda") is None  # none at all: select_device's own error

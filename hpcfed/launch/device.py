@@ -130,8 +130,8 @@ def gpus_on_node(reports: list[tuple[str | None, int]]) -> int:
 
 def node_gpu_problem(node: str, training_ranks: int, gpus: int, preference: str) -> str | None:
     """The error for ``device: cuda`` with fewer GPUs than ranks that train on a node (None: enough)."""
-    if (preference or "").strip().lower() != "cuda" or training_ranks <= gpus:
-        return None
+    if (preference or "").strip().lower() != "cuda" or training_ranks <= gpus or gpus == 0:
+        return None  # (no GPU at all: `select_device` says so, with what to check)
     return (f"node {node}: device=cuda with {training_ranks} ranks that train but {gpus} GPU(s) visible to them; "
             f"start at most {gpus} training rank(s) per node (one rank per GPU: srun --gpus-per-task=1, or "
             f"fewer --ntasks-per-node), or set device=auto to share")
