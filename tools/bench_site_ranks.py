@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['ranks']:>3} {r['round_s']:>9.3f} {r['ratio_to_first']:>8.2f} {r['examples_per_s']:>11.0f} "
               f"{r['rank0_bytes_sent'] / 1e6:>14.1f} {r['rank0_peak_rss_mib']:>14.0f}")
     if (info["cores"] or 1) < 1 + max(args.ranks):
-        print(f"core-bound: {info['cores']} cores for 1 + {max(args.ranks)} ranks; R ranks scale only with R free cores")
+        print(f"core-bound: {info['cores']} cores for 1 + {max(args.ranks)} ranks; "
+              f"R ranks scale only with R free cores")
     return 0
 
 
