@@ -60,8 +60,19 @@ class FederationConfig:
     # where each site keeps its own checkpoint shards (optimizer, RNG, personal models); the server
     # never sees them. Placeholders: {out} (run dir), {client}, {rank}, {job} ($SLURM_JOB_ID or 'local').
     site_state_dir: str = "{out}/sites/{client}"
+    # MPI ranks per site (one R for every site, or one per site): the site's ranks train together,
+    # data-parallel, and only its first rank, the leader, talks to the server (hpcfed.site_layout).
+    ranks_per_site: int | list[int] = 1
 
     def validate(self) -> None:
+        from hpcfed.site_layout import ranks_problem
+
+        if (problem := ranks_problem(self.ranks_per_site)) is not None:
+            raise InvalidValue("ranks_per_site", problem.lstrip("="))
+        if isinstance(self.ranks_per_site, list) and self.num_clients is not None \
+                and len(self.ranks_per_site) != self.num_clients:
+            raise InvalidValue("ranks_per_site", f"lists {len(self.ranks_per_site)} sites but num_clients is "
+                                                 f"{self.num_clients}; give one R per site")
         if not 0.0 < self.quorum <= 1.0:
             raise InvalidValue("quorum", f"must be a fraction in (0, 1], got {self.quorum!r}")
         _positive(self, "round_deadline_s", "client_timeout_s", "setup_timeout_s", "status_every_s")

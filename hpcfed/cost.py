@@ -15,6 +15,7 @@ from collections.abc import Mapping
 _INTS = ("peak_rss_bytes", "bytes_sent", "bytes_received", "messages_sent", "messages_received",
          "polls", "idle_sleeps")  # polls: Iprobe calls; idle_sleeps: back-off sleeps (a waiting rank sleeps)
 _FLOATS = ("seal_s", "open_s")
+_SITE_FLOATS = ("examples_per_s",)  # a site's, with its RESULT: its training throughput (all its ranks)
 _MAX_INT = 1 << 62  # far above any real figure; a larger one is a lie
 _MAX_SECONDS = 1e9
 
@@ -34,7 +35,8 @@ def rank_cost(stats: object) -> dict[str, float]:
 
 def parse_cost(value: object) -> dict[str, float] | None:
     """A peer's reported cost if it is well formed, else None (the caller rejects the message)."""
-    if not isinstance(value, dict) or set(value) != set(_INTS) | set(_FLOATS):
+    if not isinstance(value, dict) or not set(_INTS) | set(_FLOATS) <= set(value) <= set(_INTS) | set(_FLOATS) | \
+            set(_SITE_FLOATS):
         return None
     out: dict[str, float] = {}
     for k in _INTS:
@@ -42,7 +44,7 @@ def parse_cost(value: object) -> dict[str, float] | None:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _MAX_INT:
             return None
         out[k] = v
-    for k in _FLOATS:
+    for k in (*_FLOATS, *(f for f in _SITE_FLOATS if f in value)):
         v = value[k]
         if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
                 or not 0 <= v <= _MAX_SECONDS):

@@ -177,7 +177,24 @@ def resolve(cfg: Config) -> Components:
         from hpcfed.privacy.record_dp import check_task
 
         check_task(cfg.task.name, task_cls.record_dp_refusal, cfg.source)
+    check_site_parallel(cfg, task_cls)
     return Components(task_cls, strategy_cls)
+
+
+def check_site_parallel(cfg: Config, task_cls: type[Task]) -> None:
+    """``federation.ranks_per_site`` > 1 needs a task whose ranks train one site together, and no
+    record-level DP (its DP-SGD samples and noises on one rank; across ranks it would need one
+    accountant over the site's sharded Poisson batches, which is not built)."""
+    per = cfg.federation.ranks_per_site
+    if (per if isinstance(per, int) else max(per, default=1)) <= 1:
+        return
+    where = f"{locate(cfg.source, 'federation.ranks_per_site')} = {per!r}"
+    if not task_cls.site_parallel:
+        raise ConfigError(f"{where}: task {cfg.task.name!r} trains on one rank per site (it is not data-parallel); "
+                          f"set ranks_per_site=1 or use a TorchTask-based task")
+    if cfg.privacy.record_dp is not None:
+        raise ConfigError(f"{where}: privacy.record_dp runs DP-SGD on one rank per site; set ranks_per_site=1 "
+                          f"or drop privacy.record_dp")
 
 
 def apply_method(cfg: Config, task_cls: type[Task]) -> None:

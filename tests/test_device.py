@@ -51,3 +51,18 @@ def test_real_torch_count_on_this_machine():
 
     want = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert select_device(1, "auto", env={"SLURM_LOCALID": "0"}) == want
+
+
+def test_device_cuda_with_fewer_gpus_than_ranks_on_a_node_names_the_node_and_counts():
+    from hpcfed.launch.device import gpus_on_node, node_gpu_problem
+
+    # --gres=gpu:2, every rank sees both: 2 GPUs for the node's ranks
+    assert gpus_on_node([("0,1", 2), ("0,1", 2), ("0,1", 2)]) == 2
+    # --gpus-per-task=1: each rank sees its own one, the node has their union
+    assert gpus_on_node([("0", 1), ("1", 1), ("2", 1), ("3", 1)]) == 4
+    assert gpus_on_node([(None, 0), (None, 0)]) == 0
+    problem = node_gpu_problem("gpu-node-7", 4, 2, "cuda")
+    assert problem is not None
+    assert problem.startswith("node gpu-node-7: device=cuda with 4 ranks that train but 2 GPU(s)")
+    assert node_gpu_problem("n", 2, 2, "cuda") is None and node_gpu_problem("n", 4, 2, "auto") is None
+    assert node_gpu_problem("n", 2, 0, "cuda") is None  # none at all: select_device's own error

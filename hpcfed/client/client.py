@@ -28,7 +28,9 @@ from hpcfed.cost import rank_cost
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout, Params
+from hpcfed.tasks import data_parallel
 from hpcfed.tasks.base import Site, Task
+from hpcfed.tasks.data_parallel import SiteRanks
 
 log = logging.getLogger("hpcfed.client")
 
@@ -37,22 +39,21 @@ class Client:
     """One client site (rank 1..K): trains the task on the server's models and uploads the results."""
 
     def __init__(self, config: ClientConfig, channel: Channel, out_dir: Path, device: str = "cpu",
-                 resume: bool = False, keys: RankKeys | None = None) -> None:
+                 resume: bool = False, keys: RankKeys | None = None, ranks: SiteRanks | None = None) -> None:
         self.config, self.loop = config, config.loop
         self.channel = channel
         self.client_id = channel.rank - 1
         self.num_clients = channel.size - 1
-        from hpcfed.data.root import data_root
-
         self.keys = keys or RankKeys(config.security, channel.rank)  # read once (the launch passes them)
         site = config.site
-        played = site.attack_played_by(self.client_id, self.num_clients)
-        self.site = Site(client_id=self.client_id, num_clients=self.num_clients, seed=site.seed, out_dir=out_dir,
-                         data_root=data_root(site.data_root), device=device, method=site.method,
-                         attack=attacks.base(played), config_hash=site.config_hash,
-                         record_dp=_record_dp(site, self.keys))
-        self._lingers = attacks.lingers(played)  # a hostile site that will not leave
+        self.site = build_site(config, self.client_id, self.num_clients, out_dir, device, self.keys, ranks)
+        self._lingers = attacks.lingers(site.attack_played_by(self.client_id, self.num_clients))  # will not leave
         self.task: Task = site.task_cls(site.task_config, self.site)
+        if data_parallel.parallel(ranks):  # a site of many ranks: its leader hands each round to the others
+            from hpcfed.client.site_ranks import SiteLeader
+
+            self.task = SiteLeader(self.task, ranks)  # type: ignore[arg-type]  # parallel() checked
+        self._fit_s, self._examples = 0.0, 0  # the site's throughput, reported with RESULT
         self._on_evicted = eviction_hooks(channel, self.site.attack)
         self.layout: ParamLayout | None = None
         self.slowdown = float(self.loop.slowdown.get(self.client_id, 1.0))
@@ -171,6 +172,8 @@ class Client:
             self._straggle((self.slowdown - 1.0) * (time.monotonic() - t0))
         metrics = dict(result.metrics)
         metrics["fit_time_s"] = time.monotonic() - t0
+        self._fit_s += metrics["fit_time_s"]
+        self._examples += int(result.num_examples)
         if self.loop.eval_every > 0 and (rnd + 1) % self.loop.eval_every == 0 and self.loop.mode == "sync":
             metrics.update(self.task.evaluate(rnd))
         self.client_version += 1
@@ -202,8 +205,12 @@ class Client:
             seal_export(path, self.keys.file_auth("embeddings"))
             log.info("client %d: embeddings written to %s", self.client_id, path)
         self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
-                                        "cost": rank_cost(self.channel.stats),
+                                        "cost": {**rank_cost(self.channel.stats), **self._throughput()},
                                         "export": str(path) if path else None})
+
+    def _throughput(self) -> dict[str, float]:
+        """The site's training examples per second of its rounds' training (all of its ranks together)."""
+        return {"examples_per_s": self._examples / self._fit_s} if self._fit_s > 0 else {}
 
     def _load(self, msg: Message) -> Params:
         """Load the model `msg` carries into the task (checked against the layout); return it as received."""
@@ -267,6 +274,20 @@ class Client:
                 f"client {self.client_id} (rank {self.client_id + 1}): the server (rank 0) sent nothing for "
                 f"{timeout:g} s (federation.client_timeout_s); it has probably died — leaving")
         return msg
+
+
+def build_site(config: ClientConfig, client_id: int, num_clients: int, out_dir: Path, device: str,
+               keys: RankKeys | None, ranks: SiteRanks | None = None) -> Site:
+    """Where site `client_id`'s task runs, as each of its ranks builds it (`keys` None: a non-leader,
+    which holds no secret seed; record-level DP is refused for sites of many ranks)."""
+    from hpcfed.data.root import data_root
+
+    site = config.site
+    played = site.attack_played_by(client_id, num_clients)
+    return Site(client_id=client_id, num_clients=num_clients, seed=site.seed, out_dir=out_dir,
+                data_root=data_root(site.data_root), device=device, method=site.method, attack=attacks.base(played),
+                config_hash=site.config_hash, record_dp=_record_dp(site, keys) if keys is not None else None,
+                ranks=ranks)
 
 
 def _record_dp(site: SiteSection, keys: RankKeys) -> Any:

@@ -58,6 +58,15 @@ def port_range(text: str | None) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
+def one_rank_sites(cfg: Config, command: str) -> None:
+    """`hpcfed serve` / `hpcfed join` run sites of one rank: a site job of R ranks (its own MPI world,
+    split like `hpcfed run`'s) is not built yet."""
+    per = cfg.federation.ranks_per_site
+    if per != 1 and per != [1] * len(per if isinstance(per, list) else []):
+        raise ConfigError(f"{cfg.source}: federation.ranks_per_site={per!r}: hpcfed {command} runs each site as one "
+                          f"rank (a site of many ranks runs under hpcfed run --np 1+K·R); set ranks_per_site=1")
+
+
 def _relaunch(command: str, argv: list[str]) -> int:
     """Outside MPI: run this command again as a one-rank MPI job (MPI's ports need a process manager)."""
     import shutil
@@ -74,6 +83,7 @@ def serve_main(args: argparse.Namespace, argv: list[str]) -> int:
     """``hpcfed serve`` (`args` parsed from `argv` by `hpcfed.cli.serve`): rank 0 of a federation whose
     sites join as jobs of their own."""
     cfg = prepare_config(args.config, args.overrides)
+    one_rank_sites(cfg, "serve")
     ports = port_range(args.port_range)
     if cfg.federation.num_clients is None:
         raise ConfigError(f"{cfg.source}: hpcfed serve needs federation.num_clients (how many sites join)")
@@ -185,6 +195,7 @@ def join_main(args: argparse.Namespace, argv: list[str]) -> int:
     """``hpcfed join`` (`args` parsed from `argv` by `hpcfed.cli.join`): one site of a federation
     served by `hpcfed serve`."""
     cfg = prepare_config(args.config, args.overrides)
+    one_rank_sites(cfg, "join")
     want = cfg.federation.num_clients
     if args.site < 0 or (want is not None and args.site >= want):
         raise ConfigError(f"--site {args.site}: the config has {want} sites (client ids 0..{(want or 1) - 1})")

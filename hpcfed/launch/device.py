@@ -115,3 +115,57 @@ def select_device(rank: int, preference: str, *, env: Mapping[str, str] | None =
     device = f"cuda:{gpu_for(local_rank(rank, env), count)}"
     log.debug("rank %d -> %s (%d GPUs visible)", rank, device, count)
     return device
+
+
+def gpus_on_node(reports: list[tuple[str | None, int]]) -> int:
+    """The GPUs a node's ranks can use together, from each rank's (CUDA_VISIBLE_DEVICES, GPUs it sees).
+
+    Ranks that all see the same devices share them (``--gres=gpu:N``: N); ranks bound one GPU each
+    (``--gpus-per-task=1``: each sees a different ``CUDA_VISIBLE_DEVICES``) have the union of theirs."""
+    visible = {v for v, _ in reports}
+    if len(visible) <= 1 or None in visible:
+        return max((count for _, count in reports), default=0)
+    return len({d.strip() for v in visible if v for d in v.split(",") if d.strip()})
+
+
+def node_gpu_problem(node: str, training_ranks: int, gpus: int, preference: str) -> str | None:
+    """The error for ``device: cuda`` with fewer GPUs than ranks that train on a node (None: enough)."""
+    if (preference or "").strip().lower() != "cuda" or training_ranks <= gpus or gpus == 0:
+        return None  # (no GPU at all: `select_device` says so, with what to check)
+    return (f"node {node}: device=cuda with {training_ranks} ranks that train but {gpus} GPU(s) visible to them; "
+            f"start at most {gpus} training rank(s) per node (one rank per GPU: srun --gpus-per-task=1, or "
+            f"fewer --ntasks-per-node), or set device=auto to share")
+
+
+def check_node_gpus(comm: object, preference: str) -> None:
+    """``device: cuda``: every node has a GPU for each of its ranks that trains (rank 0 does not);
+    ValueError naming the node and the counts otherwise. Collective over `comm` (no pickle: each
+    rank's report is a fixed-size buffer)."""
+    if (preference or "").strip().lower() != "cuda":
+        return
+    import socket
+
+    import numpy as np
+    from mpi4py import MPI
+
+    world: MPI.Comm = comm  # type: ignore[assignment]  # mpi4py's Comm, typed `object` like the rest of launch
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mine = np.zeros(264, dtype=np.uint8)
+    text = (visible if visible is not None else "\0unset").encode()[:255]
+    mine[:len(text)] = np.frombuffer(text, dtype=np.uint8)
+    mine[256:264] = np.frombuffer(np.array([_num_gpus() * 2 + (world.Get_rank() != 0)], dtype="<i8").tobytes(),
+                                  dtype=np.uint8)
+    table = np.zeros((node.Get_size(), 264), dtype=np.uint8)
+    node.Allgather(mine, table)
+    node.Free()
+    reports, trainers = [], 0
+    for row in table:
+        word = int(np.frombuffer(row[256:264].tobytes(), dtype="<i8")[0])
+        trainers += word & 1
+        raw = bytes(row[:256]).rstrip(b"\0")
+        reports.append((None if raw == b"\0unset" or raw.startswith(b"\0") else raw.decode("ascii", "replace"),
+                        word >> 1))
+    problem = node_gpu_problem(socket.gethostname(), trainers, gpus_on_node(reports), preference)
+    if problem is not None:
+        raise ValueError(problem)

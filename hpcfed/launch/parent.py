@@ -22,6 +22,7 @@ from hpcfed.launch import jobwatch
 from hpcfed.launch.jobwatch import HALT_FILE
 from hpcfed.launch.out_dir import prepare_out_dir
 from hpcfed.launch.rank import HALT_SIGNAL, peer_lost, run_rank
+from hpcfed.site_layout import SiteLayout, layout_for, world_size_for
 
 # Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, Slurm PMI2, PMIx).
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALRANKID")
@@ -53,9 +54,11 @@ def run_command(config: str, overrides: list[str], *, np: int | None, out: str |
     out_dir = Path(out or Path("runs") / cfg.name)
     if not under_mpi():
         if np is None:
-            np = (cfg.federation.num_clients + 1) if cfg.federation.num_clients else None
+            np = world_size_for(cfg.federation.ranks_per_site, cfg.federation.num_clients)
         if np is None:
             raise ConfigError("not running under MPI: pass --np K (server + K-1 clients) or start with mpiexec -n K")
+        if np >= 2:
+            layout_for(cfg.federation.ranks_per_site, np, cfg.source)  # whole sites, before spending a launch
         prepare_out_dir(out_dir, cfg, resume=resume, force=force)
         return relaunch(config, overrides, np=np, out=out_dir, resume=resume, mpiexec=mpiexec, cfg=cfg)
     return run_rank(cfg, out_dir, resume, force=force)
@@ -67,6 +70,7 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     and return its exit status, with the cause of a failure as the last line."""
     if np < 2:
         raise ConfigError(f"--np {np}: a federation needs at least 2 ranks (one server and one client)")
+    layout = layout_for(cfg.federation.ranks_per_site, np, cfg.source)
     exe = mpiexec or shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:
         raise ConfigError("no mpiexec on PATH; install an MPI (`pip install mpich`) or use your site's module")
@@ -98,32 +102,34 @@ def relaunch(config: str, overrides: list[str], *, np: int, out: Path, resume: b
     except OSError:
         watch.close()
         raise
-    code = jobwatch.follow(proc, watch, finished=lambda: _dropped_clients(out, launched))
+    code = jobwatch.follow(proc, watch, finished=lambda: _dropped_clients(out, launched, layout))
     if code == 0:
         return 0
-    dropped = _dropped_clients(out, launched)
+    dropped = _dropped_clients(out, launched, layout)
     failed = [r for r in range(1, np) if jobwatch.exit_status(log_dir, r) != 0]
     if dropped is None and cfg.federation.on_client_failure == "continue" and jobwatch.exit_status(log_dir, 0) == 0:
         dropped = failed  # the server ended well (a halt writes no summary): it went on without them
     if dropped is not None and set(failed) <= set(dropped):
         # The results are written; only clients the federation went on without ended badly
         # (federation.on_client_failure=continue), or the server after its summary.
-        gone = f" without {_rank_names(failed)}, dropped during the run" if failed else ""
+        gone = f" without {_rank_names(failed, layout)}, dropped during the run" if failed else ""
         done = f"finished{gone}; results in {out}/summary.json" if (out / "summary.json").exists() else \
             f"halted{gone}; continue it with --resume"
         print(f"hpcfed: the federation {done}", file=sys.stderr)
         return 0
-    print(failure_diagnosis(code, out, np, watch), file=sys.stderr)
+    print(failure_diagnosis(code, out, np, watch, layout), file=sys.stderr)
     return code
 
 
-def failure_diagnosis(code: int, out: Path, np: int, watch: jobwatch.RankWatch) -> str:
+def failure_diagnosis(code: int, out: Path, np: int, watch: jobwatch.RankWatch,
+                      layout: SiteLayout | None = None) -> str:
     """The launcher's last line for a failed job, after all of mpiexec's output: the cause first --
     a rank that ended without recording an error (killed, crashed) before any rank recorded one, or
     else the first rank that failed by itself, with its reason (ranks that MPI_Abort took down
     with it record nothing) -- then the last checkpoint and the log to read."""
     from hpcfed.store.checkpoint import list_checkpoints
 
+    layout = layout or SiteLayout((1,) * (np - 1))
     log_dir = out / "logs"
     ckpts = list_checkpoints(out / "checkpoints")
     last = f"last checkpoint: {ckpts[0] if ckpts else 'none'}"
@@ -134,29 +140,31 @@ def failure_diagnosis(code: int, out: Path, np: int, watch: jobwatch.RankWatch) 
     if first is not None and jobwatch.exit_status(log_dir, first) is None:
         seen = watch.ended_at(first)
         if not causes or seen is None or seen < causes[0].when:
-            parts.append(f"{_rank_names([first])} ended first (killed or crashed: it recorded no error)")
+            parts.append(f"{_rank_names([first], layout)} ended first (killed or crashed: it recorded no error)")
     shown = (causes or failed)[:1] if not parts else []
     for f in shown:
-        parts.append(f"{_rank_names([f.rank])} failed: {f.reason or 'no reason recorded'}")
+        parts.append(f"{_rank_names([f.rank], layout)} failed: {f.reason or 'no reason recorded'}")
     others = [f.rank for f in failed if f not in shown]
     if others:
-        parts.append(f"then {_rank_names(others)} failed too" if parts else f"{_rank_names(others)} failed")
+        named = _rank_names(others, layout)
+        parts.append(f"then {named} failed too" if parts else f"{named} failed")
     logs = f"log: {log_dir / f'rank{shown[0].rank}.log'}" if shown and len(parts) == 1 else f"see {log_dir}/rank*.log"
     return f"hpcfed: the federation failed (exit {code}): {'; '.join([*parts, last, logs])}"
 
 
-def _rank_names(ranks: list[int]) -> str:
-    return ", ".join(f"rank {r} ({'the server' if r == 0 else f'client {r - 1}'})" for r in ranks)
+def _rank_names(ranks: list[int], layout: SiteLayout) -> str:
+    return ", ".join(layout.describe(r) for r in ranks)
 
 
-def _dropped_clients(out: Path, since: float) -> list[int] | None:
-    """None until this launch's federation has written its summary; then the ranks of the
-    clients it went on without."""
+def _dropped_clients(out: Path, since: float, layout: SiteLayout) -> list[int] | None:
+    """None until this launch's federation has written its summary; then the world ranks of the
+    clients it went on without (every rank of a dropped site)."""
     path = out / "summary.json"
     try:
         if path.stat().st_mtime < since:
             return None
-        return [int(c) + 1 for c in json.loads(path.read_text()).get("dropped_clients", [])]
+        dropped = [int(c) for c in json.loads(path.read_text()).get("dropped_clients", [])]
+        return [r for c in dropped if 0 <= c < layout.num_sites for r in layout.world_ranks(c)]
     except (OSError, ValueError, TypeError):
         return None  # not there yet, or half-written: look again
 

@@ -25,6 +25,8 @@ from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.launch import jobwatch
 from hpcfed.launch.out_dir import prepare_out_dir
+from hpcfed.launch.site_group import LeadersOnlyTransport, SiteGroup, init_site_torch, split_world
+from hpcfed.site_layout import SiteLayout, layout_for, world_size_for
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
 
@@ -40,16 +42,23 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
     log.debug("rank %d pid %d on %s", rank, os.getpid(), socket.gethostname())
     jobwatch.write_pid(out_dir / "logs", rank)
     jobwatch.hold_lifeline(rank)
+    group = None
     try:
-        _check_world(cfg, size)
+        layout = _check_world(cfg, size)
+        group = split_world(comm, layout)  # collective: every rank, before anything can fail apart
         if rank == 0:
             # Under `hpcfed run --np` the launcher has checked OUT already (this finds it as left).
             prepare_out_dir(out_dir, cfg, resume=resume, force=force, keep_logs=True)
             (out_dir / "embeddings").mkdir(exist_ok=True)
         comm.Barrier()
-        keys = RankKeys(cfg.security, rank)  # this rank's keys, read once and passed down
-        channel = _open_channel(cfg, comm, out_dir, keys)
-        device = _device(cfg, rank)
+        device = _device(cfg, rank, comm)
+        if group.star_comm is None:  # a site's non-leader: no channel, it trains with its leader
+            _follow_leader(cfg, group, out_dir, device)
+            jobwatch.write_exit(out_dir / "logs", rank, 0)
+            return _leave(log)
+        star_rank = group.star_comm.Get_rank()
+        keys = RankKeys(cfg.security, star_rank)  # this rank's keys, read once and passed down
+        channel = _open_channel(cfg, group.star_comm, out_dir, keys, group)
         log.info("rank %d on %s uses %s", rank, socket.gethostname(), device)
         if rank == 0:
             from hpcfed.server.server import Server
@@ -65,25 +74,19 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
             for line in closing_lines(summary, out_dir, cfg):
                 log.info("%s", line)
         else:
-            import torch
-
-            signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
-            signal.signal(signal.SIGUSR1, lambda *_: peer_lost())
-            torch.set_num_threads(max(1, cfg.threads_per_rank))
-            from hpcfed.client.client import Client
-            from hpcfed.client.config import ClientConfig
-
-            Client(ClientConfig.from_config(cfg), channel, out_dir, device=device, resume=resume, keys=keys).run()
+            _run_client(cfg, channel, out_dir, device, resume, keys, group)
         channel.close()
         jobwatch.write_exit(out_dir / "logs", rank, 0)
         if rank == 0:
             _end_with_the_run(comm, out_dir, size, log)
-        if _PEER_LOST:
-            _leave_without_finalize(log)
-        return 0
+        return _leave(log)
     except Exception as exc:
         secondary = _is_mpi_error(exc)
-        if secondary:  # a peer ended under us (killed, aborted): that peer is the story, not this rank
+        lost = _site_rank_lost(out_dir, group) if group is not None and group.parallel else None
+        if lost is not None:  # a rank of this site ended: the collective that failed is the symptom
+            secondary, reason = True, f"{lost}; its site ends with it"
+            log.error("rank %d failed: %s", rank, reason)
+        elif secondary:  # a peer ended under us (killed, aborted): that peer is the story, not this rank
             reason = f"MPI error talking to another rank (did it end?): {_mpi_brief(exc)}"
             log.error("rank %d failed: %s", rank, reason)
         elif _expected(exc):
@@ -92,7 +95,10 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         else:
             log.error("rank %d failed: %s: %s\n%s", rank, type(exc).__name__, exc, traceback.format_exc())
             reason = f"{type(exc).__name__}: {exc} (a bug: the traceback is in the log)"
-        _abort(comm, out_dir, rank, 2 if isinstance(exc, ConfigError) else 1, reason, secondary=secondary)
+        code = 2 if isinstance(exc, ConfigError) else 1
+        if group is not None and group.parallel and cfg.federation.on_client_failure == "continue":
+            _end_site(out_dir, group, code, reason, secondary)  # the site ends, not the federation
+        _abort(comm, out_dir, rank, code, reason, secondary=secondary)
     except BaseException as exc:
         log.error("rank %d stopped: %s", rank, type(exc).__name__)
         _abort(comm, out_dir, rank, 1, f"stopped by {type(exc).__name__}")
@@ -134,6 +140,84 @@ def _end_with_the_run(comm: object, out_dir: Path, size: int, log: logging.Logge
         time.sleep(0.2)
 
 
+def _leave(log: logging.Logger) -> int:
+    """A rank's normal end: 0, or straight out when a rank of the job has ended (`_leave_without_finalize`)."""
+    if _PEER_LOST:
+        _leave_without_finalize(log)
+    return 0
+
+
+def _run_client(cfg: Config, channel: object, out_dir: Path, device: str, resume: bool, keys: RankKeys,
+                group: SiteGroup) -> None:
+    """A site's leader (or a site of one rank): the client loop; a site of many ranks first starts
+    its torch.distributed group, and tells its other ranks to leave at the end."""
+    import torch
+
+    signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
+    signal.signal(signal.SIGUSR1, lambda *_: peer_lost())
+    torch.set_num_threads(max(1, cfg.threads_per_rank))
+    from hpcfed.client.client import Client
+    from hpcfed.client.config import ClientConfig
+    from hpcfed.client.site_ranks import stop_site
+
+    ranks = init_site_torch(group, device, _site_timeout(cfg)) if group.parallel else None
+    client = Client(ClientConfig.from_config(cfg), channel, out_dir, device=device, resume=resume,  # type: ignore[arg-type]  # a SecureChannel is a Channel
+                    keys=keys, ranks=ranks)
+    client.run()
+    stop_site(client.task)
+
+
+def _follow_leader(cfg: Config, group: SiteGroup, out_dir: Path, device: str) -> None:
+    """A site's non-leader rank: build the site's task, then train each round its leader hands it."""
+    import torch
+
+    signal.signal(HALT_SIGNAL, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, lambda *_: peer_lost())
+    torch.set_num_threads(max(1, cfg.threads_per_rank))
+    from hpcfed.client import faults
+    from hpcfed.client.client import build_site
+    from hpcfed.client.config import ClientConfig
+    from hpcfed.client.site_ranks import follow_leader
+
+    ranks = init_site_torch(group, device, _site_timeout(cfg))
+    faults.non_leader_sends(group.world_rank)
+    config = ClientConfig.from_config(cfg)
+    site = build_site(config, group.site or 0, group.layout.num_sites, out_dir, device, None, ranks)
+    follow_leader(config.site.task_cls(config.site.task_config, site), ranks)
+
+
+def _site_timeout(cfg: Config) -> float:
+    """How long a site's rank waits in a collective: as long as its leader may wait for the server
+    between two rounds (setup, then a round's deadline and the client timeout)."""
+    fed = cfg.federation
+    return fed.setup_timeout_s + fed.round_deadline_s + 2 * fed.client_timeout_s
+
+
+def _site_rank_lost(out_dir: Path, group: SiteGroup, wait_s: float = 3.0) -> str | None:
+    """Which other rank of this rank's site has ended, and how (it may take a moment to be seen)."""
+    others = [r for r in group.layout.world_ranks(group.site or 0) if r != group.world_rank]
+    deadline = time.monotonic() + wait_s
+    while True:
+        for r in others:
+            if how := jobwatch.rank_ended(out_dir / "logs", r):
+                return f"{group.layout.describe(r)} {how}"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
+
+
+def _end_site(out_dir: Path, group: SiteGroup, code: int, reason: str, secondary: bool) -> None:
+    """A rank of a site of many ranks failed (or saw a rank of its site end) under
+    on_client_failure=continue: record it and exit, without MPI_Abort, which would end the whole
+    job. The site's other ranks fail their next collective and leave too; rank 0 drops the site."""
+    jobwatch.write_exit(out_dir / "logs", group.world_rank, code, reason, secondary=secondary)
+    logging.getLogger("hpcfed").error("site %s ends: %s", group.site, reason)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _leave_without_finalize(log: logging.Logger) -> None:
     """Exit now, skipping MPI_Finalize: with a rank of the job gone it never returns (hydra 5.0.2)."""
     log.info("a rank of this job has ended: leaving without MPI_Finalize")
@@ -171,7 +255,8 @@ def _abort(comm: object, out_dir: Path, rank: int, code: int, reason: str, secon
     comm.Abort(code)  # type: ignore[attr-defined]  # mpi4py's Comm, imported inside run_rank
 
 
-def _check_world(cfg: Config, size: int) -> None:
+def _check_world(cfg: Config, size: int) -> SiteLayout:
+    """The job's sites (ConfigError when the world cannot hold them)."""
     ntasks = os.environ.get("SLURM_NTASKS")
     if size == 1 and ntasks and int(ntasks) > 1:
         raise ConfigError(f"this rank sees an MPI world of 1 but Slurm started {ntasks} tasks: plain `srun` "
@@ -179,20 +264,28 @@ def _check_world(cfg: Config, size: int) -> None:
     if size < 2:
         raise ConfigError("the MPI world has 1 rank; a federation needs a server and at least one client "
                           "(mpiexec -n 3)")
+    layout = layout_for(cfg.federation.ranks_per_site, size, str(cfg.source))
     want = cfg.federation.num_clients
-    if want is not None and want != size - 1:
-        raise ConfigError(f"{cfg.source}: federation.num_clients={want} but the job has {size - 1} client ranks "
-                          f"(world size {size}); start it with -n {want + 1} or drop the key")
+    if want is not None and want != layout.num_sites:
+        per = "" if layout.single_rank else f" of {cfg.federation.ranks_per_site} rank(s) each"
+        fix = world_size_for(cfg.federation.ranks_per_site, want)
+        raise ConfigError(f"{cfg.source}: federation.num_clients={want} but the job has {layout.num_sites} sites{per} "
+                          f"(world size {size}); start it with -n {fix} or drop the key")
+    return layout
 
 
-def _open_channel(cfg: Config, comm: object, out_dir: Path, keys: RankKeys):
+def _open_channel(cfg: Config, comm: object, out_dir: Path, keys: RankKeys, group: SiteGroup):
     """This rank's secure channel of the job's star (see `hpcfed.comm.star`), set up from `cfg`.
     With on_client_failure=continue the server does not wait for a site that ended during the
     handshake: the setup exchange drops it (`hpcfed.server.setup`)."""
     from hpcfed.comm.star import draw_job_id, open_star
     from hpcfed.comm.transport import MPITransport
 
-    transport = MPITransport(comm)
+    transport: Any = MPITransport(comm)
+    if transport.rank == 0 and not group.layout.single_rank:  # non-leaders' frames: read and refused
+        from mpi4py import MPI
+
+        transport = LeadersOnlyTransport(transport, MPI.COMM_WORLD, group.layout)
     job_id = draw_job_id(transport, os.environ.get("SLURM_JOB_ID", "").encode() + b":")
     credentials = keys.credentials()
     log = logging.getLogger("hpcfed.comm")
@@ -226,9 +319,10 @@ def channel_settings(cfg: Config) -> dict[str, Any]:
                 send_timeout_s=min(cfg.federation.round_deadline_s, cfg.federation.client_timeout_s))
 
 
-def _device(cfg: Config, rank: int) -> str:
-    from hpcfed.launch.device import select_device
+def _device(cfg: Config, rank: int, comm: Any) -> str:
+    from hpcfed.launch.device import check_node_gpus, select_device
 
+    check_node_gpus(comm, cfg.device)  # collective over the world: every rank, before any may fail alone
     return select_device(rank, cfg.device)
 
 

@@ -35,6 +35,7 @@ from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.participation import Participation
 from hpcfed.server.progress import Progress, StatusLine
 from hpcfed.server.roster import Roster
+from hpcfed.site_layout import SiteLayout
 from hpcfed.store import checkpoint as ckpt_store
 from hpcfed.store.sealed import FileAuth
 from hpcfed.strategies.base import Strategy, Update
@@ -64,7 +65,8 @@ class ServerCore:
         self._halt = False  # checkpoint after this round and stop: SIGUSR2 (see launcher) or OUT/HALT
         self._halt_checked = 0.0
         # sites that ended mid-run, and their last shards; a send waiting on one that ended fails at once
-        self.departures = Departures(out_dir / "logs", self.num_clients, channel.peer_gone)
+        self.departures = Departures(out_dir / "logs", self.num_clients, channel.peer_gone,
+                                     SiteLayout.of(cfg.federation.ranks_per_site, self.num_clients))
         channel.watch_peers(self.departures.probe)
         self.progress: Progress | None = None  # rounds (sync) or accepted updates (async), once they start
         self.status = StatusLine(cfg.federation.status_every_s)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcfed.launch import jobwatch
+from hpcfed.site_layout import SiteLayout
 
 log = logging.getLogger("hpcfed.server")
 
@@ -45,8 +46,11 @@ class Departures:
     """Which sites ended, and each site's newest checkpoint shard. `notify` and `probe` only read
     small files and set flags: they may run in a signal handler and inside a channel's wait."""
 
-    def __init__(self, log_dir: Path, num_clients: int, mark_gone: Callable[[int], None] = lambda rank: None) -> None:
+    def __init__(self, log_dir: Path, num_clients: int, mark_gone: Callable[[int], None] = lambda rank: None,
+                 layout: SiteLayout | None = None) -> None:
         self.log_dir, self.num_clients, self.mark_gone = log_dir, num_clients, mark_gone
+        # a site of many ranks (federation.ranks_per_site) has ended when any of its ranks has
+        self.layout = layout or SiteLayout((1,) * num_clients)
         self.dropped: dict[int, Dropped] = {}
         self.unexplained = False  # a rank ended and none on this node: one on another node did
         self._signalled_at: float | None = None  # the last SIGUSR1 not yet explained
@@ -79,7 +83,7 @@ class Departures:
         if self._signalled_at is None:
             return
         for cid in range(self.num_clients):
-            if cid not in self._known and (cause := jobwatch.rank_ended(self.log_dir, cid + 1)):
+            if cid not in self._known and (cause := self._site_ended(cid)):
                 self._known.add(cid)
                 self._ended[cid] = cause
                 self.mark_gone(cid + 1)
@@ -103,22 +107,31 @@ class Departures:
 
     def cause_of_silence(self, cid: int) -> str | None:
         """Why site `cid`, silent past a deadline, is gone (None: it may be merely slow)."""
-        cause = self._lost.get(cid) or jobwatch.rank_ended(self.log_dir, cid + 1)
+        cause = self._lost.get(cid) or self._site_ended(cid)
         if cause is None and self.unexplained and not self._on_this_host(cid):
             cause = "silent past the deadline after MPI reported a rank ended on another node"
         if cause is not None:
             self.mark_gone(cid + 1)
         return cause
 
+    def _site_ended(self, cid: int) -> str | None:
+        """How site `cid` ended (its first rank found ended, named when it is not the leader), or None."""
+        for rank in self.layout.world_ranks(cid) if cid < self.layout.num_sites else [cid + 1]:
+            if cause := jobwatch.rank_ended(self.log_dir, rank):
+                return cause if rank == self.layout.leader(cid) else f"its {self.layout.describe(rank)} {cause}"
+        return None
+
     def _on_this_host(self, cid: int) -> bool:
+        leader = self.layout.leader(cid) if cid < self.layout.num_sites else cid + 1
         try:
-            return (self.log_dir / f"rank{cid + 1}.pid").read_text().split()[1] == socket.gethostname()
+            return (self.log_dir / f"rank{leader}.pid").read_text().split()[1] == socket.gethostname()
         except (OSError, IndexError):
             return False
 
     def record(self, cid: int, rnd: int, cause: str) -> None:
         """Site `cid` is dropped at round `rnd`."""
-        self.dropped.setdefault(cid, Dropped(client=cid, rank=cid + 1, round=rnd, cause=" ".join(cause.split())[:300]))
+        rank = self.layout.leader(cid) if cid < self.layout.num_sites else cid + 1
+        self.dropped.setdefault(cid, Dropped(client=cid, rank=rank, round=rnd, cause=" ".join(cause.split())[:300]))
 
     def state(self) -> list[dict[str, object]]:
         """The dropped sites as plain data (summary.json)."""

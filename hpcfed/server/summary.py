@@ -131,6 +131,9 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         # per rank ("0" is the server): peak RSS, channel bytes, seconds in AES-GCM; null for a
         # client whose RESULT carried none
         "cost": {"0": rank_cost(stats), **{str(c + 1): costs.get(c) for c in range(core.num_clients)}},
+        # per site: training examples per second of its rounds' training, all of its ranks together
+        "throughput": {str(c): cost["examples_per_s"] for c, cost in sorted(costs.items())
+                       if cost and "examples_per_s" in cost},
         "rejected": {"runtime": core.rejected, "channel": dict(stats.rejected)},
         "clipped_updates": core.influence.clipped,
         # the largest upload distance / max(typical, the site's own recent): refused (and counted) beyond

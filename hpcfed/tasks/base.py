@@ -32,6 +32,7 @@ from hpcfed.params import Params
 
 if TYPE_CHECKING:
     from hpcfed.privacy.record_dp import SiteSettings
+    from hpcfed.tasks.data_parallel import SiteRanks
 
 # A bundle is what travels in one message: a small JSON-able header plus named arrays.
 Bundle = tuple[dict[str, Any], dict[str, np.ndarray]]
@@ -52,6 +53,7 @@ class Site:
     attack: str | None = None  # set on the malicious site only
     config_hash: str = ""
     record_dp: SiteSettings | None = None  # privacy.record_dp: this site trains by DP-SGD (tasks/private_training.py)
+    ranks: SiteRanks | None = None  # federation.ranks_per_site > 1: the site's ranks (tasks/data_parallel.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +92,9 @@ class Task(ABC):
     # Why ``privacy.record_dp`` does not apply (one clause, refused at config time); "" where the task
     # trains by DP-SGD over independent records under it (`hpcfed.tasks.private_training`).
     record_dp_refusal: ClassVar[str] = "its training is not DP-SGD over independent records"
+    # Whether its ranks can train one site together (`federation.ranks_per_site` > 1): fit shards
+    # each batch over `Site.ranks` and all-reduces the gradients (`hpcfed.tasks.data_parallel`).
+    site_parallel: ClassVar[bool] = False
 
     @dataclass(kw_only=True)
     class Config:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
-from hpcfed.tasks import torch_state
+from hpcfed.tasks import data_parallel, torch_state
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
 from hpcfed.tasks.private_training import RecordDPTraining, steps_per_round
 
@@ -64,6 +65,7 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, num_classes: int) -> float:
 class SyntheticTask(Task):
     name = "synthetic"
     record_dp_refusal = ""  # each training example is one independent record
+    site_parallel = True  # a site of many ranks shares each batch (tasks/data_parallel.py)
     # printed under the run's final figures (see hpcfed.launch.rank.closing_lines)
     evaluation_note = ("val_accuracy is on each site's validation split, label-skewed like its training data; "
                        "the final test split is balanced over the classes (every class counts equally)")
@@ -120,6 +122,7 @@ class SyntheticTask(Task):
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr)
         self.loss_fn = nn.CrossEntropyLoss()
         self.private: RecordDPTraining | None = None
+        self._parallel_model: Any = None  # the DDP wrapper, built at the first fit (a collective)
         if site.record_dp is not None:
             records = len(self.data["x_train"])
             self.private = RecordDPTraining(
@@ -144,18 +147,26 @@ class SyntheticTask(Task):
             self.model.train()
             return self.private.fit(round, self.optimizer, lambda idx: (x[idx], y[idx]))
         gen = torch.Generator().manual_seed(int(_rng(self.site.seed, self.site.client_id, round).integers(2**62)))
+        ranks = self.site.ranks if data_parallel.parallel(self.site.ranks) else None
+        if ranks is not None and self._parallel_model is None:
+            self._parallel_model = data_parallel.wrap(self.model, ranks, torch.device("cpu"))
+        model = self._parallel_model if ranks is not None else self.model
         self.model.train()
         total, count = 0.0, 0
         for _ in range(c.local_epochs):
             order = torch.randperm(len(x), generator=gen)
             for start in range(0, len(x), c.batch_size):
                 idx = order[start : start + c.batch_size]
+                part = idx if ranks is None else idx[ranks.shard(len(idx))]
                 self.optimizer.zero_grad()
-                loss = self.loss_fn(self.model(x[idx]), y[idx])
-                loss.backward()
+                loss = self.loss_fn(model(x[part]), y[part]) if len(part) else model(x[part]).sum()
+                (loss if ranks is None else loss * ranks.scale(len(part), len(idx))).backward()
                 self.optimizer.step()
-                total += float(loss.detach()) * len(idx)
-                count += len(idx)
+                total += float(loss.detach()) * len(part)
+                count += len(part)
+        if ranks is not None:  # the site's loss over the whole batch, on every rank
+            total, examples = ranks.sum(total, count)
+            count = int(examples)
         return FitResult(num_examples=len(x), metrics={"train_loss": total / max(count, 1)})
 
     def evaluate(self, round: int, final: bool = False) -> dict[str, float]:

@@ -40,7 +40,7 @@ import numpy as np
 
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
-from hpcfed.tasks import torch_state
+from hpcfed.tasks import data_parallel, torch_state
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
 from hpcfed.tasks.private_training import RecordDPTraining, refuse_record_mixing, steps_per_round
 
@@ -83,6 +83,7 @@ class TorchTask(Task):
 
     name = "torch"
     record_dp_refusal = ""  # DP-SGD over train_data()'s dataset, one item one record (tasks/private_training.py)
+    site_parallel = True  # a site of many ranks shares each batch (tasks/data_parallel.py)
 
     @dataclass(kw_only=True)
     class Config:
@@ -255,22 +256,30 @@ class TorchTask(Task):
         if self.private is not None:
             self.model.train()
             return self.private.fit(round, self.optimizer, self._gather)
-        total, seen = self._train_epochs(self.config.local_epochs)
+        with data_parallel.training(self) as ranks:
+            total, seen = self._train_epochs(self.config.local_epochs, ranks)
+        if ranks is not None:  # the site's loss and examples, on every rank
+            total, examples = ranks.sum(total, seen)
+            seen = int(examples)
         size = _dataset_len(self._train)
         return FitResult(num_examples=size if size is not None else seen,
                          metrics={"train_loss": total / max(seen, 1)})
 
-    def _train_epochs(self, epochs: int) -> tuple[float, int]:
-        """Train on this site's data; (summed loss, examples seen)."""
+    def _train_epochs(self, epochs: int, ranks: data_parallel.SiteRanks | None = None) -> tuple[float, int]:
+        """Train on this site's data (this rank's rows of each batch, under `ranks`); (summed loss, examples seen)."""
         c = self.config
         self.model.train()
         total, seen, steps = 0.0, 0, 0
         for _ in range(epochs):
             for batch in self._train:
                 inputs, target = to_device(self.split_batch(batch), self.device)
+                rows = _batch_len(target)
+                if ranks is not None:
+                    part = ranks.shard(rows)
+                    inputs, target = data_parallel.shard_rows(inputs, part), data_parallel.shard_rows(target, part)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self.loss(self.forward(inputs), target)
-                loss.backward()
+                (loss if ranks is None else loss * ranks.scale(_batch_len(target), rows)).backward()
                 if c.grad_clip is not None:
                     import torch
 

@@ -178,3 +178,19 @@ def test_a_mixed_precision_layout_takes_each_group_in_its_own_dtype():
     np.testing.assert_array_equal(upd.flat, [1, 1, 1, 1, 7])
     missing = parse_update(0, HONEST, {"params": np.ones(4, np.float32)}, layout, allow_state=False)
     assert isinstance(missing, Rejection) and missing.category == "wrong dtype or shape"
+
+
+def test_a_sites_throughput_in_its_result_cost_is_bounded():
+    from hpcfed.cost import rank_cost
+    from hpcfed.server.validation import Rejection
+
+    class _Stats:
+        pass
+
+    cost = rank_cost(_Stats())
+    ok = parse_result({"metrics": {"accuracy": 0.5}, "cost": {**cost, "examples_per_s": 1234.5}})
+    assert not isinstance(ok, Rejection) and ok[1] is not None and ok[1]["examples_per_s"] == 1234.5
+    for bad in (-1.0, math.nan, math.inf, 1e12, "fast", True):
+        refused = parse_result({"metrics": {}, "cost": {**cost, "examples_per_s": bad}})
+        assert isinstance(refused, Rejection) and "cost" in refused.detail, bad
+    assert isinstance(parse_result({"metrics": {}, "cost": {**cost, "examples_per_hour": 1.0}}), Rejection)

@@ -1,0 +1,112 @@
+"""A site is a group of ranks (issue 39): `hpcfed run --np 1+K·R` with `federation.ranks_per_site`,
+under real mpiexec.
+
+- Two sites of two ranks train the quickstart to the accuracy of two sites of one rank (same seed,
+  same global batch: DDP's all-reduce gives every rank the whole batch's gradient).
+- Rank 0 holds a channel with the K leaders only; a non-leader's frames to rank 0 (sent on
+  MPI_COMM_WORLD as if for its site) are refused and counted, and change nothing.
+- The same layout runs asynchronously (FedDWA) and under secure aggregation.
+- A run halted with one rank per site resumes with two (the leader's shard holds the site's state).
+- A non-leader SIGKILLed mid-run under `on_client_failure: continue` ends its site: rank 0 drops
+  that site, the other finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+from ops_helpers import events, finish, job_pids, kill_all, output, start, wait_for
+
+pytestmark = pytest.mark.mpi
+
+QUICKSTART = "configs/quickstart.yaml"
+TWO_BY_TWO = ["federation.ranks_per_site=2", "--np", "5"]
+
+
+def _run(out: Path, overrides: list[str], env: dict | None = None, config: str = QUICKSTART) -> dict:
+    run_cli(["run", config, *overrides, "--out", str(out)], timeout=400,
+            env={"OMP_NUM_THREADS": "1", **(env or {})})
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def sync_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+    """The quickstart with 2 sites x 2 ranks (its rank 2, site 0's non-leader, hostile) and 2 sites x 1 rank."""
+    base = tmp_path_factory.mktemp("site_ranks")
+    two = _run(base / "two", TWO_BY_TWO, env={"HPCFED_FAULT_NON_LEADER_SENDS": "2"})
+    one = _run(base / "one", ["--np", "3"])
+    return two, one, base / "two"
+
+
+def test_two_ranks_per_site_reach_one_rank_sites_accuracy(sync_pair):
+    two, one, _ = sync_pair
+    assert sorted(two["clients"]) == sorted(one["clients"]) == ["0", "1"]
+    for site in ("0", "1"):
+        assert abs(two["clients"][site]["accuracy"] - one["clients"][site]["accuracy"]) <= 0.01, (two, one)
+    # per-site throughput, examples per second of training, for every site
+    assert sorted(two["throughput"]) == ["0", "1"] and all(v > 0 for v in two["throughput"].values())
+    # rank 0's channel peers are the two leaders, never the non-leaders
+    assert sorted(two["transport"]) == ["0", "1"] and sorted(two["cost"]) == ["0", "1", "2"]
+
+
+def test_a_non_leader_cannot_speak_for_its_site(sync_pair):
+    two, _, out = sync_pair
+    log = (out / "logs" / "rank0.log").read_text()
+    assert "refused a frame from rank 2 (client 0, its rank 1) on MPI_COMM_WORLD: only the site's leader (rank 1)" \
+        in log, log[-3000:]
+    assert two["evicted"] == [] and two["dropped"] == [] and two["rejected"]["runtime"] == {}, two
+    assert "non-leader rank 2 sends 20 frames" in (out / "logs" / "rank2.log").read_text()
+
+
+def test_a_run_resumes_with_another_number_of_ranks_per_site(sync_pair, tmp_path):
+    # halted after round 3 with one rank per site, resumed with two: the leader restores the shard
+    # and broadcasts it to its other rank; the result is the uninterrupted one-rank run's
+    _, one, _ = sync_pair
+    out = tmp_path / "run"
+    run_cli(["run", QUICKSTART, "halt_after_round=3", "--np", "3", "--out", str(out)], timeout=400)
+    resumed = _run(out, ["--resume", *TWO_BY_TWO])
+    for site in ("0", "1"):
+        assert abs(resumed["clients"][site]["accuracy"] - one["clients"][site]["accuracy"]) <= 0.01, (resumed, one)
+        assert abs(resumed["clients"][site]["loss"] - one["clients"][site]["loss"]) <= 1e-3, (resumed, one)
+
+
+def test_two_ranks_per_site_async_and_with_secure_aggregation(tmp_path):
+    cfg = yaml.safe_load((REPO / QUICKSTART).read_text())
+    cfg["strategy"] = {"name": "feddwa"}
+    (tmp_path / "async.yaml").write_text(yaml.safe_dump(cfg))
+    asynchronous = _run(tmp_path / "async", [*TWO_BY_TWO, "rounds=3"], config=str(tmp_path / "async.yaml"))
+    assert asynchronous["updates_accepted"] == 6 and sorted(asynchronous["clients"]) == ["0", "1"], asynchronous
+    secure = _run(tmp_path / "secagg", [*TWO_BY_TWO, "rounds=3", "privacy.secure_aggregation=true"])
+    assert secure["lost_rounds"] == [] and sorted(secure["clients"]) == ["0", "1"], secure
+    assert all(secure["clients"][s]["accuracy"] > 0.3 for s in ("0", "1")), secure["clients"]
+
+
+def test_a_killed_non_leader_ends_its_site_and_the_other_finishes(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, ["federation.ranks_per_site=2", "federation.on_client_failure=continue", "rounds=30",
+                       "federation.quorum=0.5", "federation.round_deadline_s=60"], np_=5)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists() and
+                 (out / "metrics.jsonl").read_text().count('"round_time_s"') >= 3, 180, "three rounds", proc)
+        pids = wait_for(lambda: (p := job_pids(out)) and all(f"rank{r}" in p for r in range(5)) and p, 60, "the ranks")
+        os.kill(pids["rank4"], signal.SIGKILL)  # site 1's non-leader
+        t0 = time.monotonic()
+        wait_for(lambda: any(e["name"] == "client_failed" for e in events(out)), 90, "site 1 to be dropped", proc)
+        took = time.monotonic() - t0
+        text = finish(proc, out, 240)
+    finally:
+        kill_all(out, proc)
+    assert took < 45, f"site 1 dropped {took:.0f} s after its non-leader was killed"
+    summary = json.loads((out / "summary.json").read_text())
+    [dropped] = summary["dropped"]
+    assert dropped["client"] == 1 and summary["dropped_clients"] == [1], summary["dropped"]
+    assert dropped["rank"] == 3 and "rank 4 (client 1, its rank 1) ended" in dropped["cause"], dropped
+    assert sorted(summary["clients"]) == ["0"] and summary["participation"]["0"]["contributed"] == 30, summary
+    assert "the federation finished without" in text, output(proc)[-3000:]
