@@ -138,7 +138,7 @@ class ServerCore:
     def _expect(self) -> None:
         """Take the kinds the server reads from every site not evicted, and nothing from the others."""
         kinds, max_bytes, inbox_bytes = P.server_bounds(self.layout.size, self.num_clients, self.ledger.evicted)
-        for cid in self.absent:  # a site that may still join sends its SETUP first
+        for cid in self.roster.awaiting_setup:  # a site that may still (re)join sends its SETUP first
             kinds[cid + 1] = kinds[cid + 1] | {P.SETUP}
         self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
 

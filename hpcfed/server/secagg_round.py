@@ -56,7 +56,7 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import ProtocolError, round_graph
+from hpcfed.privacy.secagg import ProtocolError, members_graph
 from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import sites_needed, spec_for
 from hpcfed.server import validation as V
@@ -106,9 +106,11 @@ class SecAggCollector:
         groups = self.testing.start(rnd)  # a group round sets its keys up in the round, on its groups' graph
         if state is not None and (state.rnd != rnd or set(state.shared) != core.live or groups is not None):
             state = None  # prepared for another round, or a site has joined the live ones since: set up anew
+        # Sites away (late, lost): the round's graph is over the members present, which the sites check.
+        members = {"secagg_members": sorted(core.live)} if groups is None and len(core.live) < self.num_sites else {}
         for cid in sorted(core.live):
             core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state,
-                                         "secagg_prepared": state is not None,
+                                         "secagg_prepared": state is not None, **members,
                                          **({"secagg_groups": groups} if groups is not None else {})},
                          core.model_tensors(core.strategy.model_for(cid)))
             if state is not None:  # its keys and shares came in the last round: nothing to wait for
@@ -116,8 +118,8 @@ class SecAggCollector:
         if state is None:
             state = self._setup(rnd, taken)
         ahead_ok = rnd + 1 < core.cfg.rounds and groups is None and not self.testing.isolation.active
-        nxt = ServerState(round_graph(self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) if ahead_ok \
-            else None
+        nxt = ServerState(members_graph(core.live, self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) \
+            if ahead_ok else None
         self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
             rnd, cid, msg, want_state, state, taken, nxt))
         for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
