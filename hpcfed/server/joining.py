@@ -48,6 +48,7 @@ def admit(core: ServerCore, start_round: int) -> list[int]:
             core.channel.peer_gone(cid + 1)
             continue
         core.departures.coming_back(cid)  # its old job's end is forgotten: the new job's is seen
+        core.rejects_before[cid + 1] = core.rejected_by_rank.get(cid + 1, 0)  # security.max_rejects: per job
         core.roster.rejoining[cid] = now + core.cfg.federation.setup_timeout_s
     if connected:
         core.refresh_expect()  # their SETUP is taken
@@ -83,8 +84,8 @@ def _set_up(core: ServerCore, cid: int, start_round: int, deadline: float) -> bo
         except ChannelError as exc:
             why = f"it did not take its setup reply ({exc})"
     if why is not None:
-        log.warning("client %d (rank %d) joined late but is not let in: %s; the federation goes on without it",
-                    cid, cid + 1, why)
+        log.warning("client %d (rank %d) %s but is not let in: %s; the federation goes on without it",
+                    cid, cid + 1, "came back" if cid in core.departures.dropped else "joined late", why)
         return False
     log.info("client %d (rank %d) %s: it takes part from %s %d on", cid, cid + 1,
              "is back" if cid in core.departures.dropped else "joined late",

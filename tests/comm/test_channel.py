@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -233,7 +234,8 @@ def test_in_transit_tampering_of_a_chunk_drops_only_that_message():
     assert st["chunk out of sequence"] >= 1 and st["incomplete message abandoned"] == 1
 
 
-def test_replay_of_a_whole_recorded_session_is_rejected():
+def _recorder() -> tuple[list[bytes], Any]:
+    """A tap that records every frame rank 1 sends rank 0 (and passes it on)."""
     recorded: list[bytes] = []
 
     def tap(src, dst, frame):
@@ -241,6 +243,11 @@ def test_replay_of_a_whole_recorded_session_is_rejected():
             recorded.append(frame)
         return [frame]
 
+    return recorded, tap
+
+
+def test_replay_of_a_whole_recorded_session_is_rejected():
+    recorded, tap = _recorder()
     chans = _job([_psk()] * 2, tap=tap, chunk_bytes=4096)
     assert _connect(chans) == {}
     _echo(chans, 1, {"p": np.arange(3000, dtype=np.float32)})
@@ -253,13 +260,7 @@ def test_replay_of_a_whole_recorded_session_is_rejected():
 
 
 def test_a_forgotten_peer_comes_back_with_a_fresh_session_and_its_old_one_cannot_be_replayed():
-    recorded: list[bytes] = []
-
-    def tap(src, dst, frame):
-        if src == 1 and dst == 0:
-            recorded.append(frame)
-        return [frame]
-
+    recorded, tap = _recorder()
     chans = _job([_psk()] * 2, tap=tap)
     assert _connect(chans) == {}
     _echo(chans, 1)
