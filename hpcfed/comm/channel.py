@@ -206,6 +206,7 @@ class SecureChannel:
         self._admission.drop_from(rank)
         self._session.peers.pop(rank, None)
         self._session.gone.discard(rank)
+        self._session.generations[rank] = self._session.generations.get(rank, 0) + 1  # its posts: done
         self.peers = [r for r in self.peers if r != rank]
 
     def routes(self) -> dict[int, str]:
@@ -232,7 +233,7 @@ class SecureChannel:
         `Outgoing` says when the peer has taken the message; the channel keeps its buffers alive
         until then (or until `close`)."""
         peer, enc = self._tx.prepare(dest, kind, header, tensors)
-        out = Outgoing(dest)
+        out = Outgoing(dest, self._session.generations)
         self._tx.data(peer, kind, enc, posted=out)
         self._session.stats.count_sent(dest, enc.total)
         return out

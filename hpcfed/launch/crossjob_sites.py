@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hpcfed.comm import port as mpiport
@@ -64,7 +65,7 @@ class SiteDoor:
         self.lost: dict[int, str] = {}  # client id -> why
 
     # -- at the start ------------------------------------------------------------------------------
-    def gather(self, deadline: float, min_sites: int, hint: str, *, left_out: set[int] = frozenset(),  # type: ignore[assignment]  # a frozenset is a read-only set
+    def gather(self, deadline: float, min_sites: int, hint: str, *, left_out: AbstractSet[int] = frozenset(),
                halted: Callable[[], str | None] = lambda: None) -> set[int]:
         """Let sites in until all but `left_out` (excluded by the operator: never waited for) have
         joined or `deadline`; the client ids of those that have not (they may join later).
