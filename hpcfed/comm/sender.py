@@ -40,14 +40,12 @@ class Outgoing:
         self.requests: list[Request] = []
         self.ring_slots: list[tuple[TxRing, int]] = []  # shared-memory slots it still holds
         self.posted_at = time.monotonic()
-        # The peer's session it was posted in (`SecureChannel.forget` starts a new one): a message
-        # posted to a peer that has since come back as a new process will never be taken: done.
+        # the peer's session it was posted in: one posted before the peer came back (forget) is done
         self._generations = generations if generations is not None else {}
         self._generation = self._generations.get(dest, 0)
 
     def done(self) -> bool:
-        """Whether the peer has taken the message (for shared memory: has freed its slots), or
-        never will (the peer it was posted to is gone, and back as a new process)."""
+        """Whether the peer has taken the message (shared memory: freed its slots), or never will."""
         if self._generations.get(self.dest, 0) != self._generation:
             return True
         if not all(req.test() for req in self.requests):
