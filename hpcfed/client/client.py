@@ -120,10 +120,11 @@ class Client:
         if self.client_id == 0:
             out.update(P.prefixed(self.task.get_parameters(), P.INIT_PREFIX))
         setup_header: dict[str, Any] = {"task": header}
-        if self.resume:  # the shards this site holds intact; the server picks a checkpoint all sites hold
-            from hpcfed.store import site_state
+        # The shards this site holds intact: on --resume the server picks a checkpoint all sites hold;
+        # a site rejoining a running server (`hpcfed join` again) resumes from its newest one.
+        from hpcfed.store import site_state
 
-            setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
+        setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
         self.channel.send(0, P.SETUP, setup_header, out)
         reply = self._wait({P.SETUP_REPLY, P.STOP, P.EVICTED}, self.loop.setup_timeout_s + self.loop.client_timeout_s)
         if reply.kind == P.EVICTED:  # evicted in an earlier attempt of this run (the checkpoint says)

@@ -29,7 +29,7 @@ from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.group_rules import SiteRules
-from hpcfed.privacy.secagg import ProtocolError, SiteState, group_graph, round_graph
+from hpcfed.privacy.secagg import ProtocolError, SiteState, group_graph, members_graph
 
 log = logging.getLogger("hpcfed.client")
 
@@ -53,6 +53,7 @@ class SecAggSite(Stage):
         # the sums this site let be revealed, and its rules on a group request (hpcfed.privacy.group_rules)
         self.rules = SiteRules(self.site, self.num_sites, min_group)
         self.groups: tuple[int, list[frozenset[int]]] | None = None  # (round, its groups) of a group round
+        self.members: frozenset[int] | None = None  # the round's sites when some are away (None: all)
 
     def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
         """Take part in round `start.round`; PARAMS's ``secagg_prepared`` says this round's keys and shares
@@ -68,6 +69,7 @@ class SecAggSite(Stage):
     def _groups(self, start: RoundStart) -> None:
         rnd, groups = start.round, start.header.get("secagg_groups")
         self.groups = None
+        self._members(start)
         if groups is None:
             return
         self.rules.accept(rnd, groups)  # GroupRefused names the rule it would break
@@ -75,6 +77,23 @@ class SecAggSite(Stage):
         if start.header.get("secagg_prepared") is True:
             raise ProtocolError(f"round {rnd} sums groups, whose keys are set up in the round, yet the server says "
                                 f"they were exchanged in round {rnd - 1}")
+
+    def _members(self, start: RoundStart) -> None:
+        """The sites of round `start.round` when some are away (``secagg_members``, hostile, as sent;
+        absent: all): this site among them, and at least ``min_group`` of them (a smaller sum would
+        tell the server too much). Keys set up ahead were set up among the last round's members."""
+        sent = start.header.get("secagg_members")
+        members = None if sent is None else frozenset(W.site_ids(sent, self.num_sites, "the server's member list",
+                                                                 self.site))
+        if members is not None and self.site not in members:
+            raise ProtocolError(f"the server's member list for round {start.round} leaves this site out")
+        if members is not None and len(members) < self.rules.min_group:
+            raise ProtocolError(f"the server's member list for round {start.round} ({sorted(members)}) is smaller "
+                                f"than privacy.secagg.min_group={self.rules.min_group}")
+        if start.header.get("secagg_prepared") is True and members != self.members:
+            raise ProtocolError(f"round {start.round}'s keys were exchanged among the last round's members, "
+                                f"yet the server names other members")
+        self.members = members
 
     def _round(self, start: RoundStart, upstream: Upstream) -> Upload:
         rnd, me, n = start.round, self.site, self.num_sites
@@ -124,7 +143,7 @@ class SecAggSite(Stage):
 
     def _state(self, rnd: int) -> SiteState:
         graph = group_graph(self.groups[1], rnd, self.degree) if self.groups is not None and self.groups[0] == rnd \
-            else round_graph(self.num_sites, rnd, self.degree)
+            else members_graph(self.members, self.num_sites, rnd, self.degree)
         return SiteState(self.site, graph, self.size, self.identity, self.peer_keys, rnd)
 
     def _setup(self, rnd: int) -> SiteState:

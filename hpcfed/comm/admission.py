@@ -92,6 +92,13 @@ class Admission:
         peer.queued += 1
         peer.queued_bytes += len(payload)
 
+    def drop_from(self, source: int) -> None:
+        """Drop every waiting message of `source` (a peer whose session is over)."""
+        self.inbox = deque(m for m in self.inbox if m.source != source)
+        peer = self._s.peers.get(source)
+        if peer is not None:
+            peer.queued = peer.queued_bytes = 0
+
     def take(self, source: int | None, kinds: Collection[int] | None) -> Message | None:
         """The oldest waiting message from `source` of one of `kinds` (None: any), removed from the inbox."""
         if not self.inbox:

@@ -197,6 +197,18 @@ class SecureChannel:
         sending to it again raises, instead of each waiting for `send_timeout_s`."""
         self._session.gone.add(rank)
 
+    def forget(self, rank: int) -> None:
+        """Rank `rank` comes back as a new process (`hpcfed serve`: a lost site rejoins): its old
+        session, the message it was part-way through and its unread messages are dropped, it is
+        no longer gone, and the next `connect` runs a fresh handshake with it (new keys, counters
+        from zero: nothing of the old session can be replayed into the new one)."""
+        self._rx.drop_assembly(rank)
+        self._admission.drop_from(rank)
+        self._session.peers.pop(rank, None)
+        self._session.gone.discard(rank)
+        self._session.generations[rank] = self._session.generations.get(rank, 0) + 1  # its posts: done
+        self.peers = [r for r in self.peers if r != rank]
+
     def routes(self) -> dict[int, str]:
         """Per peer, how big messages travel: "ring", "declined" or "mpi" (see `Rings.route`)."""
         return {rank: self._rings.route(rank) for rank in self.peers}
@@ -221,7 +233,7 @@ class SecureChannel:
         `Outgoing` says when the peer has taken the message; the channel keeps its buffers alive
         until then (or until `close`)."""
         peer, enc = self._tx.prepare(dest, kind, header, tensors)
-        out = Outgoing(dest)
+        out = Outgoing(dest, self._session.generations)
         self._tx.data(peer, kind, enc, posted=out)
         self._session.stats.count_sent(dest, enc.total)
         return out

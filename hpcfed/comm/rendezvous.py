@@ -34,7 +34,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,8 +249,9 @@ class Listener:
         self.sock = _listen(bind)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
 
-    def next_site(self, deadline: float, taken: set[int]) -> Knock | None:
-        """The next site to knock with a valid proof for a rank not in `taken`, or None at `deadline`."""
+    def next_site(self, deadline: float, taken: Collection[int]) -> Knock | None:
+        """The next site to knock with a valid proof for a rank not in `taken` (a mapping may give,
+        per rank, the reason its knock is refused), or None at `deadline`."""
         while (left := deadline - time.monotonic()) > 0:
             ready, _, _ = select.select([self.sock], [], [], min(left, 1.0))
             if not ready:
@@ -268,7 +269,7 @@ class Listener:
             return found
         return None
 
-    def _admit(self, conn: socket.socket, taken: set[int]) -> Knock:
+    def _admit(self, conn: socket.socket, taken: Collection[int]) -> Knock:
         deadline = time.monotonic() + KNOCK_STEP_S
         challenge = secrets.token_bytes(32)
         _send(conn, {"hpcfed": _PROTOCOL, "challenge": challenge.hex()})
@@ -282,7 +283,7 @@ class Listener:
         conn.settimeout(None)
         return Knock(rank, crypto.fingerprint(peer_key) if peer_key is not None else "psk", conn)
 
-    def _check_hello(self, hello: dict[str, Any], challenge: bytes, taken: set[int]) -> tuple[int, Any]:
+    def _check_hello(self, hello: dict[str, Any], challenge: bytes, taken: Collection[int]) -> tuple[int, Any]:
         cid = hello.get("site")
         if not isinstance(cid, int) or isinstance(cid, bool) or not 0 <= cid < self.size - 1:
             raise RendezvousError(f"site {str(cid)[:20]!r} is not a site of this federation "
@@ -297,7 +298,11 @@ class Listener:
                                   + ("signature does not match its key)" if peer_key is not None
                                      else "another pre-shared key)"))
         if rank in taken:
-            raise RendezvousError(f"site {cid} has already joined this federation")
+            why = taken.get(rank) if isinstance(taken, dict) else None
+            raise RendezvousError(why or f"site {cid} is present and alive in this federation (or waits to be let in), "
+                                  f"so key {crypto.fingerprint(peer_key) if peer_key is not None else '(psk)'} "
+                                  f"cannot join as it: end the other job of site {cid}, or knock again once it "
+                                  f"is declared lost (hpcfed serve --lifeline-timeout)")
         return rank, peer_key
 
     def _site_key(self, hello: dict[str, Any], rank: int) -> Any:
@@ -308,6 +313,10 @@ class Listener:
         allowed = self.cred.authorized
         want = allowed.get(rank) if isinstance(allowed, dict) else next(
             (k for k in allowed if crypto.public_raw(k) == crypto.public_raw(key)), None)
+        owner = _owner(allowed, key)
+        if owner is not None and owner != rank:
+            raise RendezvousError(f"key {crypto.fingerprint(key)} is site {owner - 1}'s (rank {owner}), not site "
+                                  f"{rank - 1}'s: each site knocks with its own key (--site {owner - 1} for this one)")
         if want is None or crypto.public_raw(want) != crypto.public_raw(key):
             raise RendezvousError(f"key {crypto.fingerprint(key)} is not authorized for site {rank - 1} "
                                   f"(rank {rank}); add its .pub line with rank={rank} to the server's authorized_keys")
@@ -315,6 +324,14 @@ class Listener:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _owner(allowed: Any, key: Any) -> int | None:
+    """The rank `authorized_keys` binds `key` to (None: no rank, or no binding by rank)."""
+    if not isinstance(allowed, dict):
+        return None
+    raw = crypto.public_raw(key)
+    return next((r for r, k in allowed.items() if crypto.public_raw(k) == raw), None)
 
 
 def _refuse(conn: socket.socket, reason: str) -> None:

@@ -33,16 +33,21 @@ from hpcfed.comm.transport import Request
 class Outgoing:
     """A message `SecureChannel.post`ed: `done()` once the peer has taken all of it."""
 
-    __slots__ = ("dest", "posted_at", "requests", "ring_slots")
+    __slots__ = ("_generation", "_generations", "dest", "posted_at", "requests", "ring_slots")
 
-    def __init__(self, dest: int) -> None:
+    def __init__(self, dest: int, generations: dict[int, int] | None = None) -> None:
         self.dest = dest
         self.requests: list[Request] = []
         self.ring_slots: list[tuple[TxRing, int]] = []  # shared-memory slots it still holds
         self.posted_at = time.monotonic()
+        # the peer's session it was posted in: one posted before the peer came back (forget) is done
+        self._generations = generations if generations is not None else {}
+        self._generation = self._generations.get(dest, 0)
 
     def done(self) -> bool:
-        """Whether the peer has taken the message (for shared memory: has freed its slots)."""
+        """Whether the peer has taken the message (shared memory: freed its slots), or never will."""
+        if self._generations.get(self.dest, 0) != self._generation:
+            return True
         if not all(req.test() for req in self.requests):
             return False
         return all(ring.owner[slot] is not self for ring, slot in self.ring_slots)

@@ -87,6 +87,7 @@ class Session:
         # Ranks known to have ended (SecureChannel.peer_gone): nothing more is sent to them, and a
         # send already waiting on one fails at once instead of at its timeout.
         self.gone: set[int] = set()
+        self.generations: dict[int, int] = {}  # rank -> how often its session was started anew (forget)
         self.watch: Callable[[], None] | None = None  # see SecureChannel.watch_peers
         self._watched = 0.0
 

@@ -60,6 +60,16 @@ class SpokeTransport:
         self._links[rank] = link
         self._order = sorted(self._links)
 
+    def replace_link(self, rank: int, link: Transport) -> None:
+        """A lost peer is back as a new job (`hpcfed serve`: a site rejoins): `link` reaches it now,
+        and it is no longer lost. The old intercommunicator is left as it is: its peer is gone,
+        and a `Disconnect` or `Free` would wait for it."""
+        with self._lock:
+            if rank not in self._lost:
+                raise ValueError(f"rank {rank} is not lost: it cannot be replaced")
+            self._links[rank] = link
+            self._lost.discard(rank)
+
     # -- liveness ---------------------------------------------------------------------------------
     def mark_lost(self, rank: int) -> None:
         """Never send to `rank` again (its job is gone: MPI would hang or crash on a send)."""

@@ -110,7 +110,7 @@ class _Served:
         from hpcfed.comm import port as mpiport
         from hpcfed.comm.rendezvous import Listener, write_port_file
         from hpcfed.comm.spokes import SpokeTransport
-        from hpcfed.launch.crossjob_sites import SiteDoor
+        from hpcfed.launch.crossjob_sites import HaltedAtStart, SiteDoor
 
         cred = self.keys.credentials()
         job_id = secrets.token_bytes(32)
@@ -124,13 +124,19 @@ class _Served:
         log.info("serving %d sites at %s:%d (port file %s): start each with `hpcfed join %s --server %s --site N`",
                  self.size - 1, host, listener.address[1], port_file, self.args.config, port_file)
         fed = self.cfg.federation
+        halt = _HaltAtStart(self.out)
         try:
             wait = fed.setup_timeout_s if self.args.start_deadline is None else self.args.start_deadline
             absent = door.gather(time.monotonic() + wait, fed.min_sites,
                                  f"start `hpcfed join {self.args.config} --server PORT_FILE --site N` for each, "
-                                 f"or wait longer (--start-deadline, federation.setup_timeout_s)")
+                                 f"or wait longer (--start-deadline, federation.setup_timeout_s)",
+                                 left_out=set(fed.exclude_sites), halted=halt.reason)
             threading.Thread(target=door.take_knocks, name="hpcfed-knocks", daemon=True).start()
             summary = self._federate(door, cred, job_id, absent)
+        except HaltedAtStart as exc:
+            log.warning("%s", exc)
+            door.lifelines.close()  # the sites let in see the server go, and knock again for a while
+            return 0
         finally:
             door.close()
         for line in closing_lines(summary, self.out, self.cfg):
@@ -168,6 +174,31 @@ class _Served:
         door.lifelines.close()
         if not done:
             log.warning("a site did not disconnect within %g s; ending without it", DISCONNECT_S)
+
+
+class _HaltAtStart:
+    """While the server gathers its sites: the operator's halt (OUT/HALT, taken away here as the
+    running server does, or SIGUSR2) ends the wait. The server's own handler replaces the signal's."""
+
+    def __init__(self, out: Path) -> None:
+        from hpcfed.launch.jobwatch import HALT_FILE
+
+        self.path = out / HALT_FILE
+        self.signalled = False
+        signal.signal(HALT_SIGNAL, self._signal)
+
+    def _signal(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+
+    def reason(self) -> str | None:
+        """Why to halt now (None: go on gathering)."""
+        if self.signalled:
+            return "SIGUSR2"
+        try:
+            self.path.unlink()
+        except OSError:
+            return None
+        return f"{self.path} found"
 
 
 def _advertised_host(iface: str | None) -> str:

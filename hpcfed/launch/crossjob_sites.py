@@ -11,6 +11,12 @@
   (`hpcfed.server.joining`) and sends it the model from then on.
 - **Lost** (`on_lost`, from the lifelines' thread): the transport never sends to the site again
   and the server drops it (`Server.site_lost`), as a one-job run drops a rank that ended.
+- **Back** (a rejoin): a lost site may knock again with the same key. It is let in like a late
+  site, on a new intercommunicator (`SpokeTransport.replace_link`) and a fresh channel session
+  (`SecureChannel.forget`: new keys, nothing of the old session replayable). A site present and
+  alive cannot be knocked for (refused at the knock), and a site is let back in at most once per
+  `REJOIN_INTERVAL_S`: a flapping site waits, queued once, and each rejoin replaces the old
+  link's records rather than adding to them, so rank 0's memory stays bounded.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from hpcfed.comm import port as mpiport
@@ -31,7 +39,12 @@ from hpcfed.errors import FederationError
 log = logging.getLogger("hpcfed")
 
 ACCEPT_S = 30.0  # a site told to connect does so at once; past this its Accept is released
+REJOIN_INTERVAL_S = 10.0  # a site is let back in at most this often (a flapping site waits its turn)
 _KNOCK_POLL_S = 1.0  # how often the knock thread looks whether the federation has ended
+
+
+class HaltedAtStart(Exception):
+    """The operator asked the server to halt while it gathered its sites (nothing ran yet)."""
 
 
 class SiteDoor:
@@ -42,23 +55,36 @@ class SiteDoor:
         self.listener, self.port_name, self.transport = listener, port_name, transport
         self.lifelines = Lifelines(self.on_lost, timeout=lifeline_timeout)
         self.num_sites = transport.size - 1
-        self.joined: set[int] = set()  # ranks let in, lost ones included (they cannot knock again)
+        self.joined: set[int] = set()  # ranks let in, lost ones included (they may knock again: `lost`)
         self._queued: set[int] = set()  # ranks welcomed and waiting to be let in
         self._knocks: queue.Queue[Knock] = queue.Queue()
+        self._let_in_at: dict[int, float] = {}  # rank -> when it was last let in (one entry per site)
         self._lock = threading.Lock()
         self.finished = threading.Event()  # the federation is over: losses no longer matter
         self.server: Any = None  # once built: told of every site lost
         self.lost: dict[int, str] = {}  # client id -> why
 
     # -- at the start ------------------------------------------------------------------------------
-    def gather(self, deadline: float, min_sites: int, hint: str) -> set[int]:
-        """Let sites in until all have joined or `deadline`; the client ids of those that have not
-        (they may join later). FederationError when fewer than `min_sites` joined."""
-        while len(self.joined) < self.num_sites:
-            knock = self.listener.next_site(deadline, self.taken())
-            if knock is None:
+    def gather(self, deadline: float, min_sites: int, hint: str, *, left_out: AbstractSet[int] = frozenset(),
+               halted: Callable[[], str | None] = lambda: None) -> set[int]:
+        """Let sites in until all but `left_out` (excluded by the operator: never waited for) have
+        joined or `deadline`; the client ids of those that have not (they may join later).
+        FederationError when fewer than `min_sites` joined; `HaltedAtStart` when `halted()` gives
+        a reason (OUT/HALT, SIGUSR2), looked at every second while it waits."""
+        wanted = self.num_sites - len(left_out)
+        while len(self.joined) < wanted:
+            why = halted()
+            if why is not None:
+                raise HaltedAtStart(f"halt requested ({why}) while gathering sites ({len(self.joined)} of {wanted} "
+                                    f"joined): no round was run; start the server again to go on")
+            knock = self.listener.next_site(min(deadline, time.monotonic() + _KNOCK_POLL_S), self.taken())
+            if knock is None and time.monotonic() >= deadline:
                 break
-            self.let_in(knock)
+            if knock is not None and knock.rank - 1 in left_out:
+                log.warning("site %d is excluded (federation.exclude_sites): not let in", knock.rank - 1)
+                knock.sock.close()
+            elif knock is not None:
+                self.let_in(knock)
         absent = set(range(self.num_sites)) - {r - 1 for r in self.joined}
         if len(self.joined) < min_sites:
             raise FederationError(
@@ -71,9 +97,14 @@ class SiteDoor:
                         ", ".join(map(str, sorted(absent))))
         return absent
 
-    def taken(self) -> set[int]:
+    def taken(self) -> dict[int, str]:
+        """The ranks no knock may claim: joined and not lost (present and alive), queued, or
+        evicted (with the reason its knock is refused; "" for the listener's own)."""
         with self._lock:
-            return self.joined | self._queued
+            taken = dict.fromkeys((self.joined - {cid + 1 for cid in self.lost}) | self._queued, "")
+        for cid, reason in self.server.refused() if self.server is not None else ():
+            taken[cid + 1] = f"site {cid} is out of this federation ({reason}): it cannot rejoin"
+        return taken
 
     def let_in(self, knock: Knock) -> bool:
         """GO, then `Accept` the site's `Connect`: its spoke and its lifeline from now on."""
@@ -86,16 +117,24 @@ class SiteDoor:
             why = f"it never connected to the MPI port within {ACCEPT_S:g} s"
         with self._lock:
             self._queued.discard(knock.rank)
+            back = knock.rank in self.joined
             if comm is not None:
                 self.joined.add(knock.rank)
+                self._let_in_at[knock.rank] = time.monotonic()
+                self.lost.pop(knock.rank - 1, None)
         if comm is None:
             log.warning("site %d was welcomed but is not let in: %s; it may knock again", knock.rank - 1, why)
             with contextlib.suppress(OSError):
                 knock.sock.close()
             return False
-        self.transport.add_link(knock.rank, mpiport.intercomm_transport(comm))
+        link = mpiport.intercomm_transport(comm)
+        if back:
+            self.transport.replace_link(knock.rank, link)
+        else:
+            self.transport.add_link(knock.rank, link)
         self.lifelines.add(knock.rank, knock.sock)
-        log.info("site %d joined as rank %d (key %s)", knock.rank - 1, knock.rank, knock.identity)
+        log.info("site %d %s as rank %d (key %s)", knock.rank - 1, "is back" if back else "joined", knock.rank,
+                 knock.identity)
         return True
 
     # -- later ---------------------------------------------------------------------------------------
@@ -120,16 +159,22 @@ class SiteDoor:
     def admit(self, channel: Any, timeout: float) -> list[int]:
         """From the server's thread: let in the sites that knocked since, and authenticate them on
         `channel`; the client ids now connected."""
-        ranks = []
+        ranks, not_yet = [], []
         while True:
             try:
                 knock = self._knocks.get_nowait()
             except queue.Empty:
                 break
-            if self.let_in(knock):
+            if time.monotonic() - self._let_in_at.get(knock.rank, -float("inf")) < REJOIN_INTERVAL_S:
+                not_yet.append(knock)  # back too soon after its last let-in: it waits, queued (one knock a site)
+            elif self.let_in(knock):
                 ranks.append(knock.rank)
+        for knock in not_yet:
+            self._knocks.put(knock)
         if not ranks:
             return []
+        for rank in ranks:
+            channel.forget(rank)  # a site back from a lost job: a fresh session (a new site: nothing to forget)
         with contextlib.suppress(Exception):  # who failed is read from channel.peers below
             channel.connect(ranks, timeout=timeout, require_all=False)
         for rank in ranks:
@@ -146,10 +191,12 @@ class SiteDoor:
         self.transport.mark_lost(rank)
         if self.finished.is_set():
             return
-        log.warning("site %d (rank %d) lost: %s; nothing more is sent to it", rank - 1, rank, reason)
-        self.lost[rank - 1] = reason
-        if self.server is not None:
+        log.warning("site %d (rank %d) lost: %s; nothing more is sent to it (it may rejoin with `hpcfed join`)",
+                    rank - 1, rank, reason)
+        if self.server is not None:  # told before the door opens to the site again (`taken`)
             self.server.site_lost(rank - 1, f"lost: {reason}")
+        with self._lock:
+            self.lost[rank - 1] = reason
 
     def serve(self, server: Any) -> None:
         """The server is built: tell it of the sites lost so far, and of every later one."""

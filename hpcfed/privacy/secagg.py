@@ -90,6 +90,21 @@ def round_graph(num_sites: int, rnd: int, degree: int | None = None) -> dict[int
     return neighbours(num_sites, b"hpcfed-secagg-graph/" + rnd.to_bytes(8, "big"), degree)
 
 
+def members_graph(members: Iterable[int] | None, num_sites: int, rnd: int,
+                  degree: int | None = None) -> dict[int, set[int]]:
+    """The graph of round `rnd` among its `members` (None, or all `num_sites`: `round_graph`).
+
+    A federation whose sites come and go (`hpcfed serve`: late, lost, back) sums the sites present
+    at the round's start: a graph over all K would leave a present site short of neighbours for as
+    long as some of its neighbours are away (with K = 3, for the whole time one site is away). The
+    graph is SecAgg+'s over the members, public from the round number and the member list, which
+    the server sends and every site checks (this site in it, at least ``min_group`` sites)."""
+    chosen = sorted(set(members)) if members is not None else list(range(num_sites))
+    if len(chosen) == num_sites:
+        return round_graph(num_sites, rnd, degree)
+    return group_graph([chosen], rnd, degree)
+
+
 def group_graph(groups: Iterable[Iterable[int]], rnd: int, degree: int | None = None) -> dict[int, set[int]]:
     """The graph of a group-testing round (`hpcfed.privacy.group_testing`): SecAgg+'s graph within
     each group, no edge between groups, so each group's masks cancel in its own sum. Public from the

@@ -58,6 +58,7 @@ class ServerCore:
         self.influence = InfluenceGuard(cfg.influence, self.num_clients)
         self.rejected: dict[str, int] = {}  # category -> messages
         self.rejected_by_rank: dict[int, int] = {}
+        self.rejects_before: dict[int, int] = {}  # rank -> its rejections before it last came back (a new job)
         self.updates_accepted = 0
         self.lost_rounds: list[int] = []  # secure aggregation rounds whose sum could not be unmasked
         self.round = -1
@@ -140,7 +141,7 @@ class ServerCore:
     def _expect(self) -> None:
         """Take the kinds the server reads from every site not evicted, and nothing from the others."""
         kinds, max_bytes, inbox_bytes = P.server_bounds(self.layout.size, self.num_clients, self.ledger.evicted)
-        for cid in self.absent:  # a site that may still join sends its SETUP first
+        for cid in self.roster.awaiting_setup:  # a site that may still (re)join sends its SETUP first
             kinds[cid + 1] = kinds[cid + 1] | {P.SETUP}
         self.channel.expect(kinds, max_bytes, inbox_max_messages=16, inbox_max_bytes=inbox_bytes)
 
@@ -258,7 +259,8 @@ class ServerCore:
         if evidence:
             self.misbehaved(rank - 1, category, detail)
         limit = self.cfg.security.max_rejects
-        if self.rejected_by_rank[rank] == limit + 1 and rank - 1 in self.live:
+        # counted per job of the site: a site that came back starts from zero (its old job's stale messages)
+        if self.rejected_by_rank[rank] - self.rejects_before.get(rank, 0) == limit + 1 and rank - 1 in self.live:
             self.client_failed(rank - 1, f"was cut off after {limit} rejected messages (security.max_rejects)")
 
     # -- misbehaviour ------------------------------------------------------------------------------------

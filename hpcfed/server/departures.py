@@ -10,7 +10,8 @@ on this node had ended, a remote site that stays silent past a deadline is dropp
 and merely slow, it would still be there; its rank is gone).
 
 A dropped site's last checkpoint shard stays in every later manifest (with its round), so a later
-``--resume`` with the site back finds the state it had.
+``--resume`` with the site back finds the state it had, and so does the site itself when it rejoins
+the running server (`hpcfed serve`, `hpcfed.server.joining`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,18 @@ class Departures:
         rank = self.layout.leader(cid) if cid < self.layout.num_sites else cid + 1
         self.dropped.setdefault(cid, Dropped(client=cid, rank=rank, round=rnd, cause=" ".join(cause.split())[:300]))
 
+    def coming_back(self, cid: int) -> None:
+        """Site `cid`, lost, has connected again as a new job: how its old job ended is forgotten,
+        so that the new one's end is seen (its drop record stays until it is present: `returned`)."""
+        self._lost.pop(cid, None)
+        self._known.discard(cid)
+        self._ended.pop(cid, None)
+
+    def returned(self, cid: int) -> Dropped | None:
+        """Site `cid` is present again: its drop record, taken out (None: it was never dropped)."""
+        self.coming_back(cid)
+        return self.dropped.pop(cid, None)
+
     def state(self) -> list[dict[str, object]]:
         """The dropped sites as plain data (summary.json)."""
         return [asdict(self.dropped[c]) for c in sorted(self.dropped)]
@@ -141,6 +154,11 @@ class Departures:
     def load_shards(self, rnd: int, sites: dict[int, dict[str, Any]]) -> None:
         """The shards of the checkpoint resumed from (round `rnd`)."""
         self._shards = {cid: {**ref, "round": int(ref.get("round", rnd))} for cid, ref in sites.items()}
+
+    def newest_shard(self, cid: int) -> dict[str, Any] | None:
+        """Site `cid`'s newest shard in a committed checkpoint ({digest, path, round}; None: none)."""
+        ref = self._shards.get(cid)
+        return dict(ref) if ref is not None else None
 
     def manifest(self, rnd: int, fresh: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """The sites of checkpoint `rnd`: the shards written for it, and for each dropped site its

@@ -12,6 +12,13 @@ round it starts from, and no shard to load (it has none of this run).
 The server never waits for a late site: its SETUP (sent once its data is loaded) is looked for at
 each safe point. A site that sends none within ``federation.setup_timeout_s``, sends a malformed
 one, or is lost meanwhile is not let in (logged with the reason); the federation goes on without it.
+
+A site that was dropped (its job ended, or it was lost) and knocks again with its key *rejoins* the
+same way: dropped first if the server had not noticed yet, then set up like a late site, except that
+it resumes from its own newest shard of a committed checkpoint (its personal state, local models,
+record-DP accountant) when its SETUP reports it holds that shard intact; otherwise (none, pruned,
+or another run's) it goes on from the global model, and the log names the shard refused. Its
+gap (dropped at round r, back at round s) goes to summary.json's participation.
 """
 
 from __future__ import annotations
@@ -30,19 +37,29 @@ log = logging.getLogger("hpcfed.server")
 def admit(core: ServerCore, start_round: int) -> list[int]:
     """The late sites whose setup is done since the last call, live from now on (from `start_round`).
     Never waits: a site connected now sends its SETUP when its data is loaded, taken at a later call."""
-    if core.joiners is None or not core.absent:
+    if core.joiners is None:
         return []
+    core.check_departures()  # a site lost and back already is dropped first
     now = time.monotonic()
-    for cid in core.joiners():
-        if cid in core.absent:
-            core.roster.rejoining.setdefault(cid, now + core.cfg.federation.setup_timeout_s)
+    connected = core.joiners()
+    for cid in connected:
+        if not core.roster.may_join(cid):  # (the door lets in only late or lost sites: a safeguard)
+            log.warning("client %d (rank %d) connected but is %s: not let in", cid, cid + 1, core.roster.state(cid))
+            core.channel.peer_gone(cid + 1)
+            continue
+        core.departures.coming_back(cid)  # its old job's end is forgotten: the new job's is seen
+        core.rejects_before[cid + 1] = core.rejected_by_rank.get(cid + 1, 0)  # security.max_rejects: per job
+        core.roster.rejoining[cid] = now + core.cfg.federation.setup_timeout_s
+    if connected:
+        core.refresh_expect()  # their SETUP is taken
     joined = [cid for cid, deadline in sorted(core.roster.rejoining.items())
               if _set_up(core, cid, start_round, deadline)]
     if joined:
-        core.roster.join(joined)
+        back = core.departures.dropped.keys() & set(joined)
+        core.roster.join(joined, start_round)
         core.refresh_expect()  # SETUP from them no more
         for cid in joined:
-            core.metrics.log(core.round, cid, "joined", start_round)
+            core.metrics.log(core.round, cid, "rejoined" if cid in back else "joined", start_round)
     return joined
 
 
@@ -56,20 +73,39 @@ def _set_up(core: ServerCore, cid: int, start_round: int, deadline: float) -> bo
     del core.roster.rejoining[cid]
     why = _refused(core, cid, msg, gone)
     if why is None:
+        assert msg is not None  # no refusal: its SETUP came
         reply_header, reply_tensors = core.setup_reply
+        shard = _own_shard(core, cid, msg)
         try:
             core.channel.send(cid + 1, P.SETUP_REPLY, {"task": reply_header, "layout": core.layout.describe(),
-                                                       "start_round": start_round, "shard": None, "resumed": False},
+                                                       "start_round": start_round, "shard": shard,
+                                                       "resumed": shard is not None},
                               P.prefixed(reply_tensors, P.SETUP_PREFIX))
         except ChannelError as exc:
             why = f"it did not take its setup reply ({exc})"
     if why is not None:
-        log.warning("client %d (rank %d) joined late but is not let in: %s; the federation goes on without it",
-                    cid, cid + 1, why)
+        log.warning("client %d (rank %d) %s but is not let in: %s; the federation goes on without it",
+                    cid, cid + 1, "came back" if cid in core.departures.dropped else "joined late", why)
         return False
-    log.info("client %d (rank %d) joined late: it takes part from %s %d on", cid, cid + 1,
+    log.info("client %d (rank %d) %s: it takes part from %s %d on", cid, cid + 1,
+             "is back" if cid in core.departures.dropped else "joined late",
              "round" if core.strategy.synchronous else "accepted update", start_round)
     return True
+
+
+def _own_shard(core: ServerCore, cid: int, setup: Message) -> dict[str, object] | None:
+    """The shard returning site `cid` resumes from: its newest in a committed checkpoint, if its
+    SETUP says it holds that one intact (None: it goes on from the global model, and why is logged)."""
+    ref = core.departures.newest_shard(cid)
+    if ref is None:
+        return None
+    if (ref["round"], ref["digest"]) in V.held_shards(setup.header.get("shards")):
+        log.info("client %d (rank %d) resumes from its own shard of round %d (%s)", cid, cid + 1, ref["round"],
+                 ref["path"])
+        return {"round": ref["round"], "digest": ref["digest"]}
+    log.warning("client %d (rank %d) does not hold its shard %s of round %d intact (missing, pruned, or another "
+                "run's): refused; it goes on from the global model", cid, cid + 1, ref["path"], ref["round"])
+    return None
 
 
 def _refused(core: ServerCore, cid: int, msg: Message | None, gone: str | None) -> str | None:

@@ -13,7 +13,8 @@ One object: ``format``, ``format_version``, ``time`` (Unix seconds of the snapsh
 refusals, accepted updates, peak RSS) and ``sites``: per site ``client``, ``rank``, ``state`` (the
 roster's: ``present``, ``late``, ``rejoining``, ``dropped``, ``evicted``, ``excluded``), ``last_round``
 (the newest round it uploaded for), ``last_heard_s`` (seconds since its last message), ``bytes_in``/``bytes_out``
-(message bytes from and to it) and ``reason`` (why it was dropped or evicted). The privacy each site
+(message bytes from and to it), ``reason`` (why it was dropped or evicted), ``rejoins`` and ``gaps``
+(how often it came back, and its newest [left, back] rounds, as in summary.json). The privacy each site
 has spent is in metrics.jsonl, where the viewer reads it.
 """
 
@@ -90,7 +91,8 @@ class LiveFile:
         return {"client": cid, "rank": rank, "state": state, "reason": reason,
                 "last_round": core.participation.newest_round(cid),
                 "last_heard_s": None if heard is None else round(now - heard, 1),
-                "bytes_in": stats.received_from.get(rank, 0), "bytes_out": stats.sent_to.get(rank, 0)}
+                "bytes_in": stats.received_from.get(rank, 0), "bytes_out": stats.sent_to.get(rank, 0),
+                "rejoins": core.participation.rejoins[cid], "gaps": core.participation.gaps.get(cid, [])}
 
 
 def site_state(core: ServerCore, cid: int) -> tuple[str, str]:

@@ -13,7 +13,9 @@ so it trains on the current model at once and takes part in the next round.
 
 Each site's share of the rounds is in summary.json (``participation``): with equal sites and
 ``quorum < 1`` the shares should be equal; a site that is late again and again shows up there,
-instead of silently contributing nothing.
+instead of silently contributing nothing. A site that left and came back (`hpcfed serve`, a rejoin)
+has its ``gaps`` there: [dropped at round r, back at round s], the newest `MAX_GAPS` of them (s null
+while it is away), and ``rejoins``, how many times it came back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from hpcfed.server.validation import is_int
+
+MAX_GAPS = 50  # per site, the newest gaps kept (a flapping site's record stays bounded)
 
 
 class Participation:
@@ -30,6 +34,8 @@ class Participation:
         self.contributed = dict.fromkeys(range(num_clients), 0)
         self.late = dict.fromkeys(range(num_clients), 0)
         self._newest: dict[int, int] = {}  # client id -> the newest round it has uploaded for
+        self.gaps: dict[int, list[list[int]]] = {}  # client id -> its newest [left, back] rounds
+        self.rejoins = dict.fromkeys(range(num_clients), 0)
 
     def on_time(self, cid: int, rnd: int) -> None:
         """Client `cid` uploaded for the round now running, `rnd`."""
@@ -54,27 +60,47 @@ class Participation:
         honest site uploads once per round, so a second one is a duplicate (proof), not lateness."""
         return is_int(claimed) and 0 <= claimed <= self._newest.get(cid, -1)
 
+    def gap(self, cid: int, left: int, back: int) -> None:
+        """Site `cid`, dropped at round `left`, is back from round `back` (a rejoin)."""
+        kept = self.gaps.setdefault(cid, [])
+        kept.append([left, back])
+        del kept[:-MAX_GAPS]
+        self.rejoins[cid] += 1
+
     def folded(self, cids: list[int]) -> None:
         """These sites' uploads went into the model (a round's aggregate, or one async update each)."""
         for cid in cids:
             self.contributed[cid] += 1
 
-    def state(self) -> dict[str, list[int]]:
+    def state(self) -> dict[str, Any]:
         """The counts as plain data (a checkpoint's meta)."""
         return {"contributed": [self.contributed[c] for c in sorted(self.contributed)],
-                "late": [self.late[c] for c in sorted(self.late)]}
+                "late": [self.late[c] for c in sorted(self.late)],
+                "rejoins": [self.rejoins[c] for c in sorted(self.rejoins)],
+                "gaps": {str(c): g for c, g in sorted(self.gaps.items())}}
 
     def load_state(self, state: object) -> None:
         """The counts of the checkpoint resumed from (anything malformed or of another size: start from zero)."""
         if not isinstance(state, dict):
             return
-        for name, counts in (("contributed", self.contributed), ("late", self.late)):
+        for name, counts in (("contributed", self.contributed), ("late", self.late), ("rejoins", self.rejoins)):
             saved = state.get(name)
             if isinstance(saved, list) and len(saved) == len(counts) and all(is_int(n) and n >= 0 for n in saved):
                 counts.update(enumerate(saved))
+        gaps = state.get("gaps")
+        if isinstance(gaps, dict):
+            for cid in self.contributed:
+                saved = gaps.get(str(cid))
+                if isinstance(saved, list):
+                    self.gaps[cid] = [[g[0], g[1]] for g in saved[-MAX_GAPS:]
+                                      if isinstance(g, list) and len(g) == 2 and is_int(g[0]) and is_int(g[1])]
 
-    def report(self, steps: int) -> dict[str, dict[str, Any]]:
+    def report(self, steps: int, open_gaps: dict[int, int] | None = None) -> dict[str, dict[str, Any]]:
         """summary.json's ``participation``: per site its contributions, their share of the `steps`
-        (rounds run, or updates accepted in async mode), and its late uploads."""
-        return {str(cid): {"contributed": n, "share": round(n / steps, 4) if steps else None, "late": self.late[cid]}
+        (rounds run, or updates accepted in async mode), its late uploads, and its gaps (`open_gaps`:
+        the sites away now, with the round they left at)."""
+        away = open_gaps or {}
+        return {str(cid): {"contributed": n, "share": round(n / steps, 4) if steps else None, "late": self.late[cid],
+                           "rejoins": self.rejoins[cid],
+                           "gaps": [*self.gaps.get(cid, []), *([[away[cid], None]] if cid in away else [])]}
                 for cid, n in sorted(self.contributed.items())}

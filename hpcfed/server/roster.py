@@ -1,9 +1,10 @@
 """Who is in the federation: the one owner of membership on rank 0.
 
 Each site is in one state: *present* (live: asked for uploads, waited for, counted in quorums),
-*late* (not there at the start of `hpcfed serve`; it may join), *rejoining* (a late site connected
-whose setup exchange is under way), *dropped* (ended or failed mid-run, `federation.on_client_failure:
-continue`; silence is not evidence), *evicted* (misbehaved: `hpcfed.server.eviction`) or *excluded*
+*late* (not there at the start of `hpcfed serve`; it may join), *rejoining* (a late site, or a
+dropped one back with `hpcfed join`, connected and with its setup exchange under way), *dropped*
+(ended or failed mid-run, `federation.on_client_failure: continue`; silence is not evidence; under
+`hpcfed serve` it may come back), *evicted* (misbehaved: `hpcfed.server.eviction`) or *excluded*
 (left out by the operator, `federation.exclude_sites`, or evicted in an earlier attempt of the run).
 Every change of membership goes through here and the rest of the server asks it: the live set, the
 quorum a round needs, the reasons, and summary.json's ``dropped``, ``evicted`` and ``participation``.
@@ -52,9 +53,19 @@ class Roster:
             return "present"
         if cid in self.ledger.evicted:
             return "excluded" if self.ledger.evicted[cid].reason.startswith("excluded") else "evicted"
-        if cid in self.departures.dropped:
-            return "dropped"
-        return "rejoining" if cid in self.rejoining else "late"
+        if cid in self.rejoining:
+            return "rejoining"
+        return "dropped" if cid in self.departures.dropped else "late"
+
+    def may_join(self, cid: int) -> bool:
+        """Whether site `cid` may be let in now: late, or dropped and back (never evicted or present)."""
+        return cid not in self._live and cid not in self.ledger.evicted and (
+            cid in self._late or cid in self.departures.dropped)
+
+    @property
+    def awaiting_setup(self) -> frozenset[int]:
+        """The sites whose SETUP may still come: late ones, and those connected to (re)join."""
+        return frozenset(self._late | set(self.rejoining))
 
     def gone(self, cid: int) -> bool:
         """Whether site `cid` is to be sent nothing more (evicted, dropped, or never there)."""
@@ -70,9 +81,14 @@ class Roster:
         self._late |= set(cids)
         self._live -= self._late
 
-    def join(self, cids: Iterable[int]) -> None:
-        """These late sites have done their setup: present from now on."""
+    def join(self, cids: Iterable[int], rnd: int) -> None:
+        """These late or returning sites have done their setup: present from round `rnd` on (a
+        returning site's gap, from its drop to `rnd`, goes to its participation)."""
         joined = set(cids)
+        for cid in joined:
+            gone = self.departures.returned(cid)
+            if gone is not None:
+                self.participation.gap(cid, gone.round, rnd)
         self._late -= joined
         self._live |= joined
 
@@ -99,7 +115,8 @@ class Roster:
             # sites that ended mid-run (federation.on_client_failure=continue): round and cause
             "dropped": self.departures.state(),
             # per site: rounds (async: accepted updates) it contributed to, their share, late uploads
-            "participation": self.participation.report(steps),
+            "participation": self.participation.report(steps, open_gaps={
+                cid: d.round for cid, d in self.departures.dropped.items()}),
             # sites evicted for misbehaviour (security.on_misbehaviour) or left out (federation.exclude_sites)
             "evicted": self.ledger.state(),
         }

@@ -16,7 +16,7 @@ import numpy as np
 from hpcfed.errors import FederationError
 from hpcfed.privacy.group_rules import Group
 from hpcfed.privacy.group_testing import Isolation, Verdict
-from hpcfed.privacy.secagg import group_graph, round_graph
+from hpcfed.privacy.secagg import group_graph, members_graph
 from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import InputSpec, judge_sum
 from hpcfed.server.core import ServerCore
@@ -54,7 +54,7 @@ class GroupTesting:
     def graph(self, rnd: int, degree: int | None) -> dict[int, set[int]]:
         """The round's neighbour graph: within each group in a group round, SecAgg+'s otherwise."""
         if self.groups is None:
-            return round_graph(self.core.num_clients, rnd, degree)
+            return members_graph(self.core.live, self.core.num_clients, rnd, degree)
         return group_graph(self.groups, rnd, degree)
 
     def missing(self, masked: set[int]) -> str | None:

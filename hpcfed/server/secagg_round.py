@@ -56,9 +56,10 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import ProtocolError, round_graph
+from hpcfed.privacy.secagg import ProtocolError, members_graph
 from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import sites_needed, spec_for
+from hpcfed.server import joining
 from hpcfed.server import validation as V
 from hpcfed.server.collect import RoundUploads
 from hpcfed.server.core import ServerCore
@@ -68,6 +69,11 @@ from hpcfed.strategies.base import WEIGHTED_SUM, SyncStrategy, Update
 log = logging.getLogger("hpcfed.server")
 
 _KINDS = set(P.SECAGG_CLIENT_KINDS | {P.UPDATE, P.FAILED})
+_MEMBERS_POLL_S = 0.5  # how often a round short of sites looks for sites let in
+
+
+class RoundShort(Exception):
+    """A secure round has too few sites to go on, and sites may come back (`hpcfed serve`): the round is lost."""
 
 
 class SecAggCollector:
@@ -99,25 +105,62 @@ class SecAggCollector:
     def collect(self, rnd: int, want_state: bool) -> RoundUploads:
         """Run round `rnd`'s protocol and fold the sum into the strategy (`hpcfed.server.collect.Collector`):
         the sites whose inputs are in it (their metrics, no vector), the live ones that sat the round
-        out, and whether the round was lost (its sum could not be unmasked: nothing of it is folded)."""
+        out, and whether the round was lost (its sum could not be unmasked: nothing of it is folded).
+
+        Under `hpcfed serve` sites come and go: a round with too few sites present for a secure sum
+        first waits for sites to (re)join (up to ``federation.setup_timeout_s``), and a round that
+        falls short mid-way is lost, not the run (the next one waits for sites again)."""
+        self._await_members(rnd)
+        try:
+            return self._collect(rnd, want_state)
+        except RoundShort as exc:
+            log.warning("round %d lost: %s; the next round waits for sites to rejoin", rnd, exc)
+            self.core.metrics.log(rnd, None, "secagg_round_lost", 1)
+            self.core.lost_rounds.append(rnd)
+            self.prepared = None
+            return RoundUploads(rnd, sat_out=set(self.core.live), lost=True)  # no one is a straggler
+
+    def _await_members(self, rnd: int) -> None:
+        """Under `hpcfed serve`: wait (letting sites in) until enough are present for a secure sum."""
         core = self.core
+
+        def floor() -> int:
+            return max(self._needed(), core.cfg.privacy.secagg.min_group)
+
+        if core.joiners is None or len(core.live) >= floor():
+            return
+        log.warning("round %d: %d site(s) present, a secure sum needs %d: waiting up to %g s "
+                    "(federation.setup_timeout_s) for sites to join or rejoin", rnd, len(core.live), floor(),
+                    core.cfg.federation.setup_timeout_s)
+        deadline = time.monotonic() + core.cfg.federation.setup_timeout_s
+        while len(core.live) < floor() and time.monotonic() < deadline and not core.halt_requested:
+            joining.admit(core, rnd)
+            core.maybe_status()
+            time.sleep(_MEMBERS_POLL_S)
+
+    def _collect(self, rnd: int, want_state: bool) -> RoundUploads:
+        core = self.core
+        self._quorum(rnd, set(core.live), "present at the round's start")  # a graph needs two sites
         started, taken = set(core.live), RoundUploads(rnd)
         state, self.prepared = self.prepared, None
         groups = self.testing.start(rnd)  # a group round sets its keys up in the round, on its groups' graph
         if state is not None and (state.rnd != rnd or set(state.shared) != core.live or groups is not None):
             state = None  # prepared for another round, or a site has joined the live ones since: set up anew
+        # Sites away (late, lost): the round's graph is over the members present, which the sites check.
+        members = {"secagg_members": sorted(core.live)} if groups is None and len(core.live) < self.num_sites else {}
         for cid in sorted(core.live):
             core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state,
-                                         "secagg_prepared": state is not None,
+                                         "secagg_prepared": state is not None, **members,
                                          **({"secagg_groups": groups} if groups is not None else {})},
                          core.model_tensors(core.strategy.model_for(cid)))
             if state is not None:  # its keys and shares came in the last round: nothing to wait for
                 self._relay_shares(rnd, cid, state)
         if state is None:
             state = self._setup(rnd, taken)
-        ahead_ok = rnd + 1 < core.cfg.rounds and groups is None and not self.testing.isolation.active
-        nxt = ServerState(round_graph(self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) if ahead_ok \
-            else None
+        ahead_ok = rnd + 1 < core.cfg.rounds and groups is None and not self.testing.isolation.active \
+            and len(core.live) >= 2  # (sites lost meanwhile: the next round sets up among those there then)
+        nxt = ServerState(members_graph(core.live, self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) \
+            if ahead_ok else None
         self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
             rnd, cid, msg, want_state, state, taken, nxt))
         for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
@@ -193,6 +236,7 @@ class SecAggCollector:
         round some live site missed): two more exchanges before the sites can mask. A live site short
         of advertised neighbours sits the round out (`uploads.sat_out`)."""
         core, n = self.core, self.num_sites
+        self._quorum(rnd, set(core.live), "present when the keys are set up")  # sites lost while PARAMS went out
         state = ServerState(self.testing.graph(rnd, self._degree()), self.size, rnd)
 
         def advert(cid: int, msg: Message) -> None:
@@ -282,9 +326,16 @@ class SecAggCollector:
         core, needed = self.core, self._needed()
         if len(sites) < needed:
             silent = ", ".join(f"client {c} (rank {c + 1})" for c in sorted(core.live - sites)) or "none"
-            raise FederationError(f"round {rnd}: only {len(sites)} site(s) {what} within the stage deadline "
-                                  f"({core.cfg.federation.round_deadline_s:g} s), secure aggregation needs {needed}; "
-                                  f"silent or refused: {silent}; last checkpoint: {core.last_checkpoint or 'none'}")
+            text = (f"only {len(sites)} site(s) {what} within the stage deadline "
+                    f"({core.cfg.federation.round_deadline_s:g} s), secure aggregation needs {needed}; "
+                    f"silent or refused: {silent}")
+            if self._sites_come_back():
+                raise RoundShort(text)
+            raise FederationError(f"round {rnd}: {text}; last checkpoint: {core.last_checkpoint or 'none'}")
+
+    def _sites_come_back(self) -> bool:
+        """Whether a round short of sites is lost rather than the run: sites may rejoin (`hpcfed serve`)."""
+        return self.core.joiners is not None and self.core.cfg.federation.on_client_failure == "continue"
 
     def _lose(self, rnd: int, why: str, started: set[int], alive: set[int], dropped: set[int]) -> None:
         """Round `rnd`'s sum cannot be unmasked (too many sites of one neighbourhood left): with
@@ -301,7 +352,7 @@ class SecAggCollector:
         gone, missed = sorted(started - core.live), sorted(dropped & core.live)
         names = ", ".join(f"client {c} (rank {c + 1})" for c in gone) or "none"  # ended, or evicted
         needed = self._needed()
-        if len(survivors) < needed:  # the quorum of every stage (`_quorum`), for the rounds to come
+        if len(survivors) < needed and not self._sites_come_back():  # the quorum of every stage, for the rounds to come
             raise FederationError(
                 f"round {rnd}: secure aggregation cannot unmask the sum ({why}), and only {len(survivors)} site(s) "
                 f"survive it ({', '.join(map(str, sorted(survivors))) or 'none'}), fewer than the {needed} secure "

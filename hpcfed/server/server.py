@@ -98,6 +98,11 @@ class Server:
         self.core.roster.start_late(absent)
         self.core.joiners = admit
 
+    def refused(self) -> list[tuple[int, str]]:
+        """The sites evicted or excluded, with the reason: a knock for one is refused. Safe from
+        any thread (a copy taken in one step)."""
+        return [(cid, ev.reason) for cid, ev in tuple(self.core.ledger.evicted.items())]
+
     def site_lost(self, cid: int, cause: str) -> None:
         """Site `cid` is known to have ended (its lifeline, `hpcfed serve`): dropped at the next
         chance as after SIGUSR1 (federation.on_client_failure). Safe from any thread."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -233,7 +234,8 @@ def test_in_transit_tampering_of_a_chunk_drops_only_that_message():
     assert st["chunk out of sequence"] >= 1 and st["incomplete message abandoned"] == 1
 
 
-def test_replay_of_a_whole_recorded_session_is_rejected():
+def _recorder() -> tuple[list[bytes], Any]:
+    """A tap that records every frame rank 1 sends rank 0 (and passes it on)."""
     recorded: list[bytes] = []
 
     def tap(src, dst, frame):
@@ -241,6 +243,11 @@ def test_replay_of_a_whole_recorded_session_is_rejected():
             recorded.append(frame)
         return [frame]
 
+    return recorded, tap
+
+
+def test_replay_of_a_whole_recorded_session_is_rejected():
+    recorded, tap = _recorder()
     chans = _job([_psk()] * 2, tap=tap, chunk_bytes=4096)
     assert _connect(chans) == {}
     _echo(chans, 1, {"p": np.arange(3000, dtype=np.float32)})
@@ -250,6 +257,26 @@ def test_replay_of_a_whole_recorded_session_is_rejected():
     assert chans[0].recv(timeout=0.2) is None
     assert sum(chans[0].stats.rejected.values()) == n
     assert chans[0].stats.rejected_by_rank == {1: n}
+
+
+def test_a_forgotten_peer_comes_back_with_a_fresh_session_and_its_old_one_cannot_be_replayed():
+    recorded, tap = _recorder()
+    chans = _job([_psk()] * 2, tap=tap)
+    assert _connect(chans) == {}
+    _echo(chans, 1)
+    chans[0].peer_gone(1)  # its job ended
+    chans[1].send(0, 4, {"unread": 1}, {})  # waiting in the inbox when the site comes back: dropped
+    while chans[0].poll() is not None:
+        pass
+    old = list(recorded)
+    chans[0].forget(1)
+    assert chans[0].peers == []
+    chans[1] = SecureChannel(chans[1].transport, _psk(), b"job-1")  # the site's new job, same rank and key
+    assert _connect(chans) == {} and chans[0].peers == [1]
+    for frame in old:  # the old session's frames, replayed into the new one
+        chans[1].transport.inject(0, frame)
+    assert chans[0].recv(timeout=0.2) is None and chans[0].stats.rejected_by_rank[1] == len(old)
+    _echo(chans, 1)  # and the new session carries messages
 
 
 def test_oversize_frames_and_messages_are_rejected():

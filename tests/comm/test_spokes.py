@@ -86,6 +86,18 @@ def test_a_lost_site_is_never_sent_to_but_what_it_sent_is_still_read():
     assert _get(sites[0], 0) == b"still here"
 
 
+def test_a_lost_site_back_as_a_new_job_is_reached_on_its_new_link_only_and_a_live_one_cannot_be_replaced():
+    hub, sites = _star(2)
+    srv, site = InProcTransport.group(2)  # the new job's intercommunicator
+    with pytest.raises(ValueError, match="not lost"):
+        hub.replace_link(2, _Link(srv, 1))  # alive: nobody takes its place
+    hub.mark_lost(2)
+    hub.replace_link(2, _Link(srv, 1))
+    back = SpokeTransport(2, 3, {0: _Link(site, 0)})
+    hub.isend(memoryview(b"welcome back"), 2)
+    assert hub.lost() == set() and _get(back, 0) == b"welcome back" and sites[1].iprobe(0) is None
+
+
 def test_ranks_outside_the_star_are_refused():
     hub, _ = _star(2)
     with pytest.raises(ValueError, match="not a peer"):

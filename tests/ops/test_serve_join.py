@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import REPO, run_cli
-from crossjob_helpers import CONFIG, SMALL, finish, join, serve, summary, values, wait_for
+from crossjob_helpers import CONFIG, SMALL, finish, join, kill_job, serve, summary, values, wait_for
 
 from hpcfed.cli.commands import main
 from hpcfed.store import checkpoint as ck
@@ -81,3 +81,19 @@ def test_a_stale_or_garbled_port_file_is_a_clear_error(tmp_path, capsys, monkeyp
     assert f"port file {port_file} is garbled" in capsys.readouterr().err
     assert main(["join", CONFIG, *overrides, "--server", str(port_file), "--site", "7"]) == 2
     assert "--site 7: the config has 2 sites" in capsys.readouterr().err
+
+
+def test_a_halt_while_the_server_gathers_its_sites_ends_it_cleanly_and_it_never_waits_for_an_excluded_one(tmp_path):
+    overrides = [*SMALL, "federation.num_clients=3", "federation.exclude_sites=[2]", "federation.setup_timeout_s=300"]
+    srv = tmp_path / "srv"
+    server = serve(srv, overrides)  # waits for its sites up to 300 s
+    site = join(srv / "port.json", 0, tmp_path / "site0", overrides)
+    wait_for("site 0 let in", lambda: "site 0 joined as rank 1" in (srv / "logs" / "rank0.log").read_text()
+             if (srv / "logs" / "rank0.log").exists() else False, [server, site])
+    (srv / "HALT").touch()  # the operator's halt, while site 1 is still awaited
+    halted = time.monotonic()
+    (code, text), = finish([server], 60)
+    assert code == 0 and "halt requested (" in text and "HALT found) while gathering sites (1 of 2 joined): no " \
+        "round was run" in text, text[-3000:]  # of 2: excluded site 2 is not waited for
+    assert time.monotonic() - halted < 30 and not (srv / "HALT").exists() and not (srv / "summary.json").exists()
+    kill_job(site)

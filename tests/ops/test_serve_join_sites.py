@@ -1,6 +1,7 @@
 """Sites of `hpcfed serve` that come late or die: a site joins a running federation, takes part,
-is SIGKILLed with its whole job, and the federation goes on without it -- sync and async, each a
-real server job and real site jobs, judged by what the server wrote."""
+is SIGKILLed with its whole job, the federation goes on without it, and the same command brings it
+back (a rejoin) -- sync and async, each a real server job and real site jobs, judged by what the
+server wrote."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ ENDLESS = [*H.SMALL, "rounds=100000", "checkpoint_every=0", "federation.on_clien
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_late_site_takes_part_and_when_killed_is_dropped_while_the_run_goes_on(tmp_path, mode):
+def test_a_late_site_takes_part_is_dropped_when_killed_and_comes_back(tmp_path, mode):
     config = H.async_config(tmp_path) if mode == "async" else H.CONFIG
     out, port = tmp_path / "srv", tmp_path / "srv" / "port.json"
     server = H.serve(out, ENDLESS, "--start-deadline", "1", config=config)
@@ -36,17 +37,24 @@ def test_a_late_site_takes_part_and_when_killed_is_dropped_while_the_run_goes_on
     dropped_after = time.monotonic() - killed_at
     after = max(H.trained(out, 0))
     H.wait_for("two more rounds", lambda: max(H.trained(out, 0)) >= after + 2, [server, site0])
+    site1 = H.join(port, 1, tmp_path / "site1", ENDLESS, config=config)  # the same command: it comes back
+    H.wait_for("site 1 back, twice in the model", lambda: len([r for r in H.trained(out, 1) if r > after + 1]) >= 2,
+               [server, site0, site1])
     (out / "HALT").touch()  # checkpoint and stop cleanly
-    (srv_code, srv_text), (code0, text0) = H.finish([server, site0], 120)
-    assert srv_code == 0 and code0 == 0, srv_text[-3000:] + text0[-2000:]
+    (srv_code, srv_text), (code0, text0), (code1, _) = H.finish([server, site0, site1], 120)
+    assert srv_code == 0 and code0 == 0 and code1 == 0, srv_text[-3000:] + text0[-2000:]
 
     log = H.events(out)
     joined = [e["value"] for e in log if e["client"] == 1 and e["name"] == "joined"]
     failed = [e["round"] for e in log if e["client"] == 1 and e["name"] == "client_failed"]
-    assert len(joined) == 1 and len(failed) == 1, (joined, failed)
+    back = [e["value"] for e in log if e["client"] == 1 and e["name"] == "rejoined"]
+    assert len(joined) == 1 and len(failed) == 1 and len(back) == 1, (joined, failed, back)
     ones = H.trained(out, 1)
-    assert ones[0] >= joined[0] >= 1 and len(ones) >= 2  # it joined a running federation, from then on
-    assert ones[-1] <= failed[0] < max(H.trained(out, 0)) - 1  # nothing of it after its drop; the rest went on
+    assert ones[0] >= joined[0] >= 1 and len(ones) >= 4  # it joined a running federation, from then on
+    assert not [r for r in ones if failed[0] < r < back[0]]  # nothing of it while it was away; the rest went on
+    assert failed[0] < after + 2 <= back[0]
+    if mode == "sync":  # in the sum of the round it was let in at (async: its next update, whenever it lands)
+        assert next(r for r in ones if r >= back[0]) == back[0]
     assert H.trained(out, 0)[0] < joined[0]  # site 0 alone before
     assert dropped_after < 15, f"the drop took {dropped_after:.1f} s"  # the lifeline, not a 30 s deadline
     assert "halted after round" in srv_text and "Traceback" not in srv_text

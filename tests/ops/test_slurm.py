@@ -256,3 +256,48 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
     assert ref.wait(timeout=420) == 0, output(ref)[-3000:]
     kill_all(ref_out)
     assert final_state(out) == final_state(ref_out)
+
+
+def test_a_site_job_requeued_near_its_time_limit_rejoins_the_running_server(slurm_env, tmp_path):
+    """slurm/join.sbatch: SIGUSR2 (what `--signal=B:USR2@120` sends before the time limit) makes the
+    script requeue its own job; the server, which was never told, drops the site when its lifeline
+    closes and lets the next attempt back in, from the site's own newest shard."""
+    import crossjob_helpers as H
+
+    overrides = [*H.SMALL, "rounds=100000", "checkpoint_every=2", "federation.on_client_failure=continue",
+                 "federation.slowdown={0: 5}", "influence.reject_factor=1000"]
+    out, port = tmp_path / "srv", tmp_path / "srv" / "port.json"
+    server = H.serve(out, overrides, "--start-deadline", "120")
+    site0 = H.join(port, 0, tmp_path / "site0", overrides)
+    env = {**slurm_env, "HPCFED_PSK": H.PSK, "PYTHONPATH": str(REPO)}
+    log = tmp_path / "site1.out"
+    job = _sbatch(env, "slurm/join.sbatch", [H.CONFIG, str(port), "1", str(tmp_path / "site1"), *overrides], log)
+    try:
+        H.wait_for("two rounds of the site job", lambda: len(H.trained(out, 1)) >= 2
+                   and any((out / "checkpoints").glob("ckpt-*.h5")), [server, site0], timeout=300)
+        wait_for(lambda: _signal_batch(slurm_env, job, "USR2"), 30, "scancel --signal=USR2 to reach the script")
+        _restart_when_pending(slurm_env, job, 1)
+        H.wait_for("the requeued site back and training", lambda: [e for e in H.events(out) if e["name"] == "rejoined"]
+                   and len([r for r in H.trained(out, 1) if r >= _rejoined(out)]) >= 2, [server, site0], timeout=300)
+        (out / "HALT").touch()
+        (code, text), (code0, _) = H.finish([server, site0], 180)
+        info = _wait_done(slurm_env, job, 120)
+    finally:
+        if _in_queue(slurm_env, job):
+            subprocess.run(["scancel", job], env=slurm_env, timeout=30)
+        for proc in (server, site0):
+            H.kill_job(proc)
+    site_log = log.read_text()
+    assert code == 0 and code0 == 0, text[-3000:]
+    assert info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1", (info, site_log[-3000:])
+    assert "SIGUSR2 (time limit near): requeueing job" in site_log and "site 1, attempt 2" in site_log
+    assert "site 1 is back as rank 2" in text and "client 1 (rank 2) resumes from its own shard of round" in text
+    live = json.loads((out / "live.json").read_text())  # its last snapshot (a halted run writes no summary)
+    assert [(s["state"], s["rejoins"]) for s in live["sites"]] == [("present", 0), ("present", 1)]
+
+
+def _rejoined(out: Path) -> int:
+    import crossjob_helpers as H
+
+    back = [e["value"] for e in H.events(out) if e["name"] == "rejoined"]
+    return back[0] if back else 1 << 30

@@ -11,7 +11,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hpcfed.privacy import masking, shamir
-from hpcfed.privacy.secagg import Advert, ProtocolError, SealedShare, SiteState, neighbours, round_graph
+from hpcfed.privacy.secagg import (
+    Advert,
+    ProtocolError,
+    SealedShare,
+    SiteState,
+    members_graph,
+    neighbours,
+    round_graph,
+)
 from hpcfed.privacy.secagg_server import ServerState
 
 
@@ -102,6 +110,14 @@ def test_secagg_plus_graph_is_logarithmic_symmetric_and_public():
     g = neighbours(64, b"s")
     assert all(len(p) <= 12 for p in g.values()) and all(u in g[v] for u in g for v in g[u])
     assert g == neighbours(64, b"s")
+
+
+def test_a_round_with_sites_away_masks_among_its_members_only():
+    assert members_graph(None, 6, 4) == members_graph(range(6), 6, 4) == round_graph(6, 4)  # all there: unchanged
+    graph = members_graph([0, 2, 5], 6, 4)  # sites 1, 3 and 4 away (late, lost)
+    assert set(graph) == {0, 2, 5} and all(peers == set(graph) - {u} for u, peers in graph.items())
+    many = members_graph(range(16), 20, 4)  # a larger federation: SecAgg+'s sparse graph among the members
+    assert set(many) == set(range(16)) and max(map(len, many.values())) < 15 and many != members_graph(range(16), 20, 5)
 
 
 def test_keys_mode_refuses_a_forged_agreement_key_naming_the_site():

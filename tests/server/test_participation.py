@@ -3,7 +3,7 @@ copy; participation is reported per site and survives a checkpoint."""
 
 from __future__ import annotations
 
-from hpcfed.server.participation import Participation
+from hpcfed.server.participation import MAX_GAPS, Participation
 
 
 def test_a_late_upload_is_one_per_earlier_round_newer_than_the_last():
@@ -32,9 +32,12 @@ def test_report_and_state_round_trip():
     p.folded([1])
     p.take_late(1, 0, 2, first_round=0)
     report = p.report(5)
-    assert report == {"0": {"contributed": 4, "share": 0.8, "late": 0},
-                      "1": {"contributed": 1, "share": 0.2, "late": 1},
-                      "2": {"contributed": 4, "share": 0.8, "late": 0}}
+    p.gap(2, 1, 3)
+    report = p.report(5)
+    none = {"rejoins": 0, "gaps": []}
+    assert report == {"0": {"contributed": 4, "share": 0.8, "late": 0, **none},
+                      "1": {"contributed": 1, "share": 0.2, "late": 1, **none},
+                      "2": {"contributed": 4, "share": 0.8, "late": 0, "rejoins": 1, "gaps": [[1, 3]]}}
     again = Participation(3)
     again.load_state(p.state())
     assert again.report(5) == report
@@ -52,3 +55,13 @@ def test_a_second_upload_for_a_round_is_a_repeat_and_a_first_late_one_is_not():
     assert part.repeated(0, 3) and part.repeated(0, 1)  # an honest site uploads once per round
     assert not part.repeated(0, 4) and not part.repeated(1, 3) and not part.repeated(0, "3")
     assert part.take_late(1, 2, 4, 0) and part.repeated(1, 2)  # its late upload, then a copy of it
+
+
+def test_a_flapping_sites_gaps_stay_bounded_and_a_hostile_state_is_not_loaded():
+    p = Participation(2)
+    for r in range(3 * MAX_GAPS):
+        p.gap(0, 2 * r, 2 * r + 1)
+    assert len(p.report(9)["0"]["gaps"]) == MAX_GAPS and p.rejoins[0] == 3 * MAX_GAPS
+    again = Participation(2)
+    again.load_state({"gaps": {"0": [[1, 2], ["x", 3], [1], "no"], "1": "no"}, "rejoins": [1, "x"]})
+    assert again.gaps == {0: [[1, 2]]} and again.rejoins == {0: 0, 1: 0}
