@@ -25,6 +25,7 @@ from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.launch import jobwatch
 from hpcfed.launch.out_dir import prepare_out_dir
+from hpcfed.schema import InvalidValue, locate
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
 
@@ -183,6 +184,10 @@ def _check_world(cfg: Config, size: int) -> None:
     if want is not None and want != size - 1:
         raise ConfigError(f"{cfg.source}: federation.num_clients={want} but the job has {size - 1} client ranks "
                           f"(world size {size}); start it with -n {want + 1} or drop the key")
+    try:
+        cfg.federation.check_buffer(size - 1)
+    except InvalidValue as exc:
+        raise ConfigError(f"{locate(cfg.source, 'federation.' + exc.key)} {exc.problem}") from None
 
 
 def _open_channel(cfg: Config, comm: object, out_dir: Path, keys: RankKeys):

@@ -45,7 +45,7 @@ class Server:
         strategy_cls = strategy_class(cfg.strategy.name, cfg.source)
         context = StrategyContext(num_clients=channel.size - 1, seed=cfg.seed, task_cls=task_cls,
                                   task_config=task_config, log=log.info, dp=cfg.privacy.dp,
-                                  secret_seed=_noise_seed(cfg, keys))
+                                  secret_seed=_noise_seed(cfg, keys), buffer_size=cfg.federation.buffer_size)
         strategy: Strategy = with_privacy(  # privacy.dp wraps the strategy (hpcfed.strategies.dp)
             strategy_cls(build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
                          context), cfg.privacy, context)

@@ -77,6 +77,7 @@ class StrategyContext:
     # A seed derived from the job's key (`hpcfed.credentials.RankKeys.secret_seed`): for randomness that must
     # be reproducible on resume yet unknown to whoever reads the outputs (DP noise). None in tests.
     secret_seed: int | None = None
+    buffer_size: int | None = None  # federation.buffer_size: uploads per buffer (FedBuff); None: its default
 
 
 class Strategy(ABC):
