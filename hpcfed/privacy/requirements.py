@@ -65,10 +65,11 @@ def check_privacy(cfg: Config, strategy: Declared) -> None:
 def check_secure_aggregation(cfg: Config, strategy: Declared) -> None:
     """Secure aggregation gives rank 0 one sum per round: only a synchronous weighted mean can use it."""
     key = locate(cfg.source, "privacy.secure_aggregation")
-    if not strategy.synchronous:
-        raise ConfigError(f"{key} = true: secure aggregation runs in synchronous rounds only, and strategy "
-                          f"{strategy.name!r} is asynchronous (each upload is applied alone, so its sum is that "
-                          f"site's update); choose strategy fedavg, or remove privacy.secure_aggregation")
+    if not strategy.synchronous and strategy.aggregates != WEIGHTED_SUM:
+        raise ConfigError(f"{key} = true: rank 0 learns only each buffer's sum, and asynchronous strategy "
+                          f"{strategy.describe()} applies each upload on its own (or keeps each site's model), so "
+                          f"that sum would be one site's update; choose strategy fedbuff (buffers summed "
+                          f"securely), or remove privacy.secure_aggregation")
     if strategy.aggregates != WEIGHTED_SUM:
         raise ConfigError(f"{key} = true: rank 0 learns only the sum of the updates, which a weighted mean needs "
                           f"(aggregates={WEIGHTED_SUM!r}) and strategy {strategy.describe()} cannot work from; "

@@ -188,17 +188,18 @@ class SecAggCollector:
     def _degree(self) -> int | None:
         return self.core.cfg.privacy.secagg.degree
 
-    def _setup(self, rnd: int, uploads: RoundUploads) -> ServerState:
+    def _setup(self, rnd: int, uploads: RoundUploads, state: ServerState | None = None) -> ServerState:
         """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
         round some live site missed): two more exchanges before the sites can mask. A live site short
-        of advertised neighbours sits the round out (`uploads.sat_out`)."""
+        of advertised neighbours sits the round out (`uploads.sat_out`). `state`: the exchange's own
+        (a buffer's, among its members: `hpcfed.server.secagg_buffer`), else the round's over all sites."""
         core, n = self.core, self.num_sites
-        state = ServerState(self.testing.graph(rnd, self._degree()), self.size, rnd)
+        state = state or ServerState(self.testing.graph(rnd, self._degree()), self.size, rnd)
 
         def advert(cid: int, msg: Message) -> None:
             state.take_advert(cid, W.parse_advert(cid, msg.header.get("advert"), n))
 
-        advertised = self._gather(rnd, P.SA_ADVERT, set(core.live), advert)
+        advertised = self._gather(rnd, P.SA_ADVERT, set(core.live) & set(state.graph), advert)
         if short := state.leave_out_short():
             advertised -= short
             uploads.sat_out = short

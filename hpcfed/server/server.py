@@ -26,6 +26,7 @@ from hpcfed.registry import strategy_class, task_class
 from hpcfed.schema import build
 from hpcfed.server import setup, summary
 from hpcfed.server.async_loop import AsyncLoop
+from hpcfed.server.buffered import SecureBufferedLoop
 from hpcfed.server.core import BelowFloor, ServerCore
 from hpcfed.server.sync_rounds import SyncRounds
 from hpcfed.strategies.base import Strategy, StrategyContext
@@ -77,7 +78,9 @@ class Server:
             if halted is not None:
                 return summary.halt(core, halted)
         else:
-            loop = AsyncLoop(core)
+            # under secure aggregation, FedBuff's buffers summed securely; else each upload as it comes
+            loop: AsyncLoop | SecureBufferedLoop = SecureBufferedLoop(core) if core.cfg.privacy.secure_aggregation \
+                else AsyncLoop(core)
             stopped_early = loop.run()
             loop.forget_owed()  # STOP or FINAL supersedes every model still owed
             if stopped_early:

@@ -30,8 +30,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from hpcfed.params import Params
+from hpcfed.privacy.buffered import StalenessRule
 from hpcfed.strategies.base import WEIGHTED_SUM, Aggregates, AsyncStrategy, Update
-from hpcfed.strategies.fedasync import staleness_factor
 
 
 def buffer_size_for(configured: int | None, num_sites: int) -> int:
@@ -75,8 +75,13 @@ class FedBuff(AsyncStrategy):
 
     def weight(self, staleness: int) -> float:
         """s(τ): the weight of an upload trained `staleness` versions ago."""
+        return self.rule.weight(staleness)
+
+    @property
+    def rule(self) -> StalenessRule:
+        """s(τ) as configured; under secure aggregation each site applies it to its own delta."""
         c = self.config
-        return staleness_factor(staleness, c.staleness, c.a, c.b)
+        return StalenessRule(c.staleness, c.a, c.b)
 
     def model_for(self, client_id: int) -> np.ndarray:
         self.sent[client_id] = self.version  # its next upload is measured from this version's model
