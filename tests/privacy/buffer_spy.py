@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's hpcfed, not an installed one
-from secagg_spy import _kills, _spy_rank0  # noqa: E402  (the same directory; after the path is set)
+from secagg_spy import _kills, _spy_rank0
 
 
 def _spy_site(out: Path, client: int) -> None:
