@@ -30,7 +30,10 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from hpcfed.privacy.secagg import ProtocolError
+from hpcfed.privacy.site_input import InputSpec, judge_sum
 
 
 @dataclass(frozen=True)
@@ -118,3 +121,17 @@ def expected_weight(rule: StalenessRule, staleness: dict[int, int], survivors: I
                     max_examples: int) -> int:
     """What the unmasked weight coordinate of a buffer must be: Σ q(τ_k) over `survivors`."""
     return sum(rule.units(staleness[k], max_examples) for k in survivors)
+
+
+def judge_buffer(total: np.ndarray, staleness: dict[int, int], survivors: set[int], rule: StalenessRule,
+                 spec: InputSpec) -> tuple[np.ndarray, float]:
+    """(Σ s_k·δ_k, Σ s_k) of a buffer's unmasked sum `total` over `survivors`, each told its
+    `staleness`: judged as a round's (`judge_sum`: in the encoding, norm within C·Σ q), and its weight
+    coordinate must be exactly Σ q(τ_k). ValueError, saying why, otherwise: a site claimed another weight."""
+    weighted, weight = judge_sum(total, len(survivors), spec)
+    want = expected_weight(rule, staleness, survivors, spec.max_examples)
+    if weight != want:
+        raise ValueError(f"its masked weights sum to {weight}, but the staleness the server told sites "
+                         f"{sorted(survivors)} makes {want}: a site claimed a weight other than its own")
+    weighted /= spec.max_examples  # q = s·M: back to Σ s_k δ_k and Σ s_k
+    return weighted, weight / spec.max_examples

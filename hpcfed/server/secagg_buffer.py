@@ -30,10 +30,9 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.buffered import StalenessRule, buffer_context, expected_weight
+from hpcfed.privacy.buffered import StalenessRule, buffer_context, judge_buffer
 from hpcfed.privacy.secagg import ProtocolError, group_graph
 from hpcfed.privacy.secagg_server import ServerState
-from hpcfed.privacy.site_input import judge_sum
 from hpcfed.server.collect import RoundUploads
 from hpcfed.server.core import ServerCore
 from hpcfed.server.secagg_round import SecAggCollector
@@ -93,15 +92,9 @@ class BufferExchange(SecAggCollector):
         """Unmask, judge (`judge_sum`: in the encoding, norm within C·Σ q) and check the weight
         coordinate against Σ q(τ_k) of the survivors; fold Σ s_k·δ_k and Σ s_k into the strategy."""
         total, alive = state.result()
-        weighted, weight = judge_sum(total, len(alive), self.spec)
-        want = expected_weight(self.rule, staleness, alive, self.spec.max_examples)
-        if weight != want:
-            raise ValueError(f"its masked weights sum to {weight}, but the staleness the server told sites "
-                             f"{sorted(alive)} makes {want}: a site claimed a weight other than its own")
-        scale = 1.0 / self.spec.max_examples  # q = s·M: back to Σ s_k δ_k and Σ s_k
-        weighted *= scale
-        self.async_strategy.fold_sum(weighted, weight * scale, len(alive))  # type: ignore[attr-defined]  # WEIGHTED_SUM declared
-        self.core.metrics.log(b, None, "secagg_buffer_weight", weight * scale)
+        weighted, weight = judge_buffer(total, staleness, alive, self.rule, self.spec)
+        self.async_strategy.fold_sum(weighted, weight, len(alive))  # type: ignore[attr-defined]  # WEIGHTED_SUM declared
+        self.core.metrics.log(b, None, "secagg_buffer_weight", weight)
 
     def _quorum(self, rnd: int, sites: set[int], what: str) -> None:
         """A buffer's stage needs 2 of its members: fewer lose the buffer (the run goes on)."""
