@@ -98,7 +98,7 @@ def test_a_site_that_claims_a_weight_other_than_its_staleness_gives_makes_the_su
             masking.encode(deltas[1], claim, SPEC.max_examples, SPEC.value_range, SPEC.levels)
         codes[1][-1] = claim
     total, _ = _buffer(0, [0, 1], codes)
-    with pytest.raises(ValueError, match="weights sum to|outside"):
+    with pytest.raises(ValueError, match=r"weights sum to|outside"):
         judge_buffer(total, staleness, {0, 1}, RULE, SPEC)
 
 
