@@ -44,7 +44,8 @@ def test_a_buffer_that_loses_a_member_before_and_one_after_masking_completes_and
     out, spy = tmp_path / "run", tmp_path / "spy"
     proc = start(out, ["rounds=3", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
                        "influence.enabled=false", "federation.on_client_failure=continue",
-                       f"federation.buffer_size={K}", "federation.round_deadline_s=60"], np_=K + 1, config="configs/quickstart_fedbuff.yaml",
+                       f"federation.buffer_size={K}", "federation.round_deadline_s=60"], np_=K + 1,
+                 config="configs/quickstart_fedbuff.yaml",
                  launcher=str(_spy_launcher(tmp_path, spy)),
                  extra_env={"SPY_KILL": f"{BEFORE}:before,{AFTER}:after", "SPY_KILL_BUFFER": "1", "SPY_HOLD_S": "3"})
     try:
