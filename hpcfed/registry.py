@@ -173,7 +173,8 @@ def resolve(cfg: Config) -> Components:
     from hpcfed.privacy.requirements import Declared, check_privacy
 
     declared = strategy_cls.aggregates_with(strategy_config)
-    check_privacy(cfg, Declared(cfg.strategy.name, strategy_cls.synchronous, declared, cfg.strategy.options))
+    check_privacy(cfg, Declared(cfg.strategy.name, strategy_cls.synchronous, declared,
+                                folds_buffers=strategy_cls.folds_buffers, options=cfg.strategy.options))
     if cfg.privacy.record_dp is not None:
         from hpcfed.privacy.record_dp import check_task
 

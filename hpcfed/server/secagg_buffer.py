@@ -93,7 +93,7 @@ class BufferExchange(SecAggCollector):
         coordinate against Σ q(τ_k) of the survivors; fold Σ s_k·δ_k and Σ s_k into the strategy."""
         total, alive = state.result()
         weighted, weight = judge_buffer(total, staleness, alive, self.rule, self.spec)
-        self.async_strategy.fold_sum(weighted, weight, len(alive))  # type: ignore[attr-defined]  # WEIGHTED_SUM declared
+        self.async_strategy.fold_sum(weighted, weight, len(alive))
         self.core.metrics.log(b, None, "secagg_buffer_weight", weight)
 
     def _quorum(self, rnd: int, sites: set[int], what: str) -> None:

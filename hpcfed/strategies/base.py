@@ -92,6 +92,9 @@ class Strategy(ABC):
     shares_updates: ClassVar[bool] = True
     # What a round needs of the uploads: WEIGHTED_SUM or EACH_UPLOAD (see the module's docstring).
     aggregates: ClassVar[Aggregates] = EACH_UPLOAD
+    # An async strategy that needs each upload in the clear, yet can fold a secure buffer's sum in
+    # another form (FedDWA: each buffer as a record): `fold_sum` under secure aggregation.
+    folds_buffers: ClassVar[bool] = False
 
     layout: ParamLayout  # the model's parameter layout; set by `initialize`
     global_flat: np.ndarray  # the global model, float32 (layout.size,); set by `initialize` / `load_state_dict`
@@ -227,4 +230,11 @@ class AsyncStrategy(Strategy):
     @abstractmethod
     def on_update(self, update: Update) -> list[int]:
         """Fold one upload into the state; return the client ids to send `model_for` to now."""
+
+    def fold_sum(self, delta_sum: np.ndarray, total_weight: float, count: int) -> None:
+        """Fold one securely aggregated buffer (`hpcfed.server.secagg_buffer`): `delta_sum` = Σ_k s_k·δ_k
+        (float64, s_k the strategy's staleness weight, applied by each site), `total_weight` = Σ_k s_k > 0,
+        from `count` sites; one new version. Only a strategy that declares ``aggregates = WEIGHTED_SUM``
+        (FedBuff) or ``folds_buffers`` (FedDWA) implements it; the config checks refuse the others first."""
+        raise TypeError(f"strategy {self.name!r} cannot fold a secure buffer's sum (it needs each upload)")
 

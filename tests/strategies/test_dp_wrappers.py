@@ -139,7 +139,6 @@ SECAGG = ["privacy.secure_aggregation=true"]
 
 @pytest.mark.parametrize(("raw", "override", "says"), [
     ({"strategy": {"name": "fedasync"}}, [], "asynchronous strategy 'fedasync' applies each upload on its own"),
-    ({"strategy": {"name": "feddwa"}}, [], "choose strategy fedbuff"),
     ({}, ["strategy.rule=krum"], "rule 'krum'"),
     ({}, [*DP_OK, "privacy.dp.adaptive={count_stddev: 2}"], "clipped count is not masked"),
     ({"security": {"mode": "keys", "identity": "k{rank}"}}, [], "security.authorized_keys"),
