@@ -4,8 +4,9 @@ Secure aggregation gives rank 0 one sum per round (asynchronously, per buffer: F
 (`hpcfed.strategies.dp`) hands the wrapped strategy one noised mean: both need a strategy that declares
 ``aggregates = "weighted_sum"`` (`hpcfed.strategies.base`), DP a synchronous one; an async strategy
 may instead declare ``folds_buffers`` (FedDWA: each secure buffer's sum a record). They read that
-declaration, never the strategy's class, so a new weighted-mean strategy (FedAvgM) runs under either with no line here. Each refusal is one
-line naming the key and the fix (a `ConfigError`); `hpcfed.registry.resolve` calls `check_privacy`.
+declaration, never the strategy's class, so a new weighted-mean strategy (FedAvgM) runs under either
+with no line here. Each refusal is one line naming the key and the fix (a `ConfigError`);
+`hpcfed.registry.resolve` calls `check_privacy`.
 """
 
 from __future__ import annotations
