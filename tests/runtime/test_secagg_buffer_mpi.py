@@ -101,3 +101,27 @@ def test_the_slow_site_holds_no_one_up_and_lands_in_some_buffers(run):
     assert 1 <= joined[SLOW] < min(joined[c] for c in range(K) if c != SLOW)
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum(e["name"] == "buffer" for e in events) == len({b for _, b in fed})
+
+
+def test_a_halted_secure_buffered_run_resumes_from_the_checkpoint_between_buffers(tmp_path):
+    """Halted after 4 accepted uploads (two buffers of 2, 3 sites): the sites waiting for a buffer drop
+    their uploads for the checkpoint (an interrupted buffer is lost, not the run); `--resume` goes on
+    from version 3 on fresh keys (each buffer sets up its own) and ends at 12 uploads, version 7."""
+    from conftest import run_cli
+
+    from hpcfed.store import checkpoint as ck
+
+    part = tmp_path / "part"
+    common = ["rounds=4", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
+              "influence.enabled=false"]
+    run_cli(["run", "configs/quickstart_fedbuff.yaml", "--out", str(part), *common, "halt_after_round=4"], np=4,
+            timeout=240)
+    assert ck.latest_valid(part / "checkpoints").round == 4 and not (part / "summary.json").exists()
+    run_cli(["run", "configs/quickstart_fedbuff.yaml", "--out", str(part), *common, "--resume"], np=4, timeout=240)
+    events = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
+    folded = [e["value"] for e in events if e["name"] == "num_updates"]
+    versions = [e["value"] for e in events if e["name"] == "fedbuff_version"]
+    assert sum(folded) == 12 and versions[:2] == [2.0, 3.0] and versions[-1] == 7.0
+    assert [e["value"] for e in events if e["name"] == "buffer"][2] == 2.0  # buffer numbers go on from version 3
+    summary = json.loads((part / "summary.json").read_text())
+    assert summary["mean"]["accuracy"] > 0.3
