@@ -64,12 +64,7 @@ class BufferExchange(SecAggCollector):
         state = ServerState(graph, self.size, buffer_context(b, version, members))
         try:
             state = self._setup(b, taken, state)
-            self._gather(b, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
-                b, cid, msg, False, state, taken, None))
-            for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
-                state.withdraw(cid)
-            alive, dropped = state.unmask_request()
-            self._quorum(b, alive, "sent masked inputs")
+            alive, dropped = self._masked_inputs(b, state, False, taken, None)
             short = state.shortfall()
             if short is not None:
                 raise BufferLost(short.describe())

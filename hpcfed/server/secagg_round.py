@@ -118,12 +118,7 @@ class SecAggCollector:
         ahead_ok = rnd + 1 < core.cfg.rounds and groups is None and not self.testing.isolation.active
         nxt = ServerState(round_graph(self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) if ahead_ok \
             else None
-        self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
-            rnd, cid, msg, want_state, state, taken, nxt))
-        for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
-            state.withdraw(cid)
-        alive, dropped = state.unmask_request()
-        self._quorum(rnd, alive, "sent masked inputs")
+        alive, dropped = self._masked_inputs(rnd, state, want_state, taken, nxt)
         short = state.shortfall()
         why = self.testing.missing(alive) or (short.describe() if short is not None else None)
         if why is not None:  # decided before any site is asked for a share: none is revealed in vain
@@ -170,6 +165,18 @@ class SecAggCollector:
         if set(core.live) != started:
             self.prepared = None  # a site was evicted: the next round sets up fresh keys without it
         return _kept(taken, alive, lost=False)
+
+    def _masked_inputs(self, rnd: int, state: ServerState, want_state: bool, taken: RoundUploads,
+                       nxt: ServerState | None) -> tuple[set[int], set[int]]:
+        """The masked inputs of the sites that shared (the stage's deadline), less those evicted since
+        (they count as dropped): (alive, dropped), once the quorum of masked inputs holds."""
+        self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
+            rnd, cid, msg, want_state, state, taken, nxt))
+        for cid in set(state.masked) - self.core.live:  # evicted since: its input stays out, as a dropped site's
+            state.withdraw(cid)
+        alive, dropped = state.unmask_request()
+        self._quorum(rnd, alive, "sent masked inputs")
+        return alive, dropped
 
     def _check(self, rnd: int, state: ServerState, alive: set[int]) -> set[int]:
         """The consistency check: each survivor signs the survivor set; the survivors that hold their

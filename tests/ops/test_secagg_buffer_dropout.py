@@ -9,13 +9,11 @@ and the run goes on with buffers of the four."""
 from __future__ import annotations
 
 import json
-import stat
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, mpiexec
-from ops_helpers import events, kill_all, output, start
+from conftest import REPO
+from ops_helpers import events, finish, spy_launcher, start
 
 from hpcfed.privacy.buffered import StalenessRule
 
@@ -25,35 +23,15 @@ SPY = REPO / "tests" / "privacy" / "buffer_spy.py"
 K, BEFORE, AFTER = 6, 4, 1
 
 
-def _spy_launcher(tmp: Path, spy: Path) -> Path:
-    """An mpiexec that starts the spy in place of ``python -m hpcfed`` (the rank guard stays)."""
-    path = tmp / "mpiexec"
-    path.write_text(f"""#!/bin/bash
-args=()
-while [ $# -gt 0 ]; do
-  if [ "$1" = "-m" ] && [ "${{2:-}}" = "hpcfed" ]; then args+=("{SPY}" "{spy}"); shift 2
-  else args+=("$1"); shift; fi
-done
-exec "{mpiexec()}" "${{args[@]}}"
-""")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
 def test_a_buffer_that_loses_a_member_before_and_one_after_masking_completes_and_the_run_goes_on(tmp_path):
     out, spy = tmp_path / "run", tmp_path / "spy"
     proc = start(out, ["rounds=3", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
                        "influence.enabled=false", "federation.on_client_failure=continue",
                        f"federation.buffer_size={K}", "federation.round_deadline_s=60"], np_=K + 1,
                  config="configs/quickstart_fedbuff.yaml",
-                 launcher=str(_spy_launcher(tmp_path, spy)),
+                 launcher=str(spy_launcher(tmp_path, [str(SPY), str(spy)])),
                  extra_env={"SPY_KILL": f"{BEFORE}:before,{AFTER}:after", "SPY_KILL_BUFFER": "1", "SPY_HOLD_S": "3"})
-    try:
-        rc = proc.wait(timeout=240)
-    finally:
-        kill_all(out, proc)
-    text = output(proc)
-    assert rc == 0, text[-4000:]
+    finish(proc, out, timeout=240)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dropped_clients"] == [AFTER, BEFORE], summary["dropped"]
     assert summary["evicted"] == [] and summary["privacy"]["secure_aggregation"] is True
