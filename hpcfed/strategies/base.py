@@ -226,10 +226,18 @@ class AsyncStrategy(Strategy):
     """A rule for an asynchronous federation: each upload is folded as it comes (`on_update`)."""
 
     synchronous: ClassVar[bool] = False
+    # Does an uploader wait for its answer until `on_update` names it (FedBuff: once its buffer is applied)?
+    # False: the loop answers every uploader at once, whatever `on_update` returns.
+    defers_answers: ClassVar[bool] = False
 
     @abstractmethod
     def on_update(self, update: Update) -> list[int]:
         """Fold one upload into the state; return the client ids to send `model_for` to now."""
+
+    def flush(self) -> list[int]:
+        """Every live site waits on an answer `on_update` deferred (sites left, so a buffer cannot fill):
+        apply what is held and return the sites to answer (default: nothing is held)."""
+        return []
 
     def fold_sum(self, delta_sum: np.ndarray, total_weight: float, count: int) -> None:
         """Fold one securely aggregated buffer (`hpcfed.server.secagg_buffer`): `delta_sum` = Σ_k s_k·δ_k

@@ -11,8 +11,10 @@ trained from, server version v_k), weighed by its staleness τ_k = t − v_k at 
 One buffer is one server version. FedBuff's paper divides by the buffer's size (``count``: stale
 buffers move the model less); the default ``weight`` divides by the weight sum (a staleness-weighted
 mean), which is what secure aggregation hands rank 0 with the masked weight coordinate
-(`hpcfed.server.secagg_buffer`). A site is answered at once with the current model, as in the
-paper, so it never waits for others; a fast site may put several uploads in one buffer.
+(`hpcfed.server.secagg_buffer`). A site is answered with the new model once its buffer is applied
+(``defers_answers``), so it never waits beyond the buffer it lands in and never trains twice from a
+model its own last step is missing; plain and secure runs answer alike. When sites leave so that
+fewer are live than a buffer holds, the loop applies the buffer as it is (`flush`).
 
 Under ``privacy.secure_aggregation`` the sites apply s(τ) before masking and rank 0 sees only each
 buffer's sum: `fold_sum` (``aggregates = WEIGHTED_SUM``), never `on_update`.
@@ -44,6 +46,7 @@ class FedBuff(AsyncStrategy):
 
     name = "fedbuff"
     aggregates: ClassVar[Aggregates] = WEIGHTED_SUM
+    defers_answers: ClassVar[bool] = True  # a site is answered once its buffer is applied
 
     @dataclass(kw_only=True)
     class Config:
@@ -101,10 +104,15 @@ class FedBuff(AsyncStrategy):
         self.delta_sum += delta
         self.weight_sum += s
         self.members.append(cid)
-        if len(self.members) >= self.buffer_size:
+        return self.flush() if len(self.members) >= self.buffer_size else []
+
+    def flush(self) -> list[int]:
+        """Apply the buffer as it is (full, or every live site waits on it) and return its members."""
+        members = sorted(set(self.members))
+        if members:
             self.fold_sum(self.delta_sum, self.weight_sum, len(self.members))
             self._clear()
-        return [cid]
+        return members
 
     def fold_sum(self, delta_sum: np.ndarray, total_weight: float, count: int) -> None:
         """Apply one buffer: `delta_sum` = Σ s_k·δ_k, `total_weight` = Σ s_k > 0, from `count`

@@ -31,9 +31,9 @@ def test_a_buffer_applies_the_staleness_weighted_mean_of_its_deltas_once_full():
     assert FedBuff.aggregates == WEIGHTED_SUM and not FedBuff.synchronous
     for cid in range(3):
         fb.model_for(cid)  # every site trains from version 1 (the zero model)
-    assert fb.on_update(_upload(0, [1.0, 0.0], 1)) == [0]  # answered at once; buffered, not applied
-    assert fb.version == 1 and not fb.global_flat.any()
-    fb.on_update(_upload(1, [0.0, 2.0], 1))  # the buffer fills: one version
+    assert fb.on_update(_upload(0, [1.0, 0.0], 1)) == []  # buffered, not applied: answered with its buffer
+    assert fb.version == 1 and not fb.global_flat.any() and FedBuff.defers_answers
+    assert fb.on_update(_upload(1, [0.0, 2.0], 1)) == [0, 1]  # the buffer fills: one version, both answered
     np.testing.assert_allclose(fb.global_flat, [0.5, 1.0])
     assert fb.version == 2
     # site 2 trained from version 1 (τ = 1, weight 1/√2); site 0 from version 2 (τ = 0, weight 1)
@@ -50,6 +50,14 @@ def test_count_normalisation_divides_by_the_buffer_size_and_fold_sum_is_the_secu
     fb.fold_sum(np.array([2.0, 4.0]), 1.5, 2)  # Σ s·δ of two uploads, Σ s = 1.5
     np.testing.assert_allclose(fb.global_flat, [0.5 * 2.0 / 2, 0.5 * 4.0 / 2])
     assert fb.version == 2
+
+
+def test_a_buffer_that_cannot_fill_is_flushed_as_it_is():
+    fb = _fedbuff(buffer_size=3)
+    fb.model_for(0)
+    assert fb.on_update(_upload(0, [1.0, 1.0], 1)) == [] and fb.flush() == [0]
+    np.testing.assert_allclose(fb.global_flat, [1.0, 1.0])
+    assert fb.version == 2 and fb.flush() == []
 
 
 def test_an_upload_from_a_version_no_site_trains_from_or_not_finite_is_left_out():
