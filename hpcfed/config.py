@@ -48,6 +48,8 @@ class FederationConfig:
     client_timeout_s: float = 900.0  # a client gives up on a silent server after this
     setup_timeout_s: float = 300.0
     max_updates: int | None = None  # async: total accepted uploads before stopping (default rounds*K)
+    # async: uploads per buffer (FedBuff; a secure buffer's members); 2..K, default half the sites
+    buffer_size: int | None = None
     slowdown: dict[int, float] = field(default_factory=dict)  # client_id -> factor (straggler knob)
     on_client_failure: Literal["abort", "continue"] = "abort"
     # Evictions (security.on_misbehaviour) never take the federation below this many sites: it
@@ -77,12 +79,26 @@ class FederationConfig:
             raise InvalidValue("quorum", f"must be a fraction in (0, 1], got {self.quorum!r}")
         _positive(self, "round_deadline_s", "client_timeout_s", "setup_timeout_s", "status_every_s")
         _at_least(self, 1, "num_clients", "max_updates", "min_sites")
+        if self.buffer_size is not None:
+            self.check_buffer(self.num_clients)
         for cid in self.exclude_sites:
             if cid < 0 or (self.num_clients is not None and cid >= self.num_clients):
                 raise InvalidValue("exclude_sites", f"names client {cid!r}, which is not a site of this run")
         for cid, factor in self.slowdown.items():
             if not factor > 0:
                 raise InvalidValue(f"slowdown.{cid}", f"must be > 0, got {factor!r}")
+
+    def check_buffer(self, num_sites: int | None) -> None:
+        """`buffer_size` within 2..K (`num_sites`, when known): a buffer of one is a site's own update."""
+        size = self.buffer_size
+        if size is None:
+            return
+        if size < 2:
+            raise InvalidValue("buffer_size", f"must be at least 2 (a buffer of one is one site's update in the "
+                                              f"clear), got {size!r}")
+        if num_sites is not None and size > num_sites:
+            raise InvalidValue("buffer_size", f"is {size}, more than the {num_sites} sites of this run: no buffer "
+                                              f"could fill; give 2..{num_sites}")
 
 
 TRACKING_KINDS = ("tensorboard", "mlflow")

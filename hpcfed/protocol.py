@@ -36,12 +36,16 @@ SA_REVEAL = 18  # client -> server: per neighbour a seed share or a key share, n
 #                 with next_adverts: next_to and tensor "shares", round + 1's, set up ahead)
 SA_CHECK = 19  # server -> client: the survivor set, whose masked inputs it sums (header: round, survivors)
 SA_SIGNED = 20  # client -> server: its signature over it, the consistency check (header: round, signature)
+# Secure buffered async (hpcfed.server.secagg_buffer, hpcfed.client.secagg_buffer): a round among a buffer's members
+SA_READY = 21  # client -> server: trained, ready to join a buffer (header: version it trained from)
+SA_BUFFER = 22  # server -> client: join buffer b (header: round = b, members, version, staleness)
 
 NAMES = {SETUP: "SETUP", SETUP_REPLY: "SETUP_REPLY", PARAMS: "PARAMS", UPDATE: "UPDATE", FINAL: "FINAL",
          RESULT: "RESULT", STOP: "STOP", FAILED: "FAILED", CHECKPOINT: "CHECKPOINT",
          CHECKPOINT_DONE: "CHECKPOINT_DONE", EVICTED: "EVICTED", SA_ADVERT: "SA_ADVERT", SA_KEYS: "SA_KEYS",
          SA_SHARES: "SA_SHARES", SA_SHARES_FOR: "SA_SHARES_FOR", SA_MASKED: "SA_MASKED", SA_UNMASK: "SA_UNMASK",
-         SA_REVEAL: "SA_REVEAL", SA_CHECK: "SA_CHECK", SA_SIGNED: "SA_SIGNED"}
+         SA_REVEAL: "SA_REVEAL", SA_CHECK: "SA_CHECK", SA_SIGNED: "SA_SIGNED", SA_READY: "SA_READY",
+         SA_BUFFER: "SA_BUFFER"}
 
 SETUP_PREFIX = "setup/"
 INIT_PREFIX = "init/"
@@ -84,9 +88,9 @@ def prefixed(tensors: Mapping[str, _T], prefix: str) -> dict[str, _T]:
 # what a client takes, from rank 0 only
 SECAGG_SERVER_KINDS = frozenset({SA_KEYS, SA_SHARES_FOR, SA_CHECK, SA_UNMASK})
 SECAGG_CLIENT_KINDS = frozenset({SA_ADVERT, SA_SHARES, SA_MASKED, SA_SIGNED, SA_REVEAL})
-SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT, EVICTED}) | SECAGG_SERVER_KINDS
+SERVER_KINDS = frozenset({SETUP_REPLY, PARAMS, FINAL, STOP, CHECKPOINT, EVICTED, SA_BUFFER}) | SECAGG_SERVER_KINDS
 # what the server takes from a client
-CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED, CHECKPOINT_DONE}) | SECAGG_CLIENT_KINDS
+CLIENT_KINDS = frozenset({SETUP, UPDATE, RESULT, FAILED, CHECKPOINT_DONE, SA_READY}) | SECAGG_CLIENT_KINDS
 UPDATE_MARGIN = 4  # an UPDATE may be 4 x the model's float32 bytes (params + optimizer moments + a best copy) ...
 UPDATE_SLACK = 64 << 20  # ... + 64 MiB (task state: RNG, per-document vectors, and the JSON header)
 SMALL_MESSAGE = 2 << 20  # RESULT / FAILED carry a header only (<= 1 MiB) and no model
@@ -102,7 +106,7 @@ def server_bounds(model_floats: int, num_clients: int, evicted: Iterable[int] = 
     out = set(evicted)
     kinds = {rank: (frozenset() if rank - 1 in out else CLIENT_KINDS - {SETUP}) for rank in range(1, num_clients + 1)}
     small = {kind: SMALL_MESSAGE
-             for kind in (RESULT, FAILED, CHECKPOINT_DONE, SA_ADVERT, SA_SHARES, SA_SIGNED, SA_REVEAL)}
+             for kind in (RESULT, FAILED, CHECKPOINT_DONE, SA_ADVERT, SA_SHARES, SA_SIGNED, SA_REVEAL, SA_READY)}
     # A masked input is one uint32 per parameter plus the masked weight, and a header like UPDATE's.
     return kinds, {UPDATE: update, SA_MASKED: 4 * (int(model_floats) + 1) + SMALL_MESSAGE, **small}, \
         update + 3 * SMALL_MESSAGE

@@ -55,6 +55,7 @@ STRATEGIES: dict[str, str] = {
     "krum": "hpcfed.strategies.robust:Krum",
     "feddwa": "hpcfed.strategies.feddwa:FedDWA",
     "fedasync": "hpcfed.strategies.fedasync:FedAsync",
+    "fedbuff": "hpcfed.strategies.fedbuff:FedBuff",
     "afed": "hpcfed.strategies.fedasync:FedAsync",
     "local": "hpcfed.strategies.local:Local",
 }
@@ -172,7 +173,8 @@ def resolve(cfg: Config) -> Components:
     from hpcfed.privacy.requirements import Declared, check_privacy
 
     declared = strategy_cls.aggregates_with(strategy_config)
-    check_privacy(cfg, Declared(cfg.strategy.name, strategy_cls.synchronous, declared, cfg.strategy.options))
+    check_privacy(cfg, Declared(cfg.strategy.name, strategy_cls.synchronous, declared,
+                                folds_buffers=strategy_cls.folds_buffers, options=cfg.strategy.options))
     if cfg.privacy.record_dp is not None:
         from hpcfed.privacy.record_dp import check_task
 
@@ -226,7 +228,7 @@ def derive_mode(cfg: Config, strategy_cls: type[Strategy]) -> None:
     mode: Literal["sync", "async"] = "sync" if strategy_cls.synchronous else "async"
     given = cfg.federation.mode
     if given is not None and given != mode:
-        kind, other = ("synchronous", "an asynchronous one (fedasync, feddwa)") if mode == "sync" else \
+        kind, other = ("synchronous", "an asynchronous one (fedasync, fedbuff, feddwa)") if mode == "sync" else \
             ("asynchronous", "a synchronous one (fedavg, local, ...)")
         raise ConfigError(f"{locate(cfg.source, 'federation.mode')} = {given!r} disagrees with strategy "
                           f"{cfg.strategy.name!r}, which is {kind}: the mode follows from the strategy; remove "

@@ -3,6 +3,7 @@
     python tools/bench_privacy.py [--json] [--k 4 8 16] [--p 1M] [--rounds 3] [--baseline DIR]
                                   [--utility-k 8] [--utility-rounds 8] [--z 2.0] [--clip 0.3]
                                   [--skip-cost] [--skip-utility]
+    python tools/bench_privacy.py --async [--k 4 8 16] [--p 1M] [--rounds 3] [--buffer 4] [--utility-k 3]
 
 Cost: for each K, two real federations (`mpiexec -n K+1 python -m hpcfed run`) of the synthetic task
 carrying P float32 parameters (`task.ballast`, no local training), one plain, one with
@@ -22,12 +23,20 @@ run one after the other; the final mean test accuracy, the largest site ε the r
 privacy.record_dp), and the median round time against plain's; then plain and ε = 8 at each batch
 size in `--batch-sizes` (K = the first of `--record-k`): how the cost of per-example gradients grows.
 
+Asynchronous (`--async`): FedBuff (configs/quickstart_fedbuff.yaml, buffers of `--buffer`, at most
+K), plain async against secure buffered async (each buffer summed with SecAgg+ among its members),
+run one after the other for each K: the median time between two server versions (one buffer
+applied; metrics.jsonl `fedbuff_version`) with P float32 parameters and no local training, and their
+ratio; then the quickstart FedBuff's final mean test accuracy plain and secure (`--utility-k` sites,
+`--utility-rounds` x K uploads).
+
 A benchmark, not a test: on a shared machine the times move with the load (printed with them).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
@@ -49,14 +58,16 @@ QUIET = ["federation.round_deadline_s=3000", "federation.client_timeout_s=3000",
          "federation.status_every_s=3600", "influence.enabled=false"]
 
 
-def run(k: int, overrides: list[str], timeout: float, repo: Path = REPO) -> dict:
-    """One quickstart federation of K sites with `overrides`, of the hpcfed in `repo`; its metrics and summary."""
+def run(k: int, overrides: list[str], timeout: float, repo: Path = REPO,
+        config: str = "configs/quickstart.yaml") -> dict:
+    """One federation of K sites (`config`, the quickstart by default) with `overrides`, of the hpcfed in
+    `repo`; its metrics and summary."""
     mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
     if mpiexec is None:
         raise SystemExit("no mpiexec on PATH; install an MPI (`pip install mpich`)")
     with tempfile.TemporaryDirectory(prefix="bench_privacy_") as tmp:
         out = Path(tmp) / "run"
-        cmd = [mpiexec, "-n", str(k + 1), sys.executable, "-m", "hpcfed", "run", str(repo / "configs/quickstart.yaml"),
+        cmd = [mpiexec, "-n", str(k + 1), sys.executable, "-m", "hpcfed", "run", str(repo / config),
                "--out", str(out), *QUIET, *overrides]
         env = {**os.environ, "HPCFED_PSK": secrets.token_hex(32), "PYTHONPATH": str(repo)}
         proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
@@ -154,6 +165,45 @@ def record_dp_table(ks: list[int], rounds: int, epsilons: list[float], clip: flo
     return {"rows": rows, "batch_growth": growth}
 
 
+FEDBUFF = "configs/quickstart_fedbuff.yaml"
+
+
+def buffer_time(k: int, p: int, rounds: int, buffer: int, secure: bool, timeout: float) -> dict:
+    """FedBuff with P parameters and no local training: the median time between two server versions."""
+    res = run(k, [f"rounds={rounds}", "checkpoint_every=0", "eval_every=0", f"task.ballast={p}", "task.local_epochs=0",
+                  "task.samples_per_site=100", "task.hidden=16", f"federation.buffer_size={min(buffer, k)}",
+                  *(SECAGG if secure else [])], timeout, config=FEDBUFF)
+    bumps, last = [], None
+    for e in res["events"]:
+        if e["name"] == "fedbuff_version" and e["value"] != last:
+            bumps.append(e["time"])
+            last = e["value"]
+    gaps = [b - a for a, b in itertools.pairwise(bumps)]
+    return {"buffer_time_s": statistics.median(gaps) if gaps else float("nan"), "buffers": len(bumps)}
+
+
+def async_table(ks: list[int], p: int, rounds: int, buffer: int, utility_k: int, utility_rounds: int,
+                timeout: float) -> dict:
+    """Plain against secure buffered async, side by side: buffer time per K, then the quickstart's accuracy."""
+    rows = []
+    for k in ks:
+        plain, secure = (buffer_time(k, p, rounds, buffer, s, timeout) for s in (False, True))
+        row = {"k": k, "p": p, "buffer": min(buffer, k), "plain": plain, "secure": secure,
+               "time_ratio": secure["buffer_time_s"] / plain["buffer_time_s"]}
+        rows.append(row)
+        print(f"  K={k:3d} P={p:,} buffer {row['buffer']}: {plain['buffer_time_s']:.3f} s plain, "
+              f"{secure['buffer_time_s']:.3f} s secure per buffer (x{row['time_ratio']:.2f}); "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+    utility = {}
+    for secure in (False, True):
+        res = run(utility_k, [f"rounds={utility_rounds}", "checkpoint_every=0", *(SECAGG if secure else [])],
+                  timeout, config=FEDBUFF)
+        utility["secure" if secure else "plain"] = res["summary"]["mean"]["accuracy"]
+    print(f"  quickstart FedBuff, K={utility_k}: accuracy {utility['plain']:.4f} plain, {utility['secure']:.4f} "
+          f"secure ({utility['secure'] - utility['plain']:+.4f}); load {os.getloadavg()[0]:.1f}", flush=True)
+    return {"buffers": rows, "utility": utility}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8, 16])
@@ -172,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record-clip", type=float, default=1.0)
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[32, 128])
     ap.add_argument("--record-set", nargs="*", default=[], help="extra key=value overrides for the record-DP runs")
+    ap.add_argument("--async", dest="asynchronous", action="store_true",
+                    help="only plain against secure buffered async, FedBuff (see the docstring)")
+    ap.add_argument("--buffer", type=int, default=4, help="--async: federation.buffer_size (at most K)")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--skip-utility", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -180,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     print(f"bench_privacy: {os.cpu_count()} cores, load average {load:.1f} at the start", flush=True)
     result: dict = {"load_average": load}
+    if args.asynchronous:
+        result["async"] = async_table(args.k, parse_count(args.p), args.rounds, args.buffer, args.utility_k,
+                                      args.utility_rounds, args.timeout)
+        args.skip_cost = args.skip_utility = True
     if args.record_dp:
         result["record_dp"] = record_dp_table(args.record_k, args.record_rounds, args.epsilons, args.record_clip,
                                               args.batch_sizes, args.record_set, args.timeout)

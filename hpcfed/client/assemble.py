@@ -3,6 +3,7 @@ layout is known (after the setup exchange). Each stage is installed only when co
 
     plain:              train -> [Tamper] -> Send | MalformedSend -> [faults]
     secure aggregation: train -> [Tamper] -> Delta -> Clip -> [Noise] -> Encode -> SecAggSite -> [faults]
+    secure, async:      train -> Delta -> Clip -> BufferedSecAggSite (weighs, encodes, masks) -> [faults]
     malicious, masked:  train -> Tamper -> Delta -> UnboundedEncode -> SecAggSite -> [faults]
     garbage, masked:    train -> Delta -> Clip -> [Noise] -> Encode -> Garbage -> SecAggSite -> [faults]
 
@@ -23,6 +24,7 @@ from hpcfed.client.config import ClientConfig
 from hpcfed.client.faults import fault_stages
 from hpcfed.client.privacy_stages import Clip, Delta, Encode, Noise
 from hpcfed.client.secagg import SecAggSite
+from hpcfed.client.secagg_buffer import BufferedSecAggSite
 from hpcfed.client.upload import Pipeline, Send, Stage, Upstream
 from hpcfed.comm.api import Channel
 from hpcfed.credentials import RankKeys
@@ -69,6 +71,10 @@ def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, 
         stages.append(Encode(spec, up.uniform_weighting, channel.rank - 1))
         if attack is not None:  # a garbage* attack (group testing's attacker: docs/threats.md)
             stages.append(attacks.Garbage(attack))
+    if up.mode == "async":  # FedBuff's buffers: the site weighs and encodes once its buffer tells it its staleness
+        return [stages[0], Clip(spec.clip_norm), BufferedSecAggSite(
+            channel, layout.size, keys=keys, degree=up.privacy.secagg.degree, timeout_s=up.client_timeout_s,
+            spec=spec, rule=up.staleness)]
     site = SecAggSite(channel, layout.size, keys=keys, degree=up.privacy.secagg.degree,
                       min_group=up.privacy.secagg.min_group, timeout_s=up.client_timeout_s)
     return [*stages, site]

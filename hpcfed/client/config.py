@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hpcfed.config import Config, PrivacyConfig, RecordDPConfig, SecurityConfig
-from hpcfed.registry import task_class
+from hpcfed.privacy.buffered import StalenessRule
+from hpcfed.registry import strategy_class, task_class
 from hpcfed.schema import build
 from hpcfed.tasks.base import Task
 
@@ -60,6 +61,9 @@ class UploadSection:
     quorum: float  # the fewest sites a securely aggregated sum may hold, as a fraction of K
     uniform_weighting: bool  # strategy weighting=uniform: every site weighs 1
     client_timeout_s: float  # how long a secure aggregation stage waits for the server
+    mode: Literal["sync", "async"] = "sync"  # async under secure aggregation: the site joins buffers
+    # the async strategy's s(τ), applied by the site under secure aggregation
+    staleness: StalenessRule = field(default_factory=StalenessRule)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,5 +91,17 @@ class ClientConfig:
                            keep_checkpoints=cfg.keep_checkpoints)
         upload = UploadSection(privacy=cfg.privacy, quorum=fed.quorum,
                                uniform_weighting=cfg.strategy.options.get("weighting", "num_examples") == "uniform",
-                               client_timeout_s=fed.client_timeout_s)
+                               client_timeout_s=fed.client_timeout_s, mode=cfg.mode, staleness=_staleness(cfg))
         return cls(site=site, loop=loop, upload=upload, security=cfg.security)
+
+
+def _staleness(cfg: Config) -> StalenessRule:
+    """The staleness weight s(τ) the run's async strategy declares (its ``rule``: FedBuff), else constant 1."""
+    if cfg.mode != "async":
+        return StalenessRule()
+    cls = strategy_class(cfg.strategy.name, cfg.source)
+    built = build(cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy.")
+    kind = getattr(built, "staleness", None)
+    if kind is None:
+        return StalenessRule("constant")
+    return StalenessRule(kind, float(getattr(built, "a", 0.5)), int(getattr(built, "b", 4)))

@@ -118,8 +118,9 @@ class SecAggSite(Stage):
         self._reveal(rnd, state, nxt)
         return upload
 
-    def _reveal(self, rnd: int, state: SiteState, nxt: SiteState) -> None:
-        """Answer the unmask request of round `rnd`, and share `nxt`'s keys when it relays them."""
+    def _reveal(self, rnd: int, state: SiteState, nxt: SiteState | None) -> None:
+        """Answer the unmask request of round `rnd`, and share `nxt`'s keys when it relays them (`nxt`
+        None: this exchange sets nothing up ahead, and refuses adverts relayed for it)."""
         me, n = self.site, self.num_sites
         check = self._wait(rnd, P.SA_CHECK)
         survivors = set(W.site_ids(check.header.get("survivors"), n, "the server's survivor set", me))
@@ -134,6 +135,9 @@ class SecAggSite(Stage):
         self.rules.revealed(rnd, alive)  # the sums the server may now hold: checked against in group rounds
         tensors = None
         if request.header.get("next_adverts") is not None:  # the next round is set up now, off its path
+            if nxt is None:
+                raise ProtocolError(f"the server relays next adverts with round {rnd}'s unmask request, which sets "
+                                    f"nothing up ahead")
             adverts = W.parse_adverts(request.header["next_adverts"], nxt.peers, n, me)
             reveal["next_to"], blob = W.shares_message(nxt.share_keys(adverts), by_sender=False)
             tensors, self.next = {W.SHARES_TENSOR: blob}, nxt
@@ -146,9 +150,10 @@ class SecAggSite(Stage):
             else members_graph(self.members, self.num_sites, rnd, self.degree)
         return SiteState(self.site, graph, self.size, self.identity, self.peer_keys, rnd)
 
-    def _setup(self, rnd: int) -> SiteState:
-        """Round `rnd`'s keys advertised and shared within the round (the server asked for it)."""
-        state = self._state(rnd)
+    def _setup(self, rnd: int, state: SiteState | None = None) -> SiteState:
+        """Round `rnd`'s keys advertised and shared within the round (the server asked for it); `state`:
+        the round's own (a buffer's, `hpcfed.client.secagg_buffer`), else one on the round's graph."""
+        state = state or self._state(rnd)
         self._send(P.SA_ADVERT, {"round": rnd, "advert": W.advert_fields(state.advertise())})
         keys = self._wait(rnd, P.SA_KEYS)
         sealed = state.share_keys(W.parse_adverts(keys.header.get("adverts"), state.peers, self.num_sites, self.site))

@@ -26,6 +26,7 @@ from hpcfed.errors import FederationError
 from hpcfed.launch import jobwatch
 from hpcfed.launch.out_dir import prepare_out_dir
 from hpcfed.launch.site_group import LeadersOnlyTransport, SiteGroup, init_site_torch, split_world
+from hpcfed.schema import InvalidValue, locate
 from hpcfed.site_layout import SiteLayout, layout_for, world_size_for
 
 _ABORT_GRACE_S = 15  # a rank whose MPI_Abort has not ended it by then ends itself
@@ -271,6 +272,10 @@ def _check_world(cfg: Config, size: int) -> SiteLayout:
         fix = world_size_for(cfg.federation.ranks_per_site, want)
         raise ConfigError(f"{cfg.source}: federation.num_clients={want} but the job has {layout.num_sites} sites{per} "
                           f"(world size {size}); start it with -n {fix} or drop the key")
+    try:
+        cfg.federation.check_buffer(layout.num_sites)
+    except InvalidValue as exc:
+        raise ConfigError(f"{locate(cfg.source, 'federation.' + exc.key)} {exc.problem}") from None
     return layout
 
 

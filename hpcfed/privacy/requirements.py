@@ -1,10 +1,12 @@
 """What the run's ``privacy`` section asks of its strategy, checked against what the strategy declares.
 
-Secure aggregation gives rank 0 one sum per round, and DP (`hpcfed.strategies.dp`) hands the wrapped
-strategy one noised mean: both need a synchronous strategy that declares ``aggregates =
-"weighted_sum"`` (`hpcfed.strategies.base`). They read that declaration, never the strategy's class,
-so a new weighted-mean strategy (FedAvgM) runs under either with no line here. Each refusal is one
-line naming the key and the fix (a `ConfigError`); `hpcfed.registry.resolve` calls `check_privacy`.
+Secure aggregation gives rank 0 one sum per round (asynchronously, per buffer: FedBuff), and DP
+(`hpcfed.strategies.dp`) hands the wrapped strategy one noised mean: both need a strategy that declares
+``aggregates = "weighted_sum"`` (`hpcfed.strategies.base`), DP a synchronous one; an async strategy
+may instead declare ``folds_buffers`` (FedDWA: each secure buffer's sum a record). They read that
+declaration, never the strategy's class, so a new weighted-mean strategy (FedAvgM) runs under either
+with no line here. Each refusal is one line naming the key and the fix (a `ConfigError`);
+`hpcfed.registry.resolve` calls `check_privacy`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Declared:
     name: str  # strategy.name, as configured
     synchronous: bool  # `Strategy.synchronous`
     aggregates: str  # `Strategy.aggregates_with(config)`: "weighted_sum" or "each_upload"
+    folds_buffers: bool = False  # `Strategy.folds_buffers`: an async strategy that can fold a secure buffer's sum
     options: dict[str, Any] = field(default_factory=dict)  # strategy options, to name them in an error
 
     def describe(self) -> str:
@@ -63,13 +66,15 @@ def check_privacy(cfg: Config, strategy: Declared) -> None:
 
 
 def check_secure_aggregation(cfg: Config, strategy: Declared) -> None:
-    """Secure aggregation gives rank 0 one sum per round: only a synchronous weighted mean can use it."""
+    """Secure aggregation gives rank 0 one sum per round (per buffer, asynchronously): only a weighted mean
+    can use it, or an async strategy that folds a buffer's sum in its own way (FedDWA's buffer records)."""
     key = locate(cfg.source, "privacy.secure_aggregation")
-    if not strategy.synchronous:
-        raise ConfigError(f"{key} = true: secure aggregation runs in synchronous rounds only, and strategy "
-                          f"{strategy.name!r} is asynchronous (each upload is applied alone, so its sum is that "
-                          f"site's update); choose strategy fedavg, or remove privacy.secure_aggregation")
-    if strategy.aggregates != WEIGHTED_SUM:
+    if not strategy.synchronous and strategy.aggregates != WEIGHTED_SUM and not strategy.folds_buffers:
+        raise ConfigError(f"{key} = true: rank 0 learns only each buffer's sum, and asynchronous strategy "
+                          f"{strategy.describe()} applies each upload on its own, so that sum would be one site's "
+                          f"update; choose strategy fedbuff (buffers summed securely) or feddwa (each buffer a "
+                          f"record), or remove privacy.secure_aggregation")
+    if strategy.synchronous and strategy.aggregates != WEIGHTED_SUM:
         raise ConfigError(f"{key} = true: rank 0 learns only the sum of the updates, which a weighted mean needs "
                           f"(aggregates={WEIGHTED_SUM!r}) and strategy {strategy.describe()} cannot work from; "
                           f"choose strategy fedavg (rule mean) or fedavgm, or remove privacy.secure_aggregation")

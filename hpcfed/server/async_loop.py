@@ -63,6 +63,7 @@ class AsyncLoop:
         self.last_seen: dict[int, float] = {}  # client id -> when it was last heard from
         self.began = 0.0  # when the loop began (monotonic): the first parked upload's wait is measured from it
         self.first_parked: float | None = None  # when the first upload was parked
+        self.unanswered: set[int] = set()  # folded uploads whose answer the strategy deferred (FedBuff's buffer)
 
     def run(self) -> bool:
         """Accept uploads until the budget is spent; True when it stopped early to halt (SIGUSR2, OUT/HALT, or
@@ -129,6 +130,8 @@ class AsyncLoop:
             core.maybe_status()
         else:
             core.client_failed(msg.source - 1, V.error_text(msg.header))
+        if self.unanswered and core.live <= self.unanswered:  # sites left: the buffer cannot fill
+            self.answer_flushed(self.strategy.flush())
         return self.release_parked()  # a site gone may complete the parked quorum
 
     def update(self, msg: Message) -> Accepted:
@@ -161,7 +164,17 @@ class AsyncLoop:
         if not bounded:
             self.outbox.owe(cid, answer=True)  # answered all the same: the site goes on
             return []
-        return [(upd, set(self.strategy.on_update(upd)) | {cid})]
+        return [(upd, self._targets(upd))]
+
+    def _targets(self, upd: Update) -> set[int]:
+        """Fold `upd`: the sites to send the model to now (the uploader too, unless the strategy
+        answers it later: `AsyncStrategy.defers_answers`, then it waits in `unanswered`)."""
+        targets = set(self.strategy.on_update(upd))
+        if not self.strategy.defers_answers:
+            targets.add(upd.client_id)
+        elif upd.client_id not in targets:
+            self.unanswered.add(upd.client_id)
+        return targets
 
     def release_parked(self) -> Accepted:
         """Once min(3, K) live sites have an upload parked (each waits for its answer meanwhile,
@@ -173,8 +186,7 @@ class AsyncLoop:
         held, self.held = self.held, {}
         parking, self.parking = self.parking, None
         released: Accepted = []
-        refused = self.bounding.fold_parked(parking, held, lambda upd: released.append(
-            (upd, set(self.strategy.on_update(upd)) | {upd.client_id})))
+        refused = self.bounding.fold_parked(parking, held, lambda upd: released.append((upd, self._targets(upd))))
         core.influence.settle()
         now = time.monotonic()
         for cid in sorted(held):
@@ -197,11 +209,18 @@ class AsyncLoop:
                        core.cfg.federation.round_deadline_s)
         return time.monotonic() - self.first_parked >= patience
 
+    def answer_flushed(self, targets: list[int]) -> None:
+        """Answer the sites a flushed buffer held (`AsyncStrategy.flush`)."""
+        for cid in sorted(set(targets) & self.core.live):
+            self.outbox.owe(cid, answer=True)
+        self.unanswered.clear()
+
     def site_out(self, cid: int) -> None:
         """Site `cid` left the federation (dropped or evicted): owe it nothing, forget what it
         asked for, and fold nothing it had parked."""
         self.outbox.forget(cid)
         self.requested.pop(cid, None)
+        self.unanswered.discard(cid)
         if self.held.pop(cid, None) is not None and self.parking is not None:
             self.parking.discard(cid)
 
@@ -217,7 +236,8 @@ class AsyncLoop:
         for name, value in core.strategy.metrics().items():
             core.metrics.log(core.updates_accepted, None, name, value)
         for cid in sorted(targets & core.live):
-            self.outbox.owe(cid, answer=cid == upd.client_id)
+            self.outbox.owe(cid, answer=cid == upd.client_id or cid in self.unanswered)
+            self.unanswered.discard(cid)
 
     def after_accepting(self, count: int) -> bool:
         """`count` uploads were just accepted (several when parked ones are released together):
@@ -237,7 +257,7 @@ class AsyncLoop:
         """A site unheard of for `round_deadline_s` has failed (a parked one waits on the server)."""
         limit = self.core.cfg.federation.round_deadline_s
         now = time.monotonic()
-        for cid in sorted(self.core.live - set(self.held)):
+        for cid in sorted(self.core.live - set(self.held) - self.unanswered):  # those waiting wait on the server
             if now - self.last_seen[cid] > limit:
                 self.core.client_failed(cid, f"sent no update for {limit:g} s (federation.round_deadline_s)")
 

@@ -82,7 +82,7 @@ class SecAggCollector:
 
     def __init__(self, core: ServerCore, strategy: SyncStrategy) -> None:
         declared = strategy.aggregates_with(strategy.config)
-        if declared != WEIGHTED_SUM:  # hpcfed.privacy.requirements refuses the config before this
+        if declared != WEIGHTED_SUM and not strategy.folds_buffers:  # hpcfed.privacy.requirements refuses first
             raise TypeError(f"strategy {strategy.name!r} declares aggregates={declared!r}: it cannot take the secure "
                             f"sum (it needs {WEIGHTED_SUM!r})")
         self.core, self.strategy = core, strategy
@@ -161,12 +161,7 @@ class SecAggCollector:
             and len(core.live) >= 2  # (sites lost meanwhile: the next round sets up among those there then)
         nxt = ServerState(members_graph(core.live, self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) \
             if ahead_ok else None
-        self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
-            rnd, cid, msg, want_state, state, taken, nxt))
-        for cid in set(state.masked) - core.live:  # evicted since: its input stays out, as a dropped site's
-            state.withdraw(cid)
-        alive, dropped = state.unmask_request()
-        self._quorum(rnd, alive, "sent masked inputs")
+        alive, dropped = self._masked_inputs(rnd, state, want_state, taken, nxt)
         short = state.shortfall()
         why = self.testing.missing(alive) or (short.describe() if short is not None else None)
         if why is not None:  # decided before any site is asked for a share: none is revealed in vain
@@ -214,6 +209,18 @@ class SecAggCollector:
             self.prepared = None  # a site was evicted: the next round sets up fresh keys without it
         return _kept(taken, alive, lost=False)
 
+    def _masked_inputs(self, rnd: int, state: ServerState, want_state: bool, taken: RoundUploads,
+                       nxt: ServerState | None) -> tuple[set[int], set[int]]:
+        """The masked inputs of the sites that shared (the stage's deadline), less those evicted since
+        (they count as dropped): (alive, dropped), once the quorum of masked inputs holds."""
+        self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
+            rnd, cid, msg, want_state, state, taken, nxt))
+        for cid in set(state.masked) - self.core.live:  # evicted since: its input stays out, as a dropped site's
+            state.withdraw(cid)
+        alive, dropped = state.unmask_request()
+        self._quorum(rnd, alive, "sent masked inputs")
+        return alive, dropped
+
     def _check(self, rnd: int, state: ServerState, alive: set[int]) -> set[int]:
         """The consistency check: each survivor signs the survivor set; the survivors that hold their
         threshold of neighbours' signatures, the only ones asked to unmask."""
@@ -231,18 +238,20 @@ class SecAggCollector:
     def _degree(self) -> int | None:
         return self.core.cfg.privacy.secagg.degree
 
-    def _setup(self, rnd: int, uploads: RoundUploads) -> ServerState:
+    def _setup(self, rnd: int, uploads: RoundUploads, state: ServerState | None = None) -> ServerState:
         """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
         round some live site missed): two more exchanges before the sites can mask. A live site short
-        of advertised neighbours sits the round out (`uploads.sat_out`)."""
+        of advertised neighbours sits the round out (`uploads.sat_out`). `state`: the exchange's own
+        (a buffer's, among its members: `hpcfed.server.secagg_buffer`), else the round's over all sites."""
         core, n = self.core, self.num_sites
-        self._quorum(rnd, set(core.live), "present when the keys are set up")  # sites lost while PARAMS went out
-        state = ServerState(self.testing.graph(rnd, self._degree()), self.size, rnd)
+        if state is None:  # the round's own exchange, over the sites present
+            self._quorum(rnd, set(core.live), "present when the keys are set up")  # sites lost while PARAMS went out
+            state = ServerState(self.testing.graph(rnd, self._degree()), self.size, rnd)
 
         def advert(cid: int, msg: Message) -> None:
             state.take_advert(cid, W.parse_advert(cid, msg.header.get("advert"), n))
 
-        advertised = self._gather(rnd, P.SA_ADVERT, set(core.live), advert)
+        advertised = self._gather(rnd, P.SA_ADVERT, set(core.live) & set(state.graph), advert)
         if short := state.leave_out_short():
             advertised -= short
             uploads.sat_out = short

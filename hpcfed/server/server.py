@@ -26,6 +26,7 @@ from hpcfed.registry import strategy_class, task_class
 from hpcfed.schema import build
 from hpcfed.server import setup, summary
 from hpcfed.server.async_loop import AsyncLoop
+from hpcfed.server.buffered import SecureBufferedLoop
 from hpcfed.server.core import BelowFloor, ServerCore
 from hpcfed.server.sync_rounds import SyncRounds
 from hpcfed.strategies.base import Strategy, StrategyContext
@@ -45,7 +46,7 @@ class Server:
         strategy_cls = strategy_class(cfg.strategy.name, cfg.source)
         context = StrategyContext(num_clients=channel.size - 1, seed=cfg.seed, task_cls=task_cls,
                                   task_config=task_config, log=log.info, dp=cfg.privacy.dp,
-                                  secret_seed=_noise_seed(cfg, keys))
+                                  secret_seed=_noise_seed(cfg, keys), buffer_size=cfg.federation.buffer_size)
         strategy: Strategy = with_privacy(  # privacy.dp wraps the strategy (hpcfed.strategies.dp)
             strategy_cls(build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
                          context), cfg.privacy, context)
@@ -77,7 +78,9 @@ class Server:
             if halted is not None:
                 return summary.halt(core, halted)
         else:
-            loop = AsyncLoop(core)
+            # under secure aggregation, FedBuff's buffers summed securely; else each upload as it comes
+            loop: AsyncLoop | SecureBufferedLoop = SecureBufferedLoop(core) if core.cfg.privacy.secure_aggregation \
+                else AsyncLoop(core)
             stopped_early = loop.run()
             loop.forget_owed()  # STOP or FINAL supersedes every model still owed
             if stopped_early:

@@ -77,6 +77,7 @@ class StrategyContext:
     # A seed derived from the job's key (`hpcfed.credentials.RankKeys.secret_seed`): for randomness that must
     # be reproducible on resume yet unknown to whoever reads the outputs (DP noise). None in tests.
     secret_seed: int | None = None
+    buffer_size: int | None = None  # federation.buffer_size: uploads per buffer (FedBuff); None: its default
 
 
 class Strategy(ABC):
@@ -91,6 +92,9 @@ class Strategy(ABC):
     shares_updates: ClassVar[bool] = True
     # What a round needs of the uploads: WEIGHTED_SUM or EACH_UPLOAD (see the module's docstring).
     aggregates: ClassVar[Aggregates] = EACH_UPLOAD
+    # An async strategy that needs each upload in the clear, yet can fold a secure buffer's sum in
+    # another form (FedDWA: each buffer as a record): `fold_sum` under secure aggregation.
+    folds_buffers: ClassVar[bool] = False
 
     layout: ParamLayout  # the model's parameter layout; set by `initialize`
     global_flat: np.ndarray  # the global model, float32 (layout.size,); set by `initialize` / `load_state_dict`
@@ -222,8 +226,23 @@ class AsyncStrategy(Strategy):
     """A rule for an asynchronous federation: each upload is folded as it comes (`on_update`)."""
 
     synchronous: ClassVar[bool] = False
+    # Does an uploader wait for its answer until `on_update` names it (FedBuff: once its buffer is applied)?
+    # False: the loop answers every uploader at once, whatever `on_update` returns.
+    defers_answers: ClassVar[bool] = False
 
     @abstractmethod
     def on_update(self, update: Update) -> list[int]:
         """Fold one upload into the state; return the client ids to send `model_for` to now."""
+
+    def flush(self) -> list[int]:
+        """Every live site waits on an answer `on_update` deferred (sites left, so a buffer cannot fill):
+        apply what is held and return the sites to answer (default: nothing is held)."""
+        return []
+
+    def fold_sum(self, delta_sum: np.ndarray, total_weight: float, count: int) -> None:
+        """Fold one securely aggregated buffer (`hpcfed.server.secagg_buffer`): `delta_sum` = Σ_k s_k·δ_k
+        (float64, s_k the strategy's staleness weight, applied by each site), `total_weight` = Σ_k s_k > 0,
+        from `count` sites; one new version. Only a strategy that declares ``aggregates = WEIGHTED_SUM``
+        (FedBuff) or ``folds_buffers`` (FedDWA) implements it; the config checks refuse the others first."""
+        raise TypeError(f"strategy {self.name!r} cannot fold a secure buffer's sum (it needs each upload)")
 

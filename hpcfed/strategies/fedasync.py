@@ -20,19 +20,14 @@ from typing import Literal
 
 import numpy as np
 
+from hpcfed.privacy.buffered import StalenessRule
 from hpcfed.strategies.base import AsyncStrategy, Update
 
 
 def staleness_factor(staleness: int, kind: str, a: float, b: int) -> float:
-    """s(t − τ) of FedAsync; staleness < 0 (a client ahead of the server) counts as 0."""
-    s = max(0, int(staleness))
-    if kind == "constant":
-        return 1.0
-    if kind == "polynomial":
-        return float((s + 1.0) ** (-a))
-    if kind == "hinge":
-        return 1.0 if s <= b else 1.0 / (a * (s - b) + 1.0)
-    raise ValueError(f"unknown staleness function {kind!r}; choose constant, polynomial or hinge")
+    """s(t − τ) of FedAsync; staleness < 0 (a client ahead of the server) counts as 0
+    (`hpcfed.privacy.buffered.StalenessRule`, which a site applies itself under secure aggregation)."""
+    return StalenessRule(kind, a, b).weight(staleness)
 
 
 class FedAsync(AsyncStrategy):

@@ -22,13 +22,15 @@ the upload being received).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from hpcfed.params import Params
 from hpcfed.strategies.aggregate import weighted_mean
 from hpcfed.strategies.base import AsyncStrategy, Update
+from hpcfed.strategies.fedbuff import buffer_size_for
+from hpcfed.strategies.feddwa_buffers import BufferRecords
 
 
 def dwa_weights(gaps: np.ndarray, a: float) -> np.ndarray:
@@ -41,6 +43,8 @@ def dwa_weights(gaps: np.ndarray, a: float) -> np.ndarray:
 
 class FedDWA(AsyncStrategy):
     name = "feddwa"
+    # Under secure aggregation each buffer's sum is a record (`hpcfed.strategies.feddwa_buffers`): `fold_sum`.
+    folds_buffers: ClassVar[bool] = True
 
     @dataclass(kw_only=True)
     class Config:
@@ -64,6 +68,15 @@ class FedDWA(AsyncStrategy):
         self.last_max_gap = 0
         self.last_base_version = 1
         self.gone: set[int] = set()  # evicted sites: their records weigh nothing (`forget`)
+        self.buffers = BufferRecords(self.global_flat, n, buffer_size_for(self.context.buffer_size, n))
+
+    def fold_sum(self, delta_sum: np.ndarray, total_weight: float, count: int) -> None:
+        """Under secure aggregation: one buffer's Σ δ_k and its count (each member weighs 1) as a record,
+        and the model recomputed over the buffers' records (`hpcfed.strategies.feddwa_buffers`)."""
+        self.version += 1
+        self.last_max_gap = self.buffers.fold(self.global_flat, delta_sum, total_weight, self.version,
+                                              self.config.staleness_exponent, self.global_flat)
+        self.last_broadcast = False
 
     @property
     def threshold(self) -> int:
@@ -112,13 +125,14 @@ class FedDWA(AsyncStrategy):
         header, arrays = super().state_dict()
         header["num_rejected"] = self.num_rejected
         header["gone"] = sorted(self.gone)
-        return header, {**arrays, "s_w": self.s_w, "s_v": self.s_v}
+        return header, {**arrays, "s_w": self.s_w, "s_v": self.s_v, **self.buffers.state()}
 
     def load_state_dict(self, state: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
         super().load_state_dict(state)
         header, arrays = state
         self.s_w = np.array(arrays["s_w"], dtype=np.float32)
         self.s_v = np.array(arrays["s_v"], dtype=np.int64)
+        self.buffers.load(arrays)
         self.num_rejected = int(header.get("num_rejected", 0))
         self.gone = {int(c) for c in header.get("gone", []) if 0 <= int(c) < self.context.num_clients}
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -129,3 +130,19 @@ def final_state(out: Path) -> tuple[dict, dict[str, bytes]]:
     newest = ck.latest_valid(out / "checkpoints", warn=lambda _: None)
     arrays = {k: np.ascontiguousarray(v).tobytes() for k, v in sorted(newest.strategy[1].items())} if newest else {}
     return summary["clients"], arrays
+
+
+def spy_launcher(tmp: Path, spy_args: list[str]) -> Path:
+    """An mpiexec that starts a test-side spy (``python SPY_ARGS... hpcfed-args``) in place of
+    ``python -m hpcfed``, the rank guard kept: for `start(..., launcher=...)`."""
+    path = tmp / "mpiexec"
+    path.write_text(f"""#!/bin/bash
+args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "-m" ] && [ "${{2:-}}" = "hpcfed" ]; then args+=({" ".join(f'"{a}"' for a in spy_args)}); shift 2
+  else args+=("$1"); shift; fi
+done
+exec "{mpiexec()}" "${{args[@]}}"
+""")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path

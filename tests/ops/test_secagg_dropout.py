@@ -16,14 +16,12 @@ fresh keys and round 2's graph, where every mask can be rebuilt."""
 from __future__ import annotations
 
 import json
-import stat
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, mpiexec
-from ops_helpers import events, finish, kill_all, output, start
+from conftest import REPO
+from ops_helpers import events, finish, kill_all, output, spy_launcher, start
 
 from hpcfed import protocol as P
 from hpcfed.store import checkpoint as ck
@@ -34,27 +32,13 @@ SPY = REPO / "tests" / "privacy" / "secagg_spy.py"
 K, BEFORE, AFTER = 8, 5, 2
 
 
-def _spy_launcher(tmp: Path, spy: Path) -> Path:
-    """An mpiexec that starts the spy in place of ``python -m hpcfed`` (the rank guard stays)."""
-    path = tmp / "mpiexec"
-    path.write_text(f"""#!/bin/bash
-args=()
-while [ $# -gt 0 ]; do
-  if [ "$1" = "-m" ] && [ "${{2:-}}" = "hpcfed" ]; then args+=("{SPY}" "{spy}" "-1"); shift 2
-  else args+=("$1"); shift; fi
-done
-exec "{mpiexec()}" "${{args[@]}}"
-""")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
 def test_two_sites_killed_before_and_after_masking_leave_the_survivors_sum(tmp_path):
     out, spy = tmp_path / "run", tmp_path / "spy"
     t0 = time.monotonic()
     proc = start(out, ["rounds=3", "checkpoint_every=0", "privacy.secure_aggregation=true", "influence.enabled=false",
                        "federation.on_client_failure=continue", "federation.quorum=0.5",
-                       "federation.round_deadline_s=60"], np_=K + 1, launcher=str(_spy_launcher(tmp_path, spy)),
+                       "federation.round_deadline_s=60"], np_=K + 1,
+                 launcher=str(spy_launcher(tmp_path, [str(SPY), str(spy), "-1"])),
                  extra_env={"SPY_KILL": f"{BEFORE}:before,{AFTER}:after", "SPY_KILL_ROUND": "1", "SPY_HOLD_S": "3"})
     try:
         rc = proc.wait(timeout=150)
@@ -104,7 +88,8 @@ def test_a_neighbourhood_that_loses_too_many_sites_loses_its_round_not_the_run(t
     t0 = time.monotonic()
     proc = start(out, ["rounds=3", "checkpoint_every=2", "privacy.secure_aggregation=true", "privacy.secagg.degree=3",
                        "influence.enabled=false", "federation.on_client_failure=continue", "federation.quorum=0.5",
-                       "federation.round_deadline_s=60"], np_=k + 1, launcher=str(_spy_launcher(tmp_path, spy)),
+                       "federation.round_deadline_s=60"], np_=k + 1,
+                 launcher=str(spy_launcher(tmp_path, [str(SPY), str(spy), "-1"])),
                  extra_env={"SPY_KILL": ",".join(f"{c}:{stage}" for c in dead), "SPY_KILL_ROUND": "1",
                             "SPY_HOLD_S": "3" if stage == "before" else "0"})
     text = finish(proc, out, timeout=120)

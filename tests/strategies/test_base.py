@@ -26,10 +26,12 @@ CONTEXT = StrategyContext(num_clients=2, seed=0)
 def test_builtin_strategies_take_their_mode_from_their_base_and_declare_what_a_round_needs():
     modes = {name: strategy_class(name).synchronous for name in STRATEGIES}
     assert modes == {"fedavg": True, "fedavgm": True, "sega": True, "median": True, "trimmed_mean": True,
-                     "krum": True, "local": True, "feddwa": False, "fedasync": False, "afed": False}
+                     "krum": True, "local": True, "feddwa": False, "fedasync": False, "afed": False,
+                     "fedbuff": False}
     # the declaration secure aggregation and DP read (hpcfed.privacy.requirements), never the class
     weighted = {name for name in STRATEGIES if strategy_class(name).aggregates == WEIGHTED_SUM}
-    assert weighted == {"fedavg", "fedavgm"}
+    assert weighted == {"fedavg", "fedavgm", "fedbuff"}
+    assert {name for name in STRATEGIES if strategy_class(name).folds_buffers} == {"feddwa"}
     assert {strategy_class(name).aggregates for name in STRATEGIES} == {WEIGHTED_SUM, EACH_UPLOAD}
     for name in STRATEGIES:
         cls = strategy_class(name)

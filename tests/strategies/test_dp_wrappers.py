@@ -138,7 +138,7 @@ SECAGG = ["privacy.secure_aggregation=true"]
 
 
 @pytest.mark.parametrize(("raw", "override", "says"), [
-    ({"strategy": {"name": "fedasync"}}, [], "synchronous rounds only"),
+    ({"strategy": {"name": "fedasync"}}, [], "asynchronous strategy 'fedasync' applies each upload on its own"),
     ({}, ["strategy.rule=krum"], "rule 'krum'"),
     ({}, [*DP_OK, "privacy.dp.adaptive={count_stddev: 2}"], "clipped count is not masked"),
     ({"security": {"mode": "keys", "identity": "k{rank}"}}, [], "security.authorized_keys"),

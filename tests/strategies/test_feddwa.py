@@ -121,3 +121,22 @@ def test_local_keeps_each_clients_model() -> None:
     r.initialize({"w": np.zeros(2, dtype=np.float32)})
     r.load_state_dict(s.state_dict())
     assert list(r.model_for(1)) == [2, 2]
+
+
+def test_under_secure_aggregation_each_buffers_sum_is_a_record_weighed_by_its_own_gap() -> None:
+    """K = 4, buffers of 2: two records (⌈4/2⌉), both the initial model at version 1. A buffer whose
+    two deltas sum to 2·[1, 0] is recorded as x + [1, 0] at version 2, replacing the oldest record;
+    the model is eqs (9)-(10) over the records: gaps 0 and 1, weights 1 and 1/2."""
+    s = FedDWA(build(FedDWA.Config, {}), StrategyContext(num_clients=4, seed=0, buffer_size=2))
+    s.initialize({"w": np.zeros(2, dtype=np.float32)})
+    assert FedDWA.folds_buffers and s.buffers.models.shape == (2, 2)
+    s.fold_sum(np.array([2.0, 0.0]), 2.0, 2)
+    np.testing.assert_allclose(s.global_flat, [1.0 / 1.5, 0.0], rtol=1e-6)
+    assert s.version == 2 and s.last_max_gap == 1
+    s.fold_sum(np.array([0.0, 3.0]), 1.0, 1)  # recorded as x_2 + [0, 3], replacing the version-1 record
+    r2, r3 = np.array([1.0, 0.0]), np.array([1.0 / 1.5, 3.0])
+    np.testing.assert_allclose(s.global_flat, (0.5 * r2 + r3) / 1.5, rtol=1e-6)
+    twin = FedDWA(build(FedDWA.Config, {}), StrategyContext(num_clients=4, seed=0, buffer_size=2))
+    twin.initialize({"w": np.zeros(2, dtype=np.float32)})
+    twin.load_state_dict(s.state_dict())
+    np.testing.assert_array_equal(twin.buffers.versions, [2, 3])
