@@ -15,7 +15,8 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   two uploads asked for, refused and clipped ones included: a median follows the honest majority
   as their steps grow or shrink, and one site of K holds at most 1/K of the history however often
   it uploads (an async site that trains fast would fill a shared "last 2K uploads" history with
-  its own distances). It is used once at least ``min(3, K)`` sites have one, so that one site
+  its own distances), since each site puts in as many as the site with the fewest has
+  (`_median_of_equal_shares`). It is used once at least ``min(3, K)`` sites have one, so that one site
   never sets it alone. (Recording the clipped distances instead ratchets the bound down round
   after round until every honest upload is refused.)
   In a synchronous round ``θ_ref`` is the strategy's model for the site (``model_for(k)``), which
@@ -117,9 +118,8 @@ class InfluenceGuard:
         self._weigh_by_size = bool(live) and live <= set(self.claimed)
         if self.claimed:
             self._cap = self.config.max_weight_factor * float(np.median(list(self.claimed.values())))
-        recent = [d for per_site in self.distances.values() for d in per_site]
         if len(self.distances) >= self._quorum:
-            self._typical = float(np.median(recent))
+            self._typical = _median_of_equal_shares(self.distances)
         elif not self.distances:
             self._typical = None
         # else: fewer sites with a history than the quorum (an async run whose other sites are
@@ -250,6 +250,16 @@ class InfluenceGuard:
         self.distances.pop(cid, None)
         self.accepted.pop(cid, None)
         self._pending = [(c, d) for c, d in self._pending if c != cid]
+
+
+def _median_of_equal_shares(distances: dict[int, deque[float]]) -> float:
+    """The median of every site's latest distances, as many from each as the site with the fewest
+    has. A fast asynchronous site has its last two in while a slow one has its first: pooled
+    whole, a sign-flipper x10 held two of four values, the median was half its own distance, and
+    its flips were accepted (and became its own history: every later one too). Where every site
+    uploads every round, each has as many, and this is the median of them all."""
+    share = min(len(per_site) for per_site in distances.values())
+    return float(np.median([d for per_site in distances.values() for d in list(per_site)[-share:]]))
 
 
 def _blocks(n: int) -> Iterator[slice]:
