@@ -117,3 +117,21 @@ def test_a_lone_first_upload_is_released_once_the_other_sites_are_gone(tmp_path)
         loop.end()
         server.metrics.close()
 
+
+def test_an_authenticated_kind_99_flood_evicts_its_sender_with_its_first_message(tmp_path):
+    """A site seals messages of a kind the server never takes: its first, authenticated at its
+    first chunk, is proof (a protocol violation); it is told EVICTED, and the rest is dropped unread."""
+    server, loop, _, chans = _loop(tmp_path, 4, strategy={"name": "fedasync"})
+    try:
+        for _ in range(3):  # 1 MiB each, several chunks
+            chans[1].send(0, 99, {"flood": True}, {"x": np.zeros(1 << 20, np.uint8)})
+        assert loop.step() == []
+        (ev,) = server.ledger.state()
+        assert ev["client"] == 0 and ev["reason"].startswith("protocol violation (unsolicited kind")
+        assert 0 not in server.live and server.live == {1, 2}
+        assert chans[1].recv(kinds={P.EVICTED}, timeout=5) is not None
+        loop.step()
+        assert server.channel.stats.rejected["unsolicited kind"] == 3 and server.rejected == {}
+    finally:
+        loop.end()
+        server.metrics.close()
