@@ -153,7 +153,7 @@ class InfluenceConfig:
 
     enabled: bool = True
     max_weight_factor: float = 1.0  # weight cap, relative to the median claimed size
-    clip_factor: float = 1.0  # distance cap, relative to the median recent distance
+    clip_factor: float = 1.0  # distance cap, x the median recent distance (or the site's own recent steps, up to 2x it)
     reject_factor: float = 10.0  # refuse uploads farther than this x the median recent distance
     # Bound the first uploads by their own median distance: they are parked on rank 0's disk (K x
     # model bytes, in out/scratch) until the first sync round, or min(3, K) async sites, are in.

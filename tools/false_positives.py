@@ -7,9 +7,11 @@ skew (site 0 holds 10 x the examples, label skew 0.5), or a feature-shifted site
 offset by +3 in every dimension, label skew 0.5). Sync: FedAvg rounds (weights and bounds from the
 guard, as rank 0 applies them, `hpcfed.server.bounding`); async: FedAsync (alpha 0.6, polynomial
 staleness a = 0.5), one site uploading at a time in a seeded random order, each upload measured
-from the model that site was last sent. The same cell runs with the guard and without it:
+from the model that site was last sent. ``--model torch`` uses the TorchTask a new user starts
+from instead (`hpcfed new --template torch`: a 3-layer MLP over Gaussian blobs, batches of 32).
+The same cell runs with the guard and without it:
 
-    python tools/false_positives.py [--rounds 200] [--sites 3 8] [--modes sync async] [--json]
+    python tools/false_positives.py [--rounds 200] [--sites 3 8] [--modes sync async] [--model torch] [--json]
 
 Printed per cell: uploads refused, refusals that count as evidence (a site evicted past
 security.max_refused_updates = 3 of them: the goal is none), clipped uploads, the largest
@@ -20,6 +22,7 @@ mean test accuracy with and without the guard (the goal: within 0.01).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import tempfile
 from dataclasses import replace
@@ -30,15 +33,18 @@ import numpy as np
 from hpcfed.config import InfluenceConfig
 from hpcfed.params import ParamLayout
 from hpcfed.server.influence import InfluenceGuard, Refused
-from hpcfed.tasks.base import Site
+from hpcfed.tasks.base import Site, Task
 from hpcfed.tasks.synthetic import SyntheticTask
 
 SPLITS = ("dirichlet 0.1", "dirichlet 0.5", "dirichlet 1.0", "quantity 10x", "feature shift")
 MAX_REFUSED = 3  # security.max_refused_updates' default
+TORCH_TEMPLATE = Path(__file__).resolve().parents[1] / "hpcfed" / "templates" / "torch" / "task.py"
 
 
-def make_sites(split: str, k: int, seed: int, out: Path) -> list[SyntheticTask]:
-    """K honest quickstart sites on `split`."""
+def make_sites(split: str, k: int, seed: int, out: Path, model: str = "quickstart") -> list[Task]:
+    """K honest sites on `split`: the quickstart's, or the TorchTask of `hpcfed new --template torch`."""
+    if model == "torch":
+        return torch_sites(split, k, seed, out)
     base = SyntheticTask.Config()
     skew = float(split.split()[1]) if split.startswith("dirichlet") else 0.5
     sites = []
@@ -53,10 +59,38 @@ def make_sites(split: str, k: int, seed: int, out: Path) -> list[SyntheticTask]:
     return sites
 
 
-def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: int = 0) -> dict:
+def torch_sites(split: str, k: int, seed: int, out: Path) -> list[Task]:
+    """K sites of the template a new user starts from (`hpcfed/templates/torch/task.py`: a
+    TorchTask, a 3-layer MLP over Gaussian blobs, Adam, batches of 32), on `split` as above."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    spec = importlib.util.spec_from_file_location("hpcfed_torch_template", TORCH_TEMPLATE)
+    assert spec is not None and spec.loader is not None
+    template = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(template)
+
+    class ShiftedSite(template.SiteTask):  # type: ignore[name-defined,misc]  # the template's class, loaded above
+        def dataset(self, part: str) -> TensorDataset:
+            x, y = super().dataset(part).tensors
+            return TensorDataset(x + (3.0 if self.site.client_id == 0 else 0.0), y)
+
+    cls = ShiftedSite if split == "feature shift" else template.SiteTask
+    skew = float(split.split()[1]) if split.startswith("dirichlet") else 0.5
+    sites = []
+    for cid in range(k):
+        cfg = cls.Config(label_skew=skew, samples=400 * (10 if split == "quantity 10x" and cid == 0 else 1))
+        cfg.validate()
+        sites.append(cls(cfg, Site(client_id=cid, num_clients=k, seed=seed, out_dir=out)))
+    torch.set_num_threads(1)
+    return sites
+
+
+def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: int = 0,
+             model: str = "quickstart") -> dict:
     """One federation; its guard's record and the sites' final mean test accuracy."""
     with tempfile.TemporaryDirectory() as tmp:
-        sites = make_sites(split, k, seed, Path(tmp))
+        sites = make_sites(split, k, seed, Path(tmp), model)
         layout = ParamLayout.of(sites[0].get_parameters())
         model = layout.flatten(sites[0].get_parameters())
         guard = InfluenceGuard(InfluenceConfig(enabled=guarded), k)
@@ -115,6 +149,8 @@ def main() -> None:
     parser.add_argument("--sites", type=int, nargs="+", default=[3, 8])
     parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
+    parser.add_argument("--model", choices=["quickstart", "torch"], default="quickstart",
+                        help="the quickstart's sites, or the TorchTask template of `hpcfed new --template torch`")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import torch
@@ -124,11 +160,14 @@ def main() -> None:
     for mode in args.modes:
         for k in args.sites:
             for split in args.splits:
-                on, off = (run_cell(split, k, mode, args.rounds, guarded) for guarded in (True, False))
-                rows.append({"mode": mode, "sites": k, "split": split, **on, "accuracy_off": off["accuracy"]})
+                on, off = (run_cell(split, k, mode, args.rounds, guarded, model=args.model)
+                           for guarded in (True, False))
+                rows.append({"model": args.model, "mode": mode, "sites": k, "split": split, **on,
+                             "accuracy_off": off["accuracy"]})
                 r = rows[-1]
                 if not args.json:
-                    print(f"{mode:5} K={k:<2} {split:14} refused {r['refused']:4} evidence {r['evidence']:3} "
+                    print(f"{args.model:10} {mode:5} K={k:<2} {split:14} refused {r['refused']:4} "
+                          f"evidence {r['evidence']:3} "
                           f"evicted {r['evicted']} clipped {r['clipped']:5} peak ratio {r['peak_ratio']:6.3f} "
                           f"accuracy {r['accuracy']:.3f} off {r['accuracy_off']:.3f} "
                           f"({r['accuracy'] - r['accuracy_off']:+.3f})", flush=True)

@@ -5,7 +5,8 @@ frame is checked in this order, and the first failure refuses it (see `session` 
 refusal does): its size against the largest frame; its header (`frame.check`); its session (a
 handshake step goes to `handshake`); its sequence number (strictly above the last one accepted from
 its source: replays and reordering fail); what this rank takes (`admission`, at a message's first
-chunk, before any buffer is reserved); its place in its message (`reassembly.check_chunk`); and its
+chunk, before any buffer is reserved; the first such refusal of each peer is authenticated, so that
+it is proof against the peer); its place in its message (`reassembly.check_chunk`); and its
 tag (tampering, truncation, misrouting, a wrong key, or chunks spliced from another message fail).
 Each chunk is decrypted straight into its slot of the message buffer, and the decoded tensors are
 views into that buffer. A later chunk opened on the pool that fails its tag refuses its whole
@@ -200,9 +201,9 @@ class Receiver:
                 s.stats.dropped_chunks += 1  # the rest of a message refused at its first chunk
                 return
             refusal = self._admission.refusal(src, kind, total) if index == 0 else None
-            if refusal is not None:  # before any buffer is reserved or any byte decrypted
+            if refusal is not None:  # before any buffer is reserved
                 peer.skip_msg = msg_id
-                s.reject(src, *refusal)
+                self._refuse_first_chunk(src, peer, view, ciphertext, h, refusal)
                 return
         problem = check_chunk(peer.asm, ftype, msg_id, index, count, offset, length, total, s.opts.max_message_bytes)
         if problem:
@@ -249,6 +250,30 @@ class Receiver:
             if count == 1:
                 return
         self._chunk_taken(src, peer, h)
+
+    def _refuse_first_chunk(self, src: int, peer: Peer, view: memoryview, ciphertext: memoryview, h: Header,
+                            refusal: frame.Refusal) -> None:
+        """A first chunk of a message this rank does not take (`admission`). Its kind and declared
+        size are in the authenticated header, so the peer's first such chunk is opened (one chunk,
+        into the reused first-chunk scratch): authentic, the refusal is the peer's own protocol
+        violation, and the owner may hold it against the peer (`SecureChannel.on_reject`); not, it
+        is refused as unauthenticated bytes that nobody can be blamed for. Once a peer has one on
+        record, its later refusals are dropped unread: one proof is enough, and a flood costs no
+        decryption. So a refusal of these kinds is reported for a peer only after an authentic one."""
+        s = self._s
+        if not peer.violated:
+            scratch = self.payloads.scratch0(h.length)
+            t0 = time.perf_counter()
+            authentic = peer.rx is not None and peer.rx.open_into(h.seq, ciphertext, s.jd + bytes(view[:HDR]),
+                                                                  scratch.data)
+            s.stats.open_s += time.perf_counter() - t0
+            if not authentic:
+                s.reject(src, "authentication failed",
+                         f"frame {h.seq} does not authenticate (tampered, truncated, misrouted or wrong key)")
+                return
+            peer.last_seq = h.seq
+            peer.violated = True
+        s.reject(src, *refusal)
 
     def _first_chunk(self, src: int, peer: Peer, h: Header, out: np.ndarray) -> None:
         """An authenticated first chunk: a whole message is delivered, a longer one gets its buffer.

@@ -43,6 +43,7 @@ class Peer:
         "skip_msg",
         "state",
         "tx",
+        "violated",
     )
 
     def __init__(self, rank: int) -> None:
@@ -61,6 +62,9 @@ class Peer:
         self.error = ""
         self.identity = ""
         self.skip_msg = -1  # a message refused at its first chunk: its later chunks are dropped unread
+        # an authenticated first chunk of a kind or size this rank does not take came from it: proof
+        # on record, its later such chunks are refused unread (`Receiver._refuse_first_chunk`)
+        self.violated = False
         self.queued = 0  # messages of this peer in the inbox ...
         self.queued_bytes = 0  # ... and their bundle bytes
 

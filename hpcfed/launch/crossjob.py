@@ -45,6 +45,9 @@ log = logging.getLogger("hpcfed")
 CONNECT_S = 60.0  # a site's Connect to the port it was told; past this the site ends
 DISCONNECT_S = 20.0  # the closing Disconnects, all of them; past this the job ends without them
 SERVER_GONE_GRACE_S = 30.0  # a site whose server's lifeline closed ends after this, STOP or not
+# After the run, how long the server waits for the sites' jobs to end before it ends its own without
+# them (as `hpcfed run`'s rank 0 does: `hpcfed.launch.rank`): a site that ignores STOP keeps only its own job.
+STOP_GRACE_S = 10.0
 
 
 def port_range(text: str | None) -> tuple[int, int] | None:
@@ -171,9 +174,23 @@ class _Served:
         links = door.transport.links()
         comms = [links[r].comm for r in self.live_at_end]
         done = mpiport.disconnect_all(comms, DISCONNECT_S)
-        door.lifelines.close()
         if not done:
             log.warning("a site did not disconnect within %g s; ending without it", DISCONNECT_S)
+        staying = _still_connected(door.lifelines, self.live_at_end, STOP_GRACE_S)
+        if staying:
+            log.warning("site(s) %s still connected %g s after the run ended (told to stop): ending the server's "
+                        "job without them (the results are written; their own jobs end at their wall time)",
+                        ", ".join(str(r - 1) for r in staying), STOP_GRACE_S)
+        door.lifelines.close()
+
+
+def _still_connected(lifelines: Any, ranks: list[int], grace: float) -> list[int]:
+    """Of `ranks`, the sites whose lifeline is still open `grace` s from now: their job has not
+    ended though told to stop (an honest site closes it right after its Disconnect)."""
+    deadline = time.monotonic() + grace
+    while (staying := sorted(set(ranks) & set(lifelines.watched()))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return staying
 
 
 class _HaltAtStart:

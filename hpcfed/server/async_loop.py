@@ -185,6 +185,8 @@ class AsyncLoop:
             return []
         held, self.held = self.held, {}
         parking, self.parking = self.parking, None
+        log.info("async: the first uploads of client(s) %s are bounded by their own distances and folded "
+                 "(%d of %d live sites in)", ", ".join(map(str, sorted(held))), len(held), len(core.live))
         released: Accepted = []
         refused = self.bounding.fold_parked(parking, held, lambda upd: released.append((upd, self._targets(upd))))
         core.influence.settle()
@@ -196,14 +198,20 @@ class AsyncLoop:
         return released
 
     def _parked_enough(self) -> bool:
-        """Whether to release the parked uploads: min(3, K) live sites have one parked, or the
-        first has waited as long again as it took to come (at least `PARK_PATIENCE_S`, at most the
-        round deadline). A silent or hostile site (no sane upload) never holds the others up longer
-        than that: with fewer than two parked the bounds fall back to the model's own norm."""
+        """Whether to release the parked uploads: min(3, K) live sites have one parked, or two
+        have and the first has waited as long again as it took to come (at least
+        `PARK_PATIENCE_S`, at most the round deadline). A silent or hostile site (no sane upload)
+        never holds two others up longer than that; the smaller of two distances is the bound, so
+        a hostile site that came first cannot set it. One upload alone is never released on time:
+        nothing but the model's own norm would bound it, and a fast hostile site that came first
+        (a sign flip x10, while the honest sites' first steps were slow under load) was folded
+        moved by the norm and kept that distance as its own history, so every later flip of it was
+        accepted (honest mean accuracy 0.149 against 0.70). It waits for a second site's upload,
+        or until the others are gone (silent for `round_deadline_s`, or evicted)."""
         core = self.core
         if len(self.held) >= min(core.influence.quorum, max(1, len(core.live))):
             return True
-        if self.first_parked is None:
+        if self.first_parked is None or len(self.held) < 2:
             return False
         patience = min(max(2 * (self.first_parked - self.began), PARK_PATIENCE_S),
                        core.cfg.federation.round_deadline_s)

@@ -1,7 +1,8 @@
 """Evidence against a site, and the verdict: evict it, abort the job, or only count it.
 
 Evidence is positive: an authenticated message from the site that is malformed, out of range or
-unrequested, or uploads that bounded influence refused more than `security.max_refused_updates`
+unrequested, or of a kind or size the protocol never lets it send (kind 99), or uploads that bounded
+influence refused more than `security.max_refused_updates`
 times. Silence is never evidence (a slow honest site is a straggler, not a suspect), and neither is
 an upload that arrives for an earlier round. The ledger is pure: the server's core asks it what a
 rejection means and carries the eviction out (`ServerCore.evict`).
@@ -24,6 +25,10 @@ _AT_ONCE = {
     "unrequested update": "unrequested update",
     "duplicate update": "unrequested update",
     "secure aggregation message": "malformed secure aggregation message",  # hpcfed.server.secagg_round
+    # refused at the first chunk by the channel, whose first such chunk from a rank it authenticates
+    # (`hpcfed.comm.receiver`): the peer sealed a kind or a size the protocol never lets it send
+    "unsolicited kind": "protocol violation",
+    "message too large for its kind": "protocol violation",
 }
 _COUNTED = {"update out of range": "refused by bounded influence"}
 MAX_DETAIL = 200  # characters of a rejection's detail kept in a reason
@@ -124,12 +129,16 @@ class ChannelRefusals:
     """The channel's refusals of authenticated messages, by rank, as it reports them.
 
     The channel refuses a bundle that fails to decode after authenticating (a header integer
-    beyond int64, a tensor of shape (0, 2**64-1)) before the server sees it, and calls its
+    beyond int64, a tensor of shape (0, 2**64-1)), or an authenticated first chunk of a kind the
+    server never takes from the rank (kind 99) or larger than its kind's bound, before the server
+    sees it, and calls its
     `on_reject` hook; this keeps the first such refusal of each rank until the core takes them
     after a receive (the hook must not call the channel, so it only records). At most one entry
     per rank: memory stays bounded by the number of sites, whatever a rank sends."""
 
-    EVIDENCE = frozenset({"malformed bundle"})  # refused after the AEAD tag verified: the sender wrote it
+    # refused after the AEAD tag verified: the sender wrote it (a kind or size refusal is reported
+    # for a rank only after one of its such chunks authenticated: `hpcfed.comm.receiver`)
+    EVIDENCE = frozenset({"malformed bundle", "unsolicited kind", "message too large for its kind"})
 
     def __init__(self) -> None:
         self.pending: dict[int, tuple[str, str]] = {}

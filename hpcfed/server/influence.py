@@ -8,14 +8,17 @@ the server bounds the two levers a site holds over a mean-based aggregate:
   every live site has made that first claim (the first synchronous round) the sites weigh the same,
   so a site that opens with ``num_examples = 1e12`` gains nothing.
 - **How far it moves the model.** The distance ``||θ_k - θ_ref||`` of the upload from the model it
-  was sent is clipped to ``clip_factor`` x the typical distance,
-  and an upload farther than ``reject_factor`` x that is refused outright (finite but enormous
-  parameters, e.g. x1e30), unless the site's own recent uploads were as far (see below).
+  was sent is clipped to ``clip_factor`` x the typical distance (or x the site's own recent
+  accepted distances where they are larger, up to ``_OWN_CLIP`` = 2 x the typical one: an honest
+  site whose data differ is not clipped round after round), and an upload farther than
+  ``reject_factor`` x the typical distance is refused outright (finite but enormous parameters,
+  e.g. x1e30), unless the site's own recent uploads were as far (see below).
   The typical distance is the median of the distances each site's last
   two uploads asked for, refused and clipped ones included: a median follows the honest majority
   as their steps grow or shrink, and one site of K holds at most 1/K of the history however often
   it uploads (an async site that trains fast would fill a shared "last 2K uploads" history with
-  its own distances). It is used once at least ``min(3, K)`` sites have one, so that one site
+  its own distances), since each site puts in as many as the site with the fewest has
+  (`_median_of_equal_shares`). It is used once at least ``min(3, K)`` sites have one, so that one site
   never sets it alone. (Recording the clipped distances instead ratchets the bound down round
   after round until every honest upload is refused.)
   In a synchronous round ``θ_ref`` is the strategy's model for the site (``model_for(k)``), which
@@ -82,6 +85,12 @@ _PER_SITE = 2  # recent distances kept per site
 # sign flip x10) is judged against the typical step alone, one whose steps grew slowly keeps the
 # last of them it was in range with.
 _OWN_SHARE = 0.5
+# A site whose own accepted steps are larger than the typical one is clipped to them, up to this x
+# the typical step. Clipped to the median (1 x), an honest site whose data differ was clipped round
+# after round, its steps grew as the model left it behind, and honest accuracy fell (feature-shifted
+# cells -0.011/-0.015, the 300-round quickstart -0.021); the sign flip x10 never has such a history
+# (its steps are beyond _OWN_SHARE of the limit) and stays clipped to the median.
+_OWN_CLIP = 2.0
 
 
 class Refused(Exception):
@@ -117,9 +126,8 @@ class InfluenceGuard:
         self._weigh_by_size = bool(live) and live <= set(self.claimed)
         if self.claimed:
             self._cap = self.config.max_weight_factor * float(np.median(list(self.claimed.values())))
-        recent = [d for per_site in self.distances.values() for d in per_site]
         if len(self.distances) >= self._quorum:
-            self._typical = float(np.median(recent))
+            self._typical = _median_of_equal_shares(self.distances)
         elif not self.distances:
             self._typical = None
         # else: fewer sites with a history than the quorum (an async run whose other sites are
@@ -191,14 +199,21 @@ class InfluenceGuard:
             distance = self.measure(cid, flat, reference, norm)
         elif self._typical is not None:  # measured before the round calibrated: refuse on its median
             self._refuse_beyond(cid, distance, self._typical)
-        clip_at = self._typical if self._typical is not None else norm or math.sqrt(flat.size)
-        limit = self.config.clip_factor * max(clip_at, 1e-12)
+        limit = self.config.clip_factor * max(self._clip_scale(cid, norm or math.sqrt(flat.size)), 1e-12)
         if distance > limit:
             _scale_towards(flat, reference, limit / distance)
             self.clipped += 1
-        if self._typical is None or distance <= _OWN_SHARE * self.config.reject_factor * self._typical:
+        if self._typical is not None and distance <= _OWN_SHARE * self.config.reject_factor * self._typical:
             self.accepted.setdefault(cid, deque(maxlen=_PER_SITE)).append(distance)
         return distance
+
+    def _clip_scale(self, cid: int, no_history: float) -> float:
+        """What the site's upload is clipped to (x clip_factor): the typical step, or the site's own
+        recent accepted steps where they are larger, up to `_OWN_CLIP` x the typical step
+        (`no_history`, the model's norm, before there is a typical step)."""
+        if self._typical is None:
+            return no_history
+        return max(self._typical, min(self._own(cid) or 0.0, _OWN_CLIP * self._typical))
 
     def _own(self, cid: int) -> float | None:
         """The farthest of the site's own last accepted uploads (None: it has none yet)."""
@@ -250,6 +265,16 @@ class InfluenceGuard:
         self.distances.pop(cid, None)
         self.accepted.pop(cid, None)
         self._pending = [(c, d) for c, d in self._pending if c != cid]
+
+
+def _median_of_equal_shares(distances: dict[int, deque[float]]) -> float:
+    """The median of every site's latest distances, as many from each as the site with the fewest
+    has. A fast asynchronous site has its last two in while a slow one has its first: pooled
+    whole, a sign-flipper x10 held two of four values, the median was half its own distance, and
+    its flips were accepted (and became its own history: every later one too). Where every site
+    uploads every round, each has as many, and this is the median of them all."""
+    share = min(len(per_site) for per_site in distances.values())
+    return float(np.median([d for per_site in distances.values() for d in list(per_site)[-share:]]))
 
 
 def _blocks(n: int) -> Iterator[slice]:

@@ -372,6 +372,37 @@ def test_unsolicited_kinds_are_dropped_on_arrival_and_counted():
     assert chans[0].stats.rejected_by_rank == {1: 4, 2: 1}
 
 
+def test_a_refused_kind_is_reported_against_its_peer_only_once_a_first_chunk_of_it_authenticates(monkeypatch):
+    """Kind 99 is refused at its first chunk, before any buffer. The peer's first such chunk is
+    opened, since its kind is in the authenticated header: a forged one (a byte flipped on the way)
+    is unauthenticated bytes nobody can be blamed for; an authentic one is the peer's own protocol
+    violation, reported to the owner (the server evicts on it). Later ones are dropped unread."""
+    forged = {"armed": True}
+
+    def tap(src: int, dst: int, frame: bytes) -> list[bytes]:
+        if src == 1 and dst == 0 and frame[2] == 99 and forged["armed"]:
+            forged["armed"] = False
+            return [frame[:HDR + 5] + bytes([frame[HDR + 5] ^ 1]) + frame[HDR + 6:]]
+        return [frame]
+
+    chans = _job([_psk()] * 2, tap=tap, chunk_bytes=64 << 10)
+    assert _connect(chans) == {}
+    chans[0].expect({1: {4}})
+    reported: list[tuple[int, str]] = []
+    chans[0].on_reject = lambda rank, reason, detail: reported.append((rank, reason))
+    opened = []
+    real_open = crypto.Sealer.open_into
+    monkeypatch.setattr(crypto.Sealer, "open_into", lambda *a: opened.append(len(a[2])) or real_open(*a))
+    for _ in range(4):
+        chans[1].send(0, 99, {"junk": True}, {"x": np.zeros(300_000, np.uint8)})  # 5 chunks each
+    _served(chans, 1)
+    assert reported == [(1, "authentication failed"), (1, "unsolicited kind"), (1, "unsolicited kind"),
+                        (1, "unsolicited kind")]
+    # of the 64 KiB first chunks of kind 99, only the forged one and the first authentic one were opened
+    assert sum(1 for n in opened if n > 60_000) == 2, opened
+    assert chans[0].stats.dropped_chunks == 4 * 4 and not chans[0]._rx.payloads.bufs
+
+
 def test_a_declared_size_beyond_the_kind_bound_reserves_nothing():
     chans = _job([_psk()] * 2, chunk_bytes=64 << 10)
     assert _connect(chans) == {}

@@ -58,9 +58,22 @@ def test_a_site_with_no_accepted_upload_is_refused_but_it_is_not_evidence():
 
 def test_the_history_of_accepted_steps_survives_a_resume_and_an_evicted_site_is_forgotten():
     guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    _round(guard, {0: 1.0, 1: 1.0, 2: 1.0})  # no typical step yet: no history of its own either
+    assert guard.accepted == {}
     _round(guard, {0: 1.0, 1: 2.0, 2: 3.0})
     twin = InfluenceGuard(InfluenceConfig(), num_clients=3)
     twin.load_state(guard.state())
     assert twin.state() == guard.state() and twin.accepted[2][-1] == pytest.approx(3.0)
     twin.forget(2)
     assert 2 not in twin.accepted and 2 not in twin.distances
+
+
+def test_a_fast_site_with_more_distances_than_the_slow_ones_holds_no_more_of_the_median():
+    """Async: a fast site's last two (refused flips of 25) are in while the slow sites have one
+    each. Pooled whole, the median of (2, 2, 25, 25) was 13.5: its next flip was accepted and kept
+    as its own history, and so every later one. The same share from each: (2, 2, 25), median 2."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=4)
+    assert _round(guard, {0: 2.0, 1: 2.0, 3: 2.0}) == dict.fromkeys((0, 1, 3), "ok")  # the first uploads
+    for _ in range(3):
+        assert _round(guard, {3: 25.0}) == {3: "refused"}  # beyond 10 x the typical 2
+    assert 3 not in guard.accepted

@@ -50,7 +50,9 @@ def test_async_a_malformed_upload_evicts_at_once_and_a_rank_that_stays_does_not_
     (ev,) = summary["evicted"]
     assert ev["client"] == 3 and ev["reason"].startswith("malformed update")
     assert sorted(summary["clients"]) == list(HONEST) and summary["updates_accepted"] == 16
-    assert abs(_honest_mean(summary) - _honest_mean(async_without)) <= 0.05
+    # costs the honest sites at most 0.05; async runs differ by arrival order (both ways: a run with
+    # the site evicted at once ended 0.059 above the one without it), so a gain is not a failure
+    assert _honest_mean(async_without) - _honest_mean(summary) <= 0.05
     assert re.search(r"rank\(s\) 4 still running .* ending the job", (folder / "logs" / "rank0.log").read_text())
     print(f"{attack}: the mpiexec job took {wall:.1f} s")  # reported, not asserted (a loaded host)
 
