@@ -15,8 +15,9 @@ measures each one's wall time and peak memory (``wait4``'s max RSS):
 and recall@10 of the index answers against the exact ones (the same merged top-10 over every
 site, the query's own document left out). Then, side by side in the same run (issue 41's goals):
 
-    5. a filter keeping 1 % (``--where label=7``; every vector has one of 100 labels): recall@10 of
-       the index against exact search over the kept vectors, and the service's latency with it
+    5. filters keeping 1 % and 10 % (``--where label=7``; ``label=0`` .. ``label=9``; every vector
+       has one of 100 labels): recall@10 of the index against exact search over the kept vectors,
+       and the service's latency and CPU time per query with each
     6. ``hpcfed search index DIR --append NEW``: 10 % more vectors, its time over the full build's,
        the drift it reports, and recall@10 after it against exact search over all the vectors
 
@@ -157,6 +158,7 @@ def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str], whe
         host, port = json.loads(first)["listening"].removeprefix("http://").rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         latencies = []
+        cpu_before = _cpu_s(proc.pid)
         for doc_id in ids:
             body = json.dumps({"id": doc_id, "k": k, **({"where": where} if where else {})})
             t = time.perf_counter()
@@ -167,6 +169,7 @@ def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str], whe
             if response.status != 200:
                 raise RuntimeError(f"/search answered {response.status}: {data[:300]!r}")
         conn.close()
+        cpu = _cpu_s(proc.pid) - cpu_before
         rss = _peak_rss_mb(proc.pid)
     finally:
         proc.terminate()
@@ -174,7 +177,15 @@ def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str], whe
     ms = sorted(1000 * x for x in latencies)
     return {"startup_s": round(ready, 2), "median_ms": round(statistics.median(ms), 2),
             "p95_ms": round(ms[int(0.95 * (len(ms) - 1))], 2), "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 2),
-            "queries_per_s": round(len(ms) / (sum(ms) / 1000), 1), "peak_rss_mb": rss}
+            "queries_per_s": round(len(ms) / (sum(ms) / 1000), 1), "peak_rss_mb": rss,
+            "cpu_ms_per_query": round(1000 * cpu / max(1, len(ms)), 2)}
+
+
+def _cpu_s(pid: int) -> float:
+    """The service's CPU seconds so far (all its threads): on a loaded machine, what a query costs
+    whatever the scheduler does to its wall time."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _peak_rss_mb(pid: int) -> int:
@@ -196,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=".npy of real vectors to deal over the sites instead of synthetic ones (sets --n, --dim)")
     p.add_argument("--workdir", default=None, help="keep the collection here (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the results as JSON only")
+    p.add_argument("--no-append", action="store_true", help="skip the append measurement (6.)")
     args = p.parse_args(argv)
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="hpcfed-bench-search-"))
     env = {**os.environ, "HPCFED_KEYS_DIR": str(tmp / "keys"), "PYTHONPATH": str(REPO)}
@@ -239,8 +251,9 @@ def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     res["recall_at_k"], res["recall_at_k_ties"] = recall(res["index"].pop("answers"), res["exact"].pop("answers"),
                                                          args.k)
     res["service"] = serve_latency(folder, queries, args.k, env)
-    res["filter"] = _filtered(cli, folder, tmp, queries, k, env)
-    res["append"] = _append(args, cli, tmp, folder, given, k, env, res["build"]["seconds"])
+    res["filters"] = {name: _filtered(cli, folder, tmp, queries, k, env, labels) for name, labels in FILTERS.items()}
+    if not args.no_append:
+        res["append"] = _append(args, cli, tmp, folder, given, k, env, res["build"]["seconds"])
     res["load_avg_after"] = os.getloadavg()
     return res
 
@@ -250,17 +263,21 @@ def _answers(cmd: list[str], env: dict[str, str]) -> tuple[dict, list[dict]]:
     return {key: v for key, v in out.items() if key != "stdout"}, [json.loads(x) for x in out["stdout"].splitlines()]
 
 
-def _filtered(cli: list[str], folder: Path, tmp: Path, queries: list[str], k: list[str], env: dict[str, str]) -> dict:
+FILTERS = {"1 %": [7], "10 %": list(range(10))}  # labels kept (every vector has label row % 100)
+
+
+def _filtered(cli: list[str], folder: Path, tmp: Path, queries: list[str], k: list[str], env: dict[str, str],
+              labels: list[int]) -> dict:
     """Goal: a filter keeping 1 % -- recall@10 >= .95 against exact, service median <= 10 ms."""
-    where = ["--where", "label=7"]
+    where = [f"--where=label={label}" for label in labels]
     many = [*cli, "query", str(folder), "--ids-file", str(tmp / "ids.txt"), *k, "--jsonl", *where]
     index_run, index_answers = _answers(many, env)
     exact_run, exact_answers = _answers([*many, "--exact"], env)
-    kept = all(r["label"] == 7 for a in index_answers for r in a["results"])
+    kept = all(r["label"] in labels for a in index_answers for r in a["results"])
     plain, ties = recall(index_answers, exact_answers, int(k[1]))
-    return {"where": "label=7 (1 %)", "every_hit_matches": kept, "recall_at_k": plain, "recall_at_k_ties": ties,
-            "batch_index_s": index_run["seconds"], "batch_exact_s": exact_run["seconds"],
-            "service": serve_latency(folder, queries, int(k[1]), env, {"label": 7})}
+    return {"where": f"label in {labels[0]}..{labels[-1]}", "every_hit_matches": kept, "recall_at_k": plain,
+            "recall_at_k_ties": ties, "batch_index_s": index_run["seconds"], "batch_exact_s": exact_run["seconds"],
+            "service": serve_latency(folder, queries, int(k[1]), env, {"label": labels})}
 
 
 def _append(args: argparse.Namespace, cli: list[str], tmp: Path, folder: Path, given: np.ndarray | None,
@@ -303,15 +320,20 @@ def _table(r: dict) -> str:
         f"| recall@{r['k']} against exact (ties counted) | 1 | {r['recall_at_k']} ({r['recall_at_k_ties']}) |",
         f"service: start {r['service']['startup_s']} s, median {r['service']['median_ms']} ms, "
         f"p95 {r['service']['p95_ms']} ms, p99 {r['service']['p99_ms']} ms per query, "
-        f"{r['service']['queries_per_s']} queries/s, peak {r['service']['peak_rss_mb']} MB",
-        f"filter {r['filter']['where']}: recall@{r['k']} {r['filter']['recall_at_k']} "
-        f"({r['filter']['recall_at_k_ties']} ties counted), every hit matches: {r['filter']['every_hit_matches']}; "
-        f"service median {r['filter']['service']['median_ms']} ms (unfiltered {r['service']['median_ms']} ms), "
-        f"p95 {r['filter']['service']['p95_ms']} ms",
-        f"append {r['append']['rows']:,} vectors: {r['append']['seconds']} s = {r['append']['share_of_build']:.1%} "
-        f"of the full build ({r['build']['seconds']} s); recall@{r['k']} after it {r['append']['recall_at_k']} "
-        f"({r['append']['recall_at_k_ties']}); drift {r['append']['drift']}, rebuild due: {r['append']['rebuild_due']}",
+        f"{r['service']['queries_per_s']} queries/s, {r['service']['cpu_ms_per_query']} ms of CPU per query, "
+        f"peak {r['service']['peak_rss_mb']} MB",
+        "| filter (labels kept) | recall@k (ties counted) | every hit matches | service median / p95 | CPU per query |",
+        "|---|---|---|---|---|",
+        *[f"| {name} ({f['where']}) | {f['recall_at_k']} ({f['recall_at_k_ties']}) | {f['every_hit_matches']} | "
+          f"{f['service']['median_ms']} / {f['service']['p95_ms']} ms | {f['service']['cpu_ms_per_query']} ms |"
+          for name, f in r["filters"].items()],
     ]
+    if "append" in r:
+        rows.append(
+            f"append {r['append']['rows']:,} vectors: {r['append']['seconds']} s = {r['append']['share_of_build']:.1%} "
+        f"of the full build ({r['build']['seconds']} s); recall@{r['k']} after it {r['append']['recall_at_k']} "
+            f"({r['append']['recall_at_k_ties']}); drift {r['append']['drift']}, rebuild due: "
+            f"{r['append']['rebuild_due']}")
     return "\n".join(rows)
 
 

@@ -12,7 +12,10 @@ consistency signature or unmask request makes the site refuse the round and leav
 wrong; it never reveals both shares of one peer. In a group-testing round (PARAMS's
 ``secagg_groups``) the site checks the groups against its rules (`hpcfed.privacy.group_rules`:
 no sum, alone or combined with those it let be revealed before, covers fewer than
-``privacy.secagg.min_group`` sites) and masks on its group's graph only.
+``privacy.secagg.min_group`` sites) and masks on its group's graph only. When a round's whole sum
+was refused, the server may retry that round in groups (PARAMS's ``secagg_retry``): the site masks
+the input it already sent, kept for that one retry, under fresh keys signed as the retry's, without
+training again (so the honest groups' sums still move the model in that round).
 """
 
 from __future__ import annotations
@@ -54,29 +57,40 @@ class SecAggSite(Stage):
         self.rules = SiteRules(self.site, self.num_sites, min_group)
         self.groups: tuple[int, list[frozenset[int]]] | None = None  # (round, its groups) of a group round
         self.members: frozenset[int] | None = None  # the round's sites when some are away (None: all)
+        self.kept: Upload | None = None  # the last whole-federation round's input, for its one retry in groups
 
     def __call__(self, start: RoundStart, upstream: Upstream) -> Upload:
         """Take part in round `start.round`; PARAMS's ``secagg_prepared`` says this round's keys and shares
         were exchanged in the last one, its ``secagg_groups`` (hostile, as sent) the disjoint groups a
         group-testing round sums, checked against this site's rules."""
         try:
-            self._groups(start)
-            return self._round(start, upstream)
+            retry = self._groups(start)
+            return self._round(start, upstream, retry)
         except ProtocolError as exc:
             raise FederationError(f"client {self.site} (rank {self.site + 1}): secure aggregation refused in "
                                   f"round {start.round}: {exc}") from None
 
-    def _groups(self, start: RoundStart) -> None:
-        rnd, groups = start.round, start.header.get("secagg_groups")
-        self.groups = None
+    def _groups(self, start: RoundStart) -> bool:
+        """Check the round's groups (if any) against the rules; whether the round is a retry."""
+        rnd, groups, retry = start.round, start.header.get("secagg_groups"), start.header.get("secagg_retry", False)
+        self.groups, kept, self.kept = None, self.kept, None  # a kept input serves one retry of its round at most
+        if type(retry) is not bool:
+            raise ProtocolError(f"secagg_retry must be true or false, got {str(retry)[:40]}")
         self._members(start)
         if groups is None:
-            return
+            if retry:  # the same input summed whole twice, less a dropout, would give that site's input
+                raise ProtocolError(f"the server retries round {rnd} without groups: a retry sums groups only")
+            return False
+        if retry and (kept is None or kept.round != rnd):
+            raise ProtocolError(f"the server retries round {rnd}, but round {rnd}'s whole sum was not revealed "
+                                f"by this site just before (or it was retried already)")
         self.rules.accept(rnd, groups)  # GroupRefused names the rule it would break
         self.groups = (rnd, self.rules.groups[rnd])
         if start.header.get("secagg_prepared") is True:
             raise ProtocolError(f"round {rnd} sums groups, whose keys are set up in the round, yet the server says "
                                 f"they were exchanged in round {rnd - 1}")
+        self.kept = kept if retry else None
+        return retry
 
     def _members(self, start: RoundStart) -> None:
         """The sites of round `start.round` when some are away (``secagg_members``, hostile, as sent;
@@ -95,17 +109,19 @@ class SecAggSite(Stage):
                                 f"yet the server names other members")
         self.members = members
 
-    def _round(self, start: RoundStart, upstream: Upstream) -> Upload:
+    def _round(self, start: RoundStart, upstream: Upstream, retry: bool) -> Upload:
         rnd, me, n = start.round, self.site, self.num_sites
         state, self.next = self.next, None
         if start.header.get("secagg_prepared") is not True:
-            state = self._setup(rnd)
+            state = self._setup(rnd, retry=retry)
         elif state is None or state.rnd != rnd or not state.adverts:
             raise ProtocolError(f"the server says round {rnd}'s keys were exchanged in round {rnd - 1}, but site "
                                 f"{me} shared none for it")
         relayed = self._wait(rnd, P.SA_SHARES_FOR)
         shares = W.parse_shares(me, relayed.header.get("from"), relayed.tensors, n, me, by_sender=True)
-        upload = upstream(start)  # train, [attack], delta, clip, [noise], encode
+        # train, [attack], delta, clip, [noise], encode; a retry masks the input it sent before, no training
+        upload = self.kept if retry and self.kept is not None else upstream(start)
+        self.kept = None
         assert upload.codes is not None, "SecAggSite runs downstream of an encoding stage"
         # The example count travels masked only: the header keeps the metrics and the checkpoint shard.
         clear: dict[str, Any] = {k: upload.header[k] for k in ("metrics", "shard") if k in upload.header}
@@ -116,6 +132,8 @@ class SecAggSite(Stage):
         for _ in range(upload.copies):
             self._send(P.SA_MASKED, masked, {W.MASKED_TENSOR: y})
         self._reveal(rnd, state, nxt)
+        if self.groups is None and not retry:
+            self.kept = upload  # the server may retry this round in groups if its whole sum is refused
         return upload
 
     def _reveal(self, rnd: int, state: SiteState, nxt: SiteState | None) -> None:
@@ -145,15 +163,16 @@ class SecAggSite(Stage):
         if self.next is not None:
             self.next.premask()  # while the server unmasks and sends the next model: off the round's path
 
-    def _state(self, rnd: int) -> SiteState:
+    def _state(self, rnd: int, retry: bool = False) -> SiteState:
         graph = group_graph(self.groups[1], rnd, self.degree) if self.groups is not None and self.groups[0] == rnd \
             else members_graph(self.members, self.num_sites, rnd, self.degree)
-        return SiteState(self.site, graph, self.size, self.identity, self.peer_keys, rnd)
+        return SiteState(self.site, graph, self.size, self.identity, self.peer_keys, rnd, retry)
 
-    def _setup(self, rnd: int, state: SiteState | None = None) -> SiteState:
+    def _setup(self, rnd: int, state: SiteState | None = None, retry: bool = False) -> SiteState:
         """Round `rnd`'s keys advertised and shared within the round (the server asked for it); `state`:
-        the round's own (a buffer's, `hpcfed.client.secagg_buffer`), else one on the round's graph."""
-        state = state or self._state(rnd)
+        the round's own (a buffer's, `hpcfed.client.secagg_buffer`), else one on the round's graph,
+        signed as its retry's when `retry`."""
+        state = state or self._state(rnd, retry)
         self._send(P.SA_ADVERT, {"round": rnd, "advert": W.advert_fields(state.advertise())})
         keys = self._wait(rnd, P.SA_KEYS)
         sealed = state.share_keys(W.parse_adverts(keys.header.get("adverts"), state.peers, self.num_sites, self.site))

@@ -129,11 +129,13 @@ class Advert:
     s_public: bytes
     signature: bytes | None = None
 
-    def signed_bytes(self, rnd: int) -> bytes:
-        """What the site signs: its keys bound to itself and to round `rnd`, so that a server cannot
-        replay an earlier round's advert (whose key it may have rebuilt from the shares of a dropout)."""
-        return (b"hpcfed-secagg-advert" + rnd.to_bytes(8, "big") + self.site.to_bytes(4, "big") + self.c_public
-                + self.s_public)
+    def signed_bytes(self, rnd: int, retry: bool = False) -> bytes:
+        """What the site signs: its keys bound to itself and to round `rnd` (and to its retry, when a
+        refused round is summed again in groups: `hpcfed.server.secagg_round`), so that a server cannot
+        replay an earlier round's or attempt's advert (whose key it may have rebuilt from the shares of
+        a dropout)."""
+        tag = b"hpcfed-secagg-advert-retry" if retry else b"hpcfed-secagg-advert"
+        return tag + rnd.to_bytes(8, "big") + self.site.to_bytes(4, "big") + self.c_public + self.s_public
 
 
 def consistency_bytes(rnd: int, survivors: Iterable[int], signer: Advert) -> bytes:
@@ -180,8 +182,8 @@ class SiteState:
 
     def __init__(self, site: int, graph: dict[int, set[int]], size: int,
                  identity: Ed25519PrivateKey | None = None, peer_identities: dict[int, bytes] | None = None,
-                 rnd: int = 0) -> None:
-        self.site, self.size, self.rnd = site, size, rnd
+                 rnd: int = 0, retry: bool = False) -> None:
+        self.site, self.size, self.rnd, self.retry = site, size, rnd, retry
         self.peers = graph[site]
         self.threshold = threshold_for(len(self.peers))
         self.identity, self.peer_identities = identity, peer_identities
@@ -198,7 +200,8 @@ class SiteState:
         keys = self._keys()
         if self.identity is None:
             return keys
-        return Advert(self.site, keys.c_public, keys.s_public, self.identity.sign(keys.signed_bytes(self.rnd)))
+        signature = self.identity.sign(keys.signed_bytes(self.rnd, self.retry))
+        return Advert(self.site, keys.c_public, keys.s_public, signature)
 
     def _keys(self) -> Advert:
         """My public keys of this round, unsigned."""
@@ -236,10 +239,10 @@ class SiteState:
         if public is None or adv.signature is None:
             raise ProtocolError(f"site {adv.site}: its agreement keys carry no signature from a known identity")
         try:
-            Ed25519PublicKey.from_public_bytes(public).verify(adv.signature, adv.signed_bytes(self.rnd))
+            Ed25519PublicKey.from_public_bytes(public).verify(adv.signature, adv.signed_bytes(self.rnd, self.retry))
         except InvalidSignature:
             raise ProtocolError(f"site {adv.site}: forged agreement key for round {self.rnd} (signature does not "
-                                f"verify: substituted, or replayed from another round)") from None
+                                f"verify: substituted, or replayed from another round or attempt)") from None
 
     def masked_input(self, shares: list[SealedShare], codes: np.ndarray) -> np.ndarray:
         """Round 2: open the shares sent to me, then my fixed-point `codes` masked mod 2^32."""

@@ -33,6 +33,7 @@ import numpy as np
 from hpcfed.search import columns as cols
 from hpcfed.search.columns import Columns
 from hpcfed.search.index import Hit, SiteIndex, normalize_rows
+from hpcfed.search.kept import LastKept, inner
 from hpcfed.store import sealed
 from hpcfed.store.embeddings import ExportError, export_auth
 from hpcfed.store.vectors import ExportHeader, read_header
@@ -118,6 +119,7 @@ class AnnIndex:
         self.second = second
         self.attrs = attrs
         self.columns = columns or {}
+        self.kept = LastKept()  # the last filter's rows, worked out once (a service repeats its filters)
 
     @property
     def dim(self) -> int:
@@ -154,7 +156,7 @@ class AnnIndex:
             raise ValueError(f"site {self.site}: query vectors have {q.shape[1]} dims, the index has {self.dim}; "
                              f"vectors from another model need a mapper (mode=mapping)")
         n = len(self.ids)
-        kept = n if allowed is None else int(np.count_nonzero(allowed))
+        kept = n if allowed is None else self.kept.get(allowed, self.index).count
         if kept == 0 or len(q) == 0:
             return [[] for _ in range(len(q))]
         kk = min(kept, k + (1 if exclude is not None else 0))
@@ -173,18 +175,22 @@ class AnnIndex:
         return out
 
     def _search(self, q: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """FAISS's top-k; under a filter, only the kept rows are scored (an ID selector inside the search),
-        and an IVF index probes `nprobe / share kept` cells, so that as many kept vectors are scanned as an
-        unfiltered query scans vectors (every cell for a filter keeping 1 %: the selector makes that a
-        bitmap test per vector, a distance per kept one). HNSW under a narrow filter (under 10 % kept)
-        would walk a graph mostly of rejected nodes: the kept rows are scored exactly instead."""
+        """FAISS's top-k; under a filter, only the kept rows are scored. Few kept rows (`kept.EXACT_ROWS`)
+        are scored exactly, their decoded vectors kept with the filter. Otherwise an ID selector works
+        inside the search, and an IVF index probes `nprobe / share kept` cells, so that as many kept
+        vectors are scanned as an unfiltered query scans vectors (the selector makes that a bitmap test
+        per vector, a distance per kept one). HNSW under a narrow filter (under 10 % kept) would walk a
+        graph mostly of rejected nodes: the kept rows are scored exactly instead."""
         import faiss
 
         if allowed is None:
             return self.index.search(q, k)
+        kept = self.kept.get(allowed, self.index)
+        if kept.vectors is not None:
+            return kept.top(q, k)
         swig: Any = faiss  # faiss's stubs lack the search parameters' keyword constructors
-        share = np.count_nonzero(allowed) / max(1, len(allowed))
-        bits = np.packbits(allowed, bitorder="little")
+        share = kept.count / max(1, len(allowed))
+        bits = kept.bits  # held by this frame until FAISS is done with the bitmap it points into
         selector = faiss.IDSelectorBitmap(len(allowed), faiss.swig_ptr(bits))
         ivf = faiss.try_extract_index_ivf(self.index)
         if ivf is not None:
@@ -198,13 +204,13 @@ class AnnIndex:
         else:
             params = swig.SearchParameters(sel=selector)
         found: tuple[np.ndarray, np.ndarray] = self.index.search(q, k, params=params)
-        del bits  # kept alive until FAISS is done with the bitmap it points into
+        del bits
         return found
 
     def _search_rows(self, q: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k over the stored (decoded) vectors of `rows` only."""
         vectors = np.asarray(self.index.reconstruct_batch(rows), np.float32)
-        scores = q @ vectors.T
+        scores = inner(q, vectors)
         order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
         return np.take_along_axis(scores, order, axis=1), rows[order]
 

@@ -84,9 +84,10 @@ def parse_json(raw: object) -> dict[str, list[Any]]:
 
 
 def compile_where(raw: Mapping[str, list[Any]], indexes: Mapping[str, Any],
-                  names: Mapping[str, list[str]]) -> Where | None:
+                  names: Mapping[str, list[str]], present: Mapping[str, frozenset[int]] | None = None) -> Where | None:
     """Check a parsed filter against the sites (`indexes`: site -> its searcher; `names`: its label
-    names); None when it filters nothing."""
+    names; `present`: the labels each site's rows carry, `present_labels`, when the caller keeps
+    them: else worked out here, a pass over every row); None when it filters nothing."""
     if not raw:
         return None
     carried = _carried(indexes)
@@ -100,7 +101,7 @@ def compile_where(raw: Mapping[str, list[Any]], indexes: Mapping[str, Any],
         if key == "site":
             sites = frozenset(_sites(values, indexes))
         elif key in ("label", "label_name"):
-            labels += _labels(key, values, indexes, names)
+            labels += _labels(key, values, present if present is not None else present_labels(indexes), names)
         elif key == TIME and TIME in carried and carried[TIME] != "O":
             if len(values) != 1:
                 raise FilterError("where time: give one range FROM..TO")
@@ -129,14 +130,20 @@ def _sites(values: list[Any], indexes: Mapping[str, Any]) -> list[str]:
     return [str(v) for v in values]
 
 
-def _labels(key: str, values: list[Any], indexes: Mapping[str, Any], names: Mapping[str, list[str]]) -> list[int | str]:
+def present_labels(indexes: Mapping[str, Any]) -> dict[str, frozenset[int]]:
+    """The labels each site's rows carry (a service works them out once, not per request)."""
+    return {site: frozenset(np.unique(index.labels).tolist()) for site, index in indexes.items()}
+
+
+def _labels(key: str, values: list[Any], present: Mapping[str, frozenset[int]],
+            names: Mapping[str, list[str]]) -> list[int | str]:
     """Each value as an int label (label=3) or a name; one that no site has is refused by name."""
     out: list[int | str] = []
     for v in values:
         text = str(v).strip()
         if key == "label" and (isinstance(v, int) or text.lstrip("-").isdigit()):
             label = int(text)
-            if not any(np.any(index.labels == label) for index in indexes.values()):
+            if not any(label in labels for labels in present.values()):
                 raise FilterError(f"where label={label}: no site has a document with that label")
             out.append(label)
         elif any(text in site_names for site_names in names.values()):

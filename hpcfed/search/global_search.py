@@ -24,7 +24,7 @@ import numpy as np
 from hpcfed.models.mapper import Mapper, load_mapper, mapper_path
 from hpcfed.search import columns
 from hpcfed.search.ann import SiteSearcher, open_site
-from hpcfed.search.filters import MaskCache, Where, compile_where, parse_cli
+from hpcfed.search.filters import MaskCache, Where, compile_where, parse_cli, present_labels
 from hpcfed.search.index import MERGES, STANDARDIZED_MERGES, Hit, merge_results
 from hpcfed.search.pool import map_ordered, row_spans
 from hpcfed.store.vectors import read_header
@@ -114,6 +114,7 @@ class GlobalSearch:
         self.infos = {site: dict(attrs) for site, attrs in (infos or {}).items()}  # export attributes per site
         self.names = {site: label_names(attrs) for site, attrs in self.infos.items()}
         self.masks = MaskCache()
+        self._present: dict[str, frozenset[int]] | None = None  # each site's labels, for filters (once)
 
     def label_name(self, site: str, label: int) -> str | None:
         """The name of `label` in `site`'s export (an event, a class), or None if it names none."""
@@ -164,7 +165,10 @@ class GlobalSearch:
         if not raw:
             return None
         parsed = parse_cli(raw) if not isinstance(raw, Mapping) else raw
-        return compile_where(parsed, self.indexes, {site: self.names.get(site, []) for site in self.indexes})
+        if self._present is None:
+            self._present = present_labels(self.indexes)
+        return compile_where(parsed, self.indexes, {site: self.names.get(site, []) for site in self.indexes},
+                             self._present)
 
     def search(self, home: str, vectors: np.ndarray, k: int,
                exclude: Sequence[str | None] | None = None, where: Where | None = None) -> list[list[Hit]]:

@@ -39,6 +39,7 @@ class GroupTesting:
         self.isolation = Isolation(k, secagg.min_group, secagg.max_hostile, core.cfg.seed)
         self.groups: list[Group] | None = None  # the groups of the round in progress; None: the whole federation
         self.first_evidence: dict[int, str] = {}  # site -> the first refused sum it was in
+        self.refused_whole: int | None = None  # the last round whose whole-federation sum was refused
 
     def start(self, rnd: int) -> list[list[int]] | None:
         """Round `rnd`'s groups as PARAMS carries them (None: the whole federation sums)."""
@@ -56,6 +57,13 @@ class GroupTesting:
         if self.groups is None:
             return members_graph(self.core.live, self.core.num_clients, rnd, degree)
         return group_graph(self.groups, rnd, degree)
+
+    def retry_due(self, rnd: int) -> bool:
+        """Whether round `rnd`'s whole-federation sum was just refused and group testing is on: then
+        the round is retried in groups on the same inputs. Sound under the sites' rules: they treat
+        every round's inputs as the same input already (`hpcfed.privacy.group_rules`), so groups of
+        the round's own inputs reveal nothing that the next round's groups would not."""
+        return self.refused_whole == rnd and self.groups is None and self.isolation.active
 
     def missing(self, masked: set[int]) -> str | None:
         """In a group round, why its sums cannot be revealed (a site of the groups sent no masked input:
@@ -85,6 +93,7 @@ class GroupTesting:
             except ValueError as exc:
                 refused.append(g)
                 self._refused(rnd, g, str(exc))
+                self.refused_whole = rnd if self.groups is None else self.refused_whole
         if clean:
             weighted = np.sum([c[0] for c in clean], axis=0)
             fold(weighted, sum(c[1] for c in clean), sum(c[2] for c in clean))
@@ -97,7 +106,8 @@ class GroupTesting:
         what = "the securely aggregated sum" if self.groups is None else f"the secure sum of group [{members}]"
         log.warning("round %d: %s is refused, %s: %s (group testing narrows down which site, without unmasking "
                     "anyone)", rnd, what,
-                    "the model stays" if self.groups is None else "the other groups' sums are folded", why)
+                    "the round is retried in groups if the rules allow" if self.groups is None
+                    else "the other groups' sums are folded", why)
         self.core.metrics.log(rnd, None, "secagg_sum_refused", 1)
         for site in group:
             self.first_evidence.setdefault(site, f"round {rnd}: the secure sum of sites [{members}] was refused: "

@@ -33,7 +33,8 @@ and the round needs the quorum's count of masked inputs. A message refused by th
 against its site like a malformed upload. What replaces the bounded-influence guard, which needs
 each site's update: sites clip before masking, the fixed-point range bounds each coordinate, and
 the server checks the norm of the sum (`site_input.judge_sum`); a refused sum starts group testing
-(`hpcfed.server.secagg_groups`): disjoint groups, each summed securely, until a site is proven.
+(`hpcfed.server.secagg_groups`): disjoint groups, each summed securely, until a site is proven; the
+refused round itself is retried at once in groups on the inputs the sites already sent.
 
 A round whose sum cannot be unmasked (fewer than a site's threshold of alive neighbours hold shares
 of its seed, or of a dropped site's key: too many of one neighbourhood died) is found before any
@@ -109,10 +110,21 @@ class SecAggCollector:
 
         Under `hpcfed serve` sites come and go: a round with too few sites present for a secure sum
         first waits for sites to (re)join (up to ``federation.setup_timeout_s``), and a round that
-        falls short mid-way is lost, not the run (the next one waits for sites again)."""
+        falls short mid-way is lost, not the run (the next one waits for sites again). A round whose
+        whole sum is refused is retried at once in groups on the inputs the sites already sent
+        (`retry`), so that the honest groups' sums still move the model in that round."""
         self._await_members(rnd)
         try:
-            return self._collect(rnd, want_state)
+            taken = self._attempt(rnd, want_state, self.testing.start(rnd), retry=False)
+            if taken.lost or not self.testing.retry_due(rnd):
+                return taken
+            groups = self.testing.start(rnd)  # None: no partition keeps the rules; the round stays lost
+            if groups is None:
+                return taken
+            log.warning("round %d is retried in groups on the inputs its sites already sent (no training): the "
+                        "honest groups' sums are folded as the round's update", rnd)
+            self.core.metrics.log(rnd, None, "secagg_retried", 1)
+            return self._attempt(rnd, want_state, groups, retry=True)
         except RoundShort as exc:
             log.warning("round %d lost: %s; the next round waits for sites to rejoin", rnd, exc)
             self.core.metrics.log(rnd, None, "secagg_round_lost", 1)
@@ -138,12 +150,13 @@ class SecAggCollector:
             core.maybe_status()
             time.sleep(_MEMBERS_POLL_S)
 
-    def _collect(self, rnd: int, want_state: bool) -> RoundUploads:
+    def _attempt(self, rnd: int, want_state: bool, groups: list[list[int]] | None, retry: bool) -> RoundUploads:
+        """One run of round `rnd`'s protocol: over the sites present or, `groups`, group by group
+        (`retry`: the sites mask the inputs they sent in the round's first attempt)."""
         core = self.core
         self._quorum(rnd, set(core.live), "present at the round's start")  # a graph needs two sites
         started, taken = set(core.live), RoundUploads(rnd)
         state, self.prepared = self.prepared, None
-        groups = self.testing.start(rnd)  # a group round sets its keys up in the round, on its groups' graph
         if state is not None and (state.rnd != rnd or set(state.shared) != core.live or groups is not None):
             state = None  # prepared for another round, or a site has joined the live ones since: set up anew
         # Sites away (late, lost): the round's graph is over the members present, which the sites check.
@@ -151,7 +164,8 @@ class SecAggCollector:
         for cid in sorted(core.live):
             core.send_to(cid, P.PARAMS, {"round": rnd, "version": core.strategy.version, "checkpoint": want_state,
                                          "secagg_prepared": state is not None, **members,
-                                         **({"secagg_groups": groups} if groups is not None else {})},
+                                         **({"secagg_groups": groups} if groups is not None else {}),
+                                         **({"secagg_retry": True} if retry else {})},
                          core.model_tensors(core.strategy.model_for(cid)))
             if state is not None:  # its keys and shares came in the last round: nothing to wait for
                 self._relay_shares(rnd, cid, state)

@@ -9,10 +9,14 @@ encode, mask and send).
 - A peer's consistency signature over another survivor set than the one the site signed: refused
   naming the peer, nothing revealed.
 - A server that says a round's keys were exchanged ahead when this site shared none: refused.
+- A retry of a round in groups (after its whole sum was refused): refused without groups, or for a
+  round whose whole sum the site did not just let be revealed; an advert of the round's first
+  attempt does not verify in its retry (the retry's keys are signed as the retry's).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -33,7 +37,7 @@ from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy.secagg import Advert, SiteState, consistency_bytes, round_graph
+from hpcfed.privacy.secagg import Advert, ProtocolError, SiteState, consistency_bytes, round_graph
 from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import spec_for
 
@@ -63,14 +67,14 @@ def _site(channel: SecureChannel, ids: dict[int, Ed25519PrivateKey]) -> SecAggSi
 
 
 def _round(site: SecAggSite, rnd: int, sent: np.ndarray, trained: np.ndarray, num_examples: int,
-           prepared: bool = False) -> None:
+           prepared: bool = False, **header: Any) -> None:
     """One round of the site's upload pipeline: `trained` from `sent`, then delta, clip, encode, mask, send."""
     layout = ParamLayout.of({"w": sent})
     spec = spec_for(PrivacyConfig(secure_aggregation=True), K, 1.0)
     pipeline = Pipeline(lambda start: Upload(round=rnd, params={"w": trained}, num_examples=num_examples,
                                              header={"metrics": {}}),
                         [Delta(layout), Clip(spec.clip_norm), Encode(spec, False, 0), site])
-    pipeline(RoundStart(round=rnd, header={"secagg_prepared": prepared}, received={"w": sent},
+    pipeline(RoundStart(round=rnd, header={"secagg_prepared": prepared, **header}, received={"w": sent},
                         current_model=lambda: {"w": sent}))
 
 
@@ -151,3 +155,29 @@ def test_a_server_that_claims_the_keys_were_exchanged_ahead_when_they_were_not_i
                                               r"but site 0 shared none for it"):
         _round(site, 3, sent, sent, 1, prepared=True)
     assert server.recv(source=1, timeout=0.2) is None  # nothing was sent
+
+
+@pytest.mark.parametrize("header, words", [
+    ({"secagg_retry": True}, "the server retries round 0 without groups: a retry sums groups only"),
+    ({"secagg_retry": True, "secagg_groups": [[0, 1, 2]]},
+     "the server retries round 0, but round 0's whole sum was not revealed by this site just before"),
+    ({"secagg_retry": "yes", "secagg_groups": [[0, 1, 2]]}, "secagg_retry must be true or false, got yes"),
+])
+def test_a_retry_without_groups_or_of_a_round_the_site_did_not_sum_is_refused(header, words):
+    server, channel = _channels()
+    site = _site(channel, {u: Ed25519PrivateKey.generate() for u in range(K)})
+    sent = np.zeros(SIZE, np.float32)
+    with pytest.raises(FederationError, match=re.escape(f"refused in round 0: {words}")):
+        _round(site, 0, sent, sent, 1, **header)
+    assert server.recv(source=1, timeout=0.2) is None  # nothing was sent
+
+
+def test_an_advert_of_a_rounds_first_attempt_does_not_verify_in_its_retry():
+    ids = {u: Ed25519PrivateKey.generate() for u in range(K)}
+    pubs = {u: k.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) for u, k in ids.items()}
+    graph = round_graph(K, 0)
+    first = SiteState(1, graph, SIZE + 1, ids[1], pubs, 0).advertise()  # its key may be rebuilt since
+    retried = {u: SiteState(u, graph, SIZE + 1, ids[u], pubs, 0, retry=True) for u in range(K)}
+    retried[0].share_keys({u: retried[u].advertise() for u in (1, 2)})  # the retry's own adverts verify
+    with pytest.raises(ProtocolError, match=r"site 1: forged agreement key for round 0 .*another round or attempt"):
+        retried[2].share_keys({1: first, 0: retried[0].advertise()})

@@ -1,7 +1,7 @@
 """A test-side hostile rank 0 for group testing (tests/runtime/test_group_testing_mpi.py), started
 under mpiexec in place of ``python -m hpcfed``: ``hostile_groups.py GROUPS hpcfed-args...``.
 
-On rank 0 only, the round after the first refused sum asks for GROUPS (JSON, e.g. ``[[0], [1, 2,
+On rank 0 only, the retry of the round whose sum was first refused asks for GROUPS (JSON, e.g. ``[[0], [1, 2,
 3, 4, 5]]`` or overlapping groups) instead of what group testing picks, skipping the server's own
 check: the sites must refuse, naming the rule. The sites run the real code unchanged.
 

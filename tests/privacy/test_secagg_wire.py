@@ -199,7 +199,7 @@ def test_a_relayed_agreement_key_with_a_bad_signature_or_from_another_round_is_r
         me.share_keys(W.parse_adverts(fields, me.peers, K, 0))
     replayed = [W.advert_fields(old[u]) for u in sorted(me.peers)]  # signed, but for round 0
     with pytest.raises(ProtocolError, match=r"forged agreement key for round 1 \(signature does not verify: "
-                                            r"substituted, or replayed from another round\)"):
+                                            r"substituted, or replayed from another round or attempt\)"):
         me.share_keys(W.parse_adverts(replayed, me.peers, K, 0))
     honest = [W.advert_fields(new[u].advertise()) for u in sorted(me.peers)]
     assert len(me.share_keys(W.parse_adverts(honest, me.peers, K, 0))) == len(me.peers)
