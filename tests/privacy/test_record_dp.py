@@ -200,17 +200,36 @@ def test_torch_task_refuses_record_dp_where_it_cannot_bound_one_record(tmp_path)
         _torch_task(_Normed, tmp_path)
 
 
-def test_a_model_vmap_cannot_run_gets_the_same_gradients_one_example_at_a_time():
+def test_hooks_vmap_and_one_pass_per_example_give_the_same_gradients():
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
+    got = {}
+    for method in ("hooks", "vmap", "loop"):
+        sgd = DPSGD(model, lambda x, y: torch.nn.functional.cross_entropy(model(x), y), _plan())
+        sgd.method = method
+        got[method] = sgd.per_example_grads(x, y)
+        assert sgd.method == method  # each path ran as asked, none fell back
+    for method in ("vmap", "loop"):
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got["hooks"], got[method], strict=True))
 
-    def loss(x, y):  # data-dependent control flow, as Hugging Face's attention-mask shortcuts have
-        out = model(x) if bool((x.abs() < 1e9).all()) else model(x) * 0
+
+def test_a_parameter_the_hooks_miss_falls_back_to_vmap_then_to_one_pass_per_example():
+    torch.manual_seed(0)
+    holder = torch.nn.Module()  # a bare parameter, used outside any layer's forward: no hook sees it
+    holder.w = torch.nn.Parameter(torch.randn(2, 3))
+
+    def linear(x, y):
+        return torch.nn.functional.cross_entropy(x @ holder.w.T, y)
+
+    def branching(x, y):  # data-dependent control flow, as Hugging Face's attention-mask shortcuts have
+        out = x @ holder.w.T if bool((x.abs() < 1e9).all()) else x @ holder.w.T * 0
         return torch.nn.functional.cross_entropy(out, y)
 
-    plain = DPSGD(model, lambda x, y: torch.nn.functional.cross_entropy(model(x), y), _plan())
-    branching = DPSGD(model, loss, _plan())
     x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
-    got = branching.per_example_grads(x, y)
-    assert branching.looped and not plain.looped
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, plain.per_example_grads(x, y), strict=True))
+    vmapped, looped = DPSGD(holder, linear, _plan()), DPSGD(holder, branching, _plan())
+    a, b = vmapped.per_example_grads(x, y), looped.per_example_grads(x, y)
+    assert (vmapped.method, looped.method) == ("vmap", "loop") and looped.looped
+    assert torch.allclose(a[0], b[0], atol=1e-6)
+    one = torch.autograd.grad(linear(x[2:3], y[2:3]), holder.w)[0]
+    assert torch.allclose(a[0][2], one, atol=1e-6)
