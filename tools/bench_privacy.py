@@ -204,6 +204,14 @@ def async_table(ks: list[int], p: int, rounds: int, buffer: int, utility_k: int,
     return {"buffers": rows, "utility": utility}
 
 
+def finish(result: dict, as_json: bool) -> int:
+    """A benchmark's end: the load average now beside the figures, and the figures as JSON if asked."""
+    result["load_average_end"] = os.getloadavg()[0]
+    if as_json:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8, 16])
@@ -244,10 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         result["cost"] = cost_table(args.k, parse_count(args.p), args.rounds, args.timeout, args.baseline)
     if not args.skip_utility and not args.record_dp:
         result["utility"] = utility_table(args.utility_k, args.utility_rounds, args.z, args.clip, args.timeout)
-    result["load_average_end"] = os.getloadavg()[0]
-    if args.json:
-        print(json.dumps(result, indent=1))
-    return 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":

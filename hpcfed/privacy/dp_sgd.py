@@ -1,15 +1,19 @@
 """DP-SGD's step (Abadi et al. 2016) for any torch model: Poisson-sampled batches, per-example
-gradients by `torch.func` (vmap of grad), each clipped to L2 norm C, summed, Gaussian noise of std
-z·C added, divided by the expected batch q·n. The optimizer (SGD, Adam, ...) then steps on that
-gradient as on any other: what it does with it is post-processing.
+gradients, each clipped to L2 norm C, summed, Gaussian noise of std z·C added, divided by the expected
+batch q·n. The optimizer (SGD, Adam, ...) then steps on that gradient as on any other: what it does
+with it is post-processing.
 
-Per-example gradients come from `torch.func` rather than Opacus's GradSampleModule: it needs no
-per-layer rule, so a user's model, a frozen encoder with LoRA adapters and the quickstart MLP all take
-the same path; only the parameters with ``requires_grad`` get per-example gradients. A forward with
-data-dependent control flow (Hugging Face's attention-mask shortcuts) cannot be vmapped: the first
-such failure switches the site to one backward pass per example (the same gradients, slower). A
-model whose forward mixes the examples of a batch (BatchNorm in training mode) must not come here:
-one record would move the others' gradients (`TorchTask` refuses it).
+Per-example gradients come from Opacus's `GradSampleModule` hooks: one forward and one backward pass
+of the batch, each supported layer's (Linear, Embedding, LayerNorm, convolutions, ...) per-example
+gradient formed from its saved activations and output gradients, and Opacus's per-layer `torch.func`
+for the others. That costs a fraction of vmapping the whole model (measured in tools/bench_privacy.py
+--record-dp), and it runs Hugging Face's encoders, whose attention-mask code cannot be vmapped; only
+the parameters with ``requires_grad`` get per-example gradients (a frozen encoder with LoRA adapters
+pays for the adapters). A trainable parameter the hooks do not see (used outside a module's forward)
+switches the site to `torch.func` over the whole model (vmap of grad); a model that cannot be vmapped
+either, to one backward pass per example (the same gradients, slower). A model whose forward mixes the
+examples of a batch (BatchNorm in training mode) must not come here: one record would move the
+others' gradients (`TorchTask` refuses it).
 
 The batches and the noise come from one generator seeded from the site's secret seed (derived from
 the job's key, `hpcfed.credentials.RankKeys.secret_seed`, all 256 bits) and the round: a resumed site draws what its
@@ -20,7 +24,9 @@ regenerate the noise, nor tell which records a step sampled (the sampling amplif
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -95,13 +101,27 @@ class DPSGD:
         self.plan = plan
         self.model = model
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self._loss = loss
         self._wrapper = _LossOf.build(model, loss)
-        self.looped = False  # vmap failed on this model: one backward pass per example
+        self._gsm: Any = None  # Opacus's GradSampleModule while `hooked`
+        import opacus  # noqa: F401  (imported at setup: its first import takes seconds, not a round's time)
+        self.method = "hooks"  # then "vmap" when the hooks miss a parameter, "loop" when vmap fails too
+
+    @property
+    def looped(self) -> bool:
+        """Whether this model takes one backward pass per example (neither hooks nor vmap cover it)."""
+        return self.method == "loop"
 
     def per_example_grads(self, inputs: Any, target: Any) -> list[Any]:
         """Each trainable parameter's gradient, per example (a leading batch dimension)."""
-        if not self.looped:
+        if self.method == "hooks":
+            grads = self._hooked(inputs, target)
+            if grads is not None:
+                return grads
+            self._unhook()  # functional_call must not run through them
+            self.method = "vmap"
+        if self.method == "vmap":
             try:
                 return self._vmapped(inputs, target)
             except RuntimeError as exc:
@@ -109,13 +129,60 @@ class DPSGD:
                     raise
                 log.info("per-example gradients: the model cannot be vmapped (%s); one backward pass per example",
                          str(exc).split(".")[0][:120])
-                self.looped = True
+                self.method = "loop"
         return self._looped(inputs, target)
+
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        """Opacus's hooks on the model for a round's steps, removed after them: between rounds (and in
+        evaluation) the model is as the task built it."""
+        from opacus import GradSampleModule
+
+        if self.method == "hooks":
+            # strict=False: buffers (a transformer's position ids) are no record's data; BatchNorm, which
+            # would be, is refused before a model gets here (`refuse_record_mixing`)
+            self._gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="mean", strict=False)
+        try:
+            yield
+        finally:
+            self._unhook()
+
+    def _unhook(self) -> None:
+        if self._gsm is not None:
+            self._gsm.cleanup()  # the hooks and Opacus's attributes (grad_sample) off the parameters
+            self._gsm = None
+
+    def _hooked(self, inputs: Any, target: Any) -> list[Any] | None:
+        """Per-example gradients from Opacus's hooks; None when they missed a trainable parameter."""
+        if self._gsm is None:
+            with self.hooked():
+                return self._hooked(inputs, target)
+        with warnings.catch_warnings():  # the first layer's inputs (the data) need no gradient: as meant
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            self._loss(inputs, target).backward()
+        grads = self._samples(int(target.shape[0]))
+        for p in self.params:  # as GradSampleModule.zero_grad does, without walking the whole model each step
+            p.grad_sample = None
+        return grads
+
+    def _samples(self, batch: int) -> list[Any] | None:
+        """The `grad_sample` the hooks left on each trainable parameter; None if one has none or a wrong shape."""
+        grads = []
+        for name, p in zip(self.names, self.params, strict=True):
+            sample = getattr(p, "grad_sample", None)
+            if sample is None and p.grad is None:  # not used by this loss: no gradient, from any example
+                sample = p.detach().new_zeros((batch, *p.shape))
+            elif sample is None or tuple(sample.shape) != (batch, *p.shape):
+                log.info("per-example gradients: Opacus's hooks do not cover %s (%s); torch.func over the model",
+                         name, "unseen" if sample is None else f"shape {tuple(sample.shape)}")
+                return None
+            grads.append(sample)
+        return grads
 
     def _looped(self, inputs: Any, target: Any) -> list[Any]:
         import torch
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.params
         per_param: list[list[Any]] = [[] for _ in params]
         for i in range(int(target.shape[0])):
             loss = self._loss(_example(inputs, i), _example(target, i))
@@ -141,14 +208,14 @@ class DPSGD:
 
         norms = torch.sqrt(sum(g.flatten(1).float().pow(2).sum(1) for g in grads))
         factor = torch.clamp(self.plan.clip_norm / (norms + 1e-6), max=1.0)
-        return [torch.einsum("i,i...->...", factor.to(g.dtype), g) for g in grads]
+        return [torch.tensordot(factor.to(g.dtype), g, dims=1) for g in grads]
 
     def set_noisy_grad(self, inputs: Any, target: Any, batch: int, generator: np.random.Generator) -> None:
         """Set each trainable parameter's .grad to (clipped sum + N(0, (zC)²)) / (q·n) for a batch of
         `batch` examples (0: the noise alone, as the accountant counts an empty batch too)."""
         import torch
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.params
         if batch:
             sums = self.clipped_sum(self.per_example_grads(inputs, target))
         else:

@@ -43,12 +43,13 @@ class RecordDPTraining:
         if not self.accountant.can_take_round():
             return self._stopped(round)
         gen = round_generator(self.spec.secret_seed, self.client_id, round)
-        for _ in range(self.plan.steps_per_round):
-            idx = poisson_batch(self.plan.records, self.plan.sample_rate, gen)
-            inputs, target = gather(idx) if len(idx) else (None, None)
-            optimizer.zero_grad(set_to_none=True)
-            self.sgd.set_noisy_grad(inputs, target, len(idx), gen)
-            optimizer.step()
+        with self.sgd.hooked():
+            for _ in range(self.plan.steps_per_round):
+                idx = poisson_batch(self.plan.records, self.plan.sample_rate, gen)
+                inputs, target = gather(idx) if len(idx) else (None, None)
+                optimizer.zero_grad(set_to_none=True)
+                self.sgd.set_noisy_grad(inputs, target, len(idx), gen)
+                optimizer.step()
         self.accountant.spend(self.plan.steps_per_round)
         return FitResult(num_examples=self.plan.records, metrics=self.metrics(stopped=False))
 

@@ -200,17 +200,62 @@ def test_torch_task_refuses_record_dp_where_it_cannot_bound_one_record(tmp_path)
         _torch_task(_Normed, tmp_path)
 
 
-def test_a_model_vmap_cannot_run_gets_the_same_gradients_one_example_at_a_time():
+def test_hooks_vmap_and_one_pass_per_example_give_the_same_gradients():
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
+    got = {}
+    for method in ("hooks", "vmap", "loop"):
+        sgd = DPSGD(model, lambda x, y: torch.nn.functional.cross_entropy(model(x), y), _plan())
+        sgd.method = method
+        got[method] = sgd.per_example_grads(x, y)
+        assert sgd.method == method  # each path ran as asked, none fell back
+    for method in ("vmap", "loop"):
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got["hooks"], got[method], strict=True))
 
-    def loss(x, y):  # data-dependent control flow, as Hugging Face's attention-mask shortcuts have
-        out = model(x) if bool((x.abs() < 1e9).all()) else model(x) * 0
+
+def test_a_parameter_the_hooks_miss_falls_back_to_vmap_then_to_one_pass_per_example():
+    torch.manual_seed(0)
+    holder = torch.nn.Module()  # a bare parameter, used outside any layer's forward: no hook sees it
+    holder.w = torch.nn.Parameter(torch.randn(2, 3))
+
+    def linear(x, y):
+        return torch.nn.functional.cross_entropy(x @ holder.w.T, y)
+
+    def branching(x, y):  # data-dependent control flow, as Hugging Face's attention-mask shortcuts have
+        out = x @ holder.w.T if bool((x.abs() < 1e9).all()) else x @ holder.w.T * 0
         return torch.nn.functional.cross_entropy(out, y)
 
-    plain = DPSGD(model, lambda x, y: torch.nn.functional.cross_entropy(model(x), y), _plan())
-    branching = DPSGD(model, loss, _plan())
     x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
-    got = branching.per_example_grads(x, y)
-    assert branching.looped and not plain.looped
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, plain.per_example_grads(x, y), strict=True))
+    vmapped, looped = DPSGD(holder, linear, _plan()), DPSGD(holder, branching, _plan())
+    a, b = vmapped.per_example_grads(x, y), looped.per_example_grads(x, y)
+    assert (vmapped.method, looped.method) == ("vmap", "loop") and looped.looped
+    assert torch.allclose(a[0], b[0], atol=1e-6)
+    one = torch.autograd.grad(linear(x[2:3], y[2:3]), holder.w)[0]
+    assert torch.allclose(a[0][2], one, atol=1e-6)
+
+
+def test_a_lora_adapted_transformer_takes_the_hooks_with_the_gradients_of_one_pass_per_example():
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    lora = peft.LoraConfig(r=2, target_modules=["query", "value"])
+    encoder = peft.get_peft_model(transformers.BertModel(config), lora)
+    head = torch.nn.Linear(16, 3)
+    model = torch.nn.ModuleDict({"encoder": encoder, "head": head}).train()
+
+    def loss(x, y):  # padded documents: the attention mask is the code vmap cannot run
+        out = encoder(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).last_hidden_state[:, 0]
+        return torch.nn.functional.cross_entropy(head(out), y)
+
+    x = {"input_ids": torch.randint(0, 100, (4, 12)), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    x["attention_mask"][:2, 8:] = 0
+    y = torch.tensor([0, 1, 2, 0])
+    hooked, looped = DPSGD(model, loss, _plan()), DPSGD(model, loss, _plan())
+    looped.method = "loop"
+    got, want = hooked.per_example_grads(x, y), looped.per_example_grads(x, y)
+    assert hooked.method == "hooks" and len(got) == len(hooked.names) == 2 * 2 + 2  # 2 adapters x A, B + head
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+    assert not hasattr(model.head.weight, "grad_sample")  # the hooks are gone after the step
