@@ -24,7 +24,6 @@ from hpcfed.comm.api import Channel, ChannelError, Message, Outgoing
 from hpcfed.config import Config
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
-from hpcfed.launch.jobwatch import HALT_FILE
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
 from hpcfed.server.departures import Departures
@@ -36,6 +35,7 @@ from hpcfed.server.participation import Participation
 from hpcfed.server.progress import Progress, StatusLine
 from hpcfed.server.roster import Roster
 from hpcfed.store import checkpoint as ckpt_store
+from hpcfed.store.rank_records import HALT_FILE
 from hpcfed.store.sealed import FileAuth
 from hpcfed.strategies.base import Strategy, Update
 from hpcfed.tasks.base import Task

@@ -3,7 +3,7 @@ it, the record of each site dropped, and the last checkpoint shard of every site
 
 Under ``hpcfed run`` (hydra, ``-disable-auto-cleanup``, `hpcfed.launch.rank_guard`) every surviving rank
 gets SIGUSR1 when one ends. The signal does not say which, so the server then looks at each live
-site's records (`hpcfed.launch.jobwatch.rank_ended`: its exit record, or its process gone from this host)
+site's records (`hpcfed.store.rank_records.rank_ended`: its exit record, or its process gone from this host)
 and drops the ones that ended at once: nothing more is sent to them and no round or checkpoint
 waits for them. A site on another node cannot be seen from here: once the signal came and no site
 on this node had ended, a remote site that stays silent past a deadline is dropped as well (alive
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcfed.launch import jobwatch
+from hpcfed.store import rank_records
 
 log = logging.getLogger("hpcfed.server")
 
@@ -79,7 +79,7 @@ class Departures:
         if self._signalled_at is None:
             return
         for cid in range(self.num_clients):
-            if cid not in self._known and (cause := jobwatch.rank_ended(self.log_dir, cid + 1)):
+            if cid not in self._known and (cause := rank_records.rank_ended(self.log_dir, cid + 1)):
                 self._known.add(cid)
                 self._ended[cid] = cause
                 self.mark_gone(cid + 1)
@@ -103,7 +103,7 @@ class Departures:
 
     def cause_of_silence(self, cid: int) -> str | None:
         """Why site `cid`, silent past a deadline, is gone (None: it may be merely slow)."""
-        cause = self._lost.get(cid) or jobwatch.rank_ended(self.log_dir, cid + 1)
+        cause = self._lost.get(cid) or rank_records.rank_ended(self.log_dir, cid + 1)
         if cause is None and self.unexplained and not self._on_this_host(cid):
             cause = "silent past the deadline after MPI reported a rank ended on another node"
         if cause is not None:
