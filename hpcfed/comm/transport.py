@@ -26,11 +26,16 @@ FRAME_TAG = 0x4846  # one tag for all frames keeps MPI's per-pair ordering
 
 
 class Request(Protocol):
+    """A started non-blocking send or receive: poll it with `test`, abandon it with `cancel`."""
+
     def test(self) -> bool: ...
     def cancel(self) -> None: ...
 
 
 class Transport(Protocol):
+    """What the channel needs of a way to move frames between ranks: MPI (`MPITransport`), the spokes
+    of separate jobs, or in-process queues for tests; the channel never calls mpi4py itself."""
+
     rank: int
     size: int
 

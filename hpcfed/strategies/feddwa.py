@@ -40,6 +40,9 @@ def dwa_weights(gaps: np.ndarray, a: float) -> np.ndarray:
 
 
 class FedDWA(AsyncStrategy):
+    """FedDWA (FedAHE §4.2): every site's latest upload weighted by its version gap, broadcast when a
+    site falls `threshold` versions behind."""
+
     name = "feddwa"
 
     @dataclass(kw_only=True)

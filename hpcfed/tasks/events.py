@@ -21,7 +21,6 @@ or GLECC. Attacks on the last client (`Site.attack`): ``model`` uploads scaled o
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,10 +35,10 @@ from hpcfed.tasks.event_site import export_fields, load_event_site
 from hpcfed.tasks.event_training import TrainData, kmeans_metrics, kmeans_predict, train_epochs
 from hpcfed.tasks.event_training import seeded_rng as _rng
 
-log = logging.getLogger("hpcfed.tasks.events")
-
 
 class EventsTask(Task):
+    """DAMe's task on one site: a GAT over its message graph, BOLA, GLECC, the baselines (module doc)."""
+
     name = "events"
     record_dp_refusal = ("DAMe's GAT attends over the message graph, so one message flows through its neighbours' "
                          "gradients and a record is not one example")
