@@ -35,7 +35,7 @@ def admit(core: ServerCore, start_round: int) -> list[int]:
     now = time.monotonic()
     for cid in core.joiners():
         if cid in core.absent:
-            core.roster.rejoining.setdefault(cid, now + core.cfg.federation.setup_timeout_s)
+            core.roster.rejoining.setdefault(cid, now + core.config.deadlines.setup_timeout_s)
     joined = [cid for cid, deadline in sorted(core.roster.rejoining.items())
               if _set_up(core, cid, start_round, deadline)]
     if joined:
@@ -76,7 +76,7 @@ def _refused(core: ServerCore, cid: int, msg: Message | None, gone: str | None) 
     """Why late site `cid`'s setup fails (None: it does not)."""
     if msg is None:
         return (f"it is gone ({gone})" if gone is not None else
-                f"it sent no SETUP within {core.cfg.federation.setup_timeout_s:g} s (federation.setup_timeout_s)")
+                f"it sent no SETUP within {core.config.deadlines.setup_timeout_s:g} s (federation.setup_timeout_s)")
     if msg.kind == P.FAILED:
         return f"it failed during its setup: {V.error_text(msg.header)}"
     header = V.task_header(msg.header)

@@ -80,18 +80,18 @@ class SecAggCollector:
             raise TypeError(f"strategy {strategy.name!r} declares aggregates={declared!r}: it cannot take the secure "
                             f"sum (it needs {WEIGHTED_SUM!r})")
         self.core, self.strategy = core, strategy
-        cfg = core.cfg
+        config = core.config
         self.num_sites = core.num_clients
         self.size = core.layout.size + 1  # the weighted delta and the weight
-        self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
-        self.dp = cfg.privacy.dp is not None
+        self.spec = spec_for(config.privacy, self.num_sites, config.roster.quorum)
+        self.dp = config.privacy.dp is not None
         self.prepared: ServerState | None = None  # the next round's keys and shares, exchanged in this one
         # the sites' identity keys, to check their consistency signatures on arrival (keys mode; psk: none)
         self.identities: dict[int, bytes] | None = None
-        if cfg.security.mode == "keys":
+        if config.security.mode == "keys":
             self.identities = core.keys.secagg_identities()[1]
         self.testing = GroupTesting(core, self.spec)  # after a refused sum: disjoint groups find the site
-        if cfg.influence.enabled:
+        if config.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
                         "a check of the sum's norm (README, 'What the server sees')", self.spec.clip_norm)
@@ -115,7 +115,7 @@ class SecAggCollector:
                 self._relay_shares(rnd, cid, state)
         if state is None:
             state = self._setup(rnd, taken)
-        ahead_ok = rnd + 1 < core.cfg.rounds and groups is None and not self.testing.isolation.active
+        ahead_ok = rnd + 1 < core.config.run.rounds and groups is None and not self.testing.isolation.active
         nxt = ServerState(round_graph(self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) if ahead_ok \
             else None
         self._gather(rnd, P.SA_MASKED, set(state.shared), lambda cid, msg: self._take_masked(
@@ -186,7 +186,7 @@ class SecAggCollector:
         return state.answering() & self.core.live
 
     def _degree(self) -> int | None:
-        return self.core.cfg.privacy.secagg.degree
+        return self.core.config.privacy.secagg.degree
 
     def _setup(self, rnd: int, uploads: RoundUploads) -> ServerState:
         """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
@@ -231,7 +231,7 @@ class SecAggCollector:
         (each stage has its own: a stage that waited for a silent site leaves the next its time);
         the sites whose message was taken (and are still members)."""
         core, done = self.core, set[int]()
-        deadline = time.monotonic() + core.cfg.federation.round_deadline_s
+        deadline = time.monotonic() + core.config.deadlines.round_deadline_s
         while pending := (waiting & core.live) - done:
             msg = core.recv_until(deadline, _KINDS, f"round {rnd} ({P.NAMES[kind]})", waiting_for=pending,
                                   fatal=False)
@@ -283,7 +283,7 @@ class SecAggCollector:
         if len(sites) < needed:
             silent = ", ".join(f"client {c} (rank {c + 1})" for c in sorted(core.live - sites)) or "none"
             raise FederationError(f"round {rnd}: only {len(sites)} site(s) {what} within the stage deadline "
-                                  f"({core.cfg.federation.round_deadline_s:g} s), secure aggregation needs {needed}; "
+                                  f"({core.config.deadlines.round_deadline_s:g} s), secure aggregation needs {needed}; "
                                   f"silent or refused: {silent}; last checkpoint: {core.last_checkpoint or 'none'}")
 
     def _lose(self, rnd: int, why: str, started: set[int], alive: set[int], dropped: set[int]) -> None:
@@ -292,7 +292,7 @@ class SecAggCollector:
         (rank 0 never learns a partial sum), the sites that ended are dropped, and the next round sets
         up fresh keys with the survivors; with the default abort, or too few survivors, the run ends."""
         core = self.core
-        if core.cfg.federation.on_client_failure != "continue":
+        if core.config.roster.on_client_failure != "continue":
             raise FederationError(f"round {rnd}: secure aggregation cannot unmask the sum: {why} (with "
                                   f"federation.on_client_failure=continue the round would be lost, not the run); "
                                   f"last checkpoint: {core.last_checkpoint or 'none'}")
@@ -317,7 +317,7 @@ class SecAggCollector:
 
     def _needed(self) -> int:
         base = self.num_sites if self.dp else len(self.core.live)
-        return max(2, sites_needed(base, self.core.cfg.federation.quorum))
+        return max(2, sites_needed(base, self.core.config.roster.quorum))
 
     def _fold(self, weighted_sum: np.ndarray, examples: int, count: int) -> None:
         """Hand a judged sum (`site_input.judge_sum`: in the encoding, its norm within the clips) of
