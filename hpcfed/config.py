@@ -129,6 +129,9 @@ class SecurityConfig:
 
 @dataclass(kw_only=True)
 class CommConfig:
+    """The ``comm`` section: chunk size, message and tensor-count bounds, polling back-off, the
+    same-node shared-memory ring and the sealing threads of each rank's channel."""
+
     chunk_bytes: int = 4 << 20
     max_message_bytes: int = 8 << 30
     max_tensors: int = 100_000
@@ -248,6 +251,8 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Confi
 
 
 def from_mapping(raw: Mapping[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "<dict>") -> Config:
+    """Build and validate a `Config` from an already parsed mapping (`load` passes the YAML document;
+    tests and tools pass a dict) plus ``key=value`` overrides; `source` names it in error messages."""
     data = _normalise_components(json.loads(json.dumps(raw, default=str)))
     set_by: dict[str, str] = {}
     for item in overrides:

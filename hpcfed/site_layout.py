@@ -12,6 +12,7 @@ tests; a layout the ranks cannot make is refused in one line with the arithmetic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpcfed.errors import ConfigError
@@ -24,7 +25,7 @@ class SiteLayout:
     sizes: tuple[int, ...]
 
     @classmethod
-    def of(cls, ranks_per_site: int | list[int], num_sites: int) -> SiteLayout:
+    def of(cls, ranks_per_site: int | Sequence[int], num_sites: int) -> SiteLayout:
         """The layout of `num_sites` sites under a validated ``ranks_per_site`` (as rank 0 knows it)."""
         if isinstance(ranks_per_site, int):
             return cls((ranks_per_site,) * num_sites)

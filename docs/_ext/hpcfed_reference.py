@@ -87,7 +87,18 @@ def cli_markdown() -> str:
 # -- configuration keys --------------------------------------------------------------------------
 
 def _field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in the class body: the one on its line and any lines right above it."""
+    """Each field's comment in the class body (the one on its line and any lines right above it), or in
+    the body of the dataclass it inherits the field from."""
+    comments: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if dataclasses.is_dataclass(klass):
+            for name, text in _own_field_comments(klass).items():
+                comments.setdefault(name, text)
+    return comments
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
+    """`_field_comments` of the fields written in `cls`'s own body."""
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):

@@ -124,7 +124,7 @@ def import_hin_main(argv: list[str]) -> int:
 
 def import_messages_main(argv: list[str]) -> int:
     """`hpcfed data import-messages INPUT --out FILE`: check messages, write Parquet or JSONL; exit status."""
-    from hpcfed.data.messages import LOADERS
+    from hpcfed.data.message_datasets import LOADERS
     from hpcfed.data.messages_import import EVENT_FROM, read_input
 
     p = argparse.ArgumentParser(prog="hpcfed data import-messages",
@@ -145,7 +145,8 @@ def import_messages_main(argv: list[str]) -> int:
     p.add_argument("--data-root", default=None, help="data root for built-in datasets (default $HPCFED_DATA)")
     args = p.parse_args(argv)
     from hpcfed.data.columns import parse_columns
-    from hpcfed.data.messages import COLUMNS, load_site, write_messages
+    from hpcfed.data.message_datasets import load_site
+    from hpcfed.data.messages import COLUMNS, write_messages
     from hpcfed.data.root import DataError
 
     if not args.out.endswith((".parquet", ".jsonl")):

@@ -34,7 +34,8 @@ class Outgoing(Protocol):
 
     dest: int
 
-    def done(self) -> bool: ...
+    def done(self) -> bool:
+        """Whether the peer has taken the whole message (its buffers may be reused)."""
 
 
 class Channel(Protocol):
@@ -48,33 +49,49 @@ class Channel(Protocol):
     on_reject: Callable[[int, str, str], None] | None
 
     @property
-    def stats(self) -> Any: ...
+    def stats(self) -> Any:
+        """This rank's counters (messages, bytes, refusals by reason and rank, crypto time)."""
 
-    def connect(self, peers: Collection[int], timeout: float, *, require_all: bool = True) -> None: ...
+    def connect(self, peers: Collection[int], timeout: float, *, require_all: bool = True) -> None:
+        """Authenticate with each peer; ChannelError naming the ranks that did not answer within `timeout` s
+        (with `require_all` false, the run goes on with those that did)."""
 
     def expect(self, kinds: Collection[int] | Mapping[int, Collection[int]] | None,
                max_bytes: Mapping[int, int] | None = None, *, inbox_max_messages: int | None = None,
-               inbox_max_bytes: int | None = None) -> None: ...
+               inbox_max_bytes: int | None = None) -> None:
+        """Declare what this rank accepts (kinds, per-kind byte bounds, the inbox's bounds); anything else is
+        dropped on arrival and counted, so a peer cannot make this rank buffer what it never reads."""
 
-    def identity(self, rank: int) -> str: ...
+    def identity(self, rank: int) -> str:
+        """The fingerprint of the identity key `rank` authenticated with ("psk" in psk mode)."""
 
     def send(self, dest: int, kind: int, header: dict[str, Any],
-             tensors: Mapping[str, Any] | None = None) -> None: ...
+             tensors: Mapping[str, Any] | None = None) -> None:
+        """Encrypt and send one message; returns when `tensors` may be modified again."""
 
     def post(self, dest: int, kind: int, header: dict[str, Any],
-             tensors: Mapping[str, Any] | None = None) -> Outgoing: ...
+             tensors: Mapping[str, Any] | None = None) -> Outgoing:
+        """Encrypt one message into buffers of its own and start sending it; returns at once."""
 
     def recv(self, *, source: int | None = None, kinds: Collection[int] | None = None,
-             timeout: float | None = None) -> Message | None: ...
+             timeout: float | None = None) -> Message | None:
+        """The next message (from `source`, of one of `kinds`), or None after `timeout` s; messages that do
+        not match are kept for later calls."""
 
-    def poll(self) -> Message | None: ...
+    def poll(self) -> Message | None:
+        """A waiting message, if any; never waits."""
 
-    def peer_gone(self, rank: int) -> None: ...
+    def peer_gone(self, rank: int) -> None:
+        """Rank `rank` has ended: a send waiting on it fails at once, and sending to it again raises."""
 
-    def watch_peers(self, look: Callable[[], None] | None) -> None: ...
+    def watch_peers(self, look: Callable[[], None] | None) -> None:
+        """Call `look()` every few tenths of a second while a send waits (it may call `peer_gone`)."""
 
-    def routes(self) -> dict[int, str]: ...
+    def routes(self) -> dict[int, str]:
+        """Per peer, how big messages travel: "ring", "declined" or "mpi"."""
 
-    def set_crypto_threads(self, threads: int | None) -> None: ...
+    def set_crypto_threads(self, threads: int | None) -> None:
+        """Seal a big message's chunks with this many threads at once; None: the cores available, at most 8."""
 
-    def close(self, timeout: float = 5.0) -> None: ...
+    def close(self, timeout: float = 5.0) -> None:
+        """Complete (or, after `timeout` s, cancel) outstanding sends and drop the buffers."""

@@ -322,6 +322,7 @@ def _table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`hpcfed bench comm`: measure the sealed channel against plain MPI side by side; exit status."""
     p = argparse.ArgumentParser(prog="hpcfed bench comm", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")

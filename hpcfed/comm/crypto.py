@@ -84,10 +84,12 @@ class Credentials:
 
 # -- keys and their text forms ----------------------------------------------------------------------
 def new_identity() -> Ed25519PrivateKey:
+    """A fresh Ed25519 identity key (a site's or the server's long-term signing key)."""
     return Ed25519PrivateKey.generate()
 
 
 def public_raw(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    """The 32 raw bytes of a public key (of a private key's public half): what a handshake signs and sends."""
     pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
     return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -99,6 +101,7 @@ def public_line(key: Ed25519PrivateKey | Ed25519PublicKey, comment: str = "") ->
 
 
 def public_from_b64(text: str) -> Ed25519PublicKey:
+    """The public key of an authorized_keys line's base64 field; ValueError naming what is wrong with it."""
     try:
         raw = base64.b64decode(text, validate=True)
     except ValueError:
@@ -109,15 +112,18 @@ def public_from_b64(text: str) -> Ed25519PublicKey:
 
 
 def fingerprint(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    """``SHA256:<base64>`` of the raw public key, as OpenSSH prints it: how logs and summaries name an identity."""
     return "SHA256:" + base64.b64encode(hashlib.sha256(public_raw(key)).digest()).decode().rstrip("=")
 
 
 def private_to_pem(key: Ed25519PrivateKey) -> bytes:
+    """The private key as unencrypted PKCS#8 PEM (the key file is protected by its 0600 mode, not a passphrase)."""
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
 
 def private_from_pem(data: bytes) -> Ed25519PrivateKey:
+    """Read a PEM private key, refusing any that is not Ed25519 (an RSA or EC key would pass the PEM parser)."""
     key = serialization.load_pem_private_key(data, password=None)
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"the key is a {type(key).__name__}, not an Ed25519 private key")
@@ -149,6 +155,8 @@ class Sealer:
 
 @dataclass
 class SessionKeys:
+    """What a completed handshake yields: one AEAD key per direction, and who the peer proved to be."""
+
     send: Sealer
     recv: Sealer
     peer_identity: str  # fingerprint of the peer's identity key, or "psk"

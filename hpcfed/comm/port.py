@@ -63,6 +63,7 @@ def open_port() -> str:
 
 
 def close_port(port: str) -> None:
+    """Release an MPI port opened by `open_port` once no more jobs may connect through it."""
     from mpi4py import MPI
 
     MPI.Close_port(port)

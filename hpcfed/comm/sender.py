@@ -24,6 +24,7 @@ import numpy as np
 from hpcfed.comm import crypto, frame, polling, wire
 from hpcfed.comm.api import ChannelError
 from hpcfed.comm.frame import F_DATA, F_SHM_DATA, FRAME, HDR, SLOT, TAG, VERSION
+from hpcfed.comm.frame_buffers import FrameBuffers
 from hpcfed.comm.ring import Rings, TxRing
 from hpcfed.comm.sealing import CryptoPool, seal_timed
 from hpcfed.comm.session import Peer, Session
@@ -68,9 +69,7 @@ class Sender:
         self._rings = rings
         self._pump = pump
         self.background: deque[tuple[Request, object]] = deque()  # small sends whose buffers must live on
-        self._slots: list[np.ndarray] = []  # reused frame buffers
-        self._gather: np.ndarray | None = None
-        self._gathers: list[np.ndarray] = []  # one per slot of the parallel sealing path
+        self._buffers = FrameBuffers(session.opts)
 
     # -- messages -------------------------------------------------------------------------------
     def prepare(self, dest: int, kind: int, header: dict[str, Any],
@@ -136,7 +135,7 @@ class Sender:
             n = min(total - start, chunk)
             if len(inflight) == nslots:
                 self.wait_send(inflight.popleft(), dest)
-            buf = self._slot(i % nslots, HDR + n + TAG)
+            buf = self._buffers.slot(i % nslots, HDR + n + TAG)
             buf[:HDR] = self._seal_chunk(peer, F_DATA, kind, enc, msg_id, i, count, start, n, total,
                                          buf[HDR:HDR + n + TAG])
             inflight.append(transport.isend(buf[:HDR + n + TAG], dest))
@@ -165,19 +164,19 @@ class Sender:
                     slot = free.popleft()
                     start = i * chunk
                     n = min(total - start, chunk)
-                    buf = self._slot(slot, HDR + n + TAG)
+                    buf = self._buffers.slot(slot, HDR + n + TAG)
                     peer.send_seq += 1
                     hdr = frame.pack(F_DATA, kind, s.rank, dest, n, peer.send_seq, msg_id, i, count, start, total)
                     buf[:HDR] = hdr
                     pieces = enc.pieces(start, start + n)
-                    data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n, slot)
+                    data = pieces[0] if len(pieces) == 1 else self._buffers.gathered(pieces, n, slot)
                     sealing.append((slot, n, pool.submit(seal_timed, sealer, peer.send_seq, data, s.jd + hdr,
                                                          buf[HDR:HDR + n + TAG])))
                     i += 1
                 while sealing:  # hand every sealed chunk to MPI, in order
                     slot, n, job = sealing.popleft()
                     stats.seal_s += job.result()
-                    inflight.append((s.transport.isend(self._slots[slot].data[:HDR + n + TAG], dest), slot))
+                    inflight.append((s.transport.isend(self._buffers.view(slot)[:HDR + n + TAG], dest), slot))
                     stats.bytes_sent += HDR + n + TAG
                     for req, _ in inflight:  # nudge MPI's progress on the chunks already out
                         req.test()
@@ -192,7 +191,7 @@ class Sender:
                 self.wait_send(req, dest)
         except BaseException as exc:
             wait_futures([job for _, _, job in sealing])  # no thread writes into a buffer after this
-            self._slots.clear()  # frames may still be read by abandoned sends or half-sealed
+            self._buffers.drop_slots()  # frames may still be read by abandoned sends or half-sealed
             if isinstance(exc, (ChannelError, KeyboardInterrupt, SystemExit)):
                 raise
             raise ChannelError(f"sealing a message to rank {dest} failed: {exc}") from exc
@@ -208,7 +207,7 @@ class Sender:
             data: memoryview | bytes = b""
         else:
             pieces = enc.pieces(start, start + n)
-            data = pieces[0] if len(pieces) == 1 else self._gathered(pieces, n)
+            data = pieces[0] if len(pieces) == 1 else self._buffers.gathered(pieces, n)
         tx = peer.tx
         assert tx is not None, f"no session keys for rank {peer.rank}"  # sealed frames follow the handshake
         t0 = time.perf_counter()
@@ -318,33 +317,6 @@ class Sender:
         return ring.free.popleft()
 
     # -- buffers and waits ----------------------------------------------------------------------
-    def _slot(self, i: int, need: int) -> memoryview:
-        while len(self._slots) <= i:
-            self._slots.append(np.empty(0, dtype=np.uint8))
-        if len(self._slots[i]) < need:
-            self._slots[i] = np.empty(max(need, min(self._s.opts.max_frame, 1 << 16)), dtype=np.uint8)
-        return self._slots[i].data
-
-    def _gathered(self, pieces: list[memoryview], n: int, slot: int = -1) -> memoryview:
-        """Copy a chunk that spans several tensors into one buffer (per slot when chunks are
-        sealed in parallel, the shared one otherwise)."""
-        chunk = self._s.opts.chunk_bytes
-        if slot >= 0:
-            while len(self._gathers) <= slot:
-                self._gathers.append(np.empty(0, dtype=np.uint8))
-            if len(self._gathers[slot]) < n:
-                self._gathers[slot] = np.empty(max(n, min(chunk, 1 << 16)), dtype=np.uint8)
-            out = self._gathers[slot].data
-        else:
-            if self._gather is None or len(self._gather) < n:
-                self._gather = np.empty(max(n, min(chunk, 1 << 16)), dtype=np.uint8)
-            out = self._gather.data
-        pos = 0
-        for p in pieces:
-            out[pos:pos + len(p)] = p
-            pos += len(p)
-        return out[:n]
-
     def wait_send(self, req: Request, dest: int) -> None:
         """Wait until MPI is done with a send, receiving meanwhile; ChannelError after `send_timeout_s`."""
         if req.test():
@@ -364,7 +336,7 @@ class Sender:
                 req.cancel()
                 # The abandoned send may still read its buffer whenever the peer wakes up: later
                 # messages must be sealed into fresh buffers, not over it.
-                self._slots.clear()
+                self._buffers.drop_slots()
                 raise ChannelError(f"rank {dest} has ended" if gone else
                                    f"sending to rank {dest} did not complete within {opts.send_timeout_s:g} s "
                                    f"(is rank {dest} alive and receiving?)")
@@ -403,6 +375,4 @@ class Sender:
             with contextlib.suppress(Exception):  # closing: a request MPI will not cancel is left to finish
                 req.cancel()
         self.background.clear()
-        self._slots.clear()
-        self._gathers.clear()
-        self._gather = None
+        self._buffers.clear()

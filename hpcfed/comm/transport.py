@@ -26,23 +26,50 @@ FRAME_TAG = 0x4846  # one tag for all frames keeps MPI's per-pair ordering
 
 
 class Request(Protocol):
-    def test(self) -> bool: ...
-    def cancel(self) -> None: ...
+    """A started non-blocking send or receive: poll it with `test`, abandon it with `cancel`."""
+
+    def test(self) -> bool:
+        """Whether the operation has completed (it also lets MPI make progress on it)."""
+
+    def cancel(self) -> None:
+        """Abandon the operation (a send to a peer that is gone); its buffer may still be read later."""
 
 
 class Transport(Protocol):
+    """What the channel needs of a way to move frames between ranks: MPI (`MPITransport`), the spokes
+    of separate jobs, or in-process queues for tests; the channel never calls mpi4py itself."""
+
     rank: int
     size: int
 
-    def isend(self, frame: memoryview, dest: int) -> Request: ...
-    def iprobe(self, source: int | None = None) -> tuple[int, int] | None: ...
-    def irecv_into(self, source: int, out: memoryview) -> Request: ...
-    def recv_into(self, source: int, out: memoryview) -> None: ...
-    def discard(self, source: int) -> None: ...
-    def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes: ...
-    def shm_create(self, tag: str, nbytes: int) -> tuple[str, memoryview] | None: ...
-    def shm_attach(self, name: str, nbytes: int) -> memoryview | None: ...
-    def shm_unlink(self, name: str) -> None: ...
+    def isend(self, frame: memoryview, dest: int) -> Request:
+        """Start sending one frame to `dest`; the buffer must stay untouched until the request completes."""
+
+    def iprobe(self, source: int | None = None) -> tuple[int, int] | None:
+        """(source, bytes) of a frame that has arrived (from `source`, or from any rank), or None."""
+
+    def irecv_into(self, source: int, out: memoryview) -> Request:
+        """Start receiving the next frame from `source` into `out`."""
+
+    def recv_into(self, source: int, out: memoryview) -> None:
+        """Receive a frame that `iprobe` has already seen (it has arrived, so this does not wait)."""
+
+    def discard(self, source: int) -> None:
+        """Drop the next frame from `source` without reading it (an oversize frame)."""
+
+    def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
+        """`root`'s `nbytes` bytes (`data` there) at every rank."""
+
+    def shm_create(self, tag: str, nbytes: int) -> tuple[str, memoryview] | None:
+        """Shared memory the peer on this node maps too, so that big chunks skip MPI's copy; None where
+        /dev/shm is missing or full."""
+
+    def shm_attach(self, name: str, nbytes: int) -> memoryview | None:
+        """Map the shared memory a peer created (`shm_create`); None when it is not on this node or
+        not the size announced."""
+
+    def shm_unlink(self, name: str) -> None:
+        """Remove the named shared memory once both sides have mapped it (or given up)."""
 
 
 # -- node-local shared memory -----------------------------------------------------------------------

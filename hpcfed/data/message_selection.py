@@ -1,6 +1,6 @@
 """Selecting a site's messages from a dataset: by events in time order (``NAME:I/K``), by event
 label (``NAME~PATTERN``), or as one of K disjoint random shares of every event (``NAME%I/K``); see
-`hpcfed.data.messages.load_site`, which reads those selectors."""
+`hpcfed.data.message_datasets.load_site`, which reads those selectors."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from hpcfed.config import Config, ConfigError, check_resume_compatible
-from hpcfed.launch.jobwatch import HALT_FILE
+from hpcfed.store.rank_records import HALT_FILE
 
 # What `hpcfed run` writes into OUT: a folder holding any of these holds a run's results.
 RESULT_FILES = ("summary.json", "metrics.jsonl")

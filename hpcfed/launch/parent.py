@@ -19,10 +19,10 @@ from pathlib import Path
 
 from hpcfed.config import Config, ConfigError, load
 from hpcfed.launch import jobwatch
-from hpcfed.launch.jobwatch import HALT_FILE
 from hpcfed.launch.out_dir import prepare_out_dir
 from hpcfed.launch.rank import HALT_SIGNAL, peer_lost, run_rank
 from hpcfed.site_layout import SiteLayout, layout_for, world_size_for
+from hpcfed.store.rank_records import HALT_FILE
 
 # Environment variables set by MPI launchers (MPICH/Hydra, Open MPI, Slurm PMI2, PMIx).
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALRANKID")

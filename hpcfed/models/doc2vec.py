@@ -98,12 +98,49 @@ def order_vocab(merged: Mapping[str, int], min_count: int) -> list[tuple[str, in
 
 
 def decode_counts(words: Sequence[Any], counts: np.ndarray, where: str) -> dict[str, int]:
+    """A site's word counts from the words and counts tensors it sent, checked (hostile input: the
+    error names `where`)."""
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise ValueError(f"{where}: the vocabulary words must be a list of strings")
     counts = np.asarray(counts)
     if counts.shape != (len(words),) or counts.dtype.kind not in "iu" or (counts < 0).any():
         raise ValueError(f"{where}: {counts.shape} counts for {len(words)} words (need non-negative integers)")
     return dict(zip(words, (int(c) for c in counts)))
+
+
+# -- the vocabulary on the wire: words as one uint8 tensor, counts as int64 ------------------------------
+def words_to_tensor(words: list[str]) -> np.ndarray:
+    """Words as one uint8 tensor ("\\n"-joined UTF-8): a 100k-word vocabulary would overflow a JSON header."""
+    if any("\n" in w for w in words):
+        raise ValueError("vocabulary words must not contain newlines")
+    return np.frombuffer("\n".join(words).encode("utf-8"), dtype=np.uint8).copy()
+
+
+def tensor_to_words(data: np.ndarray, where: str) -> list[str]:
+    """The words of a `words_to_tensor` tensor another rank sent, checked (hostile input: the error names `where`)."""
+    arr = np.asarray(data)
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise ValueError(f"{where}: vocabulary words must be a 1-D uint8 tensor, got {arr.dtype} {arr.shape}")
+    if arr.size == 0:
+        return []
+    try:
+        return arr.tobytes().decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: vocabulary words are not valid UTF-8") from None
+
+
+def counts_bundle(counts: dict[str, int]) -> dict[str, np.ndarray]:
+    """A site's word counts as the tensors its setup message carries (words in sorted order)."""
+    words = sorted(counts)
+    return {"words": words_to_tensor(words), "counts": np.array([counts[w] for w in words], dtype=np.int64)}
+
+
+def bundle_counts(tensors: dict[str, np.ndarray], where: str) -> dict[str, int]:
+    """The word counts of a setup message (`counts_bundle`), checked; {} when it carries none."""
+    if "words" not in tensors or "counts" not in tensors:
+        return {}
+    words = tensor_to_words(tensors["words"], where)
+    return decode_counts(words, tensors["counts"], where)
 
 
 # -- skeletons ---------------------------------------------------------------------------------------------
@@ -168,6 +205,8 @@ def get_arrays(model: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
 
 
 def set_arrays(model: Any, arrays: Mapping[str, np.ndarray]) -> None:
+    """Overwrite the gensim model's federated arrays (``wv``, ``syn1neg``) with the aggregated ones,
+    refusing a shape that differs from the model's."""
     for name, value in arrays.items():
         target = model.wv.vectors if name == "wv" else model.syn1neg
         if target.shape != np.shape(value):

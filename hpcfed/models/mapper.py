@@ -29,6 +29,8 @@ WEIGHTS = ("w1", "b1", "w2", "b2")
 
 @dataclass(kw_only=True)
 class MapperConfig:
+    """How a cross-site mapper is built and trained (SEEC's mapping between two sites' embedding spaces)."""
+
     hidden: int = 1200
     dropout: float = 0.2
     lr: float = 1e-4  # paper 1e-5 under-fits in 20 epochs: held-out cosine .716 vs .767 (docs/seec.md)
@@ -42,6 +44,7 @@ class MapperConfig:
 
 
 def build_mapper(d_in: int, d_out: int, hidden: int = 1200, dropout: float = 0.2) -> Any:
+    """The mapper network: one hidden ReLU layer with dropout from `d_in` to `d_out` (SEEC §IV)."""
     from torch import nn
 
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, d_out))
@@ -122,6 +125,7 @@ def train_mapper(x_src: np.ndarray, y_dst: np.ndarray, config: MapperConfig | No
 
 
 def mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean cosine similarity of matching rows: how close the mapped vectors land to their targets."""
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     num = (a * b).sum(1)
@@ -130,6 +134,7 @@ def mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def mapper_path(folder: str | Path, src: str, dst: str) -> Path:
+    """Where the mapper from site `src`'s space to site `dst`'s is stored in `folder`."""
     return Path(folder) / f"mapper_site{src}_to_site{dst}.h5"
 
 

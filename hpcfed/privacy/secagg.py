@@ -124,6 +124,9 @@ def threshold_for(degree: int) -> int:
 
 @dataclass(frozen=True)
 class Advert:
+    """A site's two public keys for one round of secure aggregation (for pairwise masks and for sealing
+    shares), signed by its identity key when the run authenticates sites."""
+
     site: int
     c_public: bytes
     s_public: bytes
@@ -164,6 +167,8 @@ def consistency_verifies(public: bytes | None, signature: bytes | None, rnd: int
 
 @dataclass(frozen=True)
 class SealedShare:
+    """One site's secret shares for another, sealed so that the relaying server cannot read them."""
+
     sender: int
     receiver: int
     blob: bytes  # AES-GCM(nonce || ciphertext) of x || seed share || key share

@@ -48,7 +48,7 @@ class AsyncLoop:
             raise TypeError(f"strategy {core.strategy.name!r} is synchronous: it runs in rounds, not the async loop")
         self.core = core
         self.strategy: AsyncStrategy = core.strategy
-        self.max_updates = core.cfg.federation.max_updates or core.cfg.rounds * core.num_clients
+        self.max_updates = core.config.run.max_updates or core.config.run.rounds * core.num_clients
         self.progress = core.progress = Progress(self.max_updates, core.updates_accepted, "accepted updates")
         self.bounding = Bounding(core, self._reference)
         self.outbox = ModelOutbox(core.channel, self._model_message)
@@ -82,14 +82,14 @@ class AsyncLoop:
         finally:
             self.end()
         log.info("async: %d updates accepted, server version %d", core.updates_accepted, core.strategy.version)
-        if core.cfg.checkpoint_every > 0:
+        if core.config.checkpoints.every > 0:
             self.checkpoint()
         return False
 
     def begin(self) -> None:
         """Open the scratch disk and send every site its first model; each was heard from now."""
         core = self.core
-        if self.bounding.applies() and core.cfg.influence.enabled:
+        if self.bounding.applies() and core.config.influence.enabled:
             self.sent = Scratch(core.out_dir / "scratch" / "sent", "last model (what its upload is measured from)",
                                 "set influence.enabled=false")
         core.influence.begin_round(core.live)
@@ -114,7 +114,7 @@ class AsyncLoop:
         """Take the next message (or notice silence): the uploads it lets through."""
         core = self.core
         # While a model is owed to a busy client, look back soon to post it once it is free.
-        wait = _OWED_POLL_S if self.outbox.waiting() else min(1.0, core.cfg.federation.status_every_s)
+        wait = _OWED_POLL_S if self.outbox.waiting() else min(1.0, core.config.deadlines.status_every_s)
         msg = self.deferred.popleft() if self.deferred else core.channel.recv(kinds={P.UPDATE, P.FAILED},
                                                                               timeout=wait)
         core.take_channel_evidence()  # a bundle refused after authenticating: evidence at once
@@ -214,7 +214,7 @@ class AsyncLoop:
         if self.first_parked is None or len(self.held) < 2:
             return False
         patience = min(max(2 * (self.first_parked - self.began), PARK_PATIENCE_S),
-                       core.cfg.federation.round_deadline_s)
+                       core.config.deadlines.round_deadline_s)
         return time.monotonic() - self.first_parked >= patience
 
     def answer_flushed(self, targets: list[int]) -> None:
@@ -252,8 +252,8 @@ class AsyncLoop:
         checkpoint when one fell due among them; True to halt now."""
         core = self.core
         done, before = core.updates_accepted, core.updates_accepted - count
-        every = core.cfg.checkpoint_every * core.num_clients  # 0: no checkpoint but a halt's
-        halt_at = core.cfg.halt_after_round
+        every = core.config.checkpoints.every * core.num_clients  # 0: no checkpoint but a halt's
+        halt_at = core.config.checkpoints.halt_after_round
         halt = (core.halt_requested or (halt_at is not None and before < halt_at <= done)) and done < self.max_updates
         if halt or (every > 0 and done // every > before // every):
             self.checkpoint()
@@ -263,7 +263,7 @@ class AsyncLoop:
 
     def check_silent(self) -> None:
         """A site unheard of for `round_deadline_s` has failed (a parked one waits on the server)."""
-        limit = self.core.cfg.federation.round_deadline_s
+        limit = self.core.config.deadlines.round_deadline_s
         now = time.monotonic()
         for cid in sorted(self.core.live - set(self.held) - self.unanswered):  # those waiting wait on the server
             if now - self.last_seen[cid] > limit:
@@ -281,7 +281,7 @@ class AsyncLoop:
         for cid in sorted(core.live):
             core.send_to(cid, P.CHECKPOINT, {"round": rnd})
         sites: dict[int, V.ShardRef | None] = {}
-        deadline = time.monotonic() + core.cfg.federation.round_deadline_s
+        deadline = time.monotonic() + core.config.deadlines.round_deadline_s
         while len(sites) < len(core.live):
             msg = core.recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED, P.UPDATE}, f"checkpoint {rnd}",
                                   waiting_for=core.live - set(sites), fatal=False)
@@ -292,7 +292,7 @@ class AsyncLoop:
                     core.reject(msg.source, "unrequested update", "an upload the server did not ask for")
                 continue
             if msg is None:  # a silent site has failed (dropped with on_client_failure=continue)
-                limit = core.cfg.federation.round_deadline_s
+                limit = core.config.deadlines.round_deadline_s
                 for cid in sorted(core.live - set(sites)):
                     core.client_failed(cid, f"wrote no checkpoint shard within {limit:g} s")
                 break

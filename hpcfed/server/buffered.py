@@ -40,13 +40,13 @@ class SecureBufferedLoop:
         if not isinstance(core.strategy, AsyncStrategy):
             raise TypeError(f"strategy {core.strategy.name!r} is synchronous: it runs in rounds, not buffers")
         self.core, self.strategy = core, core.strategy
-        cfg = core.cfg
+        cfg = core.config
         rule = getattr(self.strategy, "rule", None)
         rule = rule if isinstance(rule, StalenessRule) else StalenessRule("constant")
         self.exchange = BufferExchange(core, self.strategy, rule)
-        configured = cfg.federation.buffer_size
+        configured = cfg.run.buffer_size
         self.size = configured if configured is not None else getattr(self.strategy, "buffer_size", 2)
-        self.max_updates = cfg.federation.max_updates or cfg.rounds * core.num_clients
+        self.max_updates = cfg.run.max_updates or cfg.run.rounds * core.num_clients
         self.progress = core.progress = Progress(self.max_updates, core.updates_accepted, "accepted updates")
         self.sent: dict[int, int] = {}  # site -> the version it was answered with (training from it now)
         self.ready: dict[int, int] = {}  # site -> the version it trained from, in the order they became ready
@@ -68,7 +68,7 @@ class SecureBufferedLoop:
                 return True
         log.info("async (secure buffers of %d): %d updates accepted, server version %d", self.size,
                  core.updates_accepted, self.strategy.version)
-        if core.cfg.checkpoint_every > 0:
+        if core.config.checkpoints.every > 0:
             self.checkpoint()
         return False
 
@@ -87,7 +87,7 @@ class SecureBufferedLoop:
     def step(self) -> None:
         """Take the next SA_READY (or notice silence)."""
         core = self.core
-        msg = core.channel.recv(kinds={P.SA_READY, P.FAILED}, timeout=min(1.0, core.cfg.federation.status_every_s))
+        msg = core.channel.recv(kinds={P.SA_READY, P.FAILED}, timeout=min(1.0, core.config.deadlines.status_every_s))
         core.take_channel_evidence()
         core.check_departures()
         for cid in joining.admit(core, core.updates_accepted):  # a late site (`hpcfed serve`) trains from now
@@ -150,8 +150,8 @@ class SecureBufferedLoop:
         """Checkpoint when one fell due with this buffer's `count` uploads; True to halt now."""
         core = self.core
         done, before = core.updates_accepted, core.updates_accepted - count
-        every = core.cfg.checkpoint_every * core.num_clients
-        halt_at = core.cfg.halt_after_round
+        every = core.config.checkpoints.every * core.num_clients
+        halt_at = core.config.checkpoints.halt_after_round
         halt = (core.halt_requested or (halt_at is not None and before < halt_at <= done)) and done < self.max_updates
         if halt or (every > 0 and done // every > before // every):
             self.checkpoint()
@@ -168,7 +168,7 @@ class SecureBufferedLoop:
 
     def check_silent(self) -> None:
         """A site unheard of for `round_deadline_s` while training has failed (a ready one waits on us)."""
-        limit = self.core.cfg.federation.round_deadline_s
+        limit = self.core.config.deadlines.round_deadline_s
         now = time.monotonic()
         for cid in sorted(self.core.live - set(self.ready)):
             if now - self.last_seen.get(cid, now) > limit:
@@ -183,13 +183,13 @@ class SecureBufferedLoop:
         self.ready.clear()
         self.sent.clear()
         sites: dict[int, V.ShardRef | None] = {}
-        deadline = time.monotonic() + core.cfg.federation.round_deadline_s
+        deadline = time.monotonic() + core.config.deadlines.round_deadline_s
         while len(sites) < len(core.live):
             msg = core.recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED, P.SA_READY}, f"checkpoint {rnd}",
                                   waiting_for=core.live - set(sites), fatal=False)
             if msg is None:
                 for cid in sorted(core.live - set(sites)):
-                    limit = core.cfg.federation.round_deadline_s
+                    limit = core.config.deadlines.round_deadline_s
                     core.client_failed(cid, f"wrote no checkpoint shard within {limit:g} s")
                 break
             if msg.kind == P.SA_READY:

@@ -110,7 +110,7 @@ class PlainCollector:
         self.parking = self.bounding.open_parking()
         try:
             core.check_departures()  # a site known to have ended is sent nothing
-            deadline = time.monotonic() + core.cfg.federation.round_deadline_s
+            deadline = time.monotonic() + core.config.deadlines.round_deadline_s
             for cid in sorted(core.live):
                 posted = self.dispatch(cid, rnd)
                 if posted is not None:

@@ -21,12 +21,11 @@ import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.comm.api import Channel, ChannelError, Message, Outgoing
-from hpcfed.config import Config
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
-from hpcfed.launch.jobwatch import HALT_FILE
 from hpcfed.params import ParamLayout
 from hpcfed.server import validation as V
+from hpcfed.server.config import ServerConfig
 from hpcfed.server.departures import Departures
 from hpcfed.server.eviction import ChannelRefusals, Eviction, Ledger
 from hpcfed.server.influence import InfluenceGuard
@@ -37,6 +36,7 @@ from hpcfed.server.progress import Progress, StatusLine
 from hpcfed.server.roster import Roster
 from hpcfed.site_layout import SiteLayout
 from hpcfed.store import checkpoint as ckpt_store
+from hpcfed.store.rank_records import HALT_FILE
 from hpcfed.store.sealed import FileAuth
 from hpcfed.strategies.base import Strategy, Update
 from hpcfed.tasks.base import Task
@@ -50,12 +50,12 @@ _R = TypeVar("_R")
 class ServerCore:
     """Rank 0's link to its sites and the state every stage of the federation reads."""
 
-    def __init__(self, cfg: Config, channel: Channel, out_dir: Path, strategy: Strategy,
+    def __init__(self, config: ServerConfig, channel: Channel, out_dir: Path, strategy: Strategy,
                  task_cls: type[Task], task_config: Any, keys: RankKeys) -> None:
-        self.cfg, self.channel, self.out_dir, self.strategy = cfg, channel, out_dir, strategy
+        self.config, self.channel, self.out_dir, self.strategy = config, channel, out_dir, strategy
         self.task_cls, self.task_config = task_cls, task_config  # what the setup exchange runs
         self.num_clients = channel.size - 1
-        self.influence = InfluenceGuard(cfg.influence, self.num_clients)
+        self.influence = InfluenceGuard(config.influence, self.num_clients)
         self.rejected: dict[str, int] = {}  # category -> messages
         self.rejected_by_rank: dict[int, int] = {}
         self.rejects_before: dict[int, int] = {}  # rank -> its rejections before it last came back (a new job)
@@ -67,10 +67,10 @@ class ServerCore:
         self._halt_checked = 0.0
         # sites that ended mid-run, and their last shards; a send waiting on one that ended fails at once
         self.departures = Departures(out_dir / "logs", self.num_clients, channel.peer_gone,
-                                     SiteLayout.of(cfg.federation.ranks_per_site, self.num_clients))
+                                     SiteLayout.of(config.roster.ranks_per_site, self.num_clients))
         channel.watch_peers(self.departures.probe)
         self.progress: Progress | None = None  # rounds (sync) or accepted updates (async), once they start
-        self.status = StatusLine(cfg.federation.status_every_s)
+        self.status = StatusLine(config.deadlines.status_every_s)
         self.live_file = LiveFile(out_dir)  # OUT/live.json, what `hpcfed status OUT` shows
         self.cpu0 = time.process_time()
         self.on_drop: Callable[[int], None] | None = None  # told of a site the federation goes on without
@@ -83,7 +83,7 @@ class ServerCore:
         self._layout: ParamLayout | None = None
         self._metrics: MetricsLog | None = None
         # Misbehaviour: the evidence against each site and who is out (`hpcfed.server.eviction`).
-        self.ledger = Ledger(cfg.security.on_misbehaviour, cfg.security.max_refused_updates)
+        self.ledger = Ledger(config.security.on_misbehaviour, config.security.max_refused_updates)
         # Membership: who is present, late, dropped, evicted or excluded (`hpcfed.server.roster`).
         self.roster = Roster(self.num_clients, self.ledger, self.departures)
         self.channel_refusals = ChannelRefusals()
@@ -258,7 +258,7 @@ class ServerCore:
         log.warning("rejected message from rank %d: %s: %s", rank, category, detail)
         if evidence:
             self.misbehaved(rank - 1, category, detail)
-        limit = self.cfg.security.max_rejects
+        limit = self.config.security.max_rejects
         # counted per job of the site: a site that came back starts from zero (its old job's stale messages)
         if self.rejected_by_rank[rank] - self.rejects_before.get(rank, 0) == limit + 1 and rank - 1 in self.live:
             self.client_failed(rank - 1, f"was cut off after {limit} rejected messages (security.max_rejects)")
@@ -299,7 +299,7 @@ class ServerCore:
         if self.on_drop is not None:
             self.on_drop(cid)
         self.metrics.log(self.round, cid, "evicted", 1)
-        floor = self.cfg.federation.min_sites
+        floor = self.config.roster.min_sites
         if len(self.live) < floor:
             raise BelowFloor(f"only {len(self.live)} site(s) left after evicting client {cid} (rank {cid + 1}), "
                              f"fewer than federation.min_sites={floor}: the federation stops; continue it with "
@@ -320,7 +320,7 @@ class ServerCore:
     def client_failed(self, cid: int, why: str) -> None:
         """Client `cid` failed: go on without it where the federation may, else end it naming the client."""
         text = f"client {cid} (rank {cid + 1}) {why}"
-        if self.cfg.federation.on_client_failure != "continue":
+        if self.config.roster.on_client_failure != "continue":
             raise FederationError(f"{text}; last checkpoint: {self.last_checkpoint or 'none'}")
         if cid not in self.live:
             return  # dropped or evicted already
@@ -331,7 +331,7 @@ class ServerCore:
             self.on_drop(cid)
         if self._metrics is not None:
             self.metrics.log(self.round, cid, "client_failed", 1)
-        floor = self.cfg.federation.min_sites
+        floor = self.config.roster.min_sites
         if len(self.live) < floor:
             raise BelowFloor(f"only {len(self.live)} site(s) left after client {cid} (rank {cid + 1}) {why}, fewer "
                              f"than federation.min_sites={floor}: the federation stops; continue it with --resume; "
@@ -358,9 +358,9 @@ class ServerCore:
                 "rejected": self.rejected, "influence": self.influence.state(), "evicted": self.ledger.state(),
                 "participation": self.participation.state(), "lost_rounds": list(self.lost_rounds)}
         refs = self.departures.manifest(rnd, {cid: dict(ref) for cid, ref in sites.items() if ref})
-        ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.cfg.to_dict(),
+        ck = ckpt_store.Checkpoint(round=rnd, version=self.strategy.version, config=self.config.run.recorded,
                                    strategy=self.strategy.state_dict(), sites=refs, meta=meta)
-        self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.cfg.keep_checkpoints,
+        self.last_checkpoint = ckpt_store.save(self.out_dir / "checkpoints", ck, keep=self.config.checkpoints.keep,
                                                auth=self.file_auth)
         self.metrics.log(rnd, None, "checkpoint", str(self.last_checkpoint.name))
 

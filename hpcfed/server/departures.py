@@ -3,7 +3,7 @@ it, the record of each site dropped, and the last checkpoint shard of every site
 
 Under ``hpcfed run`` (hydra, ``-disable-auto-cleanup``, `hpcfed.launch.rank_guard`) every surviving rank
 gets SIGUSR1 when one ends. The signal does not say which, so the server then looks at each live
-site's records (`hpcfed.launch.jobwatch.rank_ended`: its exit record, or its process gone from this host)
+site's records (`hpcfed.store.rank_records.rank_ended`: its exit record, or its process gone from this host)
 and drops the ones that ended at once: nothing more is sent to them and no round or checkpoint
 waits for them. A site on another node cannot be seen from here: once the signal came and no site
 on this node had ended, a remote site that stays silent past a deadline is dropped as well (alive
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcfed.launch import jobwatch
 from hpcfed.site_layout import SiteLayout
+from hpcfed.store import rank_records
 
 log = logging.getLogger("hpcfed.server")
 
@@ -118,7 +118,7 @@ class Departures:
     def _site_ended(self, cid: int) -> str | None:
         """How site `cid` ended (its first rank found ended, named when it is not the leader), or None."""
         for rank in self.layout.world_ranks(cid) if cid < self.layout.num_sites else [cid + 1]:
-            if cause := jobwatch.rank_ended(self.log_dir, rank):
+            if cause := rank_records.rank_ended(self.log_dir, rank):
                 return cause if rank == self.layout.leader(cid) else f"its {self.layout.describe(rank)} {cause}"
         return None
 

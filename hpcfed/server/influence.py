@@ -103,6 +103,9 @@ class Refused(Exception):
 
 
 class InfluenceGuard:
+    """Bounds what one site can do to the model (see the module doc): caps its claimed weight, clips or
+    refuses an upload far from the others, and keeps the per-site history that needs."""
+
     def __init__(self, config: InfluenceConfig, num_clients: int) -> None:
         self.config = config
         self.claimed: dict[int, int] = {}  # client id -> the size it claimed with its first upload

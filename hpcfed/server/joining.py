@@ -49,7 +49,7 @@ def admit(core: ServerCore, start_round: int) -> list[int]:
             continue
         core.departures.coming_back(cid)  # its old job's end is forgotten: the new job's is seen
         core.rejects_before[cid + 1] = core.rejected_by_rank.get(cid + 1, 0)  # security.max_rejects: per job
-        core.roster.rejoining[cid] = now + core.cfg.federation.setup_timeout_s
+        core.roster.rejoining[cid] = now + core.config.deadlines.setup_timeout_s
     if connected:
         core.refresh_expect()  # their SETUP is taken
     joined = [cid for cid, deadline in sorted(core.roster.rejoining.items())
@@ -112,7 +112,7 @@ def _refused(core: ServerCore, cid: int, msg: Message | None, gone: str | None) 
     """Why late site `cid`'s setup fails (None: it does not)."""
     if msg is None:
         return (f"it is gone ({gone})" if gone is not None else
-                f"it sent no SETUP within {core.cfg.federation.setup_timeout_s:g} s (federation.setup_timeout_s)")
+                f"it sent no SETUP within {core.config.deadlines.setup_timeout_s:g} s (federation.setup_timeout_s)")
     if msg.kind == P.FAILED:
         return f"it failed during its setup: {V.error_text(msg.header)}"
     header = V.task_header(msg.header)
@@ -120,3 +120,21 @@ def _refused(core: ServerCore, cid: int, msg: Message | None, gone: str | None) 
         core.reject(msg.source, header.category, header.detail)
         return f"its SETUP was refused ({header.category})"
     return None
+
+
+_MEMBERS_POLL_S = 0.5  # how often a round short of sites looks for sites let in
+
+
+def await_members(core: ServerCore, rnd: int, needed: int) -> None:
+    """Under `hpcfed serve`: wait, letting sites in, until `needed` are present for round `rnd`'s secure
+    sum (at most ``federation.setup_timeout_s``, or until a halt)."""
+    if core.joiners is None or len(core.live) >= needed:
+        return
+    limit = core.config.deadlines.setup_timeout_s
+    log.warning("round %d: %d site(s) present, a secure sum needs %d: waiting up to %g s "
+                "(federation.setup_timeout_s) for sites to join or rejoin", rnd, len(core.live), needed, limit)
+    deadline = time.monotonic() + limit
+    while len(core.live) < needed and time.monotonic() < deadline and not core.halt_requested:
+        admit(core, rnd)
+        core.maybe_status()
+        time.sleep(_MEMBERS_POLL_S)

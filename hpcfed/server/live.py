@@ -71,7 +71,7 @@ class LiveFile:
         progress = core.progress
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION, "time": time.time(), "status": status,
-            "run": core.cfg.name, "mode": core.cfg.federation.mode, "strategy": core.cfg.strategy.name,
+            "run": core.config.run.name, "mode": core.config.run.mode, "strategy": core.config.run.strategy,
             "progress": None if progress is None else {"done": progress.done, "total": progress.total,
                                                        "unit": progress.unit, "eta_s": progress.eta_s()},
             "version": core.strategy.version,
@@ -108,7 +108,7 @@ def site_state(core: ServerCore, cid: int) -> tuple[str, str]:
 def next_checkpoint(core: ServerCore) -> int | None:
     """The round (async: the accepted-update count) after which the next checkpoint is written."""
     progress: Progress | None = core.progress
-    every: int = core.cfg.checkpoint_every
+    every: int = core.config.checkpoints.every
     if progress is None or every <= 0 or progress.done >= progress.total:
         return None
     if progress.unit == "rounds":  # a checkpoint after round r when (r + 1) % every == 0, and after the last

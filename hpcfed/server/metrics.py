@@ -16,6 +16,9 @@ from hpcfed.server.tracking import Mirror
 
 
 class MetricsLog:
+    """rank 0's ``metrics.jsonl``: one JSON line per figure, line-buffered so a killed run keeps what it
+    measured; on resume, the lines of rounds after the checkpoint are dropped (they will be redone)."""
+
     def __init__(self, path: Path, resume_round: int | None = None, time_offset: float = 0.0,
                  mirror: Mirror | None = None) -> None:
         self.path = path
@@ -64,4 +67,5 @@ class MetricsLog:
 
 
 def round_time(seconds: float) -> float:
+    """Seconds rounded to 0.1 ms for the log (finer digits are timer noise on a loaded node)."""
     return float(f"{seconds:.4f}")

@@ -95,13 +95,13 @@ class BufferExchange(SecAggCollector):
         """A buffer's stage needs 2 of its members: fewer lose the buffer (the run goes on)."""
         if len(sites) < 2:
             raise BufferLost(f"only {len(sites)} member(s) {what} within the stage deadline "
-                             f"({self.core.cfg.federation.round_deadline_s:g} s); a buffer's sum needs 2")
+                             f"({self.core.config.deadlines.round_deadline_s:g} s); a buffer's sum needs 2")
 
     def _lose(self, rnd: int, why: str, started: set[int], alive: set[int], dropped: set[int]) -> None:
         """Buffer `rnd`'s sum cannot be unmasked, or was refused: with federation.on_client_failure=continue
         the buffer is lost, not the run (nothing of it folded; the next buffer sets up fresh keys)."""
         core = self.core
-        if core.cfg.federation.on_client_failure != "continue":
+        if core.config.roster.on_client_failure != "continue":
             raise FederationError(f"buffer {rnd}: secure aggregation folds nothing of it: {why} (with "
                                   f"federation.on_client_failure=continue the buffer would be lost, not the run); "
                                   f"last checkpoint: {core.last_checkpoint or 'none'}")

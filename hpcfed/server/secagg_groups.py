@@ -32,11 +32,11 @@ class GroupTesting:
 
     def __init__(self, core: ServerCore, spec: InputSpec) -> None:
         self.core, self.spec = core, spec
-        secagg, k = core.cfg.privacy.secagg, core.num_clients
+        secagg, k = core.config.privacy.secagg, core.num_clients
         if secagg.min_group > k:
             raise FederationError(f"privacy.secagg.min_group={secagg.min_group} is above the {k} sites of this run: "
                                   f"no sum could be revealed; set it to 2..{k}")
-        self.isolation = Isolation(k, secagg.min_group, secagg.max_hostile, core.cfg.seed)
+        self.isolation = Isolation(k, secagg.min_group, secagg.max_hostile, core.config.run.seed)
         self.groups: list[Group] | None = None  # the groups of the round in progress; None: the whole federation
         self.first_evidence: dict[int, str] = {}  # site -> the first refused sum it was in
         self.refused_whole: int | None = None  # the last round whose whole-federation sum was refused

@@ -40,8 +40,8 @@ A round whose sum cannot be unmasked (fewer than a site's threshold of alive nei
 of its seed, or of a dropped site's key: too many of one neighbourhood died) is found before any
 site is asked for a share (`ServerState.shortfall`) and, with federation.on_client_failure=continue,
 is lost, not the run (`_lose`): nothing folded, the dead dropped, the next round on fresh keys. The
-graph stays over all K sites (public, from the round number: the server never picks neighbours), so
-a survivor short of live neighbours sits a round out (`ServerState.leave_out_short`).
+graph is drawn from the round number over the sites present (PARAMS names them when some are away,
+and each site checks the list), so a survivor short of live neighbours sits a round out.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ from hpcfed.strategies.base import WEIGHTED_SUM, SyncStrategy, Update
 log = logging.getLogger("hpcfed.server")
 
 _KINDS = set(P.SECAGG_CLIENT_KINDS | {P.UPDATE, P.FAILED})
-_MEMBERS_POLL_S = 0.5  # how often a round short of sites looks for sites let in
 
 
 class RoundShort(Exception):
@@ -87,18 +86,18 @@ class SecAggCollector:
             raise TypeError(f"strategy {strategy.name!r} declares aggregates={declared!r}: it cannot take the secure "
                             f"sum (it needs {WEIGHTED_SUM!r})")
         self.core, self.strategy = core, strategy
-        cfg = core.cfg
+        config = core.config
         self.num_sites = core.num_clients
         self.size = core.layout.size + 1  # the weighted delta and the weight
-        self.spec = spec_for(cfg.privacy, self.num_sites, cfg.federation.quorum)
-        self.dp = cfg.privacy.dp is not None
+        self.spec = spec_for(config.privacy, self.num_sites, config.roster.quorum)
+        self.dp = config.privacy.dp is not None
         self.prepared: ServerState | None = None  # the next round's keys and shares, exchanged in this one
         # the sites' identity keys, to check their consistency signatures on arrival (keys mode; psk: none)
         self.identities: dict[int, bytes] | None = None
-        if cfg.security.mode == "keys":
+        if config.security.mode == "keys":
             self.identities = core.keys.secagg_identities()[1]
         self.testing = GroupTesting(core, self.spec)  # after a refused sum: disjoint groups find the site
-        if cfg.influence.enabled:
+        if config.influence.enabled:
             log.warning("influence.enabled is set, but under secure aggregation rank 0 never sees one site's update: "
                         "the guard is replaced by each site's clip to %g before masking, the fixed-point range and "
                         "a check of the sum's norm (README, 'What the server sees')", self.spec.clip_norm)
@@ -113,7 +112,7 @@ class SecAggCollector:
         falls short mid-way is lost, not the run (the next one waits for sites again). A round whose
         whole sum is refused is retried at once in groups on the inputs the sites already sent
         (`retry`), so that the honest groups' sums still move the model in that round."""
-        self._await_members(rnd)
+        joining.await_members(self.core, rnd, max(self._needed(), self.core.config.privacy.secagg.min_group))
         try:
             taken = self._attempt(rnd, want_state, self.testing.start(rnd), retry=False)
             if taken.lost or not self.testing.retry_due(rnd):
@@ -131,24 +130,6 @@ class SecAggCollector:
             self.core.lost_rounds.append(rnd)
             self.prepared = None
             return RoundUploads(rnd, sat_out=set(self.core.live), lost=True)  # no one is a straggler
-
-    def _await_members(self, rnd: int) -> None:
-        """Under `hpcfed serve`: wait (letting sites in) until enough are present for a secure sum."""
-        core = self.core
-
-        def floor() -> int:
-            return max(self._needed(), core.cfg.privacy.secagg.min_group)
-
-        if core.joiners is None or len(core.live) >= floor():
-            return
-        log.warning("round %d: %d site(s) present, a secure sum needs %d: waiting up to %g s "
-                    "(federation.setup_timeout_s) for sites to join or rejoin", rnd, len(core.live), floor(),
-                    core.cfg.federation.setup_timeout_s)
-        deadline = time.monotonic() + core.cfg.federation.setup_timeout_s
-        while len(core.live) < floor() and time.monotonic() < deadline and not core.halt_requested:
-            joining.admit(core, rnd)
-            core.maybe_status()
-            time.sleep(_MEMBERS_POLL_S)
 
     def _attempt(self, rnd: int, want_state: bool, groups: list[list[int]] | None, retry: bool) -> RoundUploads:
         """One run of round `rnd`'s protocol: over the sites present or, `groups`, group by group
@@ -171,7 +152,7 @@ class SecAggCollector:
                 self._relay_shares(rnd, cid, state)
         if state is None:
             state = self._setup(rnd, taken)
-        ahead_ok = rnd + 1 < core.cfg.rounds and groups is None and not self.testing.isolation.active \
+        ahead_ok = rnd + 1 < core.config.run.rounds and groups is None and not self.testing.isolation.active \
             and len(core.live) >= 2  # (sites lost meanwhile: the next round sets up among those there then)
         nxt = ServerState(members_graph(core.live, self.num_sites, rnd + 1, self._degree()), self.size, rnd + 1) \
             if ahead_ok else None
@@ -250,7 +231,7 @@ class SecAggCollector:
         return state.answering() & self.core.live
 
     def _degree(self) -> int | None:
-        return self.core.cfg.privacy.secagg.degree
+        return self.core.config.privacy.secagg.degree
 
     def _setup(self, rnd: int, uploads: RoundUploads, state: ServerState | None = None) -> ServerState:
         """Round `rnd`'s key advertisement and share exchange, in the round (the first one, or after a
@@ -298,7 +279,7 @@ class SecAggCollector:
         (each stage has its own: a stage that waited for a silent site leaves the next its time);
         the sites whose message was taken (and are still members)."""
         core, done = self.core, set[int]()
-        deadline = time.monotonic() + core.cfg.federation.round_deadline_s
+        deadline = time.monotonic() + core.config.deadlines.round_deadline_s
         while pending := (waiting & core.live) - done:
             msg = core.recv_until(deadline, _KINDS, f"round {rnd} ({P.NAMES[kind]})", waiting_for=pending,
                                   fatal=False)
@@ -350,7 +331,7 @@ class SecAggCollector:
         if len(sites) < needed:
             silent = ", ".join(f"client {c} (rank {c + 1})" for c in sorted(core.live - sites)) or "none"
             text = (f"only {len(sites)} site(s) {what} within the stage deadline "
-                    f"({core.cfg.federation.round_deadline_s:g} s), secure aggregation needs {needed}; "
+                    f"({core.config.deadlines.round_deadline_s:g} s), secure aggregation needs {needed}; "
                     f"silent or refused: {silent}")
             if self._sites_come_back():
                 raise RoundShort(text)
@@ -358,7 +339,7 @@ class SecAggCollector:
 
     def _sites_come_back(self) -> bool:
         """Whether a round short of sites is lost rather than the run: sites may rejoin (`hpcfed serve`)."""
-        return self.core.joiners is not None and self.core.cfg.federation.on_client_failure == "continue"
+        return self.core.joiners is not None and self.core.config.roster.on_client_failure == "continue"
 
     def _lose(self, rnd: int, why: str, started: set[int], alive: set[int], dropped: set[int]) -> None:
         """Round `rnd`'s sum cannot be unmasked (too many sites of one neighbourhood left): with
@@ -366,7 +347,7 @@ class SecAggCollector:
         (rank 0 never learns a partial sum), the sites that ended are dropped, and the next round sets
         up fresh keys with the survivors; with the default abort, or too few survivors, the run ends."""
         core = self.core
-        if core.cfg.federation.on_client_failure != "continue":
+        if core.config.roster.on_client_failure != "continue":
             raise FederationError(f"round {rnd}: secure aggregation cannot unmask the sum: {why} (with "
                                   f"federation.on_client_failure=continue the round would be lost, not the run); "
                                   f"last checkpoint: {core.last_checkpoint or 'none'}")
@@ -391,7 +372,7 @@ class SecAggCollector:
 
     def _needed(self) -> int:
         base = self.num_sites if self.dp else len(self.core.live)
-        return max(2, sites_needed(base, self.core.cfg.federation.quorum))
+        return max(2, sites_needed(base, self.core.config.roster.quorum))
 
     def _fold(self, weighted_sum: np.ndarray, examples: int, count: int) -> None:
         """Hand a judged sum (`site_input.judge_sum`: in the encoding, its norm within the clips) of

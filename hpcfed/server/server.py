@@ -27,6 +27,7 @@ from hpcfed.schema import build
 from hpcfed.server import setup, summary
 from hpcfed.server.async_loop import AsyncLoop
 from hpcfed.server.buffered import SecureBufferedLoop
+from hpcfed.server.config import ServerConfig
 from hpcfed.server.core import BelowFloor, ServerCore
 from hpcfed.server.sync_rounds import SyncRounds
 from hpcfed.strategies.base import Strategy, StrategyContext
@@ -50,7 +51,8 @@ class Server:
         strategy: Strategy = with_privacy(  # privacy.dp wraps the strategy (hpcfed.strategies.dp)
             strategy_cls(build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
                          context), cfg.privacy, context)
-        self.core = ServerCore(cfg, channel, out_dir, strategy, task_cls, task_config, keys)
+        # the server's own sections of the config, built once: nothing else in hpcfed.server reads `cfg`
+        self.core = ServerCore(ServerConfig.from_config(cfg), channel, out_dir, strategy, task_cls, task_config, keys)
         self.resume = resume
 
     def run(self) -> dict[str, Any]:
@@ -79,7 +81,7 @@ class Server:
                 return summary.halt(core, halted)
         else:
             # under secure aggregation, FedBuff's buffers summed securely; else each upload as it comes
-            loop: AsyncLoop | SecureBufferedLoop = SecureBufferedLoop(core) if core.cfg.privacy.secure_aggregation \
+            loop: AsyncLoop | SecureBufferedLoop = SecureBufferedLoop(core) if core.config.privacy.secure_aggregation \
                 else AsyncLoop(core)
             stopped_early = loop.run()
             loop.forget_owed()  # STOP or FINAL supersedes every model still owed

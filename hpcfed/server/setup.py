@@ -18,6 +18,7 @@ import numpy as np
 from hpcfed import protocol as P
 from hpcfed.errors import FederationError
 from hpcfed.server import validation as V
+from hpcfed.server.config import TrackingSection
 from hpcfed.server.core import ServerCore
 from hpcfed.server.metrics import MetricsLog
 from hpcfed.server.tracking import Mirror
@@ -35,7 +36,7 @@ def exchange(core: ServerCore, resume: bool) -> int:
     initial = None
     out = _left_out(core, resume)
     _drop_unconnected(core)
-    deadline = time.monotonic() + core.cfg.federation.setup_timeout_s
+    deadline = time.monotonic() + core.config.deadlines.setup_timeout_s
     while len(payloads) < len(core.live):
         msg = core.recv_until(deadline, {P.SETUP, P.FAILED}, "the setup exchange",
                               waiting_for=core.live - set(payloads))
@@ -60,15 +61,15 @@ def exchange(core: ServerCore, resume: bool) -> int:
     core.strategy.initialize(init)
     layout = core.strategy.layout
     if layout is None:
-        raise FederationError(f"strategy {core.cfg.strategy.name!r} set no layout in initialize()")
+        raise FederationError(f"strategy {core.config.run.strategy!r} set no layout in initialize()")
     resumed = _load_checkpoint(core, held) if resume else None
     start_round = resumed.round + 1 if resumed else 0
     elapsed = float(resumed.meta.get("elapsed", 0.0)) if resumed else 0.0
-    mirror = live_view(core.cfg, core.out_dir, elapsed)
+    mirror = live_view(core.config.tracking, core.out_dir, elapsed)
     metrics = MetricsLog(core.out_dir / "metrics.jsonl", resume_round=resumed.round if resumed else None,
                          time_offset=elapsed, mirror=mirror)
     layout_header = layout.describe()
-    for cid in sorted(out - set(core.cfg.federation.exclude_sites)):  # evicted in an earlier attempt: tell it
+    for cid in sorted(out - set(core.config.roster.exclude_sites)):  # evicted in an earlier attempt: tell it
         core.channel.post(cid + 1, P.EVICTED, {"reason": core.ledger.evicted[cid].reason})
     for cid in sorted(core.live):
         reply_header, reply_tensors = replies.get(cid, ({}, {}))
@@ -107,7 +108,7 @@ def _left_out(core: ServerCore, resume: bool) -> set[int]:
                 continue  # named when the checkpoint to resume from is picked
             core.ledger.load_state(ckpt.meta.get("evicted"), core.num_clients)
             break
-    for cid in core.cfg.federation.exclude_sites:
+    for cid in core.config.roster.exclude_sites:
         if 0 <= cid < core.num_clients:
             core.ledger.exclude(cid, rnd)
     core.roster.leave_out()
@@ -173,13 +174,10 @@ def _newest_held(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:
     return None
 
 
-def live_view(cfg: Any, out_dir: Path, elapsed: float) -> Mirror | None:
+def live_view(tracking: TrackingSection | None, out_dir: Path, elapsed: float) -> Mirror | None:
     """The `tracking:` trackers of the run, or None; wall times continue a resumed run's clock."""
-    if not cfg.tracking:
+    if tracking is None:
         return None
     from hpcfed.server.tracking import open_trackers
 
-    params = {"config_hash": cfg.hash(), "seed": cfg.seed, "rounds": cfg.rounds, "method": cfg.method,
-              "strategy": cfg.strategy.name, "task": cfg.task.name,
-              **{f"task.{k}": v for k, v in cfg.task.options.items()}}
-    return Mirror(open_trackers(cfg.tracking, out_dir, cfg.name, params), time.time() - elapsed)
+    return Mirror(open_trackers(tracking.trackers, out_dir, tracking.run_name, tracking.params), time.time() - elapsed)

@@ -43,7 +43,7 @@ def below_floor(core: ServerCore, why: str) -> dict[str, Any]:
     log.error("%s", why)
     # The sites were mid-round: take (and drop) what they are still sending, so none of them waits
     # on rank 0 after it is gone; a site quiet for a second is done.
-    until = time.monotonic() + core.cfg.federation.round_deadline_s
+    until = time.monotonic() + core.config.deadlines.round_deadline_s
     while time.monotonic() < until and core.channel.recv(timeout=1.0) is not None:
         pass
     membership = core.roster.report(core.round + 1)
@@ -74,7 +74,7 @@ def finish(core: ServerCore) -> dict[str, Any]:
 def _collect_results(core: ServerCore) -> tuple[Results, dict[int, dict[str, Any] | None], list[int]]:
     """Each live site's RESULT until all are in or the deadline passes: their metrics, their costs,
     and the sites that sent none in time."""
-    fed = core.cfg.federation
+    fed = core.config.deadlines
     results: Results = {}
     costs: dict[int, dict[str, Any] | None] = {}
     deadline = time.monotonic() + fed.round_deadline_s
@@ -121,7 +121,7 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         # per site, how the server's big messages reached it: "ring" (shared memory, same node),
         # "declined" (ring refused: another node or no room) or "mpi" (no ring offered)
         "transport": {str(rank - 1): route for rank, route in sorted(core.channel.routes().items())},
-        "rounds": core.cfg.rounds,
+        "rounds": core.config.run.rounds,
         "updates_accepted": core.updates_accepted,
         # secure aggregation rounds lost: too many sites of one neighbourhood left, nothing of them folded
         "lost_rounds": list(core.lost_rounds),
@@ -141,12 +141,13 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "influence_peak_ratio": round(core.influence.peak_ratio, 4),
         "channel": stats.as_dict(),  # the server's traffic: bytes per run, per round
         "last_checkpoint": str(core.last_checkpoint) if core.last_checkpoint else None,
-        "config": core.cfg.to_dict(),
-        "config_hash": core.cfg.hash(),
-        **({"privacy": {"secure_aggregation": True, "epsilon": None}} if core.cfg.privacy.secure_aggregation else {}),
+        "config": core.config.run.recorded,
+        "config_hash": core.config.run.config_hash,
+        **({"privacy": {"secure_aggregation": True, "epsilon": None}}
+           if core.config.privacy.secure_aggregation else {}),
         **core.strategy.report(),  # DP-FedAvg: "privacy" (ε, δ, z, C, rounds)
     }
-    if core.cfg.privacy.record_dp is not None:
+    if core.config.privacy.record_dp is not None:
         summary.setdefault("privacy", {})["record_dp"] = record_dp_report(results)
     return summary
 

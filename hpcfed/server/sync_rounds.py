@@ -34,10 +34,10 @@ class SyncRounds:
         self.strategy: SyncStrategy = core.strategy
         self.start_round = start_round
         # A strategy may allow fewer rounds than configured (DP-FedAvg's ε budget): the run ends after them.
-        self.end = min(core.cfg.rounds, self.strategy.round_limit(core.cfg.rounds))
-        if self.end < core.cfg.rounds:
+        self.end = min(core.config.run.rounds, self.strategy.round_limit(core.config.run.rounds))
+        if self.end < core.config.run.rounds:
             log.warning("strategy %s allows %d of the %d configured rounds (privacy budget): the run ends after "
-                        "round %d", self.strategy.name, self.end, core.cfg.rounds, self.end - 1)
+                        "round %d", self.strategy.name, self.end, core.config.run.rounds, self.end - 1)
         self.progress = core.progress = Progress(self.end, min(start_round, self.end), "rounds")
         self.checkpointed = False  # whether the last round ended with a checkpoint
         self.budgets_spent = False  # every site that answered the last round had stopped (privacy.record_dp)
@@ -47,7 +47,7 @@ class SyncRounds:
     def run(self) -> int | None:
         """Run the rounds from `start_round`; the round after which it halted (`halt_after_round`,
         SIGUSR2, OUT/HALT) to be resumed later, or None when every round is done."""
-        cfg = self.core.cfg
+        checkpoints = self.core.config.checkpoints
         for rnd in range(self.start_round, self.end):
             self.round(rnd)
             if self.budgets_spent:
@@ -55,7 +55,7 @@ class SyncRounds:
                             "stopped training: the run ends here", rnd)
                 return None
             # A halt asked for during a round without a checkpoint waits for the next round's.
-            halt = cfg.halt_after_round == rnd or (self.core.halt_requested and self.checkpointed)
+            halt = checkpoints.halt_after_round == rnd or (self.core.halt_requested and self.checkpointed)
             if halt and rnd < self.end - 1:
                 return rnd
         return None
@@ -100,19 +100,20 @@ class SyncRounds:
         """The live sites that did not answer are stragglers, logged; fewer answers than the quorum end
         the run. (Sites that sat a secure aggregation round out, short of neighbours, are not late:
         they were not asked.)"""
-        core, fed, rnd = self.core, self.core.cfg.federation, uploads.round
+        core, rnd = self.core, uploads.round
+        deadline_s, quorum = core.config.deadlines.round_deadline_s, core.config.roster.quorum
         missing = sorted(core.live - uploads.answered - uploads.sat_out)
         if not missing:
             return
-        needed = max(1, math.ceil(fed.quorum * len(core.live)))
+        needed = max(1, math.ceil(quorum * len(core.live)))
         who = ", ".join(f"client {c} (rank {c + 1})" for c in missing)
         if len(uploads.answered) < needed:
             raise FederationError(
                 f"round {rnd}: only {len(uploads.answered)} of {len(core.live)} clients answered within "
-                f"{fed.round_deadline_s:g} s (quorum {needed}); silent: {who}; "
+                f"{deadline_s:g} s (quorum {needed}); silent: {who}; "
                 f"last checkpoint: {core.last_checkpoint or 'none'}")
         log.warning("round %d: straggler(s) past the %g s deadline, aggregated without them: %s",
-                    rnd, fed.round_deadline_s, who)
+                    rnd, deadline_s, who)
         for c in missing:
             core.metrics.log(rnd, c, "straggler", 1)
 
@@ -121,7 +122,7 @@ class SyncRounds:
         (federation.on_client_failure=continue); the others are stragglers."""
         core = self.core
         core.check_departures()
-        if core.cfg.federation.on_client_failure != "continue":
+        if core.config.roster.on_client_failure != "continue":
             return
         for cid in silent:
             cause = core.departures.cause_of_silence(cid)
@@ -130,10 +131,10 @@ class SyncRounds:
 
     def checkpoint_due(self, rnd: int) -> bool:
         """Whether round `rnd` ends with a checkpoint (every `checkpoint_every`, the last, or a halt's)."""
-        cfg = self.core.cfg
-        if rnd == cfg.halt_after_round or self.core.halt_requested:
+        checkpoints = self.core.config.checkpoints
+        if rnd == checkpoints.halt_after_round or self.core.halt_requested:
             return True
-        every = cfg.checkpoint_every
+        every = checkpoints.every
         return every > 0 and ((rnd + 1) % every == 0 or rnd == self.end - 1)
 
 
@@ -148,6 +149,6 @@ def _metric_brief(updates: list[Update]) -> str:
 
 def collector_for(core: ServerCore, strategy: SyncStrategy, start_round: int) -> Collector:
     """The run's collector: secure aggregation's when ``privacy.secure_aggregation``, else the plain one."""
-    if core.cfg.privacy.secure_aggregation:
+    if core.config.privacy.secure_aggregation:
         return SecAggCollector(core, strategy)
     return PlainCollector(core, strategy, start_round)

@@ -33,6 +33,7 @@ def atomic_path(path: str | Path, *, fsync: bool = True) -> Iterator[Path]:
 
 
 def write_text(path: str | Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (see `atomic_path`)."""
     with atomic_path(path) as tmp:
         tmp.write_text(text)
 

@@ -45,6 +45,9 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Checkpoint:
+    """rank 0's resumable state after a round: the strategy's state, the config it ran under, and the
+    digest and path of each site's shard of the same round."""
+
     round: int
     version: int
     config: dict[str, Any]
@@ -57,6 +60,7 @@ class Checkpoint:
 
 
 def checkpoint_path(directory: str | Path, round: int) -> Path:
+    """The file of round `round`'s checkpoint; zero-padded so that names sort in round order."""
     return Path(directory) / f"ckpt-{round:06d}.h5"
 
 

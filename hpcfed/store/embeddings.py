@@ -42,6 +42,9 @@ class ExportError(ValueError):
 
 @dataclass
 class EmbeddingSet:
+    """One site's exported vectors with their ids, labels, per-row columns and attributes, as read
+    from an embedding export (`verified`: its tag checked out against the job key)."""
+
     entity: str
     vectors: np.ndarray
     ids: list[str]

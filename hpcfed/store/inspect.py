@@ -15,6 +15,8 @@ from hpcfed.store import checkpoint, embeddings, sealed, site_state
 
 
 def inspect_file(path: str | Path) -> str:
+    """A human-readable description of an hpcfed HDF5 file (checkpoint, site shard, export, model), for
+    `hpcfed inspect`; its tag is checked, not required."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")

@@ -49,6 +49,7 @@ def site_dir(template: str, *, out: Path, client: int, rank: int) -> Path:
 
 
 def shard_path(directory: Path, round: int) -> Path:
+    """The file of a site's shard for `round`; zero-padded so that names sort in round order."""
     return Path(directory) / f"shard-{round:06d}.h5"
 
 
@@ -109,6 +110,7 @@ def load_shard(directory: Path, round: int, digest: str, client: int, auth: seal
 
 
 def prune(directory: Path, keep: int) -> None:
+    """Keep the newest `keep` shards (at least one) and remove half-written ones left by a crash."""
     for _, old in _listing(Path(directory))[max(1, keep):]:
         old.unlink(missing_ok=True)
     for stale in Path(directory).glob(".shard-*.tmp*"):

@@ -14,6 +14,7 @@ import numpy as np
 
 
 def stack(vectors: Sequence[np.ndarray] | np.ndarray) -> np.ndarray:
+    """The uploads as one float32 (K, n) matrix for the coordinate-wise rules; refuses an empty round."""
     if len(vectors) == 0:
         raise ValueError("cannot aggregate zero updates")
     return np.stack([np.asarray(v, dtype=np.float32) for v in vectors])

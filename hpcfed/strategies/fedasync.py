@@ -31,6 +31,8 @@ def staleness_factor(staleness: int, kind: str, a: float, b: int) -> float:
 
 
 class FedAsync(AsyncStrategy):
+    """FedAsync / AFed: each upload mixed into the global model with a staleness-damped weight."""
+
     name = "fedasync"
 
     @dataclass(kw_only=True)

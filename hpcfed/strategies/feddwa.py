@@ -42,6 +42,9 @@ def dwa_weights(gaps: np.ndarray, a: float) -> np.ndarray:
 
 
 class FedDWA(AsyncStrategy):
+    """FedDWA (FedAHE §4.2): every site's latest upload weighted by its version gap, broadcast when a
+    site falls `threshold` versions behind."""
+
     name = "feddwa"
     # Under secure aggregation each buffer's sum is a record (`hpcfed.strategies.feddwa_buffers`): `fold_sum`.
     folds_buffers: ClassVar[bool] = True

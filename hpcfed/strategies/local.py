@@ -17,6 +17,8 @@ from hpcfed.strategies.base import SyncStrategy, Update
 
 
 class Local(SyncStrategy):
+    """Every site keeps its own model; the lower bound a federation must beat."""
+
     name = "local"
     shares_updates = False  # a site's upload is its own next model: nothing to bound
 

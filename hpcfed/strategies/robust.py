@@ -64,6 +64,8 @@ class _Robust(SyncStrategy):
 
 
 class Median(_Robust):
+    """Coordinate-wise median of the uploads (Yin et al. 2018)."""
+
     name = "median"
 
     @dataclass(kw_only=True)
@@ -72,6 +74,8 @@ class Median(_Robust):
 
 
 class TrimmedMean(_Robust):
+    """Per coordinate, the mean after dropping the `trim_ratio` share of largest and smallest values."""
+
     name = "trimmed_mean"
 
     @dataclass(kw_only=True)
@@ -84,6 +88,8 @@ class TrimmedMean(_Robust):
 
 
 class Krum(_Robust):
+    """The upload(s) closest to their nearest others (Blanchard et al. 2017), with `num_byzantine` assumed hostile."""
+
     name = "krum"
 
     @dataclass(kw_only=True)

@@ -101,6 +101,9 @@ def erdos_renyi(num_nodes: int, edge_prob: float, seed: int) -> np.ndarray:
 
 
 class Sega(SyncStrategy):
+    """SEGA (DAMe §4.3): each site gets back a softmax-weighted mix of the uploads in its
+    structural-entropy cluster, weighted by how alike the models answer on a shared probe graph."""
+
     name = "sega"
 
     @dataclass(kw_only=True)

@@ -79,6 +79,8 @@ class MethodPreset:
 
 @dataclass
 class FitResult:
+    """What a round of local training reports: the examples it used (the upload's weight) and its metrics."""
+
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
 

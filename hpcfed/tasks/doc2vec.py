@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from hpcfed.models import doc2vec as g
+from hpcfed.models.doc2vec import bundle_counts, counts_bundle
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
@@ -48,42 +49,9 @@ def gensim_method(method: str) -> MethodPreset:
 INDEPENDENT_PLACEHOLDER = "independent_training_shares_nothing"
 
 
-
-
 def model_path(out_dir: str | Path, client_id: int) -> Path:
     """Where site `client_id` writes its gensim model (HDF5) inside a run directory."""
     return Path(out_dir) / "models" / f"site{client_id}.h5"
-
-
-def words_to_tensor(words: list[str]) -> np.ndarray:
-    """Words as one uint8 tensor ("\\n"-joined UTF-8): a 100k-word vocabulary would overflow a JSON header."""
-    if any("\n" in w for w in words):
-        raise ValueError("vocabulary words must not contain newlines")
-    return np.frombuffer("\n".join(words).encode("utf-8"), dtype=np.uint8).copy()
-
-
-def tensor_to_words(data: np.ndarray, where: str) -> list[str]:
-    arr = np.asarray(data)
-    if arr.dtype != np.uint8 or arr.ndim != 1:
-        raise ValueError(f"{where}: vocabulary words must be a 1-D uint8 tensor, got {arr.dtype} {arr.shape}")
-    if arr.size == 0:
-        return []
-    try:
-        return arr.tobytes().decode("utf-8").split("\n")
-    except UnicodeDecodeError:
-        raise ValueError(f"{where}: vocabulary words are not valid UTF-8") from None
-
-
-def counts_bundle(counts: dict[str, int]) -> dict[str, np.ndarray]:
-    words = sorted(counts)
-    return {"words": words_to_tensor(words), "counts": np.array([counts[w] for w in words], dtype=np.int64)}
-
-
-def bundle_counts(tensors: dict[str, np.ndarray], where: str) -> dict[str, int]:
-    if "words" not in tensors or "counts" not in tensors:
-        return {}
-    words = tensor_to_words(tensors["words"], where)
-    return g.decode_counts(words, tensors["counts"], where)
 
 
 @dataclass(kw_only=True)
@@ -247,6 +215,8 @@ class GensimJointTask(Task):
 
 
 class Doc2VecTask(GensimJointTask):
+    """SEEC's doc2vec task: federated PV-DM over the documents split across sites (see the module doc)."""
+
     name = "doc2vec"
     METHODS: ClassVar[Mapping[str, MethodPreset]] = {
         method: gensim_method(method) for method in ("joint", "centralized", "mapping", "nomapping")}

@@ -83,7 +83,7 @@ def _dataset(config: Any, site: Site) -> str:
 
 
 def _messages(name: str, data_seed: int, site: Site) -> Any:
-    from hpcfed.data.messages import load_site
+    from hpcfed.data.message_datasets import load_site
 
     if name.startswith("synthetic"):
         from hpcfed.data.synthetic_messages import make_messages

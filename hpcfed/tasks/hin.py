@@ -66,6 +66,8 @@ def fit_metapaths(hin: Any, c: Any) -> Any:
 
 
 class HINTask(Task):
+    """FedAHE's task on one site: a HIN node embedding and classifier over its held nodes (see the module doc)."""
+
     name = "hin"
     record_dp_refusal = ("FedAHE's attention over the heterogeneous graph mixes each node with its neighbours, so one "
                          "node's data flows through its neighbours' gradients and a record is not one example")

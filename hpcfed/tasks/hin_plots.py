@@ -98,6 +98,7 @@ def plot_convergence(runs: dict[str, str | Path], out: str | Path, metric: str =
 
 
 def plot_tsne(run_dir: str | Path, out: str | Path, max_points: int = 4000, seed: int = 0) -> Path:
+    """A t-SNE picture of a FedAHE run's exported node embeddings, coloured by label; returns the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,6 +180,7 @@ def results_table(run_dirs: list[str | Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hpcfed.tasks.hin_plots tsne|convergence``: the FedAHE paper's figures from runs; exit status."""
     p = argparse.ArgumentParser(prog="python -m hpcfed.tasks.hin_plots")
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("tsne")

@@ -25,6 +25,8 @@ from hpcfed.tasks.lora_text import LoraTextTask
 
 
 class News20LoraTask(LoraTextTask):
+    """20 Newsgroups topic classification by federated LoRA, with Dirichlet label skew over the sites."""
+
     name = "lora_20ng"
 
     @dataclass(kw_only=True)

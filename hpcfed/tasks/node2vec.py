@@ -35,6 +35,8 @@ from hpcfed.tasks.doc2vec import (
 
 
 class Node2VecTask(GensimJointTask):
+    """SEEC's node2vec task: federated skip-gram over random walks of each site's share of a graph."""
+
     name = "node2vec"
     METHODS: ClassVar[Mapping[str, MethodPreset]] = {
         method: gensim_method(method) for method in ("joint", "centralized")}

@@ -63,6 +63,8 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, num_classes: int) -> float:
 
 
 class SyntheticTask(Task):
+    """The quickstart's task: an MLP on label-skewed blobs with planted structure; needs no download."""
+
     name = "synthetic"
     record_dp_refusal = ""  # each training example is one independent record
     site_parallel = True  # a site of many ranks shares each batch (tasks/data_parallel.py)

@@ -44,6 +44,7 @@ def to_torch(arr: np.ndarray) -> Any:
 
 
 def load_module_parameters(module: Any, params: Params) -> None:
+    """Load named arrays into a torch module's parameters, refusing missing names or wrong shapes."""
     import torch
 
     state = module.state_dict()
@@ -80,6 +81,8 @@ def optimizer_state(optimizer: Any) -> tuple[dict[str, Any], dict[str, np.ndarra
 
 
 def load_optimizer_state(optimizer: Any, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Restore an optimizer from `optimizer_state`'s header and arrays, so a resumed site trains on as
+    if it had never stopped."""
     import torch
 
     state: dict[int, dict[str, Any]] = {}
@@ -93,12 +96,14 @@ def load_optimizer_state(optimizer: Any, header: dict[str, Any], arrays: dict[st
 
 
 def rng_state() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """torch's global random state as checkpoint arrays, so a resumed site draws what it would have drawn."""
     import torch
 
     return {}, {"rng/torch": torch.get_rng_state().numpy().copy()}
 
 
 def load_rng_state(arrays: dict[str, np.ndarray]) -> None:
+    """Restore torch's global random state saved by `rng_state` (left as is when the arrays hold none)."""
     import torch
 
     if "rng/torch" in arrays:

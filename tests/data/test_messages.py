@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
+from hpcfed.data.message_datasets import load_arabic, load_crisislext6, load_crisislext26, load_site
 from hpcfed.data.message_graph import (
     edge_index,
     extract_entities,
@@ -16,17 +17,8 @@ from hpcfed.data.message_graph import (
     message_adjacency,
     message_attributes,
 )
-from hpcfed.data.messages import (
-    Messages,
-    event_part,
-    event_subset,
-    load_arabic,
-    load_crisislext6,
-    load_crisislext26,
-    load_site,
-    message_share,
-    read_messages,
-)
+from hpcfed.data.message_selection import event_part, event_subset, message_share
+from hpcfed.data.messages import Messages, read_messages
 from hpcfed.data.root import DataError
 from hpcfed.data.synthetic_messages import make_messages
 

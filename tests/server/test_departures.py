@@ -7,8 +7,8 @@ import socket
 import subprocess
 import sys
 
-from hpcfed.launch import jobwatch
 from hpcfed.server import departures as D
+from hpcfed.store import rank_records
 
 
 def _rank(log_dir, rank: int) -> subprocess.Popen:
@@ -30,7 +30,7 @@ def test_a_signal_finds_the_site_that_ended_and_marks_it_gone(tmp_path):
         assert gone == [2]
         assert dep.ended({0, 1, 2}) == {1: "ended without a word (killed or crashed)"}
         assert dep.ended({0, 1, 2}) == {} and not dep.unexplained
-        jobwatch.write_exit(tmp_path, 3, 1, "client 2 failed: bad data")
+        rank_records.write_exit(tmp_path, 3, 1, "client 2 failed: bad data")
         dep.notify()
         assert dep.ended({0, 2}) == {2: "exited with status 1: client 2 failed: bad data"}
     finally:
@@ -94,7 +94,7 @@ def test_the_manifest_keeps_a_dropped_sites_last_shard_with_its_round(tmp_path):
 
 def test_a_site_reported_lost_by_another_watcher_is_dropped_once_without_any_signal(tmp_path):
     gone: list[int] = []
-    dep = D.Departures(tmp_path, 3, gone.append)  # no pid files: jobwatch knows nothing of these sites
+    dep = D.Departures(tmp_path, 3, gone.append)  # no pid files: the records know nothing of these sites
     dep.report(1, "its job ended (its lifeline closed)")  # from the lifelines' thread of `hpcfed serve`
     assert gone == [2]  # a send waiting on it fails at once
     assert dep.cause_of_silence(1) == "its job ended (its lifeline closed)" and dep.cause_of_silence(0) is None

@@ -288,7 +288,7 @@ def test_a_duplicate_upload_evicts_its_site_and_the_round_closes_with_the_others
         server.influence.begin_round(server.live)
         t0 = time.monotonic()
         PlainCollector(server, server.strategy, 0).collect(0, False)
-        assert time.monotonic() - t0 < server.cfg.federation.round_deadline_s
+        assert time.monotonic() - t0 < server.config.deadlines.round_deadline_s
         assert server.live == {1, 2, 3} and [e["reason"] for e in server.ledger.state()] == [
             "unrequested update (duplicate update: a second update for round 0)"]
         msg = chans[1].recv(kinds={P.EVICTED}, timeout=5)
