@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from hpcfed import protocol as P
 from hpcfed.comm.api import ChannelError, Message
@@ -125,16 +126,16 @@ def _refused(core: ServerCore, cid: int, msg: Message | None, gone: str | None) 
 _MEMBERS_POLL_S = 0.5  # how often a round short of sites looks for sites let in
 
 
-def await_members(core: ServerCore, rnd: int, needed: int) -> None:
-    """Under `hpcfed serve`: wait, letting sites in, until `needed` are present for round `rnd`'s secure
-    sum (at most ``federation.setup_timeout_s``, or until a halt)."""
-    if core.joiners is None or len(core.live) >= needed:
+def await_members(core: ServerCore, rnd: int, needed: Callable[[], int]) -> None:
+    """Under `hpcfed serve`: wait, letting sites in, until `needed()` are present for round `rnd`'s secure
+    sum (at most ``federation.setup_timeout_s``, or until a halt; the count may grow with the sites present)."""
+    if core.joiners is None or len(core.live) >= needed():
         return
     limit = core.config.deadlines.setup_timeout_s
     log.warning("round %d: %d site(s) present, a secure sum needs %d: waiting up to %g s "
-                "(federation.setup_timeout_s) for sites to join or rejoin", rnd, len(core.live), needed, limit)
+                "(federation.setup_timeout_s) for sites to join or rejoin", rnd, len(core.live), needed(), limit)
     deadline = time.monotonic() + limit
-    while len(core.live) < needed and time.monotonic() < deadline and not core.halt_requested:
+    while len(core.live) < needed() and time.monotonic() < deadline and not core.halt_requested:
         admit(core, rnd)
         core.maybe_status()
         time.sleep(_MEMBERS_POLL_S)

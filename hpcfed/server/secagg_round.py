@@ -112,7 +112,7 @@ class SecAggCollector:
         falls short mid-way is lost, not the run (the next one waits for sites again). A round whose
         whole sum is refused is retried at once in groups on the inputs the sites already sent
         (`retry`), so that the honest groups' sums still move the model in that round."""
-        joining.await_members(self.core, rnd, max(self._needed(), self.core.config.privacy.secagg.min_group))
+        joining.await_members(self.core, rnd, lambda: max(self._needed(), self.core.config.privacy.secagg.min_group))
         try:
             taken = self._attempt(rnd, want_state, self.testing.start(rnd), retry=False)
             if taken.lost or not self.testing.retry_due(rnd):
