@@ -23,6 +23,6 @@ def _join_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """`hpcfed join`: the site job; exit status."""
-    from hpcfed.launch.crossjob import join_main
+    from hpcfed.launch.crossjob_join import join_main
 
     return join_main(parse_with_overrides(_join_parser(), argv), argv)

@@ -1,0 +1,202 @@
+"""`hpcfed join`: one site of a federation whose server is a job of its own (`hpcfed serve`).
+
+    hpcfed join  CONFIG --server F|HOST:PORT --site N [--out DIR] [--iface IF] [key=value ...]
+
+The site knocks at the server's address, proves its key, connects to the MPI port and becomes rank
+N+1 of the star; it comes back the same way after its job ends (a requeue, a crash). The server's
+side and what both share are `hpcfed.launch.crossjob`. See docs/guides/cluster.md, "Across clusters".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hpcfed.config import Config, ConfigError
+from hpcfed.credentials import RankKeys
+from hpcfed.errors import FederationError
+from hpcfed.launch.crossjob import (
+    CONNECT_S,
+    DISCONNECT_S,
+    SERVER_GONE_GRACE_S,
+    _contained,  # one way for a cross-job rank to end, for serve and join alike
+    _end_now,
+    _relaunch,
+    one_rank_sites,
+)
+from hpcfed.launch.parent import prepare_config, under_mpi
+from hpcfed.launch.rank import (
+    HALT_SIGNAL,
+    _setup_logging,  # one log format for every rank, however it was started
+    channel_settings,
+)
+
+log = logging.getLogger("hpcfed")
+
+
+# -- a site --------------------------------------------------------------------------------------------
+def join_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """``hpcfed join`` (`args` parsed from `argv` by `hpcfed.cli.join`): one site of a federation
+    served by `hpcfed serve`."""
+    cfg = prepare_config(args.config, args.overrides)
+    one_rank_sites(cfg, "join")
+    want = cfg.federation.num_clients
+    if args.site < 0 or (want is not None and args.site >= want):
+        raise ConfigError(f"--site {args.site}: the config has {want} sites (client ids 0..{(want or 1) - 1})")
+    out = Path(args.out or Path("runs") / f"{cfg.name}-site{args.site}")
+    from hpcfed.comm.rendezvous import NoPortFile, read_server
+
+    with contextlib.suppress(NoPortFile):  # the server may start later: the site waits for its port file
+        read_server(args.server)  # a garbled --server fails here, before any launch
+    if not under_mpi():
+        return _relaunch("join", argv)
+    from hpcfed.comm.port import network_env
+
+    os.environ.update(network_env(None, args.iface))
+    out.mkdir(parents=True, exist_ok=True)
+    _setup_logging(args.site + 1, out, (want or 0) + 1)
+    return _contained(lambda: _Joined(cfg, args, out).run())
+
+
+class _ServerGone(BaseException):
+    """Raised in a site's main thread when its server's lifeline closed: it knocks again. (Not an
+    Exception: nothing on the way out may take it for an error of its own.)"""
+
+
+_GONE_SIGNAL = signal.SIGUSR1  # the lifelines' thread interrupts the main thread with it
+
+
+class _Joined:
+    """A site job: knock, connect, then `Client.run` over its one spoke; when the server's job
+    goes away, knock again (a resumed server rewrites its port file) and resume from its checkpoint."""
+
+    def __init__(self, cfg: Config, args: argparse.Namespace, out: Path) -> None:
+        self.cfg, self.args, self.out = cfg, args, out
+        self.rank = args.site + 1
+        self.keys = RankKeys(cfg.security, self.rank)  # this site's keys, read once for every attempt
+        self.finishing = threading.Event()
+        self.gone: str | None = None  # why the server went away, until the main thread has heard it
+        self.recovering = threading.Event()  # the main thread has left the lost federation
+        self.transport: Any = None
+        self.lifelines: Any = None
+
+    def _server_gone(self, rank: int, reason: str) -> None:
+        """From the lifelines' thread: stop sending to the server and make the main thread knock again."""
+        if self.transport is not None:
+            self.transport.mark_lost(0)
+        if self.finishing.is_set():
+            return
+        log.error("the server is gone: %s; site %d knocks again for up to %g s (federation.setup_timeout_s): "
+                  "restart it with `hpcfed serve ... --resume`", reason, self.args.site,
+                  self.cfg.federation.setup_timeout_s)
+        self.recovering.clear()
+        self.gone = reason
+        signal.pthread_kill(threading.main_thread().ident or 0, _GONE_SIGNAL)
+        timer = threading.Timer(SERVER_GONE_GRACE_S, self._stuck)
+        timer.daemon = True
+        timer.start()
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        if self.gone is not None and not self.finishing.is_set():
+            self.gone = None
+            raise _ServerGone()
+
+    def _stuck(self) -> None:
+        if not self.recovering.is_set() and not self.finishing.is_set():
+            log.error("site %d: still inside MPI %g s after its server went away; ending", self.args.site,
+                      SERVER_GONE_GRACE_S)
+            _end_now(3)
+
+    def run(self) -> int:
+        signal.signal(_GONE_SIGNAL, self._interrupt)
+        resume = self.args.resume
+        while True:
+            try:
+                return self._attempt(resume)
+            except _ServerGone:
+                self.recovering.set()
+                self.lifelines.close()
+                resume = True  # the resumed server continues from its checkpoint, and so does this site
+
+    def _attempt(self, resume: bool) -> int:
+        from hpcfed.comm import port as mpiport
+        from hpcfed.comm.lifeline import Lifelines
+        from hpcfed.comm.rendezvous import await_go
+        from hpcfed.comm.spokes import SpokeTransport
+        cred = self.keys.credentials()
+        fed = self.cfg.federation
+        welcome, where = _knock_until(self.args.server, cred, self.args.site, fed.setup_timeout_s)
+        # A late joiner is let in at the server's next round: at most a round's deadline away.
+        await_go(welcome.sock, fed.setup_timeout_s + fed.round_deadline_s)
+        try:
+            comm = mpiport.connect(welcome.port, CONNECT_S)
+        except mpiport.PortError as exc:
+            log.error("site %d: %s", self.args.site, exc)
+            _end_now(1)  # the Connect is stuck inside MPI: no clean way out of this process
+        self.transport = SpokeTransport(welcome.rank, welcome.size, {0: mpiport.intercomm_transport(comm)})
+        self.lifelines = Lifelines(self._server_gone, timeout=self.args.lifeline_timeout)
+        self.lifelines.add(0, welcome.sock)
+        log.info("site %d joined the server at %s as rank %d of %d", self.args.site, where, welcome.rank,
+                 welcome.size)
+        self._federate(cred, welcome.job_id, resume)
+        self.finishing.set()
+        if not mpiport.disconnect_all([comm], DISCONNECT_S):
+            log.warning("site %d: the server did not disconnect within %g s; ending without it", self.args.site,
+                        DISCONNECT_S)
+        self.lifelines.close()  # after the Disconnect: the server disconnects only sites it still sees alive
+        return 0
+
+    def _federate(self, cred: Any, job_id: bytes, resume: bool) -> None:
+        import torch
+
+        from hpcfed import protocol
+        from hpcfed.client.client import Client
+        from hpcfed.comm.channel import SecureChannel
+
+        channel = SecureChannel(self.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
+                                **channel_settings(self.cfg))
+        channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
+        channel.expect({0: protocol.SERVER_KINDS})
+        signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
+        torch.set_num_threads(max(1, self.cfg.threads_per_rank))
+        from hpcfed.launch.device import select_device
+
+        device = select_device(self.rank, self.cfg.device)
+        from hpcfed.client.config import ClientConfig
+
+        Client(ClientConfig.from_config(self.cfg), channel, self.out, device=device, resume=resume,
+               keys=self.keys).run()
+        self.finishing.set()
+        channel.close()
+
+
+def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str]:
+    """Knock until the server answers, with a back-off, for at most `wait` s: it may start later
+    than this site, or be resuming (it rewrites its port file, read again at every try). A refusal
+    or a garbled port file ends the wait at once, with the reason. Returns (welcome, where)."""
+    from hpcfed.comm.rendezvous import NoPortFile, knock, read_server
+
+    deadline = time.monotonic() + wait
+    delay, last, where = 0.5, "", f"--server {spec}"
+    while True:
+        try:
+            address, where = read_server(spec)
+            return knock(address, cred, site, timeout=min(10.0, max(1.0, deadline - time.monotonic()))), where
+        except NoPortFile as exc:
+            last = str(exc)
+        except OSError as exc:  # nothing listens (yet), unreachable, timed out
+            last = f"nothing answered at {address[0]}:{address[1]} ({exc.strerror or exc or type(exc).__name__})"
+        if time.monotonic() + delay > deadline:
+            raise FederationError(
+                f"site {site}: no server within {wait:g} s (federation.setup_timeout_s) from {where}; last: {last}. "
+                f"The server is not running, the port file is stale (the server rewrites it at every start), "
+                f"or a firewall blocks the port (see docs/cluster.md, 'Across clusters')")
+        time.sleep(delay)
+        delay = min(2 * delay, 10.0)
