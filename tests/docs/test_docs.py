@@ -127,3 +127,29 @@ def test_every_key_the_pages_name_exists():
             if key not in keys and not any(key.startswith(k + ".") for k in keys if k.endswith("slowdown")):
                 unknown.append(f"{page.relative_to(REPO)}: {key}")
     assert not unknown, "keys named in the docs that the configuration does not have:\n" + "\n".join(unknown)
+
+
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+FENCED = re.compile(r"^```.*?^```", re.S | re.M)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK_TARGET = re.compile(r"\]\([^)]*\)")
+
+
+def dated_lines(page: Path) -> list[str]:
+    """The lines of a page, outside code and link targets, that carry a date."""
+    text = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text())
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        prose = LINK_TARGET.sub("]()", INLINE_CODE.sub("``", line))
+        if DATE.search(prose):
+            found.append(f"{page.relative_to(REPO)}:{number}: {line.strip()[:100]}")
+    return found
+
+
+def test_dated_figures_live_only_on_the_benchmarks_pages():
+    """A measurement carries its date, machine and command on the benchmarks pages; README, guides,
+    references and paper pages state what it shows and link there, so they never go stale."""
+    benchmarks = {DOCS / "benchmarks.md", *(DOCS / "benchmarks").rglob("*.md")}
+    pages = [REPO / "README.md", *(p for p in sorted(DOCS.rglob("*.md")) if p not in benchmarks)]
+    dated = [line for page in pages for line in dated_lines(page)]
+    assert not dated, "move these dated figures to docs/benchmarks.md and link to them:\n" + "\n".join(dated)
