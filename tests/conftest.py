@@ -63,12 +63,29 @@ def own_keys(keys_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- running the suite on two workers (`pytest -n 2`, pytest-xdist; README "Two commands") ------------
+SHARED_SCOPES = ("module", "package", "class")  # a fixture of these scopes runs once per worker that uses it
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether `item` uses a fixture that lives longer than one test but not the whole session."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope in SHARED_SCOPES for defs in info.name2fixturedefs.values())
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With ``--dist loadgroup`` a module's tests stay on one worker, so its module-scoped fixture (a
-    federation run once and asserted on by several tests) runs once; and the modules that start a
-    machine-wide cluster (the local Slurm daemons, the emulated two nodes with their fixed namespace
-    names) share one worker, so no two of them run at once."""
+    """With ``--dist loadgroup`` the tests of a module that share a module-scoped fixture (a federation
+    run once and asserted on by several tests) stay on one worker, so that fixture runs once; and the
+    modules that start a machine-wide cluster (the local Slurm daemons, the emulated two nodes with
+    their fixed namespace names) share one worker, so no two of them run at once. Every other test is
+    a unit of its own, which either worker may take: a module of independent federations (one run
+    each) is spread over both workers instead of holding one of them to the end."""
+    shared = {item.nodeid.split("::", 1)[0] for item in items if _shares_a_fixture(item)}
     for item in items:
-        cluster = item.get_closest_marker("slurm") or item.get_closest_marker("two_nodes")
-        item.add_marker(pytest.mark.xdist_group("cluster" if cluster else item.nodeid.split("::", 1)[0]))
+        module = item.nodeid.split("::", 1)[0]
+        if item.get_closest_marker("slurm") or item.get_closest_marker("two_nodes"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif module in shared:
+            item.add_marker(pytest.mark.xdist_group(module))

@@ -7,8 +7,14 @@ is the number of rounds done, and a resumed run reports the very same ε.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import dp_accounting
+from hpcfed.privacy import load_on_first_use
+
+if TYPE_CHECKING:
+    import dp_accounting
+else:
+    dp_accounting = load_on_first_use("dp_accounting")  # scipy loads only for a run with DP
 
 
 def epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:

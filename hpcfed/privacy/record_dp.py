@@ -22,13 +22,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dp_accounting
 import numpy as np
 
 from hpcfed.config import ConfigError, RecordDPConfig
+from hpcfed.privacy import load_on_first_use
 from hpcfed.schema import locate
+
+if TYPE_CHECKING:
+    import dp_accounting
+else:
+    dp_accounting = load_on_first_use("dp_accounting")  # scipy loads only for a run with record DP
 
 DEFAULT_DELTA = 1e-5
 _EPS_SLACK = 1e-9  # ε computed twice from the same numbers may differ in the last bits

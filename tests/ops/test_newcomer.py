@@ -32,11 +32,24 @@ def _one_line_error(proc, *needles: str) -> str:
     return lines[0]
 
 
+def _earlier_run(out: Path) -> None:
+    """What an earlier run leaves in OUT (its results, a checkpoint of round 5), beside a user's file."""
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "embeddings").mkdir()
+    (out / "summary.json").write_text('{"accuracy": 0.5}')
+    (out / "metrics.jsonl").write_text('{"round": 5, "client": 0, "name": "loss", "value": 1.0, "time": 0.1}\n')
+    (out / "checkpoints" / "ckpt-000005.h5").write_bytes(b"an earlier run's checkpoint")
+    (out / "embeddings" / "site0.h5").write_bytes(b"an earlier run's export")
+    (out / "notes.txt").write_text("mine")  # not hpcfed's: --force leaves it alone
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """One finished quickstart run (2 rounds, a checkpoint after each), shared by the tests below."""
+    """One finished quickstart run (2 rounds, a checkpoint after each), shared by the tests below. It
+    was started with --force over an earlier run's results (test_force_overwrites_deliberately)."""
     out = tmp_path_factory.mktemp("newcomer") / "run"
-    proc = run_cli(["run", QUICKSTART, *SMALL, "--np", "3", "--out", str(out)], timeout=240)
+    _earlier_run(out)
+    proc = run_cli(["run", QUICKSTART, *SMALL, "--np", "3", "--out", str(out), "--force"], timeout=240)
     assert (out / "summary.json").is_file() and len(list((out / "checkpoints").glob("ckpt-*.h5"))) == 2
     (out.parent / "console.txt").write_text(proc.stdout + proc.stderr)
     return out
@@ -109,15 +122,13 @@ def test_resume_when_every_checkpoint_is_invalid_stops_instead_of_starting_over(
 
 
 @pytest.mark.mpi
-def test_force_overwrites_deliberately(finished, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(finished, copy)
-    (copy / "notes.txt").write_text("mine")  # not hpcfed's: --force leaves it alone
-    proc = run_cli(["run", QUICKSTART, "rounds=1", "checkpoint_every=1", "--np", "3", "--out", str(copy), "--force"],
-                   timeout=240)
-    assert "--force: removed the earlier run's summary.json, metrics.jsonl, checkpoints/, embeddings/" in proc.stderr
-    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["ckpt-000000.h5"]
-    assert (copy / "notes.txt").read_text() == "mine"
+def test_force_overwrites_deliberately(finished):
+    console = (finished.parent / "console.txt").read_text()
+    assert "--force: removed the earlier run's summary.json, metrics.jsonl, checkpoints/, embeddings/" in console
+    # the earlier run's round-5 checkpoint is gone: only this run's two are left
+    assert sorted(p.name for p in (finished / "checkpoints").iterdir()) == ["ckpt-000000.h5", "ckpt-000001.h5"]
+    assert json.loads((finished / "summary.json").read_text())["config"]["rounds"] == 2
+    assert (finished / "notes.txt").read_text() == "mine"
 
 
 def test_out_naming_a_file_and_bare_overrides_are_one_line_errors(tmp_path):

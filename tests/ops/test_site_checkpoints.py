@@ -2,8 +2,9 @@
 
 One module-scoped set of runs: an uninterrupted twin; a run whose server is SIGKILLed after the sites
 wrote round 2's shards but before the manifest commit, resumed to the end (must end bit-identical to
-the twin, resuming from round 1); then a site loses its newest shard (fallback to an older checkpoint
-every site holds) and finally a site loses every shard (one-line stop naming the site, rank, path).
+the twin, resuming from round 1; launched with `--np` and the job key it makes); then a site loses
+its newest shard (fallback to an older checkpoint every site holds) and finally a site loses every
+shard (one-line stop naming the site, rank, path).
 Every HDF5 file rank 0 wrote is scanned: it holds the strategy state only, never site state."""
 
 from __future__ import annotations
@@ -32,17 +33,22 @@ def _global(out: Path, name: str = "ckpt-000003.h5") -> bytes:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted run, and a twin killed before a manifest commit then resumed."""
+    """An uninterrupted run, and a twin killed before a manifest commit then resumed. The twin runs the
+    user's way, `hpcfed run --np 3` with no key of ours: the launcher makes a job key per run and
+    keeps it outside the run directory, where the resume finds it."""
     base = tmp_path_factory.mktemp("sitecks")
-    full, killed = base / "full", base / "killed"
+    full, killed, keys = base / "full", base / "killed", base / "keys"
     _run(full)
-    proc = _run(killed, env={"HPCFED_FAULT_KILL_BEFORE_MANIFEST": "2"}, check=False)
+    env = {"HPCFED_PSK": "", "HPCFED_KEYS_DIR": str(keys)}
+    twin = ["run", "configs/quickstart.yaml", "--np", "3", "--out", str(killed), *COMMON]
+    proc = run_cli(twin, env={**env, "HPCFED_FAULT_KILL_BEFORE_MANIFEST": "2"}, timeout=300, check=False)
     assert proc.returncode != 0
     state = {"after_kill": sorted(p.name for p in (killed / "checkpoints").glob("ckpt-*.h5")),
-             "shards_after_kill": sorted(p.name for p in (killed / "sites" / "1").glob("shard-*.h5"))}
-    resumed = _run(killed, "--resume")
+             "shards_after_kill": sorted(p.name for p in (killed / "sites" / "1").glob("shard-*.h5")),
+             "key_files_after_kill": list(keys.iterdir())}
+    resumed = run_cli([*twin, "--resume"], env=env, timeout=300)
     state["resume_text"] = resumed.stderr + resumed.stdout
-    return {"full": full, "killed": killed, "base": base, **state}
+    return {"full": full, "killed": killed, "base": base, "keys": keys, **state}
 
 
 def test_kill_between_the_two_phases_loses_only_the_uncommitted_round(runs):
@@ -107,15 +113,11 @@ def test_missing_shard_falls_back_to_a_checkpoint_every_site_holds_then_stops_na
     assert "Traceback" not in proc.stderr
 
 
-def test_np_run_keeps_its_job_key_outside_the_run_directory_for_resume(tmp_path):
-    out, keys = tmp_path / "run", tmp_path / "keys"
-    env = {"HPCFED_PSK": "", "HPCFED_KEYS_DIR": str(keys)}  # no key of ours: `--np` makes one per run
-    args = ["run", "configs/quickstart.yaml", "--np", "3", "--out", str(out), "rounds=3", "checkpoint_every=1"]
-    run_cli([*args, "halt_after_round=0"], env=env, timeout=300)
-    [key_file] = list(keys.iterdir())
+def test_np_run_keeps_its_job_key_outside_the_run_directory_for_resume(runs):
+    [key_file] = runs["key_files_after_kill"]
+    keys = runs["keys"]
+    assert list(keys.iterdir()) == [key_file]  # the resume used the run's key, made no other
     assert key_file.stat().st_mode & 0o777 == 0o600 and keys.stat().st_mode & 0o777 == 0o700
     key = key_file.read_text().strip()
-    assert not any(key.encode() in p.read_bytes() for p in out.rglob("*") if p.is_file())
-    proc = run_cli([*args, "--resume"], env=env, timeout=300)
-    assert re.search(r"resumed from \S+ckpt-000000\.h5 \(round 0\)", proc.stderr + proc.stdout)
-    assert (out / "summary.json").exists()
+    assert not any(key.encode() in p.read_bytes() for p in runs["killed"].rglob("*") if p.is_file())
+    assert (runs["killed"] / "summary.json").exists()  # resumed with it, to the end

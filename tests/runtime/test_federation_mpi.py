@@ -1,4 +1,6 @@
-"""The real CLI under `mpiexec -n 3`: quickstart outputs, bit-exact resume, an idle server's CPU use."""
+"""The real CLI under `mpiexec -n 3`: quickstart outputs, bit-exact resume, an idle server's CPU use, a
+straggler past the deadline, identity keys. Two module-scoped runs carry several tests each: the shipped
+quickstart (also the twin of the resumed run) and the straggler's run (also the idle server's)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,17 @@ def _events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_quickstart_writes_metrics_checkpoints_and_exports(tmp_path):
-    out = tmp_path / "qs"
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> Path:
+    """The quickstart as shipped (8 rounds, a checkpoint after rounds 1, 3, 5, 7), run once: its outputs
+    are asserted on, and it is the uninterrupted twin that the halted-then-resumed run must match."""
+    out = tmp_path_factory.mktemp("quickstart") / "qs"
     run_cli(["run", "configs/quickstart.yaml", "--out", str(out)], np=3, timeout=240)
+    return out
+
+
+def test_quickstart_writes_metrics_checkpoints_and_exports(quickstart):
+    out = quickstart
     events = _events(out)
     acc = {(e["round"], e["client"]): e["value"] for e in events if e["name"] == "val_accuracy"}
     assert {c for _, c in acc} == {0, 1}
@@ -60,48 +70,49 @@ def _final_global(out: Path) -> np.ndarray:
         return f["strategy/global"][()]
 
 
-def test_resumed_sync_run_matches_uninterrupted_bit_for_bit(tmp_path):
-    common = ["rounds=4", "checkpoint_every=1"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(full), *common], np=3, timeout=240)
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), *common, "halt_after_round=1"], np=3, timeout=240)
+def test_resumed_sync_run_matches_uninterrupted_bit_for_bit(quickstart, tmp_path):
+    part = tmp_path / "part"
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), "halt_after_round=1"], np=3, timeout=240)
     assert ck.latest_valid(part / "checkpoints").round == 1
     assert not (part / "summary.json").exists()
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), *common, "--resume"], np=3, timeout=240)
-    a, b = _final_global(full), _final_global(part)
+    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), "--resume"], np=3, timeout=240)
+    a, b = _final_global(quickstart), _final_global(part)
     assert a.tobytes() == b.tobytes()
-    sa = json.loads((full / "summary.json").read_text())
+    sa = json.loads((quickstart / "summary.json").read_text())
     sb = json.loads((part / "summary.json").read_text())
     assert sa["clients"] == sb["clients"]
 
 
-def test_idle_server_sleeps_instead_of_spinning(tmp_path):
-    out = tmp_path / "idle"
-    # Clients are made ~200x slower than their real work (a round of ~10-30 ms), so the server
-    # mostly waits; the run must last long enough for its CPU share to mean something.
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=3", "checkpoint_every=0",
-             "federation.slowdown={0: 200, 1: 200}"], np=3, timeout=240)
+@pytest.fixture(scope="module")
+def straggler(tmp_path_factory) -> tuple[Path, str]:
+    """(OUT, stderr) of a run whose client 1 is ~5000x slower than its real work (a round of ~10-30 ms):
+    far past the 6 s deadline, which the run waits out in full, and the server mostly waits; client 0's
+    round takes ~1 s on a loaded host."""
+    out = tmp_path_factory.mktemp("straggler") / "run"
+    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=1", "checkpoint_every=0",
+                    "federation.quorum=0.5", "federation.round_deadline_s=6", "federation.slowdown={1: 5000}"],
+                   np=3, timeout=240)
+    return out, proc.stderr
+
+
+def test_straggler_past_deadline_is_reported_not_waited_for(straggler):
+    out, stderr = straggler
+    events = _events(out)
+    stragglers = {(e["round"], e["client"]) for e in events if e["name"] == "straggler"}
+    assert (0, 1) in stragglers
+    assert "straggler(s) past the 6 s deadline" in stderr and "client 1 (rank 2)" in stderr
     summary = json.loads((out / "summary.json").read_text())
+    assert "0" in summary["clients"] and summary["missing_clients"] == [1]
+
+
+def test_idle_server_sleeps_instead_of_spinning(straggler):
+    # The straggler run: the server waits out the deadline twice (the round, then the final metrics).
+    summary = json.loads((straggler[0] / "summary.json").read_text())
     # Counted, not timed (issue 16): a waiting server sleeps in its back-off. A receive loop
     # spinning at 100 % would Iprobe ~10^5..10^6 times a second; a loaded host only polls less.
     server = summary["cost"]["0"]
     assert server["idle_sleeps"] > 100, server
     assert server["polls"] <= 10_000 * summary["wall_time_s"], (server, summary["wall_time_s"])
-
-
-def test_straggler_past_deadline_is_reported_not_waited_for(tmp_path):
-    out = tmp_path / "straggler"
-    # Client 1 is ~5000x slower than its real work (a round of ~10-30 ms): far past the 6 s
-    # deadline, which the run waits out in full; client 0's round takes ~1 s on a loaded host.
-    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=1", "checkpoint_every=0",
-                    "federation.quorum=0.5", "federation.round_deadline_s=6", "federation.slowdown={1: 5000}"],
-                   np=3, timeout=240)
-    events = _events(out)
-    stragglers = {(e["round"], e["client"]) for e in events if e["name"] == "straggler"}
-    assert (0, 1) in stragglers
-    assert "straggler(s) past the 6 s deadline" in proc.stderr and "client 1 (rank 2)" in proc.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert "0" in summary["clients"] and summary["missing_clients"] == [1]
 
 
 def test_identity_keys_mode_admits_authorized_sites_only_each_from_its_own_rank(tmp_path):
@@ -123,11 +134,11 @@ def test_identity_keys_mode_admits_authorized_sites_only_each_from_its_own_rank(
     for rank, source in ((0, 0), (1, 1), (2, 1)):
         for suffix in ("", ".pub"):
             shutil.copy2(keys / f"rank{source}{suffix}", twin / f"rank{rank}{suffix}")
-    common = ["rounds=1", "checkpoint_every=0", "security.mode=keys",
-              f"security.server_public_key={keys}/rank0.pub", "federation.setup_timeout_s=30"]
+    common = ["rounds=1", "checkpoint_every=0", "security.mode=keys", f"security.server_public_key={keys}/rank0.pub"]
     ok = tmp_path / "ok"
     run_cli(["run", "configs/quickstart.yaml", "--out", str(ok), *common, f"security.identity={keys}/rank{{rank}}",
              f"security.authorized_keys={keys}/authorized"], np=3, timeout=180)
+    common.append("federation.setup_timeout_s=30")  # the refused runs below: no setup to wait for
     assert set(json.loads((ok / "summary.json").read_text())["clients"]) == {"0", "1"}
     server_log = (ok / "logs" / "rank0.log").read_text()
     for rank in (1, 2):  # each site's fingerprint is on record
