@@ -89,9 +89,9 @@ def worker_main(args: argparse.Namespace) -> int:
 
     class HostileClient(client_mod.Client):
         def __init__(self, config: Any, channel: Any, out_dir: Path, device: str = "cpu", resume: bool = False,
-                     keys: Any = None) -> None:
+                     keys: Any = None, ranks: Any = None) -> None:
             channel.transport = RecordingTransport(channel.transport)
-            super().__init__(config, channel, out_dir, device=device, resume=resume, keys=keys)
+            super().__init__(config, channel, out_dir, device=device, resume=resume, keys=keys, ranks=ranks)
             self.forger: Forger | None = None
             report["rank"] = channel.rank
 

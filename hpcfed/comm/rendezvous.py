@@ -49,6 +49,11 @@ _PROTOCOL = "knock-v1"
 GO = b"G"  # server -> site, after the welcome: connect to the MPI port now
 
 
+# A refusal the knocking site retries: the server may not have seen the site's earlier job end yet
+# (its lifeline closes, then the server drops it; a knock in between finds it still present).
+STILL_PRESENT = "is present and alive"
+
+
 class RendezvousError(ValueError):
     """A knock that failed or was refused, a port file that cannot be used; says what and the fix."""
 
@@ -299,7 +304,7 @@ class Listener:
                                      else "another pre-shared key)"))
         if rank in taken:
             why = taken.get(rank) if isinstance(taken, dict) else None
-            raise RendezvousError(why or f"site {cid} is present and alive in this federation (or waits to be let in), "
+            raise RendezvousError(why or f"site {cid} {STILL_PRESENT} in this federation (or waits to be let in), "
                                   f"so key {crypto.fingerprint(peer_key) if peer_key is not None else '(psk)'} "
                                   f"cannot join as it: end the other job of site {cid}, or knock again once it "
                                   f"is declared lost (hpcfed serve --lifeline-timeout)")

@@ -39,6 +39,9 @@ from hpcfed.launch.rank import (
 )
 
 log = logging.getLogger("hpcfed")
+# How long a site knocks again while the server still counts it present: its last job's lifeline
+# closes within a second or two of that job's end, then the server drops it and lets it back in.
+STILL_PRESENT_RETRY_S = 15.0
 
 
 # -- a site --------------------------------------------------------------------------------------------
@@ -179,12 +182,14 @@ class _Joined:
 
 def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str]:
     """Knock until the server answers, with a back-off, for at most `wait` s: it may start later
-    than this site, or be resuming (it rewrites its port file, read again at every try). A refusal
-    or a garbled port file ends the wait at once, with the reason. Returns (welcome, where)."""
-    from hpcfed.comm.rendezvous import NoPortFile, knock, read_server
+    than this site, or be resuming (it rewrites its port file, read again at every try), or not have
+    seen this site's last job end yet. Any other refusal, or a garbled port file, ends the wait at once,
+    with the reason. Returns (welcome, where)."""
+    from hpcfed.comm.rendezvous import STILL_PRESENT, NoPortFile, RendezvousError, knock, read_server
 
     deadline = time.monotonic() + wait
     delay, last, where = 0.5, "", f"--server {spec}"
+    present_since = 0.0  # when the server first said this site is still present
     while True:
         try:
             address, where = read_server(spec)
@@ -193,6 +198,13 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
             last = str(exc)
         except OSError as exc:  # nothing listens (yet), unreachable, timed out
             last = f"nothing answered at {address[0]}:{address[1]} ({exc.strerror or exc or type(exc).__name__})"
+        except RendezvousError as exc:
+            if STILL_PRESENT not in str(exc):
+                raise
+            present_since = present_since or time.monotonic()
+            if time.monotonic() - present_since > STILL_PRESENT_RETRY_S:
+                raise  # another job of this site is alive: not a race with the end of this site's last job
+            last = str(exc)  # this site's last job is not declared lost yet: knock again in a moment
         if time.monotonic() + delay > deadline:
             raise FederationError(
                 f"site {site}: no server within {wait:g} s (federation.setup_timeout_s) from {where}; last: {last}. "
