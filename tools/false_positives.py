@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import tempfile
 from dataclasses import replace
@@ -32,6 +33,7 @@ import numpy as np
 
 from hpcfed.config import InfluenceConfig
 from hpcfed.params import ParamLayout
+from hpcfed.server import influence
 from hpcfed.server.influence import InfluenceGuard, Refused
 from hpcfed.tasks.base import Site, Task
 from hpcfed.tasks.synthetic import SyntheticTask
@@ -95,6 +97,8 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
         model = layout.flatten(sites[0].get_parameters())
         guard = InfluenceGuard(InfluenceConfig(enabled=guarded), k)
         refused, evidence = 0, dict.fromkeys(range(k), 0)
+        kept = {cid: [] for cid in range(k)}  # per site: ||clipped step|| / ||asked step|| of each clipped upload
+        capped = 0  # clips where the site's own steps were beyond _OWN_CLIP x the typical one (the cap bound)
 
         def upload(cid: int, sent: np.ndarray, rnd: int) -> tuple[np.ndarray, int] | None:
             nonlocal refused
@@ -103,13 +107,18 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
             flat = layout.flatten(sites[cid].get_parameters())
             if not guarded:
                 return flat, n
+            nonlocal capped
             weight = guard.weight(cid, n)
+            typical, own, clipped = guard._typical, guard._own(cid), guard.clipped  # the bounds this upload meets
             try:
-                guard.bound(cid, flat, sent)
+                asked = guard.bound(cid, flat, sent)
             except Refused as exc:
                 refused += 1
                 evidence[cid] += exc.evidence
                 return None
+            if guard.clipped > clipped:
+                kept[cid].append(float(np.linalg.norm(flat - sent)) / asked)
+                capped += bool(typical and own and own > influence._OWN_CLIP * typical)
             return flat, weight
 
         rng = np.random.default_rng(seed)
@@ -139,7 +148,9 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
             accuracy.append(task.evaluate(rounds, final=True)["accuracy"])
     return {"refused": refused, "evicted": sorted(c for c, n in evidence.items() if n > MAX_REFUSED),
             "evidence": sum(evidence.values()), "clipped": guard.clipped, "peak_ratio": round(guard.peak_ratio, 3),
-            "accuracy": round(float(np.mean(accuracy)), 4)}
+            "accuracy": round(float(np.mean(accuracy)), 4), "site_accuracy": [round(a, 4) for a in accuracy],
+            "capped": capped, "site_clipped": [len(kept[c]) for c in range(k)],
+            "site_kept": [round(float(np.mean(kept[c])), 3) if kept[c] else 1.0 for c in range(k)]}
 
 
 def main() -> None:
@@ -151,6 +162,10 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
     parser.add_argument("--model", choices=["quickstart", "torch"], default="quickstart",
                         help="the quickstart's sites, or the TorchTask template of `hpcfed new --template torch`")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="data, training and upload-order seeds")
+    parser.add_argument("--own-clip", type=float, nargs="+", default=[influence._OWN_CLIP],
+                        help="experiment: the cap on a site's own steps in its clip (influence._OWN_CLIP), "
+                             "each against the same run without the guard")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import torch
@@ -159,18 +174,25 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         for k in args.sites:
-            for split in args.splits:
-                on, off = (run_cell(split, k, mode, args.rounds, guarded, model=args.model)
-                           for guarded in (True, False))
-                rows.append({"model": args.model, "mode": mode, "sites": k, "split": split, **on,
-                             "accuracy_off": off["accuracy"]})
+            for split, seed, own_clip in itertools.product(args.splits, args.seeds, args.own_clip):
+                influence._OWN_CLIP = own_clip
+                on = run_cell(split, k, mode, args.rounds, True, seed, model=args.model)
+                if own_clip == args.own_clip[0]:  # the run without the guard does not depend on it
+                    off = run_cell(split, k, mode, args.rounds, False, seed, model=args.model)
+                rows.append({"model": args.model, "mode": mode, "sites": k, "split": split, "seed": seed,
+                             "own_clip": own_clip, **on,
+                             "accuracy_off": off["accuracy"], "site_accuracy_off": off["site_accuracy"]})
                 r = rows[-1]
                 if not args.json:
-                    print(f"{args.model:10} {mode:5} K={k:<2} {split:14} refused {r['refused']:4} "
+                    print(f"{args.model:10} {mode:5} K={k:<2} {split:14} seed {seed} own clip {own_clip:g} "
+                          f"refused {r['refused']:4} "
                           f"evidence {r['evidence']:3} "
                           f"evicted {r['evicted']} clipped {r['clipped']:5} peak ratio {r['peak_ratio']:6.3f} "
                           f"accuracy {r['accuracy']:.3f} off {r['accuracy_off']:.3f} "
-                          f"({r['accuracy'] - r['accuracy_off']:+.3f})", flush=True)
+                          f"({r['accuracy'] - r['accuracy_off']:+.3f}) capped {r['capped']} "
+                          f"site clipped {r['site_clipped']} kept {r['site_kept']}", flush=True)
+                    print(f"  site accuracy on  {r['site_accuracy']}\n  site accuracy off {r['site_accuracy_off']}",
+                          flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
 
