@@ -125,8 +125,8 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
         sent = {cid: model.copy() for cid in range(k)}
         version = {cid: 0 for cid in range(k)}
         for rnd in range(rounds):
-            guard.begin_round(set(range(k)))
             if mode == "sync":
+                guard.begin_round(set(range(k)))
                 got = [u for u in (upload(cid, model, rnd) for cid in range(k)) if u is not None]
                 guard.settle()
                 if got:
@@ -136,6 +136,7 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
                 continue
             for step in range(k):  # async: k uploads per "round", each from a site picked at random
                 cid = int(rng.integers(k))
+                guard.begin_round(set(range(k)))  # as rank 0 does for each async upload (server/async_loop.py)
                 got = upload(cid, sent[cid], rnd * k + step)
                 guard.settle()
                 if got is not None:
