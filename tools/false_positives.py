@@ -7,16 +7,23 @@ skew (site 0 holds 10 x the examples, label skew 0.5), or a feature-shifted site
 offset by +3 in every dimension, label skew 0.5). Sync: FedAvg rounds (weights and bounds from the
 guard, as rank 0 applies them, `hpcfed.server.bounding`); async: FedAsync (alpha 0.6, polynomial
 staleness a = 0.5), one site uploading at a time in a seeded random order, each upload measured
-from the model that site was last sent. ``--model torch`` uses the TorchTask a new user starts
+from the model that site was last sent, the guard's bounds fixed before each upload as rank 0 fixes
+them (`hpcfed.server.async_loop`). ``--model torch`` uses the TorchTask a new user starts
 from instead (`hpcfed new --template torch`: a 3-layer MLP over Gaussian blobs, batches of 32).
 The same cell runs with the guard and without it:
 
-    python tools/false_positives.py [--rounds 200] [--sites 3 8] [--modes sync async] [--model torch] [--json]
+    python tools/false_positives.py [--rounds 200] [--sites 3 8] [--modes sync async] [--model torch]
+                                    [--seeds 0 1] [--own-clip 2 1000] [--json]
 
 Printed per cell: uploads refused, refusals that count as evidence (a site evicted past
 security.max_refused_updates = 3 of them: the goal is none), clipped uploads, the largest
 distance / max(typical, own) ratio seen (refused beyond influence.reject_factor = 10), and the
-mean test accuracy with and without the guard (the goal: within 0.01).
+mean test accuracy with and without the guard (the goal: within 0.01); per site, its uploads
+clipped, the share of its step a clip kept on average, and its accuracy with and without the guard;
+and how many clips the cap on a site's own steps decided (`influence._OWN_CLIP`; `--own-clip`
+runs the cell with other caps, each against the one run without the guard). The two arms of a
+cell share the data, each site's training seed and the upload order, so a gap between them is the
+guard's.
 """
 
 from __future__ import annotations
