@@ -7,22 +7,30 @@ skew (site 0 holds 10 x the examples, label skew 0.5), or a feature-shifted site
 offset by +3 in every dimension, label skew 0.5). Sync: FedAvg rounds (weights and bounds from the
 guard, as rank 0 applies them, `hpcfed.server.bounding`); async: FedAsync (alpha 0.6, polynomial
 staleness a = 0.5), one site uploading at a time in a seeded random order, each upload measured
-from the model that site was last sent. ``--model torch`` uses the TorchTask a new user starts
+from the model that site was last sent, the guard's bounds fixed before each upload as rank 0 fixes
+them (`hpcfed.server.async_loop`). ``--model torch`` uses the TorchTask a new user starts
 from instead (`hpcfed new --template torch`: a 3-layer MLP over Gaussian blobs, batches of 32).
 The same cell runs with the guard and without it:
 
-    python tools/false_positives.py [--rounds 200] [--sites 3 8] [--modes sync async] [--model torch] [--json]
+    python tools/false_positives.py [--rounds 200] [--sites 3 8] [--modes sync async] [--model torch]
+                                    [--seeds 0 1] [--own-clip 2 1000] [--json]
 
 Printed per cell: uploads refused, refusals that count as evidence (a site evicted past
 security.max_refused_updates = 3 of them: the goal is none), clipped uploads, the largest
 distance / max(typical, own) ratio seen (refused beyond influence.reject_factor = 10), and the
-mean test accuracy with and without the guard (the goal: within 0.01).
+mean test accuracy with and without the guard (the goal: within 0.01); per site, its uploads
+clipped, the share of its step a clip kept on average, and its accuracy with and without the guard;
+and how many clips the cap on a site's own steps decided (`influence._OWN_CLIP`; `--own-clip`
+runs the cell with other caps, each against the one run without the guard). The two arms of a
+cell share the data, each site's training seed and the upload order, so a gap between them is the
+guard's.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import tempfile
 from dataclasses import replace
@@ -32,6 +40,7 @@ import numpy as np
 
 from hpcfed.config import InfluenceConfig
 from hpcfed.params import ParamLayout
+from hpcfed.server import influence
 from hpcfed.server.influence import InfluenceGuard, Refused
 from hpcfed.tasks.base import Site, Task
 from hpcfed.tasks.synthetic import SyntheticTask
@@ -95,6 +104,8 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
         model = layout.flatten(sites[0].get_parameters())
         guard = InfluenceGuard(InfluenceConfig(enabled=guarded), k)
         refused, evidence = 0, dict.fromkeys(range(k), 0)
+        kept = {cid: [] for cid in range(k)}  # per site: ||clipped step|| / ||asked step|| of each clipped upload
+        capped = 0  # clips where the site's own steps were beyond _OWN_CLIP x the typical one (the cap bound)
 
         def upload(cid: int, sent: np.ndarray, rnd: int) -> tuple[np.ndarray, int] | None:
             nonlocal refused
@@ -103,21 +114,26 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
             flat = layout.flatten(sites[cid].get_parameters())
             if not guarded:
                 return flat, n
+            nonlocal capped
             weight = guard.weight(cid, n)
+            typical, own, clipped = guard._typical, guard._own(cid), guard.clipped  # the bounds this upload meets
             try:
-                guard.bound(cid, flat, sent)
+                asked = guard.bound(cid, flat, sent)
             except Refused as exc:
                 refused += 1
                 evidence[cid] += exc.evidence
                 return None
+            if guard.clipped > clipped:
+                kept[cid].append(float(np.linalg.norm(flat - sent)) / asked)
+                capped += bool(typical and own and own > influence._OWN_CLIP * typical)
             return flat, weight
 
         rng = np.random.default_rng(seed)
         sent = {cid: model.copy() for cid in range(k)}
         version = {cid: 0 for cid in range(k)}
         for rnd in range(rounds):
-            guard.begin_round(set(range(k)))
             if mode == "sync":
+                guard.begin_round(set(range(k)))
                 got = [u for u in (upload(cid, model, rnd) for cid in range(k)) if u is not None]
                 guard.settle()
                 if got:
@@ -127,6 +143,7 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
                 continue
             for step in range(k):  # async: k uploads per "round", each from a site picked at random
                 cid = int(rng.integers(k))
+                guard.begin_round(set(range(k)))  # as rank 0 does for each async upload (server/async_loop.py)
                 got = upload(cid, sent[cid], rnd * k + step)
                 guard.settle()
                 if got is not None:
@@ -139,7 +156,9 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
             accuracy.append(task.evaluate(rounds, final=True)["accuracy"])
     return {"refused": refused, "evicted": sorted(c for c, n in evidence.items() if n > MAX_REFUSED),
             "evidence": sum(evidence.values()), "clipped": guard.clipped, "peak_ratio": round(guard.peak_ratio, 3),
-            "accuracy": round(float(np.mean(accuracy)), 4)}
+            "accuracy": round(float(np.mean(accuracy)), 4), "site_accuracy": [round(a, 4) for a in accuracy],
+            "capped": capped, "site_clipped": [len(kept[c]) for c in range(k)],
+            "site_kept": [round(float(np.mean(kept[c])), 3) if kept[c] else 1.0 for c in range(k)]}
 
 
 def main() -> None:
@@ -151,6 +170,10 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
     parser.add_argument("--model", choices=["quickstart", "torch"], default="quickstart",
                         help="the quickstart's sites, or the TorchTask template of `hpcfed new --template torch`")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="data, training and upload-order seeds")
+    parser.add_argument("--own-clip", type=float, nargs="+", default=[influence._OWN_CLIP],
+                        help="experiment: the cap on a site's own steps in its clip (influence._OWN_CLIP), "
+                             "each against the same run without the guard")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import torch
@@ -159,18 +182,25 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         for k in args.sites:
-            for split in args.splits:
-                on, off = (run_cell(split, k, mode, args.rounds, guarded, model=args.model)
-                           for guarded in (True, False))
-                rows.append({"model": args.model, "mode": mode, "sites": k, "split": split, **on,
-                             "accuracy_off": off["accuracy"]})
+            for split, seed, own_clip in itertools.product(args.splits, args.seeds, args.own_clip):
+                influence._OWN_CLIP = own_clip
+                on = run_cell(split, k, mode, args.rounds, True, seed, model=args.model)
+                if own_clip == args.own_clip[0]:  # the run without the guard does not depend on it
+                    off = run_cell(split, k, mode, args.rounds, False, seed, model=args.model)
+                rows.append({"model": args.model, "mode": mode, "sites": k, "split": split, "seed": seed,
+                             "own_clip": own_clip, **on,
+                             "accuracy_off": off["accuracy"], "site_accuracy_off": off["site_accuracy"]})
                 r = rows[-1]
                 if not args.json:
-                    print(f"{args.model:10} {mode:5} K={k:<2} {split:14} refused {r['refused']:4} "
+                    print(f"{args.model:10} {mode:5} K={k:<2} {split:14} seed {seed} own clip {own_clip:g} "
+                          f"refused {r['refused']:4} "
                           f"evidence {r['evidence']:3} "
                           f"evicted {r['evicted']} clipped {r['clipped']:5} peak ratio {r['peak_ratio']:6.3f} "
                           f"accuracy {r['accuracy']:.3f} off {r['accuracy_off']:.3f} "
-                          f"({r['accuracy'] - r['accuracy_off']:+.3f})", flush=True)
+                          f"({r['accuracy'] - r['accuracy_off']:+.3f}) capped {r['capped']} "
+                          f"site clipped {r['site_clipped']} kept {r['site_kept']}", flush=True)
+                    print(f"  site accuracy on  {r['site_accuracy']}\n  site accuracy off {r['site_accuracy_off']}",
+                          flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
 

@@ -36,6 +36,7 @@ import numpy as np
 from hpcfed.privacy.secagg import ProtocolError
 
 Group = frozenset[int]
+_NULL_TOL = 1e-8  # a null-space row block's singular value below this is zero (0/1 matrices, K <= a few hundred)
 
 
 class GroupRefused(ProtocolError):
@@ -84,20 +85,27 @@ def _matrix(sets: Sequence[Group], num_sites: int) -> np.ndarray:
 
 def small_combinations(sets: Sequence[Group], num_sites: int, min_group: int) -> set[Group]:
     """Every set T of fewer than `min_group` sites such that some combination of `sets` is nonzero
-    on T only (so the server holds a combination of those few inputs): rank(M) > rank(M without T)."""
+    on T only (so the server holds a combination of those few inputs): rank(M) > rank(M without T).
+
+    Computed from one SVD: with N an orthonormal basis of M's null space, the combinations of M's
+    rows supported on T are the vectors on T orthogonal to N, so rank(M) - rank(M without T) =
+    |T| - rank(N's rows T); T leaks iff N's rows T are linearly dependent (a zero row when |T| = 1).
+    `tests/privacy/test_group_testing.py` checks it against the rank definition."""
     if not sets:
         return set()
     m = _matrix(sets, num_sites)
-    full = np.linalg.matrix_rank(m)
-    found: set[Group] = set()
+    _, sv, vt = np.linalg.svd(m)
+    tol = sv.max(initial=0.0) * max(m.shape) * np.finfo(float).eps  # numpy's matrix_rank tolerance
+    null = vt[int((sv > tol).sum()):].T  # num_sites x nullity, orthonormal columns
     used = sorted(set().union(*sets))  # a column outside every set cannot carry a combination
-    for size in range(1, min_group):
+    norms = np.linalg.norm(null[used], axis=1)  # |T| = 1 for every site at once: a zero row
+    found: set[Group] = {frozenset([s]) for s, n in zip(used, norms, strict=True) if n < _NULL_TOL}
+    for size in range(2, min_group):
         for t in itertools.combinations(used, size):
             if any(f <= set(t) for f in found):
                 continue  # a smaller T inside it already leaks; T adds nothing to report
-            keep = np.ones(num_sites, dtype=bool)
-            keep[list(t)] = False
-            if np.linalg.matrix_rank(m[:, keep]) < full:
+            rows = null[list(t)]
+            if rows.shape[1] < size or np.linalg.svd(rows, compute_uv=False).min() < _NULL_TOL:
                 found.add(frozenset(t))
     return found
 

@@ -97,6 +97,14 @@ def _deal(live: list[int], candidates: set[int], count: int, rng: random.Random)
     return [frozenset(g) for g in groups]
 
 
+def group_noise_multiplier(noise_multiplier: float, group: int, sites_needed: int) -> float:
+    """Under distributed DP each site adds noise of std z·C/√m (m = `sites_needed`, the quorum's
+    count: a sum over m sites has std z·C). A group sum over `group` sites carries only their
+    noise, std z·C·√(g/m): the multiplier it is released at (docs/threats.md, "The DP noise in a
+    group sum")."""
+    return noise_multiplier * (group / sites_needed) ** 0.5
+
+
 @dataclass(frozen=True)
 class Verdict:
     """A site the refused sums prove hostile, and the proof in words."""

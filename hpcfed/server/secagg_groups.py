@@ -15,10 +15,10 @@ import numpy as np
 
 from hpcfed.errors import FederationError
 from hpcfed.privacy.group_rules import Group
-from hpcfed.privacy.group_testing import Isolation, Verdict
+from hpcfed.privacy.group_testing import Isolation, Verdict, group_noise_multiplier
 from hpcfed.privacy.secagg import group_graph, members_graph
 from hpcfed.privacy.secagg_server import ServerState
-from hpcfed.privacy.site_input import InputSpec, judge_sum
+from hpcfed.privacy.site_input import InputSpec, judge_sum, sites_needed
 from hpcfed.server.core import ServerCore
 from hpcfed.server.eviction import Eviction
 
@@ -50,6 +50,14 @@ class GroupTesting:
         log.warning("round %d sums %d disjoint groups of sites (sizes %s), each securely, to find the site whose "
                     "input broke the encoding", rnd, len(self.groups), sizes)
         self.core.metrics.log(rnd, None, "secagg_groups", len(self.groups))
+        dp = self.core.config.privacy.dp
+        if dp is not None:  # docs/threats.md, "The DP noise in a group sum"
+            m = sites_needed(self.core.num_clients, self.core.config.roster.quorum)
+            fewest = min(map(len, self.groups))
+            log.warning("round %d: under distributed DP a group sum of g sites carries only their noise, std "
+                        "z*C*sqrt(g/%d): the smallest group (%d sites) is released at noise multiplier %.3g, not "
+                        "z=%g; the epsilon reported counts this round at z", rnd, m, fewest,
+                        group_noise_multiplier(dp.noise_multiplier, fewest, m), dp.noise_multiplier)
         return [sorted(g) for g in self.groups]
 
     def graph(self, rnd: int, degree: int | None) -> dict[int, set[int]]:

@@ -7,15 +7,27 @@ hostile site sending garbage every round is evicted within ceil(log2 K) + 2 roun
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from hpcfed.config import DPConfig, PrivacyConfig
 from hpcfed.privacy.group_rules import GroupRefused, SiteRules, parse_partition, small_combinations
-from hpcfed.privacy.group_testing import Isolation, Verdict, explanations, partition, proven, suspects
+from hpcfed.privacy.group_testing import (
+    Isolation,
+    Verdict,
+    explanations,
+    group_noise_multiplier,
+    partition,
+    proven,
+    suspects,
+)
+from hpcfed.privacy.site_input import noised, sites_needed, spec_for
 
 _SPEC = importlib.util.spec_from_file_location(
     "group_testing_costs", Path(__file__).resolve().parents[2] / "tools" / "group_testing_costs.py")
@@ -97,6 +109,32 @@ def test_an_already_leaked_combination_does_not_block_group_testing():
     rules = _site(history=[F6, frozenset(range(5))])
     assert small_combinations(rules.history, 6, 2) == {frozenset({5})}
     rules.accept(2, [[0, 1, 2], [3, 4, 5]])
+
+
+def _by_rank(sets: list[frozenset[int]], k: int, m: int) -> set[frozenset[int]]:
+    """small_combinations by its definition: T leaks iff removing T's columns lowers the rank."""
+    mat = np.zeros((len(sets), k))
+    for i, s in enumerate(sets):
+        mat[i, sorted(s)] = 1.0
+    full, found = np.linalg.matrix_rank(mat), set()
+    for size in range(1, m):
+        for t in itertools.combinations(sorted(set().union(*sets)), size):
+            if not any(f <= set(t) for f in found) and np.linalg.matrix_rank(np.delete(mat, t, axis=1)) < full:
+                found.add(frozenset(t))
+    return found
+
+
+@pytest.mark.parametrize("k, m", [(6, 2), (8, 3), (16, 2), (12, 4)])
+def test_the_null_space_check_equals_the_rank_definition(k, m):
+    """The one-SVD check (null-space rows of T dependent) finds exactly the sets the rank definition
+    does, on random histories of sums: sparse ones that leak and dense ones that do not."""
+    rng = random.Random(k * 100 + m)
+    leaking = 0
+    for _ in range(60):
+        sets = [frozenset(rng.sample(range(k), rng.randint(1, k))) for _ in range(rng.randint(1, 2 * k))]
+        assert small_combinations(sets, k, m) == _by_rank(sets, k, m), sets
+        leaking += bool(_by_rank(sets, k, m))
+    assert 5 < leaking < 60  # both kinds were drawn
 
 
 def _adversary_groups(rng: random.Random, k: int) -> list[list[int]]:
@@ -225,3 +263,16 @@ def test_isolation_ends_after_quiet_group_rounds_and_keeps_its_evidence():
 
 def test_parse_partition_accepts_a_plain_partition():
     assert parse_partition([[2, 0], [1, 3]], 4, 1) == [frozenset({0, 2}), frozenset({1, 3})]
+
+
+@pytest.mark.parametrize("k, quorum, g", [(8, 1.0, 2), (16, 1.0, 4), (10, 0.6, 3)])
+def test_a_group_sum_carries_only_its_members_dp_noise(k, quorum, g):
+    """The sites' real noise (`site_input.noised`, each its share z·C/√m): the sum over m sites has
+    std z·C, a group sum over g sites z·C·√(g/m), the multiplier the server warns of."""
+    z, clip = 1.1, 0.5
+    spec = spec_for(PrivacyConfig(secure_aggregation=True, dp=DPConfig(noise_multiplier=z, clip_norm=clip)), k, quorum)
+    m = sites_needed(k, quorum)
+    shares = np.stack([noised(np.zeros(20_000), 1.0, spec.noise_std) for _ in range(m)])
+    assert shares.sum(0).std() == pytest.approx(z * clip, rel=0.03)
+    assert shares[:g].sum(0).std() == pytest.approx(group_noise_multiplier(z, g, m) * clip, rel=0.03)
+    assert group_noise_multiplier(z, g, m) < z / 1.4  # well under the run's z: what threats.md says
