@@ -21,6 +21,7 @@ from hpcfed.privacy.secagg_server import ServerState
 from hpcfed.privacy.site_input import InputSpec, judge_sum, sites_needed
 from hpcfed.server.core import ServerCore
 from hpcfed.server.eviction import Eviction
+from hpcfed.strategies.dp import DistributedDP
 
 log = logging.getLogger("hpcfed.server")
 
@@ -54,10 +55,13 @@ class GroupTesting:
         if dp is not None:  # docs/threats.md, "The DP noise in a group sum"
             m = sites_needed(self.core.num_clients, self.core.config.roster.quorum)
             fewest = min(map(len, self.groups))
+            z_group = group_noise_multiplier(dp.noise_multiplier, fewest, m)
             log.warning("round %d: under distributed DP a group sum of g sites carries only their noise, std "
                         "z*C*sqrt(g/%d): the smallest group (%d sites) is released at noise multiplier %.3g, not "
-                        "z=%g; the epsilon reported counts this round at z", rnd, m, fewest,
-                        group_noise_multiplier(dp.noise_multiplier, fewest, m), dp.noise_multiplier)
+                        "z=%g, and the accountant counts the round at it", rnd, m, fewest, z_group,
+                        dp.noise_multiplier)
+            if isinstance(self.core.strategy, DistributedDP):
+                self.core.strategy.release_at(z_group)
         return [sorted(g) for g in self.groups]
 
     def graph(self, rnd: int, degree: int | None) -> dict[int, set[int]]:

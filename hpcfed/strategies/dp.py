@@ -143,17 +143,26 @@ class CentralDP(SyncStrategy):
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header, arrays = self.inner.state_dict()
-        return {**header, "dp_rounds": self.accountant.rounds, "dp_clip_norm": self.clip_norm}, arrays
+        return {**header, "dp_rounds": self.accountant.rounds, "dp_lowered": list(self.accountant.lowered),
+                "dp_clip_norm": self.clip_norm}, arrays
 
     def load_state_dict(self, state: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
         header = state[0]
         rounds, clip_norm = header.get("dp_rounds"), header.get("dp_clip_norm")
+        lowered = header.get("dp_lowered", [])  # absent in checkpoints from before group rounds counted
         if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0 or \
-                not isinstance(clip_norm, float) or not clip_norm > 0:
+                not isinstance(clip_norm, float) or not clip_norm > 0 or not _lowered_ok(lowered, rounds, self.dp):
             raise ValueError(f"checkpoint's DP state is missing or malformed (dp_rounds={rounds!r}, "
-                             f"dp_clip_norm={clip_norm!r}); resume with the config that wrote it")
+                             f"dp_lowered={str(lowered)[:80]}, dp_clip_norm={clip_norm!r}); resume with the "
+                             f"config that wrote it")
         self.inner.load_state_dict(state)
-        self.accountant.rounds, self.clip_norm = rounds, clip_norm
+        self.accountant.rounds, self.accountant.lowered, self.clip_norm = rounds, list(lowered), clip_norm
+
+
+def _lowered_ok(lowered: Any, rounds: int, dp: DPConfig) -> bool:
+    """Whether a checkpoint's lowered multipliers are a list of at most `rounds` floats in (0, z]."""
+    return isinstance(lowered, list) and len(lowered) <= rounds and all(
+        isinstance(z, float) and 0 < z <= dp.noise_multiplier for z in lowered)
 
 
 class DistributedDP(CentralDP):
@@ -168,6 +177,12 @@ class DistributedDP(CentralDP):
         super().__init__(inner, context)
         self._secure_sum: np.ndarray | None = None
         self._count = 0
+        self._released_at: float | None = None  # this round's multiplier, where group testing lowers it
+
+    def release_at(self, noise_multiplier: float) -> None:
+        """This round's sums are released at `noise_multiplier` (group testing's smallest group): the
+        accountant composes the round at it (docs/threats.md, "The DP noise in a group sum")."""
+        self._released_at = noise_multiplier
 
     def begin_round(self, round: int) -> None:
         self.inner.begin_round(round)
@@ -187,7 +202,9 @@ class DistributedDP(CentralDP):
             self.inner.fold_sum(step, 1.0, self._count)
         self.inner.end_round(round)
         self._secure_sum = None
-        self.accountant.step()  # a round released (even one whose sum was refused: the sites sent noise)
+        # A round released (even one whose sum was refused: the sites sent noise), at its own multiplier.
+        self.accountant.step(self._released_at)
+        self._released_at = None
 
     def report(self) -> dict[str, Any]:
         out = super().report()

@@ -47,3 +47,26 @@ def test_accountant_counts_rounds_and_allows_what_the_budget_does():
     acc.step()
     assert acc.epsilon == pytest.approx(_direct(2.0, 2, 1e-5))
     assert A.Accountant(2.0, 1e-5).rounds_allowed(10) == 10
+
+
+def test_rounds_released_at_a_lower_multiplier_compose_at_it():
+    """A group round of group testing under distributed DP is released at z*sqrt(g/m) < z: it is
+    composed at that multiplier, so the ε of such a run is above the all-z figure (docs/threats.md)."""
+    acc = dp_accounting.rdp.RdpAccountant()
+    for z in (2.0, 2.0, 0.7, 2.0):
+        acc.compose(dp_accounting.GaussianDpEvent(z))
+    assert A.epsilon(2.0, 4, 1e-5, [0.7]) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert A.epsilon(2.0, 4, 1e-5, [0.7]) > A.epsilon(2.0, 4, 1e-5)
+    tracked = A.Accountant(2.0, 1e-5, max_epsilon=A.epsilon(2.0, 4, 1e-5))
+    tracked.step()
+    tracked.step(0.7)
+    tracked.step(2.0)  # at z: not a lowered round
+    assert (tracked.rounds, tracked.lowered) == (3, [0.7])
+    assert tracked.epsilon == pytest.approx(A.epsilon(2.0, 3, 1e-5, [0.7]))
+    assert tracked.rounds_allowed(10) < 4  # the lowered round spent budget that 4 rounds at z would not
+
+
+@pytest.mark.parametrize("lowered", [[3.0], [0.0], [0.5, 0.5, 0.5]])
+def test_epsilon_refuses_lowered_rounds_that_cannot_be(lowered):
+    with pytest.raises(ValueError, match="lowered"):
+        A.epsilon(2.0, 2, 1e-5, lowered)

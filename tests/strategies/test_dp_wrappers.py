@@ -55,6 +55,29 @@ def test_budget_limits_rounds_and_resume_restores_epsilon_and_clip():
     assert twin.report()["privacy"]["epsilon"] == pytest.approx(epsilon(2.0, 2, 1e-5))
 
 
+def test_a_group_round_is_counted_at_its_groups_multiplier_and_resumed_so():
+    """Group testing tells distributed DP the multiplier its smallest group is released at; the
+    accountant composes the round at it, and a resumed twin reports the same ε."""
+    ctx = StrategyContext(num_clients=4, seed=3, dp=DPConfig(clip_norm=1.0, noise_multiplier=2.0))
+    s = DistributedDP(FedAvg(FedAvg.Config(), ctx), ctx)
+    s.initialize({"w": np.zeros(2, dtype=np.float32)})
+    for r, lowered in enumerate([None, 2.0 * (2 / 4) ** 0.5, None]):
+        s.begin_round(r)
+        if lowered is not None:
+            s.release_at(lowered)
+        s.fold_sum(np.array([0.1, 0.2]), 4.0, 4)
+        s.end_round(r)
+    assert s.accountant.lowered == [pytest.approx(2.0 ** 0.5)]
+    assert s.report()["privacy"]["epsilon"] == pytest.approx(epsilon(2.0, 3, 1e-5, [2.0 ** 0.5]))
+    twin = DistributedDP(FedAvg(FedAvg.Config(), ctx), ctx)
+    twin.initialize({"w": np.zeros(2, dtype=np.float32)})
+    twin.load_state_dict(s.state_dict())
+    assert twin.report()["privacy"]["epsilon"] == s.report()["privacy"]["epsilon"]
+    header, arrays = s.state_dict()
+    with pytest.raises(ValueError, match="DP state"):  # a hostile or corrupt checkpoint: z above the run's
+        twin.load_state_dict(({**header, "dp_lowered": [5.0]}, arrays))
+
+
 def test_a_checkpoint_without_dp_state_is_refused():
     s = _strategy(DPConfig())
     with pytest.raises(ValueError, match="DP state"):
