@@ -184,9 +184,8 @@ def resolve(cfg: Config) -> Components:
 
 
 def check_site_parallel(cfg: Config, task_cls: type[Task]) -> None:
-    """``federation.ranks_per_site`` > 1 needs a task whose ranks train one site together, and no
-    record-level DP (its DP-SGD samples and noises on one rank; across ranks it would need one
-    accountant over the site's sharded Poisson batches, which is not built)."""
+    """``federation.ranks_per_site`` > 1 needs a task whose ranks train one site together (record-level
+    DP shards each Poisson batch over them: `hpcfed.tasks.private_training`)."""
     per = cfg.federation.ranks_per_site
     if (per if isinstance(per, int) else max(per, default=1)) <= 1:
         return
@@ -194,9 +193,6 @@ def check_site_parallel(cfg: Config, task_cls: type[Task]) -> None:
     if not task_cls.site_parallel:
         raise ConfigError(f"{where}: task {cfg.task.name!r} trains on one rank per site (it is not data-parallel); "
                           f"set ranks_per_site=1 or use a TorchTask-based task")
-    if cfg.privacy.record_dp is not None:
-        raise ConfigError(f"{where}: privacy.record_dp runs DP-SGD on one rank per site; set ranks_per_site=1 "
-                          f"or drop privacy.record_dp")
 
 
 def apply_method(cfg: Config, task_cls: type[Task]) -> None:

@@ -9,6 +9,7 @@ import pytest
 from conftest import run_cli
 
 from hpcfed.config import ConfigError, load
+from hpcfed.launch.crossjob import check_site_job, site_size
 from hpcfed.registry import resolve
 from hpcfed.site_layout import SiteLayout, layout_for, world_size_for
 
@@ -48,10 +49,18 @@ def test_config_refusals_name_the_key():
         load("configs/quickstart.yaml", ["federation.ranks_per_site=0"])
     with pytest.raises(ConfigError, match="ranks_per_site lists 2 sites but num_clients is 3"):
         load("configs/quickstart.yaml", ["federation.ranks_per_site=[1,2]", "federation.num_clients=3"])
-    cfg = load("configs/quickstart.yaml", ["federation.ranks_per_site=2", "privacy.record_dp.epsilon=8"])
-    refusal = "privacy.record_dp runs DP-SGD on one rank per site; set ranks_per_site=1"
-    with pytest.raises(ConfigError, match=re.escape(refusal)):
-        resolve(cfg)
+    resolve(load("configs/quickstart.yaml", ["federation.ranks_per_site=2", "privacy.record_dp.epsilon=8"]))
+
+
+def test_a_joined_site_job_has_its_own_ranks_or_is_refused_with_the_arithmetic():
+    cfg = load("configs/quickstart.yaml", ["federation.ranks_per_site=[2,1]", "federation.num_clients=2"])
+    assert site_size(cfg, 0) == 2 and site_size(cfg, 1) == 1
+    check_site_job(2, 2, 0)
+    with pytest.raises(ConfigError, match=re.escape("hpcfed join --site 0: federation.ranks_per_site gives site 0 "
+                                                    "2 rank(s) but this job has 3; start it with mpiexec -n 2")):
+        check_site_job(2, 3, 0)
+    with pytest.raises(ConfigError, match=r"a site of 2 ranks needs federation\.num_clients"):
+        site_size(load("configs/quickstart.yaml", ["federation.ranks_per_site=2"]), 0)
 
 
 def test_a_task_that_is_not_data_parallel_is_refused(tmp_path):

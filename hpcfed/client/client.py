@@ -279,8 +279,8 @@ class Client:
 
 def build_site(config: ClientConfig, client_id: int, num_clients: int, out_dir: Path, device: str,
                keys: RankKeys | None, ranks: SiteRanks | None = None) -> Site:
-    """Where site `client_id`'s task runs, as each of its ranks builds it (`keys` None: a non-leader,
-    which holds no secret seed; record-level DP is refused for sites of many ranks)."""
+    """Where site `client_id`'s task runs, as each of its ranks builds it (every rank of a site holds
+    the site's `keys`: under record-level DP they draw the site's batches and noise alike)."""
     from hpcfed.data.root import data_root
 
     site = config.site

@@ -6,8 +6,10 @@ whose server and sites are separate MPI jobs.
 
 `serve` runs rank 0 as a job of its own: it opens an MPI port, listens for knocks and publishes
 the knock address in the port file (`hpcfed.comm.rendezvous`). Each `join` is one site, as its
-own job (``mpiexec -n 1``, an ``sbatch`` on another cluster, a laptop with MPICH): it knocks,
-proves its key, connects to the MPI port and becomes rank N+1 of the star. One intercommunicator
+own job (``mpiexec -n R``, an ``sbatch`` on another cluster, a laptop with MPICH): its leader (the
+job's rank 0) knocks, proves its key, connects to the MPI port and becomes rank N+1 of the star;
+a site of R > 1 ranks (``federation.ranks_per_site``) trains with its other ranks as under `hpcfed
+run` (`hpcfed.launch.site_group`), and the server sees its leader only. One intercommunicator
 per site (`hpcfed.comm.spokes`), a lifeline per site (`hpcfed.comm.lifeline`); the server and
 client code are those of `hpcfed run`. See docs/cluster.md, "Across clusters".
 """
@@ -60,23 +62,35 @@ def port_range(text: str | None) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
-def one_rank_sites(cfg: Config, command: str) -> None:
-    """`hpcfed serve` / `hpcfed join` run sites of one rank: a site job of R ranks (its own MPI world,
-    split like `hpcfed run`'s) is not built yet."""
+def site_size(cfg: Config, site: int) -> int:
+    """R, the ranks of site `site`'s job under `hpcfed join` (``federation.ranks_per_site``: one for
+    every site, or one per site); a site of many ranks needs ``federation.num_clients``, since its
+    other ranks build the site's data before the leader has heard from the server."""
     per = cfg.federation.ranks_per_site
-    if per != 1 and per != [1] * len(per if isinstance(per, list) else []):
-        raise ConfigError(f"{cfg.source}: federation.ranks_per_site={per!r}: hpcfed {command} runs each site as one "
-                          f"rank (a site of many ranks runs under hpcfed run --np 1+K·R); set ranks_per_site=1")
+    ranks = per if isinstance(per, int) else per[site]
+    if ranks > 1 and cfg.federation.num_clients is None and isinstance(per, int):
+        raise ConfigError(f"{cfg.source}: federation.ranks_per_site={per}: a site of {ranks} ranks needs "
+                          f"federation.num_clients (its ranks build the site's data before the leader joins)")
+    return ranks
 
 
-def _relaunch(command: str, argv: list[str]) -> int:
-    """Outside MPI: run this command again as a one-rank MPI job (MPI's ports need a process manager)."""
+def check_site_job(ranks: int, size: int, site: int) -> None:
+    """The job `hpcfed join --site N` runs in has the site's R ranks (ConfigError with the fix)."""
+    if size != ranks:
+        raise ConfigError(f"hpcfed join --site {site}: federation.ranks_per_site gives site {site} {ranks} rank(s) "
+                          f"but this job has {size}; start it with mpiexec -n {ranks} (srun --ntasks={ranks}), "
+                          f"or without mpiexec (it starts {ranks})")
+
+
+def _relaunch(command: str, argv: list[str], ranks: int = 1) -> int:
+    """Outside MPI: run this command again as an MPI job of `ranks` ranks (MPI's ports need a process
+    manager; a site of many ranks is a job of its R ranks)."""
     import shutil
 
     exe = shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:
         raise ConfigError("no mpiexec on PATH; install an MPI (`pip install mpich`) or use your site's module")
-    cmd = [exe, "-n", "1", sys.executable, "-m", "hpcfed", command, *argv]
+    cmd = [exe, "-n", str(ranks), sys.executable, "-m", "hpcfed", command, *argv]
     return subprocess.run(cmd, stdin=subprocess.DEVNULL, check=False).returncode
 
 
@@ -85,7 +99,6 @@ def serve_main(args: argparse.Namespace, argv: list[str]) -> int:
     """``hpcfed serve`` (`args` parsed from `argv` by `hpcfed.cli.serve`): rank 0 of a federation whose
     sites join as jobs of their own."""
     cfg = prepare_config(args.config, args.overrides)
-    one_rank_sites(cfg, "serve")
     ports = port_range(args.port_range)
     if cfg.federation.num_clients is None:
         raise ConfigError(f"{cfg.source}: hpcfed serve needs federation.num_clients (how many sites join)")

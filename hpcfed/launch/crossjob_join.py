@@ -2,9 +2,12 @@
 
     hpcfed join  CONFIG --server F|HOST:PORT --site N [--out DIR] [--iface IF] [key=value ...]
 
-The site knocks at the server's address, proves its key, connects to the MPI port and becomes rank
-N+1 of the star; it comes back the same way after its job ends (a requeue, a crash). The server's
-side and what both share are `hpcfed.launch.crossjob`. See docs/guides/cluster.md, "Across clusters".
+The site is a job of R ranks (``federation.ranks_per_site``; started as ``mpiexec -n R`` when run
+without a launcher). Its rank 0, the leader, knocks at the server's address, proves its key,
+connects to the MPI port and becomes rank N+1 of the star; the others train with it
+(`hpcfed.launch.site_group`) and never reach the server. It comes back the same way after its job
+ends (a requeue, a crash). The server's side and what both share are `hpcfed.launch.crossjob`. See
+docs/guides/cluster.md, "Across clusters".
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from hpcfed.launch.crossjob import (
     _contained,  # one way for a cross-job rank to end, for serve and join alike
     _end_now,
     _relaunch,
-    one_rank_sites,
+    check_site_job,
+    site_size,
 )
 from hpcfed.launch.parent import prepare_config, under_mpi
 from hpcfed.launch.rank import (
@@ -49,23 +53,47 @@ def join_main(args: argparse.Namespace, argv: list[str]) -> int:
     """``hpcfed join`` (`args` parsed from `argv` by `hpcfed.cli.join`): one site of a federation
     served by `hpcfed serve`."""
     cfg = prepare_config(args.config, args.overrides)
-    one_rank_sites(cfg, "join")
-    want = cfg.federation.num_clients
+    per = cfg.federation.ranks_per_site
+    want = cfg.federation.num_clients if isinstance(per, int) else len(per)
     if args.site < 0 or (want is not None and args.site >= want):
         raise ConfigError(f"--site {args.site}: the config has {want} sites (client ids 0..{(want or 1) - 1})")
+    ranks = site_size(cfg, args.site)
     out = Path(args.out or Path("runs") / f"{cfg.name}-site{args.site}")
     from hpcfed.comm.rendezvous import NoPortFile, read_server
 
     with contextlib.suppress(NoPortFile):  # the server may start later: the site waits for its port file
         read_server(args.server)  # a garbled --server fails here, before any launch
     if not under_mpi():
-        return _relaunch("join", argv)
+        return _relaunch("join", argv, ranks)
     from hpcfed.comm.port import network_env
 
-    os.environ.update(network_env(None, args.iface))
+    os.environ.update(network_env(None, args.iface))  # before MPI starts: libfabric reads them once
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
     out.mkdir(parents=True, exist_ok=True)
-    _setup_logging(args.site + 1, out, (want or 0) + 1)
-    return _contained(lambda: _Joined(cfg, args, out).run())
+    local = world.Get_rank()
+    _setup_logging(args.site + 1, out, (want or 0) + 1, f"rank{args.site + 1}.{local}" if local else "")
+    return _contained(lambda: _site_job(cfg, args, out, world, ranks))
+
+
+def _site_job(cfg: Config, args: argparse.Namespace, out: Path, world: Any, ranks: int) -> int:
+    """One rank of a site's job: its leader (rank 0) joins the federation, the others follow it."""
+    from hpcfed.launch.device import check_node_gpus, select_device
+    from hpcfed.launch.site_group import follow_site_leader, join_group
+
+    check_site_job(ranks, world.Get_size(), args.site)
+    check_node_gpus(world, cfg.device, rank0_trains=True)  # collective over the site's job, before any may fail
+    group = join_group(world, cfg.federation.ranks_per_site, args.site, cfg.federation.num_clients or args.site + 1)
+    device = select_device(args.site + 1, cfg.device)  # a GPU by local rank on its node
+    if group.local_rank == 0:
+        return _Joined(cfg, args, out, group, device).run()
+    signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server's to decide, through the leader
+    from hpcfed.client import faults
+
+    follow_site_leader(cfg, group, out, device, before=lambda: faults.non_leader_knocks(
+        cfg, args.server, args.site, group.world_rank, out / "logs"))
+    return 0
 
 
 class _ServerGone(BaseException):
@@ -80,8 +108,9 @@ class _Joined:
     """A site job: knock, connect, then `Client.run` over its one spoke; when the server's job
     goes away, knock again (a resumed server rewrites its port file) and resume from its checkpoint."""
 
-    def __init__(self, cfg: Config, args: argparse.Namespace, out: Path) -> None:
-        self.cfg, self.args, self.out = cfg, args, out
+    def __init__(self, cfg: Config, args: argparse.Namespace, out: Path, group: Any, device: str) -> None:
+        self.cfg, self.args, self.out, self.group, self.device = cfg, args, out, group, device
+        self.ranks: Any = None  # the site's torch.distributed group when it has many ranks
         self.rank = args.site + 1
         self.keys = RankKeys(cfg.security, self.rank)  # this site's keys, read once for every attempt
         self.finishing = threading.Event()
@@ -96,6 +125,12 @@ class _Joined:
             self.transport.mark_lost(0)
         if self.finishing.is_set():
             return
+        if self.group.parallel:
+            # Its other ranks may be inside a collective with it: the job ends, and its next one (a
+            # requeue of join.sbatch, or hpcfed join --resume) rejoins from the site's shard.
+            log.error("the server is gone: %s; site %d's job of %d ranks ends (start it again, or let Slurm "
+                      "requeue it: it rejoins from its newest shard)", reason, self.args.site, self.group.size)
+            _end_now(3)
         log.error("the server is gone: %s; site %d knocks again for up to %g s (federation.setup_timeout_s): "
                   "restart it with `hpcfed serve ... --resume`", reason, self.args.site,
                   self.cfg.federation.setup_timeout_s)
@@ -119,6 +154,10 @@ class _Joined:
 
     def run(self) -> int:
         signal.signal(_GONE_SIGNAL, self._interrupt)
+        if self.group.parallel:  # the site's ranks start training together before its leader knocks
+            from hpcfed.launch.site_group import init_site_torch, site_timeout
+
+            self.ranks = init_site_torch(self.group, self.device, site_timeout(self.cfg))
         resume = self.args.resume
         while True:
             try:
@@ -169,14 +208,14 @@ class _Joined:
         channel.expect({0: protocol.SERVER_KINDS})
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))
-        from hpcfed.launch.device import select_device
-
-        device = select_device(self.rank, self.cfg.device)
         from hpcfed.client.config import ClientConfig
+        from hpcfed.client.site_ranks import stop_site
 
-        Client(ClientConfig.from_config(self.cfg), channel, self.out, device=device, resume=resume,
-               keys=self.keys).run()
+        client = Client(ClientConfig.from_config(self.cfg), channel, self.out, device=self.device, resume=resume,
+                        keys=self.keys, ranks=self.ranks)
+        client.run()
         self.finishing.set()
+        stop_site(client.task)  # the site's other ranks leave
         channel.close()
 
 

@@ -137,8 +137,9 @@ def node_gpu_problem(node: str, training_ranks: int, gpus: int, preference: str)
             f"fewer --ntasks-per-node), or set device=auto to share")
 
 
-def check_node_gpus(comm: object, preference: str) -> None:
-    """``device: cuda``: every node has a GPU for each of its ranks that trains (rank 0 does not);
+def check_node_gpus(comm: object, preference: str, rank0_trains: bool = False) -> None:
+    """``device: cuda``: every node has a GPU for each of its ranks that trains (rank 0, the server,
+    does not; in a site's job of `hpcfed join` it is the leader, and does: `rank0_trains`);
     ValueError naming the node and the counts otherwise. Collective over `comm` (no pickle: each
     rank's report is a fixed-size buffer)."""
     if (preference or "").strip().lower() != "cuda":
@@ -154,8 +155,8 @@ def check_node_gpus(comm: object, preference: str) -> None:
     mine = np.zeros(264, dtype=np.uint8)
     text = (visible if visible is not None else "\0unset").encode()[:255]
     mine[:len(text)] = np.frombuffer(text, dtype=np.uint8)
-    mine[256:264] = np.frombuffer(np.array([_num_gpus() * 2 + (world.Get_rank() != 0)], dtype="<i8").tobytes(),
-                                  dtype=np.uint8)
+    trains = world.Get_rank() != 0 or rank0_trains
+    mine[256:264] = np.frombuffer(np.array([_num_gpus() * 2 + trains], dtype="<i8").tobytes(), dtype=np.uint8)
     table = np.zeros((node.Get_size(), 264), dtype=np.uint8)
     node.Allgather(mine, table)
     node.Free()

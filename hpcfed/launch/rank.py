@@ -25,7 +25,14 @@ from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.launch import jobwatch
 from hpcfed.launch.out_dir import prepare_out_dir
-from hpcfed.launch.site_group import LeadersOnlyTransport, SiteGroup, init_site_torch, split_world
+from hpcfed.launch.site_group import (
+    LeadersOnlyTransport,
+    SiteGroup,
+    follow_site_leader,
+    init_site_torch,
+    site_timeout,
+    split_world,
+)
 from hpcfed.schema import InvalidValue, locate
 from hpcfed.site_layout import SiteLayout, layout_for, world_size_for
 
@@ -54,7 +61,11 @@ def run_rank(cfg: Config, out_dir: Path, resume: bool, force: bool = False) -> i
         comm.Barrier()
         device = _device(cfg, rank, comm)
         if group.star_comm is None:  # a site's non-leader: no channel, it trains with its leader
-            _follow_leader(cfg, group, out_dir, device)
+            from hpcfed.client import faults
+
+            signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
+            signal.signal(signal.SIGUSR1, lambda *_: peer_lost())
+            follow_site_leader(cfg, group, out_dir, device, before=lambda: faults.non_leader_sends(rank))
             jobwatch.write_exit(out_dir / "logs", rank, 0)
             return _leave(log)
         star_rank = group.star_comm.Get_rank()
@@ -161,37 +172,11 @@ def _run_client(cfg: Config, channel: object, out_dir: Path, device: str, resume
     from hpcfed.client.config import ClientConfig
     from hpcfed.client.site_ranks import stop_site
 
-    ranks = init_site_torch(group, device, _site_timeout(cfg)) if group.parallel else None
+    ranks = init_site_torch(group, device, site_timeout(cfg)) if group.parallel else None
     client = Client(ClientConfig.from_config(cfg), channel, out_dir, device=device, resume=resume,  # type: ignore[arg-type]  # a SecureChannel is a Channel
                     keys=keys, ranks=ranks)
     client.run()
     stop_site(client.task)
-
-
-def _follow_leader(cfg: Config, group: SiteGroup, out_dir: Path, device: str) -> None:
-    """A site's non-leader rank: build the site's task, then train each round its leader hands it."""
-    import torch
-
-    signal.signal(HALT_SIGNAL, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, lambda *_: peer_lost())
-    torch.set_num_threads(max(1, cfg.threads_per_rank))
-    from hpcfed.client import faults
-    from hpcfed.client.client import build_site
-    from hpcfed.client.config import ClientConfig
-    from hpcfed.client.site_ranks import follow_leader
-
-    ranks = init_site_torch(group, device, _site_timeout(cfg))
-    faults.non_leader_sends(group.world_rank)
-    config = ClientConfig.from_config(cfg)
-    site = build_site(config, group.site or 0, group.layout.num_sites, out_dir, device, None, ranks)
-    follow_leader(config.site.task_cls(config.site.task_config, site), ranks)
-
-
-def _site_timeout(cfg: Config) -> float:
-    """How long a site's rank waits in a collective: as long as its leader may wait for the server
-    between two rounds (setup, then a round's deadline and the client timeout)."""
-    fed = cfg.federation
-    return fed.setup_timeout_s + fed.round_deadline_s + 2 * fed.client_timeout_s
 
 
 def _site_rank_lost(out_dir: Path, group: SiteGroup, wait_s: float = 3.0) -> str | None:
@@ -331,8 +316,9 @@ def _device(cfg: Config, rank: int, comm: Any) -> str:
     return select_device(rank, cfg.device)
 
 
-def _setup_logging(rank: int, out_dir: Path, size: int) -> None:
-    fmt = logging.Formatter(f"[hpcfed r{rank}/{size} %(asctime)s] %(levelname)s %(message)s", "%H:%M:%S")
+def _setup_logging(rank: int, out_dir: Path, size: int, name: str = "") -> None:
+    """Log to stderr and OUT/logs/<name or rankN>.log (a joined site's other ranks: rankN.L)."""
+    fmt = logging.Formatter(f"[hpcfed r{name[4:] or rank}/{size} %(asctime)s] %(levelname)s %(message)s", "%H:%M:%S")
     root = logging.getLogger("hpcfed")
     root.handlers.clear()
     root.setLevel(logging.INFO)
@@ -343,7 +329,7 @@ def _setup_logging(rank: int, out_dir: Path, size: int) -> None:
     root.propagate = False
     try:
         (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        fileh = logging.FileHandler(out_dir / "logs" / f"rank{rank}.log")
+        fileh = logging.FileHandler(out_dir / "logs" / f"{name or f'rank{rank}'}.log")
         fileh.setFormatter(fmt)
         root.addHandler(fileh)
     except OSError:

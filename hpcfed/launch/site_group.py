@@ -28,14 +28,19 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hpcfed.comm.transport import MPITransport
 from hpcfed.errors import FederationError
 from hpcfed.site_layout import SiteLayout
 from hpcfed.tasks.data_parallel import SiteRanks
+
+if TYPE_CHECKING:
+    from hpcfed.config import Config
 
 log = logging.getLogger("hpcfed.launch")
 
@@ -85,6 +90,46 @@ def split_world(comm: Any, layout: SiteLayout) -> SiteGroup:
     return SiteGroup(layout, rank, site, local,
                      None if site_comm == MPI.COMM_NULL else site_comm,
                      None if star_comm == MPI.COMM_NULL else star_comm)
+
+
+def join_group(comm: Any, ranks_per_site: int | list[int], site: int, num_sites: int) -> SiteGroup:
+    """This rank's place in the job of one site of `hpcfed join` (`comm`, its MPI_COMM_WORLD, is the
+    site's communicator: its rank 0 is the leader, which alone knocks and holds the channel). The
+    world rank is the one it would have under `hpcfed run`, for the logs."""
+    layout = SiteLayout.of(ranks_per_site, num_sites)
+    local = comm.Get_rank()
+    return SiteGroup(layout, layout.leader(site) + local, site, local, comm, None)
+
+
+def site_timeout(cfg: Config) -> float:
+    """How long a site's rank waits in a collective: as long as its leader may wait for the server
+    between two rounds (setup, then a round's deadline and the client timeout)."""
+    fed = cfg.federation
+    return fed.setup_timeout_s + fed.round_deadline_s + 2 * fed.client_timeout_s
+
+
+def follow_site_leader(cfg: Config, group: SiteGroup, out_dir: Path, device: str,
+                       before: Callable[[], None] | None = None) -> None:
+    """A site's non-leader rank: join the site's torch.distributed group, build the site's task, then
+    train each round its leader hands it until STOP. `before` runs once the group is up (fault hooks).
+    The rank holds the site's key as its leader does (same site, same cluster): under record-level
+    DP every rank of the site draws the site's batches and noise from its secret seed."""
+    import torch
+
+    from hpcfed.client.client import build_site
+    from hpcfed.client.config import ClientConfig
+    from hpcfed.client.site_ranks import follow_leader
+    from hpcfed.credentials import RankKeys
+
+    torch.set_num_threads(max(1, cfg.threads_per_rank))
+    ranks = init_site_torch(group, device, site_timeout(cfg))
+    if before is not None:
+        before()
+    config = ClientConfig.from_config(cfg)
+    site_id = group.site or 0
+    site = build_site(config, site_id, group.layout.num_sites, out_dir, device, RankKeys(cfg.security, site_id + 1),
+                      ranks)
+    follow_leader(config.site.task_cls(config.site.task_config, site), ranks)
 
 
 def init_site_torch(group: SiteGroup, device: str, timeout_s: float) -> SiteRanks:

@@ -210,9 +210,12 @@ class DPSGD:
         factor = torch.clamp(self.plan.clip_norm / (norms + 1e-6), max=1.0)
         return [torch.tensordot(factor.to(g.dtype), g, dims=1) for g in grads]
 
-    def set_noisy_grad(self, inputs: Any, target: Any, batch: int, generator: np.random.Generator) -> None:
+    def set_noisy_grad(self, inputs: Any, target: Any, batch: int, generator: np.random.Generator,
+                       reduce: Callable[[list[Any]], list[Any]] | None = None) -> None:
         """Set each trainable parameter's .grad to (clipped sum + N(0, (zC)²)) / (q·n) for a batch of
-        `batch` examples (0: the noise alone, as the accountant counts an empty batch too)."""
+        `batch` examples (0: the noise alone, as the accountant counts an empty batch too). On a site
+        of many ranks `reduce` sums the clipped sums of the ranks' shards of the batch, and the noise
+        is added once, after it: every rank draws the same noise from the site's generator."""
         import torch
 
         params = self.params
@@ -220,6 +223,8 @@ class DPSGD:
             sums = self.clipped_sum(self.per_example_grads(inputs, target))
         else:
             sums = [torch.zeros_like(p) for p in params]
+        if reduce is not None:
+            sums = reduce(sums)
         std = self.plan.noise_multiplier * self.plan.clip_norm
         for p, s in zip(params, sums, strict=True):
             noise = torch.from_numpy(generator.normal(0.0, std, size=tuple(p.shape))).to(p.device, p.dtype)

@@ -39,6 +39,14 @@ class SiteRanks:
         """Factor on the local mean loss so that DDP's average over the ranks is the batch's mean."""
         return self.size * local_rows / rows if rows else 0.0
 
+    def sum_tensors(self, tensors: list[Any]) -> list[Any]:
+        """Each tensor summed over the site's ranks, in place (NCCL for GPU tensors, gloo otherwise)."""
+        import torch.distributed as dist
+
+        for t in tensors:
+            dist.all_reduce(t, group=None if t.is_cuda else self.control)
+        return tensors
+
     def sum(self, *values: float) -> list[float]:
         """Each value summed over the site's ranks (e.g. the round's loss and examples)."""
         import torch

@@ -9,7 +9,16 @@ A site whose next round would take it past its target ε does not train: it says
 reports ``record_dp_stopped`` = 1 and answers the round with the model it was sent and weight 0
 (`num_examples` = 0), so FedAvg's weighted mean goes on with the others. Its training loss is not
 reported under record DP: it is a statistic of the training records outside the accountant.
+
+A site of many ranks (``federation.ranks_per_site``, `hpcfed.tasks.data_parallel`) runs the same
+steps as one rank would: every rank draws the step's Poisson batch from the site's generator (the
+same on each: the site's secret seed, the round) and takes its share of it; each clips its
+examples' gradients and sums them, the sums are all-reduced over the site, and then the noise
+N(0, (z·C)²) is added once to that sum of the whole batch: every rank draws the same noise, so
+every rank holds the same noisy gradient, as R = 1 would (up to the all-reduce's order of
+summation). The accountant counts the site's whole batch: q = batch_size / n, n the site's records.
 """
+
 
 from __future__ import annotations
 
@@ -19,7 +28,9 @@ from typing import Any
 
 from hpcfed.privacy.dp_sgd import DPSGD, poisson_batch, round_generator
 from hpcfed.privacy.record_dp import SiteAccountant, SiteSettings, plan
+from hpcfed.tasks import data_parallel
 from hpcfed.tasks.base import Bundle, FitResult
+from hpcfed.tasks.data_parallel import SiteRanks
 
 log = logging.getLogger("hpcfed.client")
 
@@ -30,8 +41,9 @@ class RecordDPTraining:
     """One site's DP-SGD: `fit` runs a round's steps when the budget allows one more round."""
 
     def __init__(self, spec: SiteSettings, client_id: int, *, model: Any, loss: Callable[[Any, Any], Any],
-                 records: int, batch_size: int, steps_per_round: int) -> None:
+                 records: int, batch_size: int, steps_per_round: int, ranks: SiteRanks | None = None) -> None:
         self.spec, self.client_id = spec, client_id
+        self.ranks = ranks if data_parallel.parallel(ranks) else None  # a site of many ranks shares each batch
         self.plan = plan(spec.settings, client_id=client_id, records=records, batch_size=batch_size,
                          steps_per_round=steps_per_round, rounds=spec.rounds, where=spec.source)
         self.accountant = SiteAccountant(self.plan)
@@ -45,10 +57,13 @@ class RecordDPTraining:
         gen = round_generator(self.spec.secret_seed, self.client_id, round)
         with self.sgd.hooked():
             for _ in range(self.plan.steps_per_round):
-                idx = poisson_batch(self.plan.records, self.plan.sample_rate, gen)
+                idx = poisson_batch(self.plan.records, self.plan.sample_rate, gen)  # the site's whole batch
+                if self.ranks is not None:
+                    idx = idx[self.ranks.shard(len(idx))]  # this rank's share of it
                 inputs, target = gather(idx) if len(idx) else (None, None)
                 optimizer.zero_grad(set_to_none=True)
-                self.sgd.set_noisy_grad(inputs, target, len(idx), gen)
+                self.sgd.set_noisy_grad(inputs, target, len(idx), gen,
+                                        self.ranks.sum_tensors if self.ranks is not None else None)
                 optimizer.step()
         self.accountant.spend(self.plan.steps_per_round)
         return FitResult(num_examples=self.plan.records, metrics=self.metrics(stopped=False))

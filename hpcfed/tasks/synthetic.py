@@ -130,7 +130,7 @@ class SyntheticTask(Task):
             self.private = RecordDPTraining(
                 site.record_dp, site.client_id, model=self.model, loss=lambda x, y: self.loss_fn(self.model(x), y),
                 records=records, batch_size=c.batch_size,
-                steps_per_round=steps_per_round(records, c.batch_size, c.local_epochs))
+                steps_per_round=steps_per_round(records, c.batch_size, c.local_epochs), ranks=site.ranks)
 
     # -- parameters ---------------------------------------------------------------------------
     def get_parameters(self) -> Params:

@@ -205,7 +205,8 @@ class TorchTask(Task):
         return RecordDPTraining(site.record_dp, site.client_id, model=self.model,  # type: ignore[arg-type]  # set
                                 loss=lambda x, y: self.loss(self.forward(x), y), records=records,
                                 batch_size=int(batch_size),
-                                steps_per_round=steps_per_round(records, int(batch_size), c.local_epochs, c.max_steps))
+                                steps_per_round=steps_per_round(records, int(batch_size), c.local_epochs, c.max_steps),
+                                ranks=site.ranks)
 
     def _gather(self, indices: Any) -> tuple[Any, Any]:
         """The batch of records `indices` of the training dataset, collated as the loader does, on the device."""

@@ -1,14 +1,20 @@
 """A site is a group of ranks (issue 39): `hpcfed run --np 1+K·R` with `federation.ranks_per_site`,
 under real mpiexec.
 
-- Two sites of two ranks train the quickstart to the accuracy of two sites of one rank (same seed,
-  same global batch: DDP's all-reduce gives every rank the whole batch's gradient).
+- Two sites of two ranks train the quickstart, under secure aggregation, to the accuracy of two
+  sites of one rank (same seed, same global batch: DDP's all-reduce gives every rank the whole
+  batch's gradient).
 - Rank 0 holds a channel with the K leaders only; a non-leader's frames to rank 0 (sent on
   MPI_COMM_WORLD as if for its site) are refused and counted, and change nothing.
-- The same layout runs asynchronously (FedDWA) and under secure aggregation.
 - A run halted with one rank per site resumes with two (the leader's shard holds the site's state).
+- Record-level DP with two ranks per site: the same ε as one rank (the accountant counts the site's
+  whole batch), and the same model up to the all-reduce's sums (the noise is added once, after it).
+- The same layout runs asynchronously (FedDWA).
 - A non-leader SIGKILLed mid-run under `on_client_failure: continue` ends its site: rank 0 drops
   that site, the other finishes.
+
+The federations are shared between the assertions (module-scoped fixtures, one xdist group) and
+kept short (4 rounds at most where nothing needs more): the module is a few launches, not one per test.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ pytestmark = pytest.mark.mpi
 
 QUICKSTART = "configs/quickstart.yaml"
 TWO_BY_TWO = ["federation.ranks_per_site=2", "--np", "5"]
+ONE_BY_TWO = ["--np", "3"]
+SYNC = ["rounds=4", "checkpoint_every=2", "privacy.secure_aggregation=true"]
+RECORD_DP = ["rounds=3", "eval_every=0", "checkpoint_every=0", "privacy.record_dp.epsilon=8"]
 
 
 def _run(out: Path, overrides: list[str], env: dict | None = None, config: str = QUICKSTART) -> dict:
@@ -36,20 +45,36 @@ def _run(out: Path, overrides: list[str], env: dict | None = None, config: str =
     return json.loads((out / "summary.json").read_text())
 
 
+def _close(a: dict, b: dict, loss: float = 1e-3) -> None:
+    """Both sites' final accuracy within 0.01 and loss within `loss` of the other run's."""
+    for site in ("0", "1"):
+        assert abs(a["clients"][site]["accuracy"] - b["clients"][site]["accuracy"]) <= 0.01, (a, b)
+        assert abs(a["clients"][site]["loss"] - b["clients"][site]["loss"]) <= loss, (a, b)
+
+
 @pytest.fixture(scope="module")
 def sync_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
-    """The quickstart with 2 sites x 2 ranks (its rank 2, site 0's non-leader, hostile) and 2 sites x 1 rank."""
+    """The quickstart under secure aggregation with 2 sites x 2 ranks (its rank 2, site 0's non-leader,
+    hostile) and with 2 sites x 1 rank."""
     base = tmp_path_factory.mktemp("site_ranks")
-    two = _run(base / "two", TWO_BY_TWO, env={"HPCFED_FAULT_NON_LEADER_SENDS": "2"})
-    one = _run(base / "one", ["--np", "3"])
+    two = _run(base / "two", [*SYNC, *TWO_BY_TWO], env={"HPCFED_FAULT_NON_LEADER_SENDS": "2"})
+    one = _run(base / "one", [*SYNC, *ONE_BY_TWO])
     return two, one, base / "two"
 
 
-def test_two_ranks_per_site_reach_one_rank_sites_accuracy(sync_pair):
+@pytest.fixture(scope="module")
+def record_dp_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """The quickstart under record-level DP with 2 sites x 2 ranks and with 2 sites x 1 rank."""
+    base = tmp_path_factory.mktemp("site_ranks_dp")
+    return _run(base / "two", [*RECORD_DP, *TWO_BY_TWO]), _run(base / "one", [*RECORD_DP, *ONE_BY_TWO])
+
+
+def test_two_ranks_per_site_reach_one_rank_sites_accuracy_under_secure_aggregation(sync_pair):
     two, one, _ = sync_pair
     assert sorted(two["clients"]) == sorted(one["clients"]) == ["0", "1"]
-    for site in ("0", "1"):
-        assert abs(two["clients"][site]["accuracy"] - one["clients"][site]["accuracy"]) <= 0.01, (two, one)
+    _close(two, one)
+    assert two["lost_rounds"] == [] == one["lost_rounds"], (two, one)  # every masked sum unmasked
+    assert all(two["clients"][s]["accuracy"] > 0.3 for s in ("0", "1")), two["clients"]
     # per-site throughput, examples per second of training, for every site
     assert sorted(two["throughput"]) == ["0", "1"] and all(v > 0 for v in two["throughput"].values())
     # rank 0's channel peers are the two leaders, never the non-leaders
@@ -66,35 +91,42 @@ def test_a_non_leader_cannot_speak_for_its_site(sync_pair):
 
 
 def test_a_run_resumes_with_another_number_of_ranks_per_site(sync_pair, tmp_path):
-    # halted after round 3 with one rank per site, resumed with two: the leader restores the shard
-    # and broadcasts it to its other rank; the result is the uninterrupted one-rank run's
-    _, one, _ = sync_pair
+    # halted after round 2 with one rank per site, resumed with two: the leader restores the shard
+    # and broadcasts it to its other rank; the result is the uninterrupted runs'
+    two, one, _ = sync_pair
     out = tmp_path / "run"
-    run_cli(["run", QUICKSTART, "halt_after_round=3", "--np", "3", "--out", str(out)], timeout=400)
-    resumed = _run(out, ["--resume", *TWO_BY_TWO])
-    for site in ("0", "1"):
-        assert abs(resumed["clients"][site]["accuracy"] - one["clients"][site]["accuracy"]) <= 0.01, (resumed, one)
-        assert abs(resumed["clients"][site]["loss"] - one["clients"][site]["loss"]) <= 1e-3, (resumed, one)
+    run_cli(["run", QUICKSTART, *SYNC, "halt_after_round=2", *ONE_BY_TWO, "--out", str(out)], timeout=400)
+    resumed = _run(out, ["--resume", *SYNC, *TWO_BY_TWO])
+    _close(resumed, one)
+    _close(resumed, two)
 
 
-def test_two_ranks_per_site_async_and_with_secure_aggregation(tmp_path):
+def test_record_dp_with_two_ranks_per_site_counts_and_trains_as_one_rank(record_dp_pair):
+    two, one = record_dp_pair
+    # the accountant counts the site's whole batch (q = batch / n of the site), whatever R is
+    assert two["privacy"]["record_dp"] == one["privacy"]["record_dp"], (two["privacy"], one["privacy"])
+    eps = two["privacy"]["record_dp"]["sites"]
+    assert sorted(eps) == ["0", "1"] and all(0 < e <= 8 for e in eps.values()), eps
+    # the same batches and the same noise (drawn once per step, after the all-reduce): the same model
+    _close(two, one)
+
+
+def test_two_ranks_per_site_asynchronously(tmp_path):
     cfg = yaml.safe_load((REPO / QUICKSTART).read_text())
     cfg["strategy"] = {"name": "feddwa"}
     (tmp_path / "async.yaml").write_text(yaml.safe_dump(cfg))
-    asynchronous = _run(tmp_path / "async", [*TWO_BY_TWO, "rounds=3"], config=str(tmp_path / "async.yaml"))
+    asynchronous = _run(tmp_path / "async", [*TWO_BY_TWO, "rounds=3", "eval_every=0"],
+                        config=str(tmp_path / "async.yaml"))
     assert asynchronous["updates_accepted"] == 6 and sorted(asynchronous["clients"]) == ["0", "1"], asynchronous
-    secure = _run(tmp_path / "secagg", [*TWO_BY_TWO, "rounds=3", "privacy.secure_aggregation=true"])
-    assert secure["lost_rounds"] == [] and sorted(secure["clients"]) == ["0", "1"], secure
-    assert all(secure["clients"][s]["accuracy"] > 0.3 for s in ("0", "1")), secure["clients"]
 
 
 def test_a_killed_non_leader_ends_its_site_and_the_other_finishes(tmp_path):
     out = tmp_path / "run"
     proc = start(out, ["federation.ranks_per_site=2", "federation.on_client_failure=continue", "rounds=30",
-                       "federation.quorum=0.5", "federation.round_deadline_s=60"], np_=5)
+                       "eval_every=0", "federation.quorum=0.5", "federation.round_deadline_s=60"], np_=5)
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists() and
-                 (out / "metrics.jsonl").read_text().count('"round_time_s"') >= 3, 180, "three rounds", proc)
+                 (out / "metrics.jsonl").read_text().count('"round_time_s"') >= 2, 180, "two rounds", proc)
         pids = wait_for(lambda: (p := job_pids(out)) and all(f"rank{r}" in p for r in range(5)) and p, 60, "the ranks")
         os.kill(pids["rank4"], signal.SIGKILL)  # site 1's non-leader
         t0 = time.monotonic()
