@@ -5,7 +5,10 @@ issue's goals, and per-round figures of what GLECC, BOLA and the validation NMI 
         --sites Earthquakes Floods Typhoons+fires [--shared 0 1] [--seeds 0 1 2] [--figure docs/img/x.png]
 
 Runs (or reuses: a run with a ``summary.json`` is read, not rerun) ``method=local|fedavg|dame|dame-paper``
-for every seed under ``OUT/METHOD/seedS`` with `dame_tables.run_one`, then writes ``OUT/safe.md``:
+for every seed under ``OUT/METHOD/seedS`` with `dame_tables.run_one`, then writes ``OUT/safe.md``
+(``--shadow-local``: Local's figures from the safe DAMe run's shadow Local model, which is
+``method=local``'s model bit for bit, instead of a run of its own; a finished ``method=local`` run is
+read and the largest difference printed):
 
 - NMI per site (mean ± sample sd over seeds) of every method, and DAMe and DAMe-paper minus Local and
   minus FedAvg paired by seed (mean, worst seed);
@@ -53,19 +56,41 @@ def per_round(run_dir: Path, name: str) -> dict[int, dict[int, float]]:
     return out
 
 
+def shadow_local(dame: dict, k: int) -> dict | None:
+    """A Local summary from a safe DAMe run's shadow Local model (``clients.K.local_nmi``, which is
+    ``method=local``'s model bit for bit); None if a site lacks it."""
+    try:
+        return {"clients": {str(c): {"nmi": float(dame["clients"][str(c)]["local_nmi"])} for c in range(k)},
+                "shadow": True}
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def collect(args: argparse.Namespace) -> dict[str, dict[int, dict]]:
-    """summaries[method][seed], running what is missing unless --tables-only."""
+    """summaries[method][seed], running what is missing unless --tables-only. With --shadow-local,
+    Local's figures of a seed come from the safe DAMe run's shadow Local model (method=local is not run;
+    a finished method=local run is read and checked against it)."""
     runs: dict[str, dict[int, dict]] = {}
+    k = len(args.sites)
     for seed in args.seeds:
         for method in args.methods:
             d = Path(args.out) / method / f"seed{seed}"
-            if args.tables_only:
+            if args.tables_only or (args.shadow_local and method == "local"):
                 s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
             else:
                 s = run_one(args.config, d, len(args.sites) + 1, [f"method={method}", f"seed={seed}", *args.set],
                             args.timeout)
             if s:
                 runs.setdefault(method, {})[seed] = s
+        dame = runs.get("dame", {}).get(seed)
+        if args.shadow_local and "local" in args.methods and dame and (shadow := shadow_local(dame, k)):
+            ran = runs.setdefault("local", {}).get(seed)
+            if ran:
+                gap = max(abs(float(ran["clients"][str(c)]["nmi"]) - shadow["clients"][str(c)]["nmi"])
+                          for c in range(k))
+                args.shadow_checks.append((seed, gap))
+            else:
+                runs["local"][seed] = shadow
     return runs
 
 
@@ -75,8 +100,15 @@ def tables(args: argparse.Namespace, runs: dict[str, dict[int, dict]]) -> str:
     nmi = {m: {seed: [float(s["clients"][str(c)]["nmi"]) for c in range(k)] for seed, s in by.items()}
            for m, by in runs.items()}
     parts = [f"Split `{args.config}` {' '.join(args.set)}; seeds {args.seeds}; test NMI per site "
-             "(mean ± sample sd over seeds).", "", "| method | " + " | ".join(args.sites) + " | mean |",
-             "|" + "---|" * (k + 2)]
+             "(mean ± sample sd over seeds).", ""]
+    shadow = sorted(seed for seed, s in runs.get("local", {}).items() if s.get("shadow"))
+    if shadow:
+        parts += [f"Local of seeds {shadow}: the safe DAMe run's shadow Local model (`local_nmi`, "
+                  "method=local's model bit for bit), not a run of its own."]
+        parts += [f"Checked against a method=local run, seed {seed}: largest difference over sites {gap:.6f}."
+                  for seed, gap in getattr(args, "shadow_checks", [])]
+        parts.append("")
+    parts += ["| method | " + " | ".join(args.sites) + " | mean |", "|" + "---|" * (k + 2)]
     for m in args.methods:
         if m in nmi:
             cells = [f"{np.mean(col):.3f} ± {_sd(list(col)):.3f}" for col in zip(*nmi[m].values())]
@@ -207,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--tables-only", action="store_true", help="only read finished runs")
+    p.add_argument("--shadow-local", action="store_true",
+                   help="Local's figures from the safe DAMe run's shadow Local model (clients.K.local_nmi), "
+                        "method=local's model bit for bit: no method=local run (one found is checked against it)")
     p.add_argument("--figure", type=Path, help="write the per-round figure here (PNG)")
     args = p.parse_args(argv)
+    args.shadow_checks = []
     runs = collect(args)
     text = tables(args, runs)
     Path(args.out).mkdir(parents=True, exist_ok=True)

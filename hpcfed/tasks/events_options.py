@@ -87,7 +87,7 @@ class EventsOptions:
     glecc_gate_tol: float = 0.0  # GLECC runs if val NMI(θ^g) >= val NMI(θ^l) − tol
     select_margin: float = 0.0  # keep another model than Local if its val NMI > Local's + margin and
     select_bootstrap: int = 1000  # the (1 - confidence) quantile of its bootstrap val gain > -tolerance
-    select_tolerance: float = 0.01
+    select_tolerance: float = 0.0  # 0: the bound must be above 0 (better than Local), a tie keeps Local
     select_confidence: float = 0.9
     cluster_track: bool = False
     # baselines

@@ -117,3 +117,30 @@ def test_safe_tables_goals_kept_models_and_round_means(tmp_path, capsys):
     assert "| dame-paper | A | 0.950 | – | 0.700 | – | 0.700 |" in text  # rounds ≥ 1; last val NMI
     assert "| dame | A | – | – | – | 0.500 | – |" in text
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_safe_tables_shadow_local_checks_every_site_seed(tmp_path, capsys):
+    """--shadow-local: Local of a seed without a method=local run is the DAMe run's shadow Local model;
+    a method=local run found is checked against it; the goal names the worst site-seed of all."""
+    spec = importlib.util.spec_from_file_location("dame_safe_tables", REPO / "tools" / "dame_safe_tables.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root = tmp_path / "split"
+    shadows = {0: [0.80, 0.70, 0.90], 1: [0.82, 0.71, 0.88]}
+    delivered = {0: [0.80, 0.72, 0.90], 1: [0.82, 0.695, 0.88]}  # seed 1, site B: -0.015
+    for seed in (0, 1):
+        out = root / "dame" / f"seed{seed}"
+        out.mkdir(parents=True)
+        clients = {str(c): {"nmi": v, "local_nmi": shadows[seed][c]} for c, v in enumerate(delivered[seed])}
+        (out / "summary.json").write_text(json.dumps({"clients": clients}))
+    _safe_run(root / "local" / "seed0", [0.80, 0.70, 0.9005])  # a method=local run, 0.0005 off the shadow
+    assert tool.main(["--config", "c.yaml", "--out", str(root), "--sites", "A", "B", "C", "--seeds", "0", "1",
+                      "--methods", "local", "dame", "--shadow-local"]) == 0  # runs nothing: all found
+    text = (root / "safe.md").read_text()
+    capsys.readouterr()
+    assert "Local of seeds [1]: the safe DAMe run's shadow Local model" in text
+    assert "Checked against a method=local run, seed 0: largest difference over sites 0.000500." in text
+    # C, seed 0: against the method=local run (0.9005), the run a user made wins over the shadow
+    assert "| dame − local | +0.000 (+0.000) | +0.003 (-0.015) | -0.000 (-0.000) | +0.001 (-0.005) |" in text
+    assert "DAMe ≥ Local − 0.01 on every site and seed (6 site-seeds): NOT met (1 below) " \
+           "(worst site-seed -0.0150: B, seed 1)" in text
