@@ -30,6 +30,7 @@ import numpy as np
 from hpcfed.params import ParamLayout, Params
 from hpcfed.tasks import dame_safe as safe
 from hpcfed.tasks import events_options, torch_state
+from hpcfed.tasks.adam import Adam
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 from hpcfed.tasks.event_site import export_fields, load_event_site
 from hpcfed.tasks.event_training import TrainData, kmeans_metrics, kmeans_predict, train_epochs
@@ -65,7 +66,7 @@ class EventsTask(Task):
         self.model = self.build_model(c)
         self.global_model = self.build_model(c)  # θ^g, frozen (GLECC)
         self.scratch = self.build_model(c)  # BOLA candidates and final evaluation
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        self.optimizer = Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.layout = ParamLayout.of(torch_state.module_parameters(self.model))
         personal: tuple[Any, Any] = self._twin() if c.ditto else (None, None)
         self.personal, self.personal_optimizer = personal
@@ -85,11 +86,9 @@ class EventsTask(Task):
 
     def _twin(self) -> tuple[Any, Any]:
         """A copy of the initial model and its own Adam (Ditto's personal model, the safe DAMe's Local)."""
-        import torch
-
         model = self.build_model(self.config)
         model.load_state_dict(self.model.state_dict())
-        return model, torch.optim.Adam(model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
+        return model, Adam(model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
 
     evaluation_note = "round lines: training loss; each site's val_nmi per round (validation split): metrics.jsonl"
 

@@ -31,6 +31,7 @@ import numpy as np
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks import torch_state
+from hpcfed.tasks.adam import Adam
 from hpcfed.tasks.base import Bundle, FitResult, MethodPreset, Site, Task
 
 log = logging.getLogger("hpcfed.client")
@@ -175,8 +176,8 @@ class HINTask(Task):
                             num_metapaths=len(hin.metapaths), num_classes=max(hin.num_classes, 2), dim=c.dim,
                             pref_dim=c.pref_dim, eq4_activation=c.eq4_activation, eq5_activation=c.eq5_activation,
                             dropout=c.dropout)
-        opt_cls = torch.optim.AdamW if c.decoupled_weight_decay else torch.optim.Adam
-        self.optimizer = opt_cls(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        self.optimizer = Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay,
+                              decoupled_weight_decay=c.decoupled_weight_decay)  # torch's Adam or AdamW steps
         self.steps = 0  # fit calls so far (batch cursor for sync_every=batch)
         self.best_val = -1.0  # model_selection=best_val: best val Micro-F1 of a received model so far
         self.best_params: Params | None = None

@@ -18,6 +18,8 @@ import h5py
 import pytest
 from conftest import run_cli
 
+pytestmark = pytest.mark.mpi
+
 COMMON = ["rounds=4", "checkpoint_every=1", "keep_checkpoints=3"]
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 import h5py
+import pytest
 from conftest import run_cli
+
+pytestmark = pytest.mark.mpi
 
 OVERRIDES = [
     "rounds=2", "seed=0", "attack=model",

@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 
 import h5py
+import pytest
 from conftest import run_cli
+
+pytestmark = pytest.mark.mpi
 
 SMALL = ["task.dim=16", "task.pref_dim=4", "checkpoint_every=0",
          "task.synthetic={papers_per_class: 30, authors_per_class: 15, train_per_class: 6, val_per_class: 6}"]
