@@ -23,12 +23,12 @@ run one after the other; the final mean test accuracy, the largest site ε the r
 privacy.record_dp), and the median round time against plain's; then plain and ε = 8 at each batch
 size in `--batch-sizes` (K = the first of `--record-k`): how the cost of per-example gradients grows.
 
-Asynchronous (`--async`): FedBuff (configs/quickstart_fedbuff.yaml, buffers of `--buffer`, at most
-K), plain async against secure buffered async (each buffer summed securely among its members on the
-sites' epoch keys: `hpcfed.privacy.secagg_epoch`), `--repeat` pairs per K, plain and secure
-alternating: the median time between two server versions (one buffer applied; metrics.jsonl
-`fedbuff_version`) with P float32 parameters and no local training, each pair's ratio and their
-median; then (unless `--utility-k 1`) the quickstart FedBuff's final mean test accuracy plain and secure (`--utility-k` sites,
+Asynchronous (`--async`): FedBuff (configs/quickstart_fedbuff.yaml, buffers of `--buffer`, at most K),
+plain async against secure buffered async (each buffer summed securely among its members on the sites'
+epoch keys: `hpcfed.privacy.secagg_epoch`), `--repeat` pairs per K, plain and secure alternating: the
+median time between two server versions (one buffer applied; metrics.jsonl `fedbuff_version`) with P
+float32 parameters and no local training, each pair's ratio and their median; then (unless `--utility-k
+1`) the quickstart FedBuff's final mean test accuracy plain and secure (`--utility-k` sites,
 `--utility-rounds` x K uploads).
 
 A benchmark, not a test: on a shared machine the times move with the load (printed with them).

@@ -113,4 +113,4 @@ class BufferedSecAggSite(SecAggSite):
             alive = set(W.site_ids(request.header.get("alive"), n, "the server's alive list", me))
             dropped = set(W.site_ids(request.header.get("dropped"), n, "the server's dropped list", me))
             answers = state.unmask(alive, dropped, W.parse_signatures(request.header.get("signatures"), n, me), False)
-        self._send(P.SA_REVEAL, {"round": b, "answers": B.answers_fields(answers)})
+        self._send(P.SA_REVEAL, {"round": b, "answers": W.answers_fields(answers)})

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcfed.privacy import secagg_wire as W
-from hpcfed.privacy import shamir
 from hpcfed.privacy.secagg import ProtocolError
 from hpcfed.privacy.secagg_epoch import SEALED_BYTES, EpochAdvert
 from hpcfed.privacy.site_input import InputSpec, judge_sum
@@ -171,24 +170,9 @@ def parse_relayed(value: object, tensors: Mapping[str, np.ndarray], num_sites: i
     return {s: (e, blob[i].tobytes()) for i, (s, e) in enumerate(zip(senders, epochs))} if blob is not None else {}
 
 
-def answers_fields(answers: Mapping[int, tuple[str, int, bytes]]) -> list[list[object]]:
-    """[[peer, "seed"|"pair", x, value hex], ...] as JSON."""
-    return [[peer, kind, x, value.hex()] for peer, (kind, x, value) in sorted(answers.items())]
+BUFFER_KINDS = {"seed": W.SHARE_HEX, "pair": 64}  # a buffer's answers: seed shares, pair seeds of this buffer
 
 
 def parse_answers(site: int, value: object, num_sites: int) -> dict[int, tuple[str, int, bytes]]:
     """A member's unmask answer (hostile): per peer, once, a seed share (x in 1..K) or a 32-byte pair seed."""
-    if not isinstance(value, list) or len(value) > num_sites:
-        raise ProtocolError(f"site {site}: unmask answer is not a list of at most {num_sites} items")
-    out: dict[int, tuple[str, int, bytes]] = {}
-    for item in value:
-        if not isinstance(item, list) or len(item) != 4 or item[1] not in ("seed", "pair"):
-            raise ProtocolError(f"site {site}: unmask answer item is not [peer, seed|pair, x, value]")
-        peer = _int(item[0], "unmask answer's peer", 0, num_sites - 1)
-        low = 1 if item[1] == "seed" else 0
-        x = _int(item[2], "unmask answer's x", low, num_sites if low else 0)
-        if peer in out:
-            raise ProtocolError(f"site {site}: unmask answer for site {peer} twice")
-        length = 2 * shamir.SHARE_BYTES if item[1] == "seed" else 64
-        out[peer] = (item[1], x, W._hex(item[3], length, "unmask value", site))
-    return out
+    return W.parse_answers(site, value, num_sites, BUFFER_KINDS)

@@ -155,7 +155,7 @@ class BufferExchange(SecAggCollector):
 
     def _lose(self, rnd: int, why: str, started: set[int], alive: set[int], dropped: set[int]) -> None:
         """Buffer `rnd`'s sum cannot be unmasked, or was refused: with federation.on_client_failure=continue
-        the buffer is lost, not the run (nothing of it folded; the next buffer sets up fresh keys)."""
+        the buffer is lost, not the run (nothing of it folded; the next buffer has masks of its own)."""
         core = self.core
         if core.config.roster.on_client_failure != "continue":
             raise FederationError(f"buffer {rnd}: secure aggregation folds nothing of it: {why} (with "
@@ -163,7 +163,7 @@ class BufferExchange(SecAggCollector):
                                   f"last checkpoint: {core.last_checkpoint or 'none'}")
         core.check_departures()
         log.warning("buffer %d (sites %s) lost: %s; nothing of it is folded, its members are answered with the model "
-                    "as it was and the next buffer sets up fresh keys", rnd, ", ".join(map(str, sorted(started))), why)
+                    "as it was (the next buffer has masks of its own)", rnd, ", ".join(map(str, sorted(started))), why)
         core.metrics.log(rnd, None, "secagg_round_lost", 1)
         core.lost_rounds.append(rnd)
 

@@ -6,8 +6,9 @@ under mpiexec in place of ``python -m hpcfed``: ``buffer_spy.py SPY_DIR hpcfed-a
   the staleness and version it was told) to SPY_DIR/site<id>-b<buffer>.npz;
 - SPY_KILL="CID:STAGE,..." with SPY_KILL_BUFFER=B: in the first buffer numbered >= B that site CID
   joins, it SIGKILLs itself once invited, its epoch keys advertised and relayed to the others
-  ("before": no masked input), or just after it sent its masked input ("after"); SPY_HOLD_S: the other members of that buffer wait that long
-  before masking, so that rank 0 learns of the deaths first.
+  ("before": no masked input), or just after it sent its masked input ("after"); SPY_HOLD_S: the
+  other members of that buffer wait that long before masking, so that rank 0 learns of the deaths
+  first.
 
 Only the test uses this file; nothing in hpcfed imports it.
 """
