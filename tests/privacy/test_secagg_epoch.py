@@ -35,6 +35,14 @@ def _buffer(keys, public, members, b=1):
     return sites, BufferServer(graph, SIZE, ctx, adverts), graph
 
 
+def _uploaded(keys, public, members):
+    """A buffer whose members all sent rank 0 their masked (zero) inputs."""
+    sites, server, _ = _buffer(keys, public, members)
+    for i, site in sites.items():
+        server.take_masked(i, *site.masked_input(np.zeros(SIZE, dtype=np.uint32)))
+    return sites, server
+
+
 def _run(sites, server, graph, public, inputs, live):
     for i, site in sites.items():
         y, to, blob = site.masked_input(inputs[i])
@@ -100,9 +108,7 @@ def test_a_replayed_or_substituted_epoch_advertisement_is_refused():
 def test_shares_for_an_unknown_epoch_or_another_buffer_are_refused():
     keys, public = _federation(3)
     members = {0, 1, 2}
-    sites, server, _ = _buffer(keys, public, members)
-    for i, site in sites.items():
-        server.take_masked(i, *site.masked_input(np.zeros(SIZE, dtype=np.uint32)))
+    sites, server = _uploaded(keys, public, members)
     alive, _ = server.fix_survivors(members)
     relayed = server.shares_for(0)
     wrong_epoch = {v: (epoch + 1, blob) for v, (epoch, blob) in relayed.items()}
@@ -135,9 +141,7 @@ def test_a_survivor_list_that_names_a_dropped_site_is_refused():
 def test_a_self_mask_revealed_for_a_buffer_the_site_is_not_in_is_refused():
     keys, public = _federation(5)
     members = {0, 1, 2}
-    sites, server, _ = _buffer(keys, public, members)
-    for i, site in sites.items():
-        server.take_masked(i, *site.masked_input(np.zeros(SIZE, dtype=np.uint32)))
+    sites, server = _uploaded(keys, public, members)
     server.fix_survivors(members)
     with pytest.raises(ProtocolError, match="not a survivor of this buffer"):
         server.take_unmask(4, {0: ("seed", 1, bytes(66))})
