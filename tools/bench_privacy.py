@@ -3,7 +3,7 @@
     python tools/bench_privacy.py [--json] [--k 4 8 16] [--p 1M] [--rounds 3] [--baseline DIR]
                                   [--utility-k 8] [--utility-rounds 8] [--z 2.0] [--clip 0.3]
                                   [--skip-cost] [--skip-utility]
-    python tools/bench_privacy.py --async [--k 4 8 16] [--p 1M] [--rounds 3] [--buffer 4] [--utility-k 3]
+    python tools/bench_privacy.py --async [--k 4 8 16] [--p 1M] [--rounds 3] [--buffer 4] [--repeat 1] [--utility-k 3]
 
 Cost: for each K, two real federations (`mpiexec -n K+1 python -m hpcfed run`) of the synthetic task
 carrying P float32 parameters (`task.ballast`, no local training), one plain, one with
@@ -23,11 +23,12 @@ run one after the other; the final mean test accuracy, the largest site ε the r
 privacy.record_dp), and the median round time against plain's; then plain and ε = 8 at each batch
 size in `--batch-sizes` (K = the first of `--record-k`): how the cost of per-example gradients grows.
 
-Asynchronous (`--async`): FedBuff (configs/quickstart_fedbuff.yaml, buffers of `--buffer`, at most
-K), plain async against secure buffered async (each buffer summed with SecAgg+ among its members),
-run one after the other for each K: the median time between two server versions (one buffer
-applied; metrics.jsonl `fedbuff_version`) with P float32 parameters and no local training, and their
-ratio; then the quickstart FedBuff's final mean test accuracy plain and secure (`--utility-k` sites,
+Asynchronous (`--async`): FedBuff (configs/quickstart_fedbuff.yaml, buffers of `--buffer`, at most K),
+plain async against secure buffered async (each buffer summed securely among its members on the sites'
+epoch keys: `hpcfed.privacy.secagg_epoch`), `--repeat` pairs per K, plain and secure alternating: the
+median time between two server versions (one buffer applied; metrics.jsonl `fedbuff_version`) with P
+float32 parameters and no local training, each pair's ratio and their median; then (unless `--utility-k
+1`) the quickstart FedBuff's final mean test accuracy plain and secure (`--utility-k` sites,
 `--utility-rounds` x K uploads).
 
 A benchmark, not a test: on a shared machine the times move with the load (printed with them).
@@ -183,17 +184,26 @@ def buffer_time(k: int, p: int, rounds: int, buffer: int, secure: bool, timeout:
 
 
 def async_table(ks: list[int], p: int, rounds: int, buffer: int, utility_k: int, utility_rounds: int,
-                timeout: float) -> dict:
-    """Plain against secure buffered async, side by side: buffer time per K, then the quickstart's accuracy."""
+                timeout: float, repeat: int = 1) -> dict:
+    """Plain against secure buffered async, side by side: buffer time per K (`repeat` pairs, plain and
+    secure alternating; the median of the pairs' ratios), then the quickstart's accuracy."""
     rows = []
     for k in ks:
-        plain, secure = (buffer_time(k, p, rounds, buffer, s, timeout) for s in (False, True))
-        row = {"k": k, "p": p, "buffer": min(buffer, k), "plain": plain, "secure": secure,
-               "time_ratio": secure["buffer_time_s"] / plain["buffer_time_s"]}
+        pairs = []
+        for _ in range(repeat):
+            plain, secure = (buffer_time(k, p, rounds, buffer, s, timeout) for s in (False, True))
+            pairs.append({"plain": plain, "secure": secure, "load": os.getloadavg()[0],
+                          "time_ratio": secure["buffer_time_s"] / plain["buffer_time_s"]})
+        row = {"k": k, "p": p, "buffer": min(buffer, k), "pairs": pairs,
+               "time_ratio": statistics.median(pair["time_ratio"] for pair in pairs)}
         rows.append(row)
-        print(f"  K={k:3d} P={p:,} buffer {row['buffer']}: {plain['buffer_time_s']:.3f} s plain, "
-              f"{secure['buffer_time_s']:.3f} s secure per buffer (x{row['time_ratio']:.2f}); "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        for pair in pairs:
+            print(f"  K={k:3d} P={p:,} buffer {row['buffer']}: {pair['plain']['buffer_time_s']:.3f} s plain, "
+                  f"{pair['secure']['buffer_time_s']:.3f} s secure per buffer (x{pair['time_ratio']:.2f}); "
+                  f"load {pair['load']:.1f}", flush=True)
+        print(f"  K={k:3d}: median ratio x{row['time_ratio']:.2f} over {repeat} pair(s)", flush=True)
+    if utility_k < 2:
+        return {"buffers": rows}
     utility = {}
     for secure in (False, True):
         res = run(utility_k, [f"rounds={utility_rounds}", "checkpoint_every=0", *(SECAGG if secure else [])],
@@ -232,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record-set", nargs="*", default=[], help="extra key=value overrides for the record-DP runs")
     ap.add_argument("--async", dest="asynchronous", action="store_true",
                     help="only plain against secure buffered async, FedBuff (see the docstring)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="--async: plain/secure pairs per K, alternating (the median ratio is reported)")
     ap.add_argument("--buffer", type=int, default=4, help="--async: federation.buffer_size (at most K)")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--skip-utility", action="store_true")
@@ -243,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"load_average": load}
     if args.asynchronous:
         result["async"] = async_table(args.k, parse_count(args.p), args.rounds, args.buffer, args.utility_k,
-                                      args.utility_rounds, args.timeout)
+                                      args.utility_rounds, args.timeout, args.repeat)
         args.skip_cost = args.skip_utility = True
     if args.record_dp:
         result["record_dp"] = record_dp_table(args.record_k, args.record_rounds, args.epsilons, args.record_clip,

@@ -27,12 +27,14 @@ fail: the members refuse the buffer in keys mode.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.secagg import ProtocolError
+from hpcfed.privacy.secagg_epoch import SEALED_BYTES, EpochAdvert
 from hpcfed.privacy.site_input import InputSpec, judge_sum
 
 
@@ -85,7 +87,7 @@ def buffer_context(buffer: int, version: int, members: Iterable[int]) -> int:
 
 def _int(value: object, what: str, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ProtocolError(f"the server's {what} is {str(value)[:40]!r}, not an integer in {low}..{high}")
+        raise ProtocolError(f"{what} is {str(value)[:40]!r}, not an integer in {low}..{high}")
     return value
 
 
@@ -94,22 +96,22 @@ def check_invite(header: dict[str, object], *, me: int, num_sites: int, trained_
     """Read the server's SA_BUFFER (hostile) for site `me`, which trained from version `trained_from`,
     last took part in buffer `last_buffer` (−1: none) and was sent versions up to `newest_seen`:
     the invitation, or ProtocolError naming what the server got wrong."""
-    buffer = _int(header.get("round"), "buffer number", 0, 1 << 48)
+    buffer = _int(header.get("round"), "the server's buffer number", 0, 1 << 48)
     if buffer <= last_buffer:
         raise ProtocolError(f"the server invites site {me} to buffer {buffer}, but it took part in buffer "
                             f"{last_buffer} already (a replayed or reused buffer): refused")
     raw = header.get("members")
     if not isinstance(raw, list) or len(raw) > num_sites:
         raise ProtocolError(f"the server's member list is not a list of at most {num_sites} sites")
-    members = frozenset(_int(m, "member", 0, num_sites - 1) for m in raw)
+    members = frozenset(_int(m, "the server's member", 0, num_sites - 1) for m in raw)
     if me not in members or len(members) < 2 or len(members) != len(raw):
         raise ProtocolError(f"the server's member list {sorted(members)} leaves site {me} out, repeats a site, "
                             f"or has fewer than 2 sites (a sum over one site is its input): refused")
-    version = _int(header.get("version"), "version", 1, 1 << 48)
+    version = _int(header.get("version"), "the server's version", 1, 1 << 48)
     if version < newest_seen or version > buffer + 1:
         raise ProtocolError(f"the server says its version is {version}, but it sent site {me} version "
                             f"{newest_seen} already, and {buffer} buffers allow at most version {buffer + 1}: refused")
-    staleness = _int(header.get("staleness"), "staleness", 0, 1 << 48)
+    staleness = _int(header.get("staleness"), "the server's staleness", 0, 1 << 48)
     if staleness != version - trained_from:
         raise ProtocolError(f"the server says site {me}'s staleness is {staleness}, but it trained from version "
                             f"{trained_from} and the server is at {version} (staleness {version - trained_from}): "
@@ -135,3 +137,42 @@ def judge_buffer(total: np.ndarray, staleness: dict[int, int], survivors: set[in
                          f"{sorted(survivors)} makes {want}: a site claimed a weight other than its own")
     weighted /= spec.max_examples  # q = s·M: back to Σ s_k δ_k and Σ s_k
     return weighted, weight / spec.max_examples
+
+
+# -- wire forms of the epoch keys, the relayed seed shares and the answers (hpcfed.privacy.secagg_epoch) --
+def advert_fields(adv: EpochAdvert) -> list[object]:
+    """[site, epoch, c, s, signature or null] as JSON."""
+    return [adv.site, adv.epoch, adv.c_public.hex(), adv.s_public.hex(), adv.signature.hex() if adv.signature else None]
+
+
+def parse_advert(value: object, num_sites: int, what: str) -> EpochAdvert:
+    """An epoch advert (hostile): its site id, a positive epoch, two 32-byte keys, a signature or null."""
+    if not isinstance(value, list) or len(value) != 5:
+        raise ProtocolError(f"{what}: an epoch advert is not [site, epoch, c, s, signature]")
+    site = _int(value[0], f"{what}'s site", 0, num_sites - 1)
+    epoch = _int(value[1], f"{what}'s epoch", 1, (1 << 63) - 1)
+    signature = None if value[4] is None else W._hex(value[4], W.SIG_HEX, "epoch advert signature", site)
+    return EpochAdvert(site, epoch, W._hex(value[2], W.KEY_HEX, "epoch key c", site),
+                       W._hex(value[3], W.KEY_HEX, "epoch key s", site), signature)
+
+
+def parse_relayed(value: object, tensors: Mapping[str, np.ndarray], num_sites: int,
+                  me: int) -> dict[int, tuple[int, bytes]]:
+    """The seed shares relayed to site `me` with the survivor set: sender -> (its epoch, sealed share)."""
+    if not isinstance(value, list) or len(value) > num_sites:
+        raise ProtocolError(f"site {me}: the relayed shares' senders are not a list of at most {num_sites}")
+    pairs = [(v[0], v[1]) if isinstance(v, list) and len(v) == 2 else (None, None) for v in value]
+    senders = W.site_ids([p[0] for p in pairs], num_sites, "relayed share's sender", me)
+    epochs = [_int(p[1], "relayed share's epoch", 1, (1 << 63) - 1) for p in pairs]
+    blob = tensors.get(W.SHARES_TENSOR) if set(tensors) <= {W.SHARES_TENSOR} else None
+    if senders and (blob is None or blob.dtype != np.uint8 or blob.shape != (len(senders), SEALED_BYTES)):
+        raise ProtocolError(f"site {me}: relayed seed shares are not one ({len(senders)}, {SEALED_BYTES}) uint8 tensor")
+    return {s: (e, blob[i].tobytes()) for i, (s, e) in enumerate(zip(senders, epochs))} if blob is not None else {}
+
+
+BUFFER_KINDS = {"seed": W.SHARE_HEX, "pair": 64}  # a buffer's answers: seed shares, pair seeds of this buffer
+
+
+def parse_answers(site: int, value: object, num_sites: int) -> dict[int, tuple[str, int, bytes]]:
+    """A member's unmask answer (hostile): per peer, once, a seed share (x in 1..K) or a 32-byte pair seed."""
+    return W.parse_answers(site, value, num_sites, BUFFER_KINDS)

@@ -152,21 +152,28 @@ def parse_signatures(value: object, num_sites: int, me: int) -> dict[int, bytes]
 
 # -- round 4: unmasking -------------------------------------------------------------------------------
 def answers_fields(answers: Mapping[int, tuple[str, int, bytes]]) -> list[list[Any]]:
-    """[[peer, "seed"|"key", x, share hex], ...] as JSON."""
+    """[[peer, kind, x, value hex], ...] as JSON ("seed"|"key" shares; a buffer's "pair" seeds, x 0)."""
     return [[peer, kind, x, share.hex()] for peer, (kind, x, share) in sorted(answers.items())]
 
 
-def parse_answers(site: int, value: object, num_sites: int) -> dict[int, tuple[str, int, bytes]]:
-    """A site's unmask answer: per peer, once, a seed share or a key share (x in 1..K)."""
+SHARE_KINDS = {"seed": SHARE_HEX, "key": SHARE_HEX}  # a round's answers: Shamir shares (x in 1..K)
+
+
+def parse_answers(site: int, value: object, num_sites: int,
+                  kinds: Mapping[str, int] = SHARE_KINDS) -> dict[int, tuple[str, int, bytes]]:
+    """A site's unmask answer: per peer, once, one of `kinds` (kind -> its value's hex length): a
+    Shamir share (x in 1..K), or a buffer's 32-byte pair seed (``pair``: x 0,
+    `hpcfed.privacy.secagg_epoch`)."""
     if not isinstance(value, list) or len(value) > num_sites:
-        raise ProtocolError(f"site {site}: unmask answer is not a list of at most {num_sites} shares")
+        raise ProtocolError(f"site {site}: unmask answer is not a list of at most {num_sites} items")
     out: dict[int, tuple[str, int, bytes]] = {}
     for item in value:
-        if not isinstance(item, list) or len(item) != 4 or item[1] not in ("seed", "key"):
-            raise ProtocolError(f"site {site}: unmask answer item is not [peer, seed|key, x, share]")
+        if not isinstance(item, list) or len(item) != 4 or item[1] not in kinds:
+            raise ProtocolError(f"site {site}: unmask answer item is not [peer, {'|'.join(kinds)}, x, value]")
         peer = _site_id(item[0], num_sites, "unmask answer's peer", site)
         x = item[2]
-        if peer in out or not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= num_sites:
-            raise ProtocolError(f"site {site}: unmask answer for site {peer} twice, or its x out of 1..{num_sites}")
-        out[peer] = (item[1], x, _hex(item[3], SHARE_HEX, "unmask share", site))
+        low, high = (1, num_sites) if item[1] != "pair" else (0, 0)
+        if peer in out or not isinstance(x, int) or isinstance(x, bool) or not low <= x <= high:
+            raise ProtocolError(f"site {site}: unmask answer for site {peer} twice, or its x out of {low}..{high}")
+        out[peer] = (item[1], x, _hex(item[3], kinds[item[1]], "unmask share", site))
     return out

@@ -11,7 +11,7 @@ is formed from whoever is ready, and a slow site lands in a later one.
 A checkpoint is taken between buffers: rank 0 asks every site for its shard; a site waiting for a
 buffer, or finishing its step meanwhile, drops its upload and writes its shard; afterwards every
 site is answered with the current model. So an interrupted buffer is lost, never the run, and the
-resumed run sets up fresh keys (each buffer has its own).
+resumed run's sites make fresh epoch keys (each process has its own: `hpcfed.privacy.secagg_epoch`).
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class SecureBufferedLoop:
             self.core.reject(msg.source, "unrequested update", f"SA_READY for version {V.short(version, 20)}, "
                                                                f"not the one the server asked it to train from")
             return
+        self.exchange.take_advert(cid, msg.header)  # ProtocolError: contained, counted against the site
         self.ready[cid] = self.sent.pop(cid)
         self.last_seen[cid] = time.monotonic()
 

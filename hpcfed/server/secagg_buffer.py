@@ -1,42 +1,54 @@
 """Secure aggregation of one asynchronous buffer, rank 0's side: FedBuff's buffer (Nguyen et al. 2022)
-summed with SecAgg+ (Bonawitz et al. 2017; Bell et al. 2020) among the buffer's members only. The
-loop that forms buffers is `hpcfed.server.buffered`; a site's side is `hpcfed.client.secagg_buffer`;
-the invitation's checks and the weight's encoding are `hpcfed.privacy.buffered`.
+summed among its members on long-lived epoch keys (`hpcfed.privacy.secagg_epoch`, which says why
+this keeps SecAgg's guarantees; Bonawitz et al. 2017, Bell et al. 2020). The loop that forms buffers
+is `hpcfed.server.buffered`; a site's side is `hpcfed.client.secagg_buffer`; the invitation's checks
+and the weight's encoding are `hpcfed.privacy.buffered`.
 
 ```
 rank 0                                                    member k of buffer b (trained from version v_k)
-  |<-------------------------------------- SA_READY (v_k)
-  |-- SA_BUFFER (round b, members, version t, staleness t - v_k) ->|  checks t and τ against what it saw
-  |<-- SA_ADVERT / SA_KEYS / SA_SHARES / SA_SHARES_FOR: keys set up among the members (graph of b) -->|
-  |<-------------------------------------- SA_MASKED (s(τ_k)·clip(δ_k), q_k = s(τ_k)·M masked)
-  |-- SA_CHECK / SA_SIGNED / SA_UNMASK / SA_REVEAL: the consistency check and the unmasking ----------|
+  |<------------------------- SA_READY (v_k; its signed epoch advert: sent with every READY)
+  |-- SA_BUFFER (round b, members, version t, staleness t - v_k, its neighbours' epoch adverts) ->|
+  |                                                  checks t, τ, the adverts (signed, not replayed)
+  |<------------------------- SA_MASKED (s(τ_k)·clip(δ_k), q_k = s(τ_k)·M, masked with b's masks;
+  |                                      its fresh self-mask seed's shares, sealed to its neighbours)
+  |-- SA_CHECK (survivors S, the shares sealed to k; fast: no member dropped) ------------------->|
+  |   fast:      <------------------------ SA_REVEAL (a seed share per neighbour)
+  |   otherwise: <-- SA_SIGNED (S) --  -- SA_UNMASK (S, dropped, its neighbours' signatures) -->
+  |              <------------------------ SA_REVEAL (seed share per surviving neighbour, b's pair
+  |                                                   seed per dropped one)
   |   Σ s_k δ_k and Σ q_k of the survivors: all rank 0 learns of the buffer
   |-- PARAMS (version t + 1, answer) --------------------------->|
 ```
-A buffer is a secure aggregation round among its members: the stages, their deadlines, the
-consistency check, the dropout recovery and the loss of an unrecoverable sum are the synchronous
-round's (`hpcfed.server.secagg_round.SecAggCollector`), on the buffer's own graph (`group_graph`)
-and with the buffer's context as the number every signature binds. The sum is judged as a round's
-(in the encoding, norm within C·Σ s_k), and its weight coordinate must be exactly Σ q(τ_k) of the
-survivors, which rank 0 knows (it told each its staleness): a site that claims another weight is
-caught there. A refused sum folds nothing (the buffer is lost; the members are answered all the same).
+No key is set up within a buffer: a buffer is one upload and one unmask exchange when no member
+drops (the consistency check's exchange is added when one does). The stages' deadlines, the loss
+of an unrecoverable sum (found before any site is asked to reveal) and the sum's judgement are the
+synchronous round's (`hpcfed.server.secagg_round.SecAggCollector`, whose `_gather` runs each stage).
+The sum is judged as a round's (in the encoding, norm within C·Σ s_k), and its weight coordinate
+must be exactly Σ q(τ_k) of the survivors, which rank 0 knows (it told each its staleness): a site
+that claims another weight is caught there. A refused sum folds nothing (the buffer is lost; the
+members are answered all the same).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+
+import numpy as np
 
 from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
+from hpcfed.privacy import buffered as B
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.buffered import StalenessRule, buffer_context, judge_buffer
 from hpcfed.privacy.secagg import ProtocolError, group_graph
-from hpcfed.privacy.secagg_server import ServerState
+from hpcfed.privacy.secagg_epoch import SEALED_BYTES, BufferServer, PeerBook, context_bytes
+from hpcfed.server import validation as V
 from hpcfed.server.collect import RoundUploads
 from hpcfed.server.core import ServerCore
 from hpcfed.server.secagg_round import SecAggCollector
-from hpcfed.strategies.base import AsyncStrategy
+from hpcfed.strategies.base import AsyncStrategy, Update
 
 log = logging.getLogger("hpcfed.server")
 
@@ -52,38 +64,82 @@ class BufferExchange(SecAggCollector):
         # The collector only reads the strategy's declaration (WEIGHTED_SUM, checked there) and calls its fold_sum.
         super().__init__(core, strategy)  # type: ignore[arg-type]  # an async strategy with fold_sum (FedBuff)
         self.async_strategy, self.rule = strategy, rule
+        self.book = PeerBook(self.identities)  # the sites' epoch adverts (with their SA_READY)
+
+    def take_advert(self, cid: int, header: dict[str, object]) -> None:
+        """The epoch advert a site sends with its SA_READY (hostile): its own, signed, not replayed."""
+        adv = B.parse_advert(header.get("epoch_advert"), self.num_sites, f"site {cid}'s epoch advert")
+        if adv.site != cid:
+            raise ProtocolError(f"site {cid}: its SA_READY carries site {adv.site}'s epoch advert")
+        self.book.accept(adv)
 
     def buffer(self, b: int, members: set[int], version: int, staleness: dict[int, int]) -> RoundUploads:
         """Run buffer `b` among `members` at server `version` (each member's `staleness` told to it) and
         fold its sum: the members whose inputs are in it (their metrics), or `lost` when nothing was folded."""
-        core, taken = self.core, RoundUploads(b)
+        core, taken, n = self.core, RoundUploads(b), self.num_sites
+        graph = group_graph([sorted(members)], b, self._degree())
+        adverts = {cid: self.book.adverts[cid] for cid in members}
+        state = BufferServer(graph, self.size, context_bytes(buffer_context(b, version, members)), adverts)
         for cid in sorted(members):
             core.send_to(cid, P.SA_BUFFER, {"round": b, "members": sorted(members), "version": version,
-                                            "staleness": staleness[cid]})
-        graph = group_graph([sorted(members)], b, self._degree())
-        state = ServerState(graph, self.size, buffer_context(b, version, members))
+                                            "staleness": staleness[cid],
+                                            "adverts": [B.advert_fields(adverts[v]) for v in sorted(graph[cid])]})
         try:
-            state = self._setup(b, taken, state)
-            alive, dropped = self._masked_inputs(b, state, False, taken, None)
-            short = state.shortfall()
-            if short is not None:
-                raise BufferLost(short.describe())
-            answering = self._check(b, state, alive)
-            short = state.shortfall(answering)
-            if short is not None:
-                raise BufferLost(f"{short.describe()} (after the consistency check)")
-            for cid in sorted(answering):
-                core.send_to(cid, P.SA_UNMASK, {"round": b, "alive": sorted(alive), "dropped": sorted(dropped),
-                                                "signatures": W.signatures_fields(state.signatures_for(cid))})
+            self._gather(b, P.SA_MASKED, set(members), lambda cid, msg: self._take_masked_input(b, cid, msg, state,
+                                                                                               taken))
+            alive, dropped = state.fix_survivors(core.live)
+            self._quorum(b, set(alive), "sent masked inputs")
+            fast = not dropped
+            short = state.shortfall(set(alive))
+            if short is not None:  # decided before any site is asked to reveal
+                raise BufferLost(short)
+            for cid in sorted(alive):
+                ids, blob = _relayed(state.shares_for(cid))
+                core.send_to(cid, P.SA_CHECK, {"round": b, "survivors": sorted(alive), "fast": fast, "from": ids},
+                             {W.SHARES_TENSOR: blob})
+            if not fast:
+                answering = self._signatures(b, state, set(alive))
+                short = state.shortfall(answering)
+                if short is not None:
+                    raise BufferLost(f"{short} (after the consistency check)")
+                for cid in sorted(answering):
+                    core.send_to(cid, P.SA_UNMASK, {"round": b, "alive": sorted(alive), "dropped": sorted(dropped),
+                                                    "signatures": W.signatures_fields(
+                                                        {v: state.signatures[v] for v in sorted(graph[cid])
+                                                         if v in state.signatures})})
+            else:
+                answering = set(alive)
             self._gather(b, P.SA_REVEAL, answering, lambda cid, msg: state.take_unmask(
-                cid, _answers(cid, msg, self.num_sites)))
+                cid, B.parse_answers(cid, msg.header.get("answers"), n)))
             self._judge_and_fold(b, state, staleness)
         except (BufferLost, ValueError) as exc:  # ProtocolError included: a site left or went silent while unmasking
-            self._lose(b, str(exc), set(members), set(state.masked), state.shared - set(state.masked))
+            self._lose(b, str(exc), set(members), set(state.masked), set(members) - set(state.masked))
             return _only(taken, set(state.masked) & core.live, lost=True)
-        return _only(taken, set(state.masked), lost=False)
+        return _only(taken, set(state.survivors or ()), lost=False)
 
-    def _judge_and_fold(self, b: int, state: ServerState, staleness: dict[int, int]) -> None:
+    def _take_masked_input(self, b: int, cid: int, msg: Message, state: BufferServer, taken: RoundUploads) -> None:
+        if set(msg.tensors) != {W.MASKED_TENSOR, W.SHARES_TENSOR}:
+            raise ProtocolError(f"site {cid}: masked input carries tensors {sorted(msg.tensors)[:3]}, not the masked "
+                                f"input and its seed shares")
+        to = W.site_ids(msg.header.get("to"), self.num_sites, "seed shares' receivers", cid)
+        metrics = msg.header.get("metrics", {})
+        if not V.metrics_ok(metrics):
+            raise ProtocolError(f"site {cid}: masked input's metrics are not at most {V.MAX_METRICS} named numbers")
+        state.take_masked(cid, msg.tensors[W.MASKED_TENSOR], to, msg.tensors[W.SHARES_TENSOR])
+        taken.add(Update(client_id=cid, flat=None, num_examples=0,
+                         metrics={k: (float(v) if v is not None else math.nan) for k, v in metrics.items()}), None)
+
+    def _signatures(self, b: int, state: BufferServer, alive: set[int]) -> set[int]:
+        """The consistency check: each survivor signs S; the survivors that will answer."""
+        keys_mode = self.identities is not None
+
+        def signed(cid: int, msg: Message) -> None:
+            state.take_signature(cid, W.parse_signature(cid, msg.header.get("signature"), keys_mode), self.identities)
+
+        self._gather(b, P.SA_SIGNED, alive, signed)
+        return state.answering(True) & self.core.live
+
+    def _judge_and_fold(self, b: int, state: BufferServer, staleness: dict[int, int]) -> None:
         """Unmask, judge (`judge_sum`: in the encoding, norm within C·Σ q) and check the weight
         coordinate against Σ q(τ_k) of the survivors; fold Σ s_k·δ_k and Σ s_k into the strategy."""
         total, alive = state.result()
@@ -99,7 +155,7 @@ class BufferExchange(SecAggCollector):
 
     def _lose(self, rnd: int, why: str, started: set[int], alive: set[int], dropped: set[int]) -> None:
         """Buffer `rnd`'s sum cannot be unmasked, or was refused: with federation.on_client_failure=continue
-        the buffer is lost, not the run (nothing of it folded; the next buffer sets up fresh keys)."""
+        the buffer is lost, not the run (nothing of it folded; the next buffer has masks of its own)."""
         core = self.core
         if core.config.roster.on_client_failure != "continue":
             raise FederationError(f"buffer {rnd}: secure aggregation folds nothing of it: {why} (with "
@@ -107,16 +163,16 @@ class BufferExchange(SecAggCollector):
                                   f"last checkpoint: {core.last_checkpoint or 'none'}")
         core.check_departures()
         log.warning("buffer %d (sites %s) lost: %s; nothing of it is folded, its members are answered with the model "
-                    "as it was and the next buffer sets up fresh keys", rnd, ", ".join(map(str, sorted(started))), why)
+                    "as it was (the next buffer has masks of its own)", rnd, ", ".join(map(str, sorted(started))), why)
         core.metrics.log(rnd, None, "secagg_round_lost", 1)
         core.lost_rounds.append(rnd)
 
 
-def _answers(cid: int, msg: Message, num_sites: int) -> dict[int, tuple[str, int, bytes]]:
-    """A member's unmask answers; shares for a next buffer are never asked for (nothing is set up ahead)."""
-    if msg.tensors or "next_to" in msg.header:
-        raise ProtocolError(f"site {cid}: shares for a next buffer, which is never set up ahead")
-    return W.parse_answers(cid, msg.header.get("answers"), num_sites)
+def _relayed(shares: dict[int, tuple[int, bytes]]) -> tuple[list[list[int]], np.ndarray]:
+    """[[sender, epoch], ...] and the sealed shares as one (m, SEALED_BYTES) uint8 tensor."""
+    ids = [[v, epoch] for v, (epoch, _) in sorted(shares.items())]
+    blob = np.frombuffer(b"".join(blob for _, (_, blob) in sorted(shares.items())), dtype=np.uint8)
+    return ids, blob.reshape(len(ids), SEALED_BYTES)
 
 
 def _only(taken: RoundUploads, sites: set[int], lost: bool) -> RoundUploads:

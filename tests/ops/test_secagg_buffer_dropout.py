@@ -1,10 +1,10 @@
 """Secure buffered async aggregation loses two members of one buffer to SIGKILL: under `hpcfed run`
 (`federation.on_client_failure=continue`, each rank under `hpcfed.launch.rank_guard`), K = 6 sites,
-buffers of 6. In buffer 1 site 4 kills itself after sharing its keys, before masking; site 1 just after
-it sent its masked input. Rank 0 learns of both from hydra's SIGUSR1 (`hpcfed.server.departures`)
-before it asks for the unmasking: the buffer completes with the four survivors (its step is their
-staleness-weighted mean, checked against what each fed the protocol: tests/privacy/buffer_spy.py),
-and the run goes on with buffers of the four."""
+buffers of 6. In buffer 1 site 4 kills itself once invited (its epoch keys relayed to the others),
+before masking; site 1 just after it sent its masked input. Rank 0 learns of both from hydra's SIGUSR1
+(`hpcfed.server.departures`) before it asks for the unmasking: the buffer completes with the four
+survivors (its step is their staleness-weighted mean, checked against what each fed the protocol:
+tests/privacy/buffer_spy.py), and the run goes on with buffers of the four."""
 
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ under mpiexec in place of ``python -m hpcfed``: ``buffer_spy.py SPY_DIR hpcfed-a
 - ranks 1..K: what each site fed each buffer it joined (the model it trained from, its clipped delta,
   the staleness and version it was told) to SPY_DIR/site<id>-b<buffer>.npz;
 - SPY_KILL="CID:STAGE,..." with SPY_KILL_BUFFER=B: in the first buffer numbered >= B that site CID
-  joins, it SIGKILLs itself just after it sent its shares ("before": no masked input) or just after
-  it sent its masked input ("after"); SPY_HOLD_S: the other members of that buffer wait that long
-  before masking, so that rank 0 learns of the deaths first.
+  joins, it SIGKILLs itself once invited, its epoch keys advertised and relayed to the others
+  ("before": no masked input), or just after it sent its masked input ("after"); SPY_HOLD_S: the
+  other members of that buffer wait that long before masking, so that rank 0 learns of the deaths
+  first.
 
 Only the test uses this file; nothing in hpcfed imports it.
 """
@@ -36,19 +37,20 @@ def _spy_site(out: Path, client: int) -> None:
     kill_from = int(os.environ.get("SPY_KILL_BUFFER", "0"))
     current = {"buffer": -1}
 
-    def buffer_(self, invite, upload) -> None:  # type: ignore[no-untyped-def]  # the patched method's own signature
+    def buffer_(self, invite, upload, adverts) -> None:  # type: ignore[no-untyped-def]  # the patched method's own
         current["buffer"] = invite.buffer
         np.savez(out / f"site{client}-b{invite.buffer}.npz", sent=upload.sent, delta=upload.delta * upload.scale,
                  staleness=invite.staleness, version=invite.version, members=sorted(invite.members))
         if kills and client not in kills and invite.buffer >= kill_from and set(kills) <= invite.members:
             time.sleep(hold_s)  # the survivors mask once rank 0 has seen the others die
-        buffer(self, invite, upload)
+        if invite.buffer >= kill_from and kills.get(client) == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        buffer(self, invite, upload, adverts)
 
     def send_(self, kind: int, header: dict, tensors: dict | None = None) -> None:  # type: ignore[no-untyped-def]
         send(self, kind, header, tensors)
         stage = kills.get(client)
-        if current["buffer"] >= kill_from and ((kind == P.SA_SHARES and stage == "before")
-                                               or (kind == P.SA_MASKED and stage == "after")):
+        if current["buffer"] >= kill_from and kind == P.SA_MASKED and stage == "after":
             os.kill(os.getpid(), signal.SIGKILL)
 
     site_cls._buffer = buffer_  # type: ignore[method-assign]  # the spy's whole point

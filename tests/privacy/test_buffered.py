@@ -10,8 +10,8 @@ import pytest
 
 from hpcfed.privacy import masking
 from hpcfed.privacy.buffered import StalenessRule, buffer_context, check_invite, judge_buffer
-from hpcfed.privacy.secagg import ProtocolError, SiteState, group_graph
-from hpcfed.privacy.secagg_server import ServerState
+from hpcfed.privacy.secagg import ProtocolError, group_graph
+from hpcfed.privacy.secagg_epoch import BufferServer, BufferSite, EpochKeys, context_bytes
 from hpcfed.privacy.site_input import input_spec
 
 K, P = 4, 64
@@ -50,27 +50,26 @@ def _deltas(seed: int) -> dict[int, np.ndarray]:
     return {k: rng.normal(0, 0.05, P) for k in range(K)}
 
 
+EPOCH = [EpochKeys(k, None) for k in range(K)]  # long-lived: the same keys in every buffer of these tests
+
+
 def _buffer(b: int, members: list[int], codes: dict[int, np.ndarray],
             replay: dict[int, np.ndarray] | None = None) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    """One buffer's SecAgg+ among `members` (psk mode), in process: the unmasked sum and each masked input;
-    `replay`: masked inputs a site sends in place of its own (from an earlier buffer)."""
+    """One buffer among `members` on the epoch keys (psk mode), in process: the unmasked sum and each
+    masked input; `replay`: masked inputs a site sends in place of its own (from an earlier buffer)."""
     graph = group_graph([members], b, None)
-    sites = {k: SiteState(k, graph, P + 1, rnd=buffer_context(b, 1, members)) for k in members}
-    server = ServerState(graph, P + 1, buffer_context(b, 1, members))
-    for k, s in sites.items():
-        server.take_advert(k, s.advertise())
-    for k, s in sites.items():
-        server.take_shares(k, s.share_keys(server.adverts_for(k)))
+    ctx = context_bytes(buffer_context(b, 1, members))
+    adverts = {k: EPOCH[k].advert() for k in members}
+    sites = {k: BufferSite(EPOCH[k], graph, {v: adverts[v] for v in graph[k]}, P + 1, ctx) for k in members}
+    server = BufferServer(graph, P + 1, ctx, adverts)
     masked = {}
     for k, s in sites.items():
-        masked[k] = s.masked_input(server.shares_for(k), codes[k])
-        server.take_masked(k, (replay or {}).get(k, masked[k]))
-    alive, dropped = server.unmask_request()
+        masked[k], to, blob = s.masked_input(codes[k])
+        server.take_masked(k, (replay or {}).get(k, masked[k]), to, blob)
+    alive, _ = server.fix_survivors(members)
     for k in alive:
-        sites[k].sign_survivors(set(server.survivor_set()))
-        server.take_signature(k, None, None)
-    for k in alive:
-        server.take_unmask(k, sites[k].unmask(alive, dropped))
+        sites[k].open_shares(server.shares_for(k), set(alive))
+        server.take_unmask(k, sites[k].unmask(set(alive), set(), None, fast=True))
     return server.result()[0], masked
 
 
