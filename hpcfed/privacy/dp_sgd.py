@@ -3,7 +3,10 @@ gradients, each clipped to L2 norm C, summed, Gaussian noise of std z·C added, 
 batch q·n. The optimizer (SGD, Adam, ...) then steps on that gradient as on any other: what it does
 with it is post-processing.
 
-Per-example gradients come from Opacus's `GradSampleModule` hooks: one forward and one backward pass
+A model whose trainable parameters all sit in linear layers (the quickstart's MLP, LoRA adapters and
+a linear head) needs no per-example gradients: `hpcfed.privacy.linear_clip` forms the clipped sum from
+the layers' activations in one forward and one backward pass. For other models, per-example gradients
+come from Opacus's `GradSampleModule` hooks: one forward and one backward pass
 of the batch, each supported layer's (Linear, Embedding, LayerNorm, convolutions, ...) per-example
 gradient formed from its saved activations and output gradients, and Opacus's per-layer `torch.func`
 for the others. That costs a fraction of vmapping the whole model (measured in tools/bench_privacy.py

@@ -80,7 +80,8 @@ class LinearClip:
             return None
         outs = torch.autograd.grad(value * batch, [o for _, _, o in seen], allow_unused=True)
         norms = torch.zeros(batch, dtype=torch.float32, device=seen[0][2].device)
-        parts: list[tuple[Any, Any, Any, Any, Any]] = []  # (layer, input, output gradient, per-example weight and bias gradients or None)
+        # (layer, input, output gradient, per-example weight and bias gradients or None)
+        parts: list[tuple[Any, Any, Any, Any, Any]] = []
         for (module, a, out), g in zip(seen, outs, strict=True):
             a = a.detach()
             g = torch.zeros_like(out) if g is None else g

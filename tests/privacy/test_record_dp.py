@@ -259,6 +259,11 @@ def test_a_lora_adapted_transformer_takes_the_hooks_with_the_gradients_of_one_pa
     assert hooked.method == "hooks" and len(got) == len(hooked.names) == 2 * 2 + 2  # 2 adapters x A, B + head
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
     assert not hasattr(model.head.weight, "grad_sample")  # the hooks are gone after the step
+    fast = DPSGD(model, loss, _plan())  # a site's path: the adapters and the head are all linear layers
+    assert fast.method == "linear"
+    with fast.hooked():
+        sums = fast._linear.clipped_sum(lambda: loss(x, y), 4, 1.0)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(sums, hooked.clipped_sum(want), strict=True))
 
 
 def _both_sums(model, loss, x, y, clip=0.5):
