@@ -8,8 +8,8 @@ from those sums, and the clipped sum of the weights' gradients is one product, (
 min(1, C / ‖example i's gradient‖). This is "book-keeping" clipping (Bu et al. 2023, "Differentially
 private optimization on large model at small cost"): the same clipped sum as per-example gradients
 give, at the cost of a plain step plus a few products of the layer's activations. On the quickstart's
-MLP it takes about a third of Opacus's hook path, whose per-layer Python work dominates a small
-model's step (docs/benchmarks.md, "Record-level DP").
+MLP a round's steps take about half the CPU of Opacus's hook path (a quarter at full batch), whose
+per-layer Python work dominates a small model's step (docs/benchmarks.md, "Record-level DP").
 
 Inputs with more dimensions (a sequence: batch x tokens x features, as LoRA adapters see them) get
 their per-example weight gradients as one batched product, Σ_t g_it a_itᵀ, then the same clipping.
