@@ -6,10 +6,11 @@ DP-SGD, side by side in one run.
     python tools/bench_record_dp.py --rounds 8 --accuracy 4:8:0.05:128:2:0.1 4:0:0.05:128:2:0.1 ...
 
 Local training: one quickstart site (in this process, one torch thread) fits `--fits` rounds plain, with
-`privacy.record_dp` (ε 8, per-example gradients from Opacus's hooks, as sites run it) and with the same
-DP-SGD on `torch.func` vmap (the path a model the hooks miss takes; before 2026-12-07 every site took it),
-interleaved round by round; the median CPU time of a round's fit (the first left out) and the ratios to
-plain, per batch size. CPU time, not wall time: on a loaded machine it moves far less.
+`privacy.record_dp` (ε 8) as sites run it (the linear layers' clipped sums, `hpcfed.privacy.linear_clip`),
+with the same DP-SGD on Opacus's per-example gradient hooks (the path of models with other layers) and on
+`torch.func` vmap (the path of a model the hooks miss), interleaved round by round; the median CPU time of
+a round's fit (the first left out) and the ratios to plain, per batch size. CPU time, not wall time: on a
+loaded machine it moves far less.
 
 Rounds: `--repeats` pairs of real federations (`mpiexec -n K+1 python -m hpcfed run`, the quickstart,
 `--rounds` rounds, no checkpoints), plain then record DP (ε 8), one after the other; the median round
@@ -60,14 +61,15 @@ def _site(batch_size: int, method: str | None, rounds: int) -> object:
 
 
 def fit_table(batch_sizes: list[int], fits: int) -> list[dict]:
-    """Median CPU seconds of one site's round of local training: plain, DP-SGD by hooks and by vmap."""
+    """Median CPU seconds of one site's round of local training: plain, DP-SGD by the linear layers' clipped
+    sums, by Opacus's hooks and by vmap."""
     import torch
 
     torch.set_num_threads(1)
     rows = []
     for bs in batch_sizes:
         sites = {name: _site(bs, method, fits) for name, method in
-                 (("plain", None), ("hooks", "hooks"), ("vmap", "vmap"))}
+                 (("plain", None), ("linear", "linear"), ("hooks", "hooks"), ("vmap", "vmap"))}
         times: dict[str, list[float]] = {name: [] for name in sites}
         for rnd in range(fits):
             for name, task in sites.items():
@@ -76,10 +78,10 @@ def fit_table(batch_sizes: list[int], fits: int) -> list[dict]:
                 times[name].append(time.process_time() - start)
         med = {name: statistics.median(t[1:] if len(t) > 1 else t) for name, t in times.items()}
         rows.append({"batch_size": bs, **{f"{n}_s": v for n, v in med.items()},
-                     "hooks_ratio": med["hooks"] / med["plain"], "vmap_ratio": med["vmap"] / med["plain"]})
-        print(f"  fit, batch {bs:4d}: plain {med['plain'] * 1e3:7.1f} ms, record DP {med['hooks'] * 1e3:7.1f} ms "
-              f"(x{rows[-1]['hooks_ratio']:.2f}), record DP by vmap {med['vmap'] * 1e3:7.1f} ms "
-              f"(x{rows[-1]['vmap_ratio']:.2f}) CPU per round", flush=True)
+                     **{f"{n}_ratio": med[n] / med["plain"] for n in ("linear", "hooks", "vmap")}})
+        print(f"  fit, batch {bs:4d}: plain {med['plain'] * 1e3:7.1f} ms; record DP "
+              + ", ".join(f"{n} {med[n] * 1e3:7.1f} ms (x{rows[-1][n + '_ratio']:.2f})"
+                          for n in ("linear", "hooks", "vmap")) + " CPU per round", flush=True)
     return rows
 
 

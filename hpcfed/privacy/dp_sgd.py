@@ -3,7 +3,10 @@ gradients, each clipped to L2 norm C, summed, Gaussian noise of std z·C added, 
 batch q·n. The optimizer (SGD, Adam, ...) then steps on that gradient as on any other: what it does
 with it is post-processing.
 
-Per-example gradients come from Opacus's `GradSampleModule` hooks: one forward and one backward pass
+A model whose trainable parameters all sit in linear layers (the quickstart's MLP, LoRA adapters and
+a linear head) needs no per-example gradients: `hpcfed.privacy.linear_clip` forms the clipped sum from
+the layers' activations in one forward and one backward pass. For other models, per-example gradients
+come from Opacus's `GradSampleModule` hooks: one forward and one backward pass
 of the batch, each supported layer's (Linear, Embedding, LayerNorm, convolutions, ...) per-example
 gradient formed from its saved activations and output gradients, and Opacus's per-layer `torch.func`
 for the others. That costs a fraction of vmapping the whole model (measured in tools/bench_privacy.py
@@ -31,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcfed.privacy.linear_clip import LinearClip
 from hpcfed.privacy.record_dp import Plan
 
 log = logging.getLogger("hpcfed.client")
@@ -106,7 +110,11 @@ class DPSGD:
         self._wrapper = _LossOf.build(model, loss)
         self._gsm: Any = None  # Opacus's GradSampleModule while `hooked`
         import opacus  # noqa: F401  (imported at setup: its first import takes seconds, not a round's time)
-        self.method = "hooks"  # then "vmap" when the hooks miss a parameter, "loop" when vmap fails too
+        self._linear = LinearClip.for_model(model, self.params)
+        # "linear": clipped sums without per-example gradients (`hpcfed.privacy.linear_clip`), for models
+        # whose trainable parameters are all linear layers'; else (or when a forward does not fit it)
+        # "hooks", then "vmap" when the hooks miss a parameter, "loop" when vmap fails too
+        self.method = "linear" if self._linear is not None else "hooks"
 
     @property
     def looped(self) -> bool:
@@ -115,6 +123,8 @@ class DPSGD:
 
     def per_example_grads(self, inputs: Any, target: Any) -> list[Any]:
         """Each trainable parameter's gradient, per example (a leading batch dimension)."""
+        if self.method == "linear":  # forms clipped sums, not per-example gradients: those come from the hooks
+            self._leave_linear()
         if self.method == "hooks":
             grads = self._hooked(inputs, target)
             if grads is not None:
@@ -138,6 +148,8 @@ class DPSGD:
         evaluation) the model is as the task built it."""
         from opacus import GradSampleModule
 
+        if self.method == "linear" and self._linear is not None:
+            self._linear.attach()
         if self.method == "hooks":
             # strict=False: buffers (a transformer's position ids) are no record's data; BatchNorm, which
             # would be, is refused before a model gets here (`refuse_record_mixing`)
@@ -147,7 +159,20 @@ class DPSGD:
         finally:
             self._unhook()
 
+    def _leave_linear(self) -> None:
+        """Take Opacus's hooks from now on (for the rest of the round too, when inside `hooked`)."""
+        inside = self._linear is not None and self._linear.attached
+        if self._linear is not None:
+            self._linear.detach()
+        self.method = "hooks"
+        if inside:
+            from opacus import GradSampleModule
+
+            self._gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="mean", strict=False)
+
     def _unhook(self) -> None:
+        if self._linear is not None:
+            self._linear.detach()
         if self._gsm is not None:
             self._gsm.cleanup()  # the hooks and Opacus's attributes (grad_sample) off the parameters
             self._gsm = None
@@ -219,13 +244,24 @@ class DPSGD:
         import torch
 
         params = self.params
-        if batch:
-            sums = self.clipped_sum(self.per_example_grads(inputs, target))
-        else:
-            sums = [torch.zeros_like(p) for p in params]
-        if reduce is not None:
+        sums: list[Any] | None = None
+        if batch and self.method == "linear" and self._linear is not None:
+            if not self._linear.attached:  # called outside `hooked` (a test): for this step
+                with self.hooked():
+                    return self.set_noisy_grad(inputs, target, batch, generator, reduce)
+            sums = self._linear.clipped_sum(lambda: self._loss(inputs, target), batch, self.plan.clip_norm)
+            if sums is None:
+                log.info("per-example clipping: this model's forward does not fit the linear layers' clipped sums; "
+                         "Opacus's hooks")
+                self._leave_linear()
+        if sums is None:
+            sums = (self.clipped_sum(self.per_example_grads(inputs, target)) if batch
+                    else [torch.zeros_like(p) for p in params])
+        if reduce is not None:  # the site's ranks' clipped sums, summed before the one noise draw
             sums = reduce(sums)
-        std = self.plan.noise_multiplier * self.plan.clip_norm
-        for p, s in zip(params, sums, strict=True):
-            noise = torch.from_numpy(generator.normal(0.0, std, size=tuple(p.shape))).to(p.device, p.dtype)
-            p.grad = (s.to(p.dtype) + noise) / self.plan.expected_batch
+        # the noise of every parameter in one draw (one call, not one per tensor), then cut to their shapes
+        sizes = [p.numel() for p in params]
+        noise = torch.from_numpy(generator.normal(0.0, self.plan.noise_multiplier * self.plan.clip_norm,
+                                                  size=sum(sizes)))
+        for p, s, n in zip(params, sums, noise.split(sizes), strict=True):
+            p.grad = (s.to(p.dtype) + n.view(p.shape).to(p.device, p.dtype)).div_(self.plan.expected_batch)

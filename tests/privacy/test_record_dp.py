@@ -259,3 +259,58 @@ def test_a_lora_adapted_transformer_takes_the_hooks_with_the_gradients_of_one_pa
     assert hooked.method == "hooks" and len(got) == len(hooked.names) == 2 * 2 + 2  # 2 adapters x A, B + head
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
     assert not hasattr(model.head.weight, "grad_sample")  # the hooks are gone after the step
+    fast = DPSGD(model, loss, _plan())  # a site's path: the adapters and the head are all linear layers
+    assert fast.method == "linear"
+    with fast.hooked():
+        sums = fast._linear.clipped_sum(lambda: loss(x, y), 4, 1.0)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(sums, hooked.clipped_sum(want), strict=True))
+
+
+def _both_sums(model, loss, x, y, clip=0.5):
+    """The clipped sums by the linear layers' products and by Opacus's per-example gradients."""
+    fast = DPSGD(model, loss, _plan(clip_norm=clip))
+    assert fast.method == "linear"
+    with fast.hooked():
+        got = fast._linear.clipped_sum(lambda: loss(x, y), int(y.shape[0]), clip)
+    slow = DPSGD(model, loss, _plan(clip_norm=clip))
+    slow.method = "hooks"
+    want = slow.clipped_sum(slow.per_example_grads(x, y))
+    return got, want
+
+
+def test_linear_layers_clipped_sums_equal_per_example_clipping_with_one_huge_example():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)  # a frozen tensor inside a trained layer is left out, as by the hooks
+    x, y = torch.randn(6, 3), torch.tensor([0, 1, 0, 1, 0, 1])
+    x[0] *= 1e6
+
+    def loss(x, y):
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    got, want = _both_sums(model, loss, x, y)
+    assert len(got) == 3 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+    without, _ = _both_sums(model, loss, x[1:], y[1:])
+    diff = torch.cat([(a - b).flatten() for a, b in zip(got, without, strict=True)])
+    assert float(torch.linalg.vector_norm(diff)) <= 0.5 * (1 + 1e-5)  # example 0 adds at most C
+
+
+def test_linear_layers_over_sequences_and_their_fallback_to_the_hooks():
+    torch.manual_seed(0)
+    inner, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+    model = torch.nn.ModuleDict({"inner": inner, "head": head})
+
+    def pooled(x, y):  # batch x tokens x features, as adapters see a sequence
+        return torch.nn.functional.cross_entropy(head(torch.tanh(inner(x)).mean(1)), y)
+
+    x, y = torch.randn(5, 7, 3), torch.tensor([0, 1, 0, 1, 1])
+    got, want = _both_sums(model, pooled, x, y)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+
+    def twice(x, y):  # one layer called twice in a forward: its rows' gradients add up, which this does not do
+        return torch.nn.functional.cross_entropy(head(torch.tanh(inner(x[:, 0])) + torch.tanh(inner(x[:, 1]))), y)
+
+    sgd = DPSGD(model, twice, _plan())
+    sgd.set_noisy_grad(x, y, 5, round_generator(1, 0, 0))
+    assert sgd.method == "hooks" and inner.weight.grad is not None
+    assert not sgd._linear.attached and not hasattr(inner.weight, "grad_sample")
