@@ -4,8 +4,8 @@ The bench's ground truth was ``hpcfed search query --exact``: at 1 M x 384 that 
 site's vectors at once (3.5-5.1 GB) and, for the append, a second copy of every export written only
 to be searched. Here each export is read in turn and scored in blocks, so the peak is one site's
 vectors plus a block of scores: the same answer (cosine over unit vectors, a query's own document
-left out, merged over the sites by score) for a fraction of the memory. `tests` check it against the
-CLI's ``--exact`` on a small collection (`bench_search.py --check-truth`).
+left out, merged over the sites by score) for a fraction of the memory.
+``tests/search/test_bench_truth.py`` checks it against the library's exact search.
 """
 
 from __future__ import annotations
