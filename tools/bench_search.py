@@ -21,6 +21,11 @@ site, the query's own document left out). Then, side by side in the same run (is
     6. ``hpcfed search index DIR --append NEW``: 10 % more vectors, its time over the full build's,
        the drift it reports, and recall@10 after it against exact search over all the vectors
 
+The exact answers of 5. and 6. are computed here one site at a time (`search_truth`), not by an
+``--exact`` process that would hold every site's vectors at once (3.5-5.1 GB at 1 M).
+``--goals-only`` runs the build, 5. (1 % only) and 6., in that order; ``--out`` keeps each step's
+results as it ends.
+
 The vectors imitate sentence embeddings (see `synthetic`: calibrated so that an IVF index finds their
 neighbours about as well as it finds those of all-MiniLM-L6-v2 vectors of 88,015 real tweets);
 ``--vectors FILE.npy`` runs on real vectors instead.
@@ -29,6 +34,7 @@ neighbours about as well as it finds those of all-MiniLM-L6-v2 vectors of 88,015
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
 import os
@@ -39,13 +45,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from search_truth import exact_answers  # noqa: E402
 
 from hpcfed.store.embeddings import export_path, write_export  # noqa: E402 (after the path is set)
 
@@ -59,10 +67,7 @@ def synthetic(n: int, d: int, seed: int, *, topics: int = 2000, rank: int = 32, 
     .900 / .953 at nprobe 32 / 64 (real .919 / .946). Their 10th-neighbour cosine is lower (.49 vs .65:
     tweets have near-duplicates). The structure is the same for every site (seeded apart from `seed`),
     so the sites share one vector space, as a joint run's do."""
-    structure = np.random.default_rng(20240)
-    mean = structure.normal(size=d).astype(np.float32)
-    centres = structure.normal(size=(topics, d)).astype(np.float32)
-    basis = (structure.normal(size=(topics, rank, d)) / np.sqrt(rank)).astype(np.float32)
+    mean, centres, basis = _structure(d, topics, rank)
     rng = np.random.default_rng(seed)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
@@ -77,14 +82,24 @@ def synthetic(n: int, d: int, seed: int, *, topics: int = 2000, rank: int = 32, 
         yield x
 
 
+@functools.lru_cache(maxsize=1)
+def _structure(d: int, topics: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The shared direction, topic centres and topic bases of `synthetic` (made once per run, not once
+    per site: the bases are topics x rank x d normals, drawn in float64 as before, so the vectors are the same)."""
+    structure = np.random.default_rng(20240)
+    mean = structure.normal(size=d).astype(np.float32)
+    centres = structure.normal(size=(topics, d)).astype(np.float32)
+    basis = (structure.normal(size=(topics, rank, d)) / np.sqrt(rank)).astype(np.float32)
+    return mean, centres, basis
+
+
 LABELS = 100  # every vector has label row % 100: `--where label=7` keeps 1 %
 
 
 def write_collection(folder: Path, n: int, sites: int, d: int, given: np.ndarray | None = None, *,
-                     prefix: str = "s", seed: int = 0, also: Path | None = None) -> list[str]:
+                     prefix: str = "s", seed: int = 0) -> list[str]:
     """`sites` exports of n/sites vectors each (ids ``<prefix><site>-<row>``), synthetic or the rows of
-    `given` dealt round-robin; returns every id. With `also`, each site's vectors are appended to the
-    export of the same site there too (the ground truth of an append)."""
+    `given` dealt round-robin; returns every id."""
     ids: list[str] = []
     for site in range(sites):
         rows = n // sites + (1 if site < n % sites else 0)
@@ -95,20 +110,15 @@ def write_collection(folder: Path, n: int, sites: int, d: int, given: np.ndarray
         site_ids = [f"{prefix}{site}-{i}" for i in range(rows)]
         write_export(export_path(folder, site), vectors, site_ids, np.arange(rows) % LABELS, entity="doc",
                      model="synthetic", site=site)
-        if also is not None:
-            from hpcfed.store.embeddings import read_export
-
-            old = read_export(export_path(also, site))
-            write_export(export_path(also, site), np.concatenate([old.vectors, vectors]), old.ids + site_ids,
-                         np.concatenate([old.labels, np.arange(rows) % LABELS]), entity="doc", model="synthetic",
-                         site=site)
         ids += site_ids
         del vectors
     return ids
 
 
 def run(cmd: list[str], env: dict[str, str]) -> dict:
-    """Run one CLI process; its wall time, peak RSS (wait4) and stdout."""
+    """Run one CLI process; its wall time, CPU time (user + system, its threads and children), peak RSS
+    (wait4) and stdout. On a shared machine the CPU time is the figure to compare: the wall time also
+    counts the time the scheduler gave to other processes."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out: list[bytes] = []
@@ -125,8 +135,8 @@ def run(cmd: list[str], env: dict[str, str]) -> dict:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {b''.join(err).decode()[-3000:]}")
-    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024),
-            "stdout": b"".join(out).decode()}
+    return {"seconds": round(time.perf_counter() - start, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024), "stdout": b"".join(out).decode()}
 
 
 def recall(index_answers: list[dict], exact_answers: list[dict], k: int) -> tuple[float, float]:
@@ -208,9 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="keep the collection here (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the results as JSON only")
     p.add_argument("--no-append", action="store_true", help="skip the append measurement (6.)")
+    p.add_argument("--goals-only", action="store_true",
+                   help="only issue 41's goals: the build, the 1 %% filter (5.) and the append (6.)")
+    p.add_argument("--recall-only", action="store_true",
+                   help="only the build and recall@k of the index against exact search (for --vectors)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the results as JSON here, after each step (a run cut short keeps what it had)")
     args = p.parse_args(argv)
     tmp = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="hpcfed-bench-search-"))
-    env = {**os.environ, "HPCFED_KEYS_DIR": str(tmp / "keys"), "PYTHONPATH": str(REPO)}
+    # PASSIVE: OpenMP threads that wait sleep instead of spinning, so that on a shared machine the CPU
+    # time of a build is its work, not its threads waiting for the cores others hold
+    env = {**os.environ, "HPCFED_KEYS_DIR": str(tmp / "keys"), "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "PASSIVE"}
     env.pop("HPCFED_STATE_KEY", None)
     try:
         result = _bench(args, tmp, env)
@@ -224,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     cli = [sys.executable, "-m", "hpcfed", "search"]
     folder = tmp / "run"
+    load_before = os.getloadavg()
     t = time.perf_counter()
     given = np.load(args.vectors, mmap_mode="r") if args.vectors else None
     if given is not None:
@@ -238,9 +257,32 @@ def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     built = json.loads(build.pop("stdout"))["indexes"]
     res: dict = {"vectors": args.vectors or "synthetic", "n": args.n, "sites": args.sites, "dim": args.dim,
                  "queries": len(queries), "k": args.k,
-                 "generate_s": generated, "cpu_count": os.cpu_count(), "load_avg_before": os.getloadavg(),
+                 "generate_s": generated, "cpu_count": os.cpu_count(), "load_avg_before": load_before,
                  "build": {**build, "factory": built[0].get("factory"), "nprobe": built[0].get("nprobe"),
                            "faiss_mb": round(sum(b.get("faiss_bytes", 0) for b in built) / 2**20)}}
+    res["filters"] = {}
+    save = _saver(args.out, res)
+    save()
+    if args.recall_only:
+        res["exact"], res["index"] = {}, {}
+        for mode in ("exact", "index"):
+            many = run([*cli, "query", str(folder), "--ids-file", str(tmp / "ids.txt"), *k, "--jsonl",
+                        *(["--exact"] if mode == "exact" else [])], env)
+            res[mode] = [json.loads(line) for line in many.pop("stdout").splitlines()]
+            res[f"{mode}_batch"] = many
+        res["recall_at_k"], res["recall_at_k_ties"] = recall(res.pop("index"), res.pop("exact"), args.k)
+        res["load_avg_after"] = os.getloadavg()
+        save()
+        return res
+    # issue 41's goals first (a run cut short by its time limit still has them), then issue 24's figures
+    res["filters"]["1 %"] = _filtered(cli, folder, tmp, queries, k, env, FILTERS["1 %"])
+    save()
+    if not args.no_append:
+        res["append"] = _append(args, cli, tmp, folder, given, k, env, res["build"])
+        save()
+    if args.goals_only:
+        res["load_avg_after"] = os.getloadavg()
+        return res
     for mode in ("exact", "index"):
         flag = ["--exact"] if mode == "exact" else []
         one = run([*cli, "query", str(folder), "--id", queries[0], *k, "--compact", *flag], env)
@@ -251,11 +293,19 @@ def _bench(args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     res["recall_at_k"], res["recall_at_k_ties"] = recall(res["index"].pop("answers"), res["exact"].pop("answers"),
                                                          args.k)
     res["service"] = serve_latency(folder, queries, args.k, env)
-    res["filters"] = {name: _filtered(cli, folder, tmp, queries, k, env, labels) for name, labels in FILTERS.items()}
-    if not args.no_append:
-        res["append"] = _append(args, cli, tmp, folder, given, k, env, res["build"]["seconds"])
+    save()
+    res["filters"]["10 %"] = _filtered(cli, folder, tmp, queries, k, env, FILTERS["10 %"])
     res["load_avg_after"] = os.getloadavg()
     return res
+
+
+def _saver(path: Path | None, res: dict) -> Callable[[], None]:
+    """A function writing `res` so far to `path` (nothing without one), load average and time stamped."""
+    def save() -> None:
+        if path is not None:
+            path.write_text(json.dumps({**res, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                        "load_avg_now": os.getloadavg()}, indent=2))
+    return save
 
 
 def _answers(cmd: list[str], env: dict[str, str]) -> tuple[dict, list[dict]]:
@@ -272,33 +322,31 @@ def _filtered(cli: list[str], folder: Path, tmp: Path, queries: list[str], k: li
     where = [f"--where=label={label}" for label in labels]
     many = [*cli, "query", str(folder), "--ids-file", str(tmp / "ids.txt"), *k, "--jsonl", *where]
     index_run, index_answers = _answers(many, env)
-    exact_run, exact_answers = _answers([*many, "--exact"], env)
+    truth = exact_answers([folder], len(list((folder / "embeddings").glob("site*.h5"))), queries, int(k[1]), labels)
     kept = all(r["label"] in labels for a in index_answers for r in a["results"])
-    plain, ties = recall(index_answers, exact_answers, int(k[1]))
+    plain, ties = recall(index_answers, truth, int(k[1]))
     return {"where": f"label in {labels[0]}..{labels[-1]}", "every_hit_matches": kept, "recall_at_k": plain,
-            "recall_at_k_ties": ties, "batch_index_s": index_run["seconds"], "batch_exact_s": exact_run["seconds"],
+            "recall_at_k_ties": ties, "batch_index_s": index_run["seconds"], "batch_index_cpu_s": index_run["cpu_s"],
             "service": serve_latency(folder, queries, int(k[1]), env, {"label": labels})}
 
 
 def _append(args: argparse.Namespace, cli: list[str], tmp: Path, folder: Path, given: np.ndarray | None,
-            k: list[str], env: dict[str, str], build_s: float) -> dict:
+            k: list[str], env: dict[str, str], build: dict) -> dict:
     """Goal: appending 10 % takes <= 15 % of a full build; recall@10 after it >= .95 (against exact search
     over the export and the appended vectors together)."""
-    truth = tmp / "truth"
-    shutil.copytree(folder / "embeddings", truth / "embeddings", ignore=shutil.ignore_patterns("*.ann"))
     extra = max(args.sites, args.n // 10)
     more = None if given is None else np.asarray(given[: extra])  # real vectors: the first tenth again, new ids
-    new_ids = write_collection(tmp / "new", extra, args.sites, args.dim, more, prefix="a", seed=1, also=truth)
+    new_ids = write_collection(tmp / "new", extra, args.sites, args.dim, more, prefix="a", seed=1)
     appended = run([*cli, "index", str(folder), "--append", str(tmp / "new")], env)
     report = json.loads(appended.pop("stdout"))["indexes"]
     asked = [new_ids[i] for i in np.random.default_rng(2).choice(len(new_ids), size=min(200, len(new_ids)),
                                                                   replace=False)]
     (tmp / "new_ids.txt").write_text("\n".join(asked) + "\n")
     _, got = _answers([*cli, "query", str(folder), "--ids-file", str(tmp / "new_ids.txt"), *k, "--jsonl"], env)
-    _, want = _answers([*cli, "query", str(truth), "--ids-file", str(tmp / "new_ids.txt"), *k, "--jsonl",
-                        "--exact"], env)
+    want = exact_answers([folder, tmp / "new"], args.sites, asked, int(k[1]))  # the export and the appended
     plain, ties = recall(got, want, int(k[1]))
-    return {"rows": extra, **appended, "share_of_build": round(appended["seconds"] / max(build_s, 1e-9), 3),
+    return {"rows": extra, **appended, "share_of_build": round(appended["seconds"] / max(build["seconds"], 1e-9), 3),
+            "cpu_share_of_build": round(appended["cpu_s"] / max(build["cpu_s"], 1e-9), 3),
             "drift": [r.get("drift") for r in report], "rebuild_due": any(r.get("rebuild_due") for r in report),
             "recall_at_k": plain, "recall_at_k_ties": ties}
 
@@ -307,21 +355,28 @@ def _table(r: dict) -> str:
     rows = [
         f"{r['n']:,} x {r['dim']} {r['vectors']} vectors over {r['sites']} sites, {r['queries']} queries, k={r['k']}; "
         f"{r['cpu_count']} cores, load average {r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}",
-        f"index build ({r['build']['factory']}, nprobe {r['build']['nprobe']}): {r['build']['seconds']} s, "
-        f"peak {r['build']['peak_rss_mb']} MB, FAISS indexes {r['build']['faiss_mb']} MB",
-        "| | exact (`--exact`) | index |",
-        "|---|---|---|",
-        f"| one query, start-up included | {r['exact']['one_query']['seconds']} s, "
-        f"{r['exact']['one_query']['peak_rss_mb']} MB | {r['index']['one_query']['seconds']} s, "
-        f"{r['index']['one_query']['peak_rss_mb']} MB |",
-        f"| {r['queries']} queries in one `--ids-file` call | {r['exact']['batch']['seconds']} s, "
-        f"{r['exact']['batch']['peak_rss_mb']} MB | {r['index']['batch']['seconds']} s, "
-        f"{r['index']['batch']['peak_rss_mb']} MB |",
-        f"| recall@{r['k']} against exact (ties counted) | 1 | {r['recall_at_k']} ({r['recall_at_k_ties']}) |",
-        f"service: start {r['service']['startup_s']} s, median {r['service']['median_ms']} ms, "
-        f"p95 {r['service']['p95_ms']} ms, p99 {r['service']['p99_ms']} ms per query, "
-        f"{r['service']['queries_per_s']} queries/s, {r['service']['cpu_ms_per_query']} ms of CPU per query, "
-        f"peak {r['service']['peak_rss_mb']} MB",
+        f"index build ({r['build']['factory']}, nprobe {r['build']['nprobe']}): {r['build']['seconds']} s "
+        f"({r['build']['cpu_s']} s CPU), peak {r['build']['peak_rss_mb']} MB, "
+        f"FAISS indexes {r['build']['faiss_mb']} MB",
+    ]
+    if "recall_at_k" in r and "exact" not in r:  # --recall-only
+        return "\n".join([*rows, f"recall@{r['k']} against exact (ties counted): {r['recall_at_k']} "
+                                  f"({r['recall_at_k_ties']})"])
+    if "exact" in r:
+        rows += [
+            "| | exact (`--exact`) | index |",
+            "|---|---|---|",
+            *[f"| {what} | {r['exact'][key]['seconds']} s ({r['exact'][key]['cpu_s']} s CPU), "
+              f"{r['exact'][key]['peak_rss_mb']} MB | {r['index'][key]['seconds']} s "
+              f"({r['index'][key]['cpu_s']} s CPU), {r['index'][key]['peak_rss_mb']} MB |"
+              for what, key in (("one query, start-up included", "one_query"),
+                                (f"{r['queries']} queries in one `--ids-file` call", "batch"))],
+            f"| recall@{r['k']} against exact (ties counted) | 1 | {r['recall_at_k']} ({r['recall_at_k_ties']}) |",
+            f"service: start {r['service']['startup_s']} s, median {r['service']['median_ms']} ms, "
+            f"p95 {r['service']['p95_ms']} ms, p99 {r['service']['p99_ms']} ms per query, "
+            f"{r['service']['queries_per_s']} queries/s, {r['service']['cpu_ms_per_query']} ms of CPU per query, "
+            f"peak {r['service']['peak_rss_mb']} MB"]
+    rows += [
         "| filter (labels kept) | recall@k (ties counted) | every hit matches | service median / p95 | CPU per query |",
         "|---|---|---|---|---|",
         *[f"| {name} ({f['where']}) | {f['recall_at_k']} ({f['recall_at_k_ties']}) | {f['every_hit_matches']} | "
@@ -329,11 +384,12 @@ def _table(r: dict) -> str:
           for name, f in r["filters"].items()],
     ]
     if "append" in r:
+        a = r["append"]
         rows.append(
-            f"append {r['append']['rows']:,} vectors: {r['append']['seconds']} s = {r['append']['share_of_build']:.1%} "
-        f"of the full build ({r['build']['seconds']} s); recall@{r['k']} after it {r['append']['recall_at_k']} "
-            f"({r['append']['recall_at_k_ties']}); drift {r['append']['drift']}, rebuild due: "
-            f"{r['append']['rebuild_due']}")
+            f"append {a['rows']:,} vectors: {a['seconds']} s = {a['share_of_build']:.1%} of the full build "
+            f"({r['build']['seconds']} s); CPU {a['cpu_s']} s = {a['cpu_share_of_build']:.1%} of the build's "
+            f"{r['build']['cpu_s']} s; recall@{r['k']} after it {a['recall_at_k']} ({a['recall_at_k_ties']}); "
+            f"drift {a['drift']}, rebuild due: {a['rebuild_due']}")
     return "\n".join(rows)
 
 
