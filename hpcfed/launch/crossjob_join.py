@@ -183,9 +183,10 @@ class _Joined:
 def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str]:
     """Knock until the server answers, with a back-off, for at most `wait` s: it may start later
     than this site, or be resuming (it rewrites its port file, read again at every try), or not have
-    seen this site's last job end yet. Any other refusal, or a garbled port file, ends the wait at once,
-    with the reason. Returns (welcome, where)."""
-    from hpcfed.comm.rendezvous import STILL_PRESENT, NoPortFile, RendezvousError, knock, read_server
+    seen this site's last job end yet (refusal code "still_present", retried for up to
+    `STILL_PRESENT_RETRY_S`), or find this site's knocks too fast ("rate_limited"). Any other refusal,
+    or a garbled port file, ends the wait at once, with the reason. Returns (welcome, where)."""
+    from hpcfed.comm.rendezvous import RATE_LIMITED, STILL_PRESENT, NoPortFile, RendezvousError, knock, read_server
 
     deadline = time.monotonic() + wait
     delay, last, where = 0.5, "", f"--server {spec}"
@@ -199,12 +200,13 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
         except OSError as exc:  # nothing listens (yet), unreachable, timed out
             last = f"nothing answered at {address[0]}:{address[1]} ({exc.strerror or exc or type(exc).__name__})"
         except RendezvousError as exc:
-            if STILL_PRESENT not in str(exc):
+            if exc.code == STILL_PRESENT:
+                present_since = present_since or time.monotonic()
+                if time.monotonic() - present_since > STILL_PRESENT_RETRY_S:
+                    raise  # another job of this site is alive: not a race with the end of this site's last job
+            elif exc.code != RATE_LIMITED:
                 raise
-            present_since = present_since or time.monotonic()
-            if time.monotonic() - present_since > STILL_PRESENT_RETRY_S:
-                raise  # another job of this site is alive: not a race with the end of this site's last job
-            last = str(exc)  # this site's last job is not declared lost yet: knock again in a moment
+            last = str(exc)  # not declared lost yet, or knocking too fast: knock again in a moment
         if time.monotonic() + delay > deadline:
             raise FederationError(
                 f"site {site}: no server within {wait:g} s (federation.setup_timeout_s) from {where}; last: {last}. "

@@ -63,6 +63,7 @@ class SiteDoor:
         self.finished = threading.Event()  # the federation is over: losses no longer matter
         self.server: Any = None  # once built: told of every site lost
         self.lost: dict[int, str] = {}  # client id -> why
+        self.refused_at_start: dict[int, str] = {}  # client id -> why (evicted in the checkpoint resumed from)
 
     # -- at the start ------------------------------------------------------------------------------
     def gather(self, deadline: float, min_sites: int, hint: str, *, left_out: AbstractSet[int] = frozenset(),
@@ -102,6 +103,8 @@ class SiteDoor:
         evicted (with the reason its knock is refused; "" for the listener's own)."""
         with self._lock:
             taken = dict.fromkeys((self.joined - {cid + 1 for cid in self.lost}) | self._queued, "")
+        for cid, reason in self.refused_at_start.items():
+            taken[cid + 1] = f"site {cid} was evicted from this federation ({reason}): it cannot rejoin"
         for cid, reason in self.server.refused() if self.server is not None else ():
             taken[cid + 1] = f"site {cid} is out of this federation ({reason}): it cannot rejoin"
         return taken
