@@ -140,13 +140,25 @@ class Soak:
 
     # -- the soak ----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        args, rng = self.args, random.Random(self.args.seed)
+        rng = random.Random(self.args.seed)
         if self.out.exists():  # only a folder this tool made is emptied
             if not (self.out / MARKER).exists():
                 raise SystemExit(f"chaos soak: {self.out} exists and is not a chaos soak's folder: pick another --out")
             shutil.rmtree(self.out)
         self.out.mkdir(parents=True)
         (self.out / MARKER).write_text("made by tools/chaos_soak.py\n")
+        try:
+            return self._soak(rng)
+        finally:  # whatever happened, no job of the soak outlives it
+            self._stop.set()
+            for proc in [*self.sites.values(), *([self.server] if self.server is not None else [])]:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+    def _soak(self, rng: random.Random) -> dict[str, Any]:
+        args = self.args
         lo, hi = (float(x) for x in args.kill_every.split("-"))
         away_lo, away_hi = (float(x) for x in args.away.split("-"))
         self.start_server()

@@ -35,6 +35,11 @@ class PortError(RuntimeError):
     """An MPI port could not be opened, accepted on or connected to in time; says which and why."""
 
 
+class PortStuck(PortError):
+    """An Accept nobody answered could not be released (a site killed in the middle of its
+    Connect can leave it so): its thread stays in MPI; serve on a fresh port (`open_port`)."""
+
+
 def network_env(port_range: tuple[int, int] | None, iface: str | None,
                 current: Mapping[str, str] | None = None) -> dict[str, str]:
     """The MPI settings of a job joined to others through a port; they must be in the environment
@@ -103,9 +108,12 @@ def accept(port: str, timeout: float) -> Any | None:
     worker = _Worker(lambda: MPI.COMM_SELF.Accept(port))
     if worker.wait(timeout):
         return worker.result("MPI Accept on this server's port")
-    _release(port)
+    try:
+        _release(port)
+    except PortError as exc:
+        raise PortStuck(str(exc)) from None
     if not worker.wait(_RELEASE_S):
-        raise PortError(f"an Accept nobody answered could not be released within {_RELEASE_S:g} s")
+        raise PortStuck(f"an Accept nobody answered could not be released within {_RELEASE_S:g} s")
     stray = worker.result("MPI Accept on this server's port")
     stray.Disconnect()  # our own throwaway process (or a late site, which then learns it was refused)
     return None

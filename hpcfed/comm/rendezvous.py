@@ -60,6 +60,7 @@ GO = b"G"  # server -> site, after the welcome: connect to the MPI port now
 # knocks came too fast.
 STILL_PRESENT, RATE_LIMITED, OUT, REFUSED = "still_present", "rate_limited", "out", "refused"
 REFUSALS = frozenset({STILL_PRESENT, RATE_LIMITED, OUT, REFUSED})
+NO_ANSWER = "no_answer"  # never sent: the peer did not answer in time, or closed (a busy or ending server)
 KNOCK_WINDOW_S = 10.0
 KNOCKS_PER_WINDOW = 8  # per site and source address: a rejoining site's back-off knocks 5 times in 15 s
 _RATE_TABLE = 4096  # (address, site) pairs remembered at most: the table is cleared when it is full
@@ -71,7 +72,7 @@ class RendezvousError(ValueError):
 
     def __init__(self, message: str, code: str = REFUSED) -> None:
         super().__init__(message)
-        self.code = code if code in REFUSALS else REFUSED
+        self.code = code if code in REFUSALS or code == NO_ANSWER else REFUSED
 
 
 class NoPortFile(RendezvousError):
@@ -135,14 +136,14 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RendezvousError(f"the peer sent {len(buf)} of {n} bytes within the knock's deadline")
+            raise RendezvousError(f"the peer sent {len(buf)} of {n} bytes within the knock's deadline", NO_ANSWER)
         sock.settimeout(left)
         try:
             part = sock.recv(n - len(buf))
         except TimeoutError:
             continue
         if not part:
-            raise RendezvousError(f"the peer closed the connection after {len(buf)} of {n} bytes")
+            raise RendezvousError(f"the peer closed the connection after {len(buf)} of {n} bytes", NO_ANSWER)
         buf += part
     return bytes(buf)
 

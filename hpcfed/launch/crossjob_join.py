@@ -118,6 +118,12 @@ class _Joined:
             _end_now(3)
 
     def run(self) -> int:
+        # What the attempts import is imported now: `_ServerGone` may interrupt the main thread anywhere,
+        # and an import it cuts short leaves a module half made (torch's then fails on the next attempt).
+        import torch  # noqa: F401
+
+        from hpcfed.client.client import Client  # noqa: F401
+
         signal.signal(_GONE_SIGNAL, self._interrupt)
         resume = self.args.resume
         while True:
@@ -184,9 +190,18 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
     """Knock until the server answers, with a back-off, for at most `wait` s: it may start later
     than this site, or be resuming (it rewrites its port file, read again at every try), or not have
     seen this site's last job end yet (refusal code "still_present", retried for up to
-    `STILL_PRESENT_RETRY_S`), or find this site's knocks too fast ("rate_limited"). Any other refusal,
+    `STILL_PRESENT_RETRY_S`), or find this site's knocks too fast ("rate_limited"), or be too busy to
+    answer (letting another site in: `NO_ANSWER`, as when nothing listens). Any other refusal,
     or a garbled port file, ends the wait at once, with the reason. Returns (welcome, where)."""
-    from hpcfed.comm.rendezvous import RATE_LIMITED, STILL_PRESENT, NoPortFile, RendezvousError, knock, read_server
+    from hpcfed.comm.rendezvous import (
+        NO_ANSWER,
+        RATE_LIMITED,
+        STILL_PRESENT,
+        NoPortFile,
+        RendezvousError,
+        knock,
+        read_server,
+    )
 
     deadline = time.monotonic() + wait
     delay, last, where = 0.5, "", f"--server {spec}"
@@ -204,7 +219,7 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
                 present_since = present_since or time.monotonic()
                 if time.monotonic() - present_since > STILL_PRESENT_RETRY_S:
                     raise  # another job of this site is alive: not a race with the end of this site's last job
-            elif exc.code != RATE_LIMITED:
+            elif exc.code not in (RATE_LIMITED, NO_ANSWER):
                 raise
             last = str(exc)  # not declared lost yet, or knocking too fast: knock again in a moment
         if time.monotonic() + delay > deadline:

@@ -116,6 +116,9 @@ class SiteDoor:
             comm = mpiport.accept(self.port_name, ACCEPT_S)
         except OSError as exc:
             comm, why = None, f"it went away after its knock ({exc.strerror or exc})"
+        except mpiport.PortStuck as exc:
+            comm, why = None, f"{exc} (it was killed in the middle of its Connect)"
+            self._fresh_port()
         else:
             why = f"it never connected to the MPI port within {ACCEPT_S:g} s"
         with self._lock:
@@ -139,6 +142,11 @@ class SiteDoor:
         log.info("site %d %s as rank %d (key %s)", knock.rank - 1, "is back" if back else "joined", knock.rank,
                  knock.identity)
         return True
+
+    def _fresh_port(self) -> None:
+        """An Accept is stuck on the old port (its thread stays in MPI): sites are told a new one."""
+        self.port_name = self.listener.port_name = mpiport.open_port()
+        log.warning("an MPI Accept could not be released: sites are let in on a fresh MPI port from now on")
 
     # -- later ---------------------------------------------------------------------------------------
     def take_knocks(self) -> None:

@@ -66,6 +66,7 @@ class SyncRounds:
         core = self.core
         core.round = rnd
         joining.admit(core, rnd)  # sites that joined late (`hpcfed serve`) take part from this round
+        joining.await_floor(core, rnd)  # every site away at once: they may come back (`hpcfed serve`)
         t0 = time.monotonic()
         want_state = self.checkpoint_due(rnd)
         _audit_model(core, rnd, "start")
