@@ -59,7 +59,7 @@ RSS_TOLERANCE = 0.10  # the last window's peak RSS may exceed the first's by thi
 def _overrides(sites: int, secure: bool) -> list[str]:
     return ["rounds=1000000", f"federation.num_clients={sites}", "task.samples_per_site=100", "eval_every=0",
             "checkpoint_every=2", "federation.on_client_failure=continue", "federation.quorum=0.5",
-            "federation.setup_timeout_s=120", "federation.round_deadline_s=30", "influence.reject_factor=1000",
+            "federation.setup_timeout_s=300", "federation.round_deadline_s=30", "influence.reject_factor=1000",
             f"privacy.secure_aggregation={'true' if secure else 'false'}", "federation.slowdown={0: 3}"]
 
 
@@ -92,7 +92,7 @@ class Soak:
 
     def start_server(self, resume: bool = False) -> subprocess.Popen[bytes]:
         self.server = self._popen(["serve", CONFIG, *self.overrides, "--out", str(self.srv),
-                                   "--start-deadline", "120", *(["--resume"] if resume else [])],
+                                   "--start-deadline", "600", *(["--resume"] if resume else [])],
                                   self.out / "server.out")
         return self.server
 
@@ -166,7 +166,7 @@ class Soak:
             self.start_site(cid)
         sampler = threading.Thread(target=self.sample_rss, daemon=True)
         sampler.start()
-        self._wait(lambda: _rounds(self.srv) > 0, 300, "the first round")
+        self._wait(lambda: _rounds(self.srv) > 0, 900, "the first round")
         self.t0 = time.monotonic()  # the soak's clock starts with the rounds
         self.rss.clear()
         self.round_seen.clear()
@@ -206,7 +206,7 @@ class Soak:
         if server_back is not None:
             self.start_server(resume=True)
         duration = self.now()
-        self._wait(lambda: _all_present(self.srv), 240, "every site present again")
+        self._wait(lambda: _all_present(self.srv), 600, "every site present again")
         (self.srv / "HALT").touch()
         assert self.server is not None
         code = _finish(self.server, 300)

@@ -144,6 +144,7 @@ class _Joined:
         welcome, where = _knock_until(self.args.server, cred, self.args.site, fed.setup_timeout_s)
         # A late joiner is let in at the server's next round: at most a round's deadline away.
         await_go(welcome.sock, fed.setup_timeout_s + fed.round_deadline_s)
+        _fault("HPCFED_FAULT_KILL_AFTER_GO", self.rank)  # (tests: a site that dies between GO and its Connect)
         try:
             comm = mpiport.connect(welcome.port, CONNECT_S)
         except mpiport.PortError as exc:
@@ -171,6 +172,7 @@ class _Joined:
 
         channel = SecureChannel(self.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
                                 **channel_settings(self.cfg))
+        _fault("HPCFED_FAULT_KILL_IN_HANDSHAKE", self.rank)  # (tests: a site that dies in its secure handshake)
         channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
         channel.expect({0: protocol.SERVER_KINDS})
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
@@ -184,6 +186,14 @@ class _Joined:
                keys=self.keys).run()
         self.finishing.set()
         channel.close()
+
+
+def _fault(name: str, rank: int) -> None:
+    """Fault injection for the tests: SIGKILL this site's job here when the environment names its rank."""
+    if os.environ.get(name) == str(rank):
+        log.error("fault injection (%s): killing rank %d", name, rank)
+        logging.shutdown()
+        os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job: mpiexec and its proxy too
 
 
 def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str]:

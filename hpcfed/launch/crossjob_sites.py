@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -113,14 +115,15 @@ class SiteDoor:
         """GO, then `Accept` the site's `Connect`: its spoke and its lifeline from now on."""
         try:
             send_go(knock.sock)
-            comm = mpiport.accept(self.port_name, ACCEPT_S)
+            comm = mpiport.accept(self.port_name, ACCEPT_S, gone=lambda: _closed(knock.sock))
         except OSError as exc:
             comm, why = None, f"it went away after its knock ({exc.strerror or exc})"
         except mpiport.PortStuck as exc:
             comm, why = None, f"{exc} (it was killed in the middle of its Connect)"
             self._fresh_port()
         else:
-            why = f"it never connected to the MPI port within {ACCEPT_S:g} s"
+            why = (f"it never connected to the MPI port within {ACCEPT_S:g} s" if not _closed(knock.sock) else
+                   "its job ended before it connected to the MPI port (its knock's socket closed)")
         with self._lock:
             self._queued.discard(knock.rank)
             back = knock.rank in self.joined
@@ -222,3 +225,12 @@ class SiteDoor:
     def close(self) -> None:
         self.finished.set()
         self.listener.close()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether a welcomed site's knock socket (its lifeline to be) was closed by its end: its job died."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
