@@ -167,7 +167,13 @@ class _Served:
         timeout = self.cfg.federation.setup_timeout_s
         channel = SecureChannel(door.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
                                 **channel_settings(self.cfg))
+        def look() -> None:  # a site whose lifeline closed meanwhile is left out at once (`_drop_unconnected`)
+            for rank in door.transport.lost():
+                channel.peer_gone(rank)
+
+        channel.watch_peers(look)
         channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout)
+        channel.watch_peers(None)
         for rank in channel.peers:
             log.info("rank %d authenticated as %s", rank, channel.identity(rank))
         server = Server(self.cfg, channel, self.out, resume=self.args.resume, keys=self.keys)

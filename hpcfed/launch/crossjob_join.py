@@ -42,6 +42,7 @@ log = logging.getLogger("hpcfed")
 # How long a site knocks again while the server still counts it present: its last job's lifeline
 # closes within a second or two of that job's end, then the server drops it and lets it back in.
 STILL_PRESENT_RETRY_S = 15.0
+GATHER_WAIT_S = 3600.0  # how long a site let in waits for the server's handshake (its lifeline sees a dead server)
 
 
 # -- a site --------------------------------------------------------------------------------------------
@@ -173,7 +174,10 @@ class _Joined:
         channel = SecureChannel(self.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
                                 **channel_settings(self.cfg))
         _fault("HPCFED_FAULT_KILL_IN_HANDSHAKE", self.rank)  # (tests: a site that dies in its secure handshake)
-        channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
+        # A site let in while the server still gathers the others waits for the server's handshake
+        # until the gathering ends (`hpcfed serve --start-deadline`, which may be longer than
+        # setup_timeout_s); a server that dies meanwhile is seen by the lifeline, not by this wait.
+        channel.connect([0], timeout=max(self.cfg.federation.setup_timeout_s, GATHER_WAIT_S))
         channel.expect({0: protocol.SERVER_KINDS})
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))

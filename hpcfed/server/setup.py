@@ -70,7 +70,8 @@ def exchange(core: ServerCore, resume: bool) -> int:
                          time_offset=elapsed, mirror=mirror)
     layout_header = layout.describe()
     for cid in sorted(out - set(core.config.roster.exclude_sites)):  # evicted in an earlier attempt: tell it
-        core.channel.post(cid + 1, P.EVICTED, {"reason": core.ledger.evicted[cid].reason})
+        if cid + 1 in core.channel.peers:  # (`hpcfed serve` lets none in: its knock was refused)
+            core.channel.post(cid + 1, P.EVICTED, {"reason": core.ledger.evicted[cid].reason})
     for cid in sorted(core.live):
         reply_header, reply_tensors = replies.get(cid, ({}, {}))
         shard = None  # which of its own shards the site loads (it verifies it against this digest)

@@ -14,7 +14,8 @@ import pytest
 pytestmark = pytest.mark.mpi
 
 OVERRIDES = [*H.SMALL, "federation.num_clients=3", "rounds=100000", "checkpoint_every=1", "attack=bad_header",
-             "federation.on_client_failure=continue", "federation.slowdown={0: 3}"]
+             "federation.on_client_failure=continue", "federation.slowdown={0: 3}",
+             "federation.setup_timeout_s=900"]  # the sites knock again while the server restarts (a loaded host)
 
 
 def _ckpt_after_eviction(out) -> bool:
@@ -25,21 +26,21 @@ def _ckpt_after_eviction(out) -> bool:
 
 def test_a_resumed_server_does_not_wait_for_a_site_evicted_in_its_checkpoint(tmp_path):
     out, port = tmp_path / "srv", tmp_path / "srv" / "port.json"
-    server = H.serve(out, OVERRIDES, "--start-deadline", "60")
+    server = H.serve(out, OVERRIDES, "--start-deadline", "900")
     sites = {i: H.join(port, i, tmp_path / f"site{i}", OVERRIDES) for i in range(3)}
     H.wait_for("a checkpoint after site 2's eviction", lambda: _ckpt_after_eviction(out), [server, sites[0], sites[1]],
-               timeout=240)
+               timeout=900)
     H.kill_job(server)
     H.kill_job(sites.pop(2))
     setups = (out / "logs" / "rank0.log").read_text().count("setup done")
     # The deadline is far past the wait below: a server that waited for site 2 would fail the test.
     server = H.serve(out, OVERRIDES, "--resume", "--start-deadline", "900")
     H.wait_for("the resumed server's rounds", lambda: (out / "logs" / "rank0.log").read_text().count("setup done")
-               > setups, [server, *sites.values()], timeout=200)
+               > setups, [server, *sites.values()], timeout=900)
     log = (out / "logs" / "rank0.log").read_text()
     assert "site 2 was evicted in the checkpoint this run resumes from (" in log and "it is not expected" in log
     back = H.join(port, 2, tmp_path / "site2", OVERRIDES)  # a new job of the evicted site: refused at the knock
-    text, _ = back.communicate(timeout=180)
+    text, _ = back.communicate(timeout=600)
     assert back.returncode != 0 and "site 2 was evicted from this federation" in text, text[-3000:]
     assert "knock from 127.0.0.1" in (out / "logs" / "rank0.log").read_text().split("resumes from")[-1]
     (out / "HALT").touch()
