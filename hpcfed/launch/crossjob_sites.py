@@ -113,9 +113,16 @@ class SiteDoor:
 
     def let_in(self, knock: Knock) -> bool:
         """GO, then `Accept` the site's `Connect`: its spoke and its lifeline from now on."""
+        def gone() -> bool:
+            if not _closed(knock.sock):
+                return False
+            log.warning("site %d's job ended after its GO, before its MPI Connect: its pending Accept is released",
+                        knock.rank - 1)
+            return True
+
         try:
             send_go(knock.sock)
-            comm = mpiport.accept(self.port_name, ACCEPT_S, gone=lambda: _closed(knock.sock))
+            comm = mpiport.accept(self.port_name, ACCEPT_S, gone=gone)
         except OSError as exc:
             comm, why = None, f"it went away after its knock ({exc.strerror or exc})"
         except mpiport.PortStuck as exc:
