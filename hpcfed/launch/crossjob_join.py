@@ -42,6 +42,7 @@ log = logging.getLogger("hpcfed")
 # How long a site knocks again while the server still counts it present: its last job's lifeline
 # closes within a second or two of that job's end, then the server drops it and lets it back in.
 STILL_PRESENT_RETRY_S = 15.0
+_RESIGNAL_S = 0.5  # how often the main thread is interrupted again until it has heard its server went away
 GATHER_WAIT_S = 3600.0  # how long a site let in waits for the server's handshake (its lifeline sees a dead server)
 
 
@@ -102,14 +103,21 @@ class _Joined:
                   self.cfg.federation.setup_timeout_s)
         self.recovering.clear()
         self.gone = reason
-        signal.pthread_kill(threading.main_thread().ident or 0, _GONE_SIGNAL)
+        threading.Thread(target=self._signal_until_heard, name="hpcfed-server-gone", daemon=True).start()
         timer = threading.Timer(SERVER_GONE_GRACE_S, self._stuck)
         timer.daemon = True
         timer.start()
 
+    def _signal_until_heard(self) -> None:
+        """Interrupt the main thread until it has left the lost federation: an interrupt that lands
+        where Python ignores exceptions (a weakref callback, a __del__) is lost, so it is sent again."""
+        deadline = time.monotonic() + SERVER_GONE_GRACE_S
+        while not (self.recovering.is_set() or self.finishing.is_set()) and time.monotonic() < deadline:
+            signal.pthread_kill(threading.main_thread().ident or 0, _GONE_SIGNAL)
+            self.recovering.wait(_RESIGNAL_S)
+
     def _interrupt(self, signum: int, frame: Any) -> None:
-        if self.gone is not None and not self.finishing.is_set():
-            self.gone = None
+        if self.gone is not None and not self.recovering.is_set() and not self.finishing.is_set():
             raise _ServerGone()
 
     def _stuck(self) -> None:
@@ -129,11 +137,15 @@ class _Joined:
         resume = self.args.resume
         while True:
             try:
-                return self._attempt(resume)
-            except _ServerGone:
+                try:
+                    return self._attempt(resume)
+                except _ServerGone:
+                    self.recovering.set()
+            except _ServerGone:  # sent again before the first was heard: it landed here
                 self.recovering.set()
-                self.lifelines.close()
-                resume = True  # the resumed server continues from its checkpoint, and so does this site
+            self.gone = None
+            self.lifelines.close()
+            resume = True  # the resumed server continues from its checkpoint, and so does this site
 
     def _attempt(self, resume: bool) -> int:
         from hpcfed.comm import port as mpiport
