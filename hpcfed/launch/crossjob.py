@@ -161,6 +161,7 @@ class _Served:
         return out
 
     def _federate(self, door: Any, cred: Any, job_id: bytes, absent: set[int]) -> dict[str, Any]:
+        from hpcfed.comm.api import ChannelError
         from hpcfed.comm.channel import SecureChannel
         from hpcfed.server.server import Server
 
@@ -172,7 +173,11 @@ class _Served:
                 channel.peer_gone(rank)
 
         channel.watch_peers(look)
-        channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout)
+        try:  # a site that fails or stays silent is dropped at setup (`_drop_unconnected`), not the server
+            channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout,
+                            require_all=False)
+        except ChannelError as exc:
+            log.warning("%s: the federation goes on without them", exc)
         channel.watch_peers(None)
         for rank in channel.peers:
             log.info("rank %d authenticated as %s", rank, channel.identity(rank))
