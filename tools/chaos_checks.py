@@ -37,7 +37,7 @@ def events(out: Path) -> list[dict[str, Any]]:
 
 def lost_rounds(log_text: str) -> list[tuple[int, str]]:
     """(round, cause) of each round the server's log says it lost, in order, a resumed run's too."""
-    return [(int(m.group(1)), " ".join(m.group(2).split(";")[0].split()[:14]))
+    return [(int(m.group(1)), " ".join(m.group(2).split(";")[0].split()[:24]))
             for m in re.finditer(r"round (\d+) lost: (.*)", log_text)]
 
 

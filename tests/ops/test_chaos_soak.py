@@ -37,7 +37,7 @@ def test_a_short_chaos_soak_loses_nothing_but_named_rounds(tmp_path):
                  "every kill followed by a rejoin"):
         assert checks[name], (name, proc.stdout[-3000:])
     log = (out / "srv" / "logs" / "rank0.log").read_text()
-    assert all("secure aggregation cannot unmask its sum" in why for _, why in lost_rounds(log))
+    assert all("secure aggregation" in why for _, why in lost_rounds(log))
     assert log.count("setup done") == 2  # the start and the resume
     audited = [json.loads(line) for line in (out / "srv" / "metrics.jsonl").read_text().splitlines()]
     assert any(e["name"] == "audit_sum" for e in audited)  # the check had something to check
