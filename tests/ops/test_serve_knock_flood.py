@@ -20,7 +20,8 @@ from hpcfed.comm import crypto, rendezvous
 
 pytestmark = pytest.mark.mpi
 
-OVERRIDES = [*H.SMALL, "rounds=100000", "eval_every=2", "checkpoint_every=4"]
+OVERRIDES = [*H.SMALL, "rounds=100000", "eval_every=2", "checkpoint_every=4",
+             "federation.setup_timeout_s=600"]  # a loaded host loads a site in minutes
 KNOCKS = 1000
 
 
