@@ -118,6 +118,8 @@ class _Joined:
 
     def _interrupt(self, signum: int, frame: Any) -> None:
         if self.gone is not None and not self.recovering.is_set() and not self.finishing.is_set():
+            if _importing(frame):  # cut short, a module stays half made (torch's lazy imports): the next one
+                return
             raise _ServerGone()
 
     def _stuck(self) -> None:
@@ -127,8 +129,8 @@ class _Joined:
             _end_now(3)
 
     def run(self) -> int:
-        # What the attempts import is imported now: `_ServerGone` may interrupt the main thread anywhere,
-        # and an import it cuts short leaves a module half made (torch's then fails on the next attempt).
+        # What the attempts import is imported now: `_ServerGone` may interrupt the main thread anywhere
+        # but in an import (one cut short leaves a module half made: torch's then fails on the next attempt).
         import torch  # noqa: F401
 
         from hpcfed.client.client import Client  # noqa: F401
@@ -202,6 +204,15 @@ class _Joined:
                keys=self.keys).run()
         self.finishing.set()
         channel.close()
+
+
+def _importing(frame: Any) -> bool:
+    """Whether the interrupted main thread is inside an import (importlib's frames on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _fault(name: str, rank: int) -> None:

@@ -33,7 +33,7 @@ def federation(tmp_path_factory):
     """The whole story, once: (server's log, server's output, OUT, the refusals the bad knocks got)."""
     tmp = tmp_path_factory.mktemp("rejoin")
     out, port = tmp / "srv", tmp / "srv" / "port.json"
-    server = H.serve(out, SECURE, "--start-deadline", "20")  # sites 0 and 1 (site 0 brings the initial model)
+    server = H.serve(out, SECURE, "--start-deadline", "60")  # sites 0 and 1 (site 0 brings the initial model)
     sites = {i: H.join(port, i, tmp / f"site{i}", SECURE) for i in (0, 1)}
     H.wait_for("a checkpoint with sites 0 and 1", lambda: any((out / "checkpoints").glob("ckpt-*.h5"))
                and len(_sums(out, 1)) >= 2, [server, *sites.values()], timeout=240)
