@@ -15,20 +15,17 @@ The exchange, each message a 4-byte big-endian length and a bounded JSON object 
     server -> site   {"ok": true, "rank", "size", "job", "port", "proof": prove("knock server",
                       challenge + nonce + reply without proof)}   or   {"ok": false, "code", "reason"}
 
-A refusal's `code` is one of `REFUSALS` (the site branches on it; anything else reads as "refused",
-and the reason is only shown, cut to 300 characters): "still_present" (the server still counts the
-site present: its last job's end may not be seen yet), "rate_limited" (more than `KNOCKS_PER_WINDOW`
-knocks for one site from one address within `KNOCK_WINDOW_S`, refused before any proof is checked),
-"out" (evicted or excluded), "refused" (anything else: a bad key, a bad proof, a malformed knock).
+A refusal's `code` (one of `REFUSALS`; the site branches on it, anything else reads as "refused",
+the reason is only shown): "still_present", "rate_limited" (`hpcfed.comm.knock_limit`), "out"
+(evicted or excluded), "refused" (a bad key, a bad proof, a malformed knock).
 
 The server lets a welcomed site in when it is ready for it (at once while it gathers its sites;
 a late joiner at the next round, or the next step of an asynchronous run): it writes `GO` on the
 socket, and only then does the site `Connect` and the server `Accept`, one site at a time, so an
 `Accept` always takes the site it was meant for.
 
-Keys mode: a site proves its Ed25519 identity, which must be the one `authorized_keys` binds to
-rank client id + 1; the site checks the reply against the pinned server key. PSK mode: both prove
-the pre-shared key. The secure channel's own handshake then runs over MPI as in a one-job run.
+Keys mode: a site proves its Ed25519 identity, the one `authorized_keys` binds to rank client id + 1;
+the site checks the reply against the pinned server key. PSK mode: both prove the pre-shared key.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcfed.comm import bounded_json, crypto
+from hpcfed.comm.knock_limit import KnockLimit
 
 MAX_MESSAGE = 8192  # an MPI port name is a few hundred bytes; nothing in the knock is larger
 MAX_PORT_FILE = 4096
@@ -54,16 +52,12 @@ _HEAD = struct.Struct(">I")
 _PROTOCOL = "knock-v1"
 GO = b"G"  # server -> site, after the welcome: connect to the MPI port now
 
-
-# The codes of a refusal. A site knocks again on the first two, for a while: the server may not have
-# seen the site's earlier job end yet (its lifeline closes, then the server drops it), or the site's
-# knocks came too fast.
+# A site knocks again, for a while, on the first two: its last job's end may not be seen yet, or it knocked too fast.
 STILL_PRESENT, RATE_LIMITED, OUT, REFUSED = "still_present", "rate_limited", "out", "refused"
 REFUSALS = frozenset({STILL_PRESENT, RATE_LIMITED, OUT, REFUSED})
 NO_ANSWER = "no_answer"  # never sent: the peer did not answer in time, or closed (a busy or ending server)
-KNOCK_WINDOW_S = 10.0
-KNOCKS_PER_WINDOW = 8  # per site and source address: a rejoining site's back-off knocks 5 times in 15 s
-_RATE_TABLE = 4096  # (address, site) pairs remembered at most: the table is cleared when it is full
+KNOCK_WINDOW_S, KNOCKS_PER_WINDOW = 10.0, 8  # per site and address (a rejoining site's back-off: 5 in 15 s)
+_RATE_TABLE = 4096  # (address, site) pairs remembered at most
 
 
 class RendezvousError(ValueError):
@@ -276,7 +270,7 @@ class Listener:
         self.cred, self.size, self.job_id, self.port_name, self.log = cred, size, job_id, port_name, log
         self.sock = _listen(bind)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
-        self._recent: dict[tuple[str, int], list[float]] = {}  # (address, site) -> its knocks' times
+        self._limit_table = KnockLimit(KNOCKS_PER_WINDOW, KNOCK_WINDOW_S, _RATE_TABLE)
 
     def next_site(self, deadline: float, taken: Collection[int]) -> Knock | None:
         """The next site to knock with a valid proof for a rank not in `taken` (a mapping may give,
@@ -318,21 +312,12 @@ class Listener:
         return Knock(rank, crypto.fingerprint(peer_key) if peer_key is not None else "psk", conn)
 
     def _limit(self, host: str, site: object) -> None:
-        """Refuse ("rate_limited") a site's knock from `host` beyond `KNOCKS_PER_WINDOW` in the last
-        `KNOCK_WINDOW_S`, before any proof is checked. Keyed by the claimed site (a valid client id
-        only) and the address, so a flood claiming a site from one host does not lock out that site's
-        own job on another; the table is bounded (cleared once it holds `_RATE_TABLE` pairs)."""
+        """Refuse ("rate_limited") a site's knock beyond the limit (`hpcfed.comm.knock_limit`)."""
         if not isinstance(site, int) or isinstance(site, bool) or not 0 <= site < self.size - 1:
             return  # refused by `_check_hello`, at no cost
-        now = time.monotonic()
-        if len(self._recent) >= _RATE_TABLE:
-            self._recent.clear()
-        times = [t for t in self._recent.get((host, site), []) if now - t < KNOCK_WINDOW_S]
-        if len(times) >= KNOCKS_PER_WINDOW:
-            self._recent[(host, site)] = times
-            raise RendezvousError(f"site {site} knocked {len(times)} times from {host} within {KNOCK_WINDOW_S:g} s "
+        if n := self._limit_table.over(host, site):
+            raise RendezvousError(f"site {site} knocked {n} times from {host} within {KNOCK_WINDOW_S:g} s "
                                   f"(at most {KNOCKS_PER_WINDOW}): knock again later", RATE_LIMITED)
-        self._recent[(host, site)] = [*times, now]
 
     def _check_hello(self, hello: dict[str, Any], challenge: bytes, taken: Collection[int]) -> tuple[int, Any]:
         cid = hello.get("site")

@@ -70,8 +70,9 @@ class SiteDoor:
     # -- at the start ------------------------------------------------------------------------------
     def gather(self, deadline: float, min_sites: int, hint: str, *, left_out: AbstractSet[int] = frozenset(),
                halted: Callable[[], str | None] = lambda: None) -> set[int]:
-        """Let sites in until all but `left_out` (excluded by the operator: never waited for) have
-        joined or `deadline`; the client ids of those that have not (they may join later).
+        """Let sites in until all but `left_out` (excluded by the operator, or evicted in the checkpoint
+        a resumed server continues from: never waited for) have joined or `deadline`; the client ids
+        of those that have not (they may join later).
         FederationError when fewer than `min_sites` joined; `HaltedAtStart` when `halted()` gives
         a reason (OUT/HALT, SIGUSR2), looked at every second while it waits."""
         wanted = self.num_sites - len(left_out)
