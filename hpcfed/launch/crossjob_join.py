@@ -129,12 +129,6 @@ class _Joined:
             _end_now(3)
 
     def run(self) -> int:
-        # What the attempts import is imported now: `_ServerGone` may interrupt the main thread anywhere
-        # but in an import (one cut short leaves a module half made: torch's then fails on the next attempt).
-        import torch  # noqa: F401
-
-        from hpcfed.client.client import Client  # noqa: F401
-
         signal.signal(_GONE_SIGNAL, self._interrupt)
         resume = self.args.resume
         while True:
