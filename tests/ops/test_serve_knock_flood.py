@@ -107,7 +107,7 @@ def test_a_flood_of_knocks_is_refused_while_the_rounds_go_on(tmp_path):
     assert during >= 2, f"{during} rounds during the {flood_s:.1f} s flood"  # the rounds went on
     evs = H.events(out)
     assert {e["value"] for e in evs if e["name"] == "num_updates"} == {2}  # only the two honest sites, every round
-    acc = [e["value"] for e in evs if e["name"] == "accuracy" and e["client"] == 0]
+    acc = [e["value"] for e in evs if e["name"] == "val_accuracy" and e["client"] == 0]
     assert acc[-1] >= acc[0] and acc[-1] > 0.3, acc  # training went on, undisturbed
     assert rss_after - rss_before < 20 * 2**20, (rss_before, rss_after)  # bounded: nothing kept per knock
     log = (out / "logs" / "rank0.log").read_text()
