@@ -84,6 +84,7 @@ def test_a_flood_of_knocks_is_refused_while_the_rounds_go_on(tmp_path):
     server = subprocess.Popen([H.mpiexec(), "-n", "1", sys.executable, "-m", "hpcfed", "serve", H.CONFIG, *OVERRIDES,
                                "--out", str(out), "--start-deadline", "900"], cwd=H.REPO, env=H.env(),
                               stdout=log_file, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log_file.close()  # the server's job holds its own copy
     sites = [H.join(port, i, tmp_path / f"site{i}", OVERRIDES) for i in range(2)]
     rounds = lambda: [e["round"] for e in H.events(out) if e["name"] == "round_time_s"]
     H.wait_for("a few rounds", lambda: len(rounds()) >= 6, [server, *sites], timeout=900)
