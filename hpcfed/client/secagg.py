@@ -30,6 +30,7 @@ from hpcfed.client.upload import RoundStart, Stage, Superseded, Upload, Upstream
 from hpcfed.comm.api import Channel, Message
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
+from hpcfed.privacy import audit
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.group_rules import SiteRules
 from hpcfed.privacy.secagg import ProtocolError, SiteState, group_graph, members_graph
@@ -129,6 +130,7 @@ class SecAggSite(Stage):
         nxt = self._state(rnd + 1)  # fresh keys for the next round, advertised with this round's input
         masked = {"round": rnd, **clear, "next_advert": W.advert_fields(nxt.advertise())}
         y = state.masked_input(shares, upload.codes)
+        audit.site_input(me, rnd, upload.codes)  # the chaos soak's record (off by default)
         for _ in range(upload.copies):
             self._send(P.SA_MASKED, masked, {W.MASKED_TENSOR: y})
         self._reveal(rnd, state, nxt)

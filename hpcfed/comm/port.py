@@ -23,16 +23,23 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpcfed.comm.transport import MPITransport
 
+_GONE_POLL_S = 0.2  # how often a pending Accept looks whether the site it waits for has died
 _RELEASE_S = 60.0  # how long the throwaway connect that frees a pending Accept may take
 
 
 class PortError(RuntimeError):
     """An MPI port could not be opened, accepted on or connected to in time; says which and why."""
+
+
+class PortStuck(PortError):
+    """An Accept nobody answered could not be released (a site killed in the middle of its
+    Connect can leave it so): its thread stays in MPI; serve on a fresh port (`open_port`)."""
 
 
 def network_env(port_range: tuple[int, int] | None, iface: str | None,
@@ -95,17 +102,27 @@ class _Worker:
         return value
 
 
-def accept(port: str, timeout: float) -> Any | None:
-    """The intercommunicator of the next process that connects to `port` within `timeout` s, or
-    None (the pending Accept is then released by a connect of our own, and its result dropped)."""
+def accept(port: str, timeout: float, gone: Callable[[], bool] | None = None) -> Any | None:
+    """The intercommunicator of the next process that connects to `port` within `timeout` s (or
+    before `gone()`, looked at every `_GONE_POLL_S`: the site it waits for has died), or None (the
+    pending Accept is then released by a connect of our own, and its result dropped)."""
     from mpi4py import MPI
 
     worker = _Worker(lambda: MPI.COMM_SELF.Accept(port))
-    if worker.wait(timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker.wait(min(_GONE_POLL_S, deadline - time.monotonic())):
+            return worker.result("MPI Accept on this server's port")
+        if gone is not None and gone():
+            break
+    if worker.wait(0):
         return worker.result("MPI Accept on this server's port")
-    _release(port)
+    try:
+        _release(port)
+    except PortError as exc:
+        raise PortStuck(str(exc)) from None
     if not worker.wait(_RELEASE_S):
-        raise PortError(f"an Accept nobody answered could not be released within {_RELEASE_S:g} s")
+        raise PortStuck(f"an Accept nobody answered could not be released within {_RELEASE_S:g} s")
     stray = worker.result("MPI Accept on this server's port")
     stray.Disconnect()  # our own throwaway process (or a late site, which then learns it was refused)
     return None

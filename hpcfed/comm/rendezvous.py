@@ -13,16 +13,19 @@ The exchange, each message a 4-byte big-endian length and a bounded JSON object 
     site -> server   {"site": client id, "nonce": 32 bytes (hex), "key": public key (keys mode),
                       "proof": prove("knock site", challenge + hello without proof)}
     server -> site   {"ok": true, "rank", "size", "job", "port", "proof": prove("knock server",
-                      challenge + nonce + reply without proof)}   or   {"ok": false, "reason"}
+                      challenge + nonce + reply without proof)}   or   {"ok": false, "code", "reason"}
+
+A refusal's `code` (one of `REFUSALS`; the site branches on it, anything else reads as "refused",
+the reason is only shown): "still_present", "rate_limited" (`hpcfed.comm.knock_limit`), "out"
+(evicted or excluded), "refused" (a bad key, a bad proof, a malformed knock).
 
 The server lets a welcomed site in when it is ready for it (at once while it gathers its sites;
 a late joiner at the next round, or the next step of an asynchronous run): it writes `GO` on the
 socket, and only then does the site `Connect` and the server `Accept`, one site at a time, so an
 `Accept` always takes the site it was meant for.
 
-Keys mode: a site proves its Ed25519 identity, which must be the one `authorized_keys` binds to
-rank client id + 1; the site checks the reply against the pinned server key. PSK mode: both prove
-the pre-shared key. The secure channel's own handshake then runs over MPI as in a one-job run.
+Keys mode: a site proves its Ed25519 identity, the one `authorized_keys` binds to rank client id + 1;
+the site checks the reply against the pinned server key. PSK mode: both prove the pre-shared key.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcfed.comm import bounded_json, crypto
+from hpcfed.comm.knock_limit import KnockLimit
 
 MAX_MESSAGE = 8192  # an MPI port name is a few hundred bytes; nothing in the knock is larger
 MAX_PORT_FILE = 4096
@@ -48,14 +52,21 @@ _HEAD = struct.Struct(">I")
 _PROTOCOL = "knock-v1"
 GO = b"G"  # server -> site, after the welcome: connect to the MPI port now
 
-
-# A refusal the knocking site retries: the server may not have seen the site's earlier job end yet
-# (its lifeline closes, then the server drops it; a knock in between finds it still present).
-STILL_PRESENT = "is present and alive"
+# A site knocks again, for a while, on the first two: its last job's end may not be seen yet, or it knocked too fast.
+STILL_PRESENT, RATE_LIMITED, OUT, REFUSED = "still_present", "rate_limited", "out", "refused"
+REFUSALS = frozenset({STILL_PRESENT, RATE_LIMITED, OUT, REFUSED})
+NO_ANSWER = "no_answer"  # never sent: the peer did not answer in time, or closed (a busy or ending server)
+KNOCK_WINDOW_S, KNOCKS_PER_WINDOW = 10.0, 8  # per site and address (a rejoining site's back-off: 5 in 15 s)
+_RATE_TABLE = 4096  # (address, site) pairs remembered at most
 
 
 class RendezvousError(ValueError):
-    """A knock that failed or was refused, a port file that cannot be used; says what and the fix."""
+    """A knock that failed or was refused, a port file that cannot be used; says what and the fix.
+    `code` is the refusal's (one of `REFUSALS`; "refused" for any other failure)."""
+
+    def __init__(self, message: str, code: str = REFUSED) -> None:
+        super().__init__(message)
+        self.code = code if code in REFUSALS or code == NO_ANSWER else REFUSED
 
 
 class NoPortFile(RendezvousError):
@@ -119,14 +130,14 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RendezvousError(f"the peer sent {len(buf)} of {n} bytes within the knock's deadline")
+            raise RendezvousError(f"the peer sent {len(buf)} of {n} bytes within the knock's deadline", NO_ANSWER)
         sock.settimeout(left)
         try:
             part = sock.recv(n - len(buf))
         except TimeoutError:
             continue
         if not part:
-            raise RendezvousError(f"the peer closed the connection after {len(buf)} of {n} bytes")
+            raise RendezvousError(f"the peer closed the connection after {len(buf)} of {n} bytes", NO_ANSWER)
         buf += part
     return bytes(buf)
 
@@ -203,7 +214,8 @@ def _hello_to(sock: socket.socket, cred: crypto.Credentials, client_id: int, dea
 def _check_welcome(reply: dict[str, Any], cred: crypto.Credentials, hello: dict[str, Any],
                    client_id: int) -> tuple[int, int, bytes, str]:
     if reply.get("ok") is not True:
-        raise RendezvousError(f"the server refused site {client_id}: {str(reply.get('reason'))[:300]}")
+        raise RendezvousError(f"the server refused site {client_id}: {str(reply.get('reason'))[:300]}",
+                              refusal_code(reply.get("code")))
     signed = hello["challenge"] + bytes.fromhex(hello["nonce"]) + _unsigned(reply)
     if not crypto.check_proof(cred, cred.server_public, b"knock server", signed, _hex(reply, "proof", 64)):
         raise RendezvousError("the server's reply does not prove "
@@ -215,6 +227,11 @@ def _check_welcome(reply: dict[str, Any], cred: crypto.Credentials, hello: dict[
     if not isinstance(port, str) or not 0 < len(port) <= MAX_MESSAGE:
         raise RendezvousError("the server's reply holds no MPI port name")
     return rank, size, _hex(reply, "job", 32), port
+
+
+def refusal_code(value: object) -> str:
+    """A refusal's code as the server sent it (hostile): one of `REFUSALS`, else "refused"."""
+    return value if isinstance(value, str) and value in REFUSALS else REFUSED
 
 
 def await_go(sock: socket.socket, timeout: float) -> None:
@@ -253,6 +270,7 @@ class Listener:
         self.cred, self.size, self.job_id, self.port_name, self.log = cred, size, job_id, port_name, log
         self.sock = _listen(bind)
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
+        self._limit_table = KnockLimit(KNOCKS_PER_WINDOW, KNOCK_WINDOW_S, _RATE_TABLE)
 
     def next_site(self, deadline: float, taken: Collection[int]) -> Knock | None:
         """The next site to knock with a valid proof for a rank not in `taken` (a mapping may give,
@@ -266,19 +284,24 @@ class Listener:
             except OSError:
                 continue
             try:
-                found = self._admit(conn, taken)
-            except (RendezvousError, OSError) as exc:
-                self.log(f"knock from {peer[0]}:{peer[1]} refused: {exc}")
-                _refuse(conn, str(exc))
+                found = self._admit(conn, taken, peer[0])
+            except RendezvousError as exc:
+                self.log(f"knock from {peer[0]}:{peer[1]} refused ({exc.code}): {exc}")
+                _refuse(conn, str(exc), exc.code)
+                continue
+            except OSError as exc:
+                self.log(f"knock from {peer[0]}:{peer[1]} failed: {exc}")
+                _refuse(conn, str(exc), REFUSED)
                 continue
             return found
         return None
 
-    def _admit(self, conn: socket.socket, taken: Collection[int]) -> Knock:
+    def _admit(self, conn: socket.socket, taken: Collection[int], host: str) -> Knock:
         deadline = time.monotonic() + KNOCK_STEP_S
         challenge = secrets.token_bytes(32)
         _send(conn, {"hpcfed": _PROTOCOL, "challenge": challenge.hex()})
         hello, _ = _recv(conn, deadline)
+        self._limit(host, hello.get("site"))
         rank, peer_key = self._check_hello(hello, challenge, taken)
         reply: dict[str, Any] = {"ok": True, "rank": rank, "size": self.size, "job": self.job_id.hex(),
                                  "port": self.port_name}
@@ -287,6 +310,14 @@ class Listener:
         _send(conn, reply)
         conn.settimeout(None)
         return Knock(rank, crypto.fingerprint(peer_key) if peer_key is not None else "psk", conn)
+
+    def _limit(self, host: str, site: object) -> None:
+        """Refuse ("rate_limited") a site's knock beyond the limit (`hpcfed.comm.knock_limit`)."""
+        if not isinstance(site, int) or isinstance(site, bool) or not 0 <= site < self.size - 1:
+            return  # refused by `_check_hello`, at no cost
+        if n := self._limit_table.over(host, site):
+            raise RendezvousError(f"site {site} knocked {n} times from {host} within {KNOCK_WINDOW_S:g} s "
+                                  f"(at most {KNOCKS_PER_WINDOW}): knock again later", RATE_LIMITED)
 
     def _check_hello(self, hello: dict[str, Any], challenge: bytes, taken: Collection[int]) -> tuple[int, Any]:
         cid = hello.get("site")
@@ -304,10 +335,12 @@ class Listener:
                                      else "another pre-shared key)"))
         if rank in taken:
             why = taken.get(rank) if isinstance(taken, dict) else None
-            raise RendezvousError(why or f"site {cid} {STILL_PRESENT} in this federation (or waits to be let in), "
+            if why:
+                raise RendezvousError(why, OUT)
+            raise RendezvousError(f"site {cid} is present and alive in this federation (or waits to be let in), "
                                   f"so key {crypto.fingerprint(peer_key) if peer_key is not None else '(psk)'} "
                                   f"cannot join as it: end the other job of site {cid}, or knock again once it "
-                                  f"is declared lost (hpcfed serve --lifeline-timeout)")
+                                  f"is declared lost (hpcfed serve --lifeline-timeout)", STILL_PRESENT)
         return rank, peer_key
 
     def _site_key(self, hello: dict[str, Any], rank: int) -> Any:
@@ -339,10 +372,10 @@ def _owner(allowed: Any, key: Any) -> int | None:
     return next((r for r, k in allowed.items() if crypto.public_raw(k) == raw), None)
 
 
-def _refuse(conn: socket.socket, reason: str) -> None:
+def _refuse(conn: socket.socket, reason: str, code: str) -> None:
     try:
         conn.settimeout(1.0)
-        _send(conn, {"ok": False, "reason": reason[:300]})
+        _send(conn, {"ok": False, "code": code, "reason": reason[:300]})
     except OSError:
         pass  # it has gone already: nothing to tell
     finally:

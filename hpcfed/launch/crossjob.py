@@ -140,12 +140,13 @@ class _Served:
                  self.size - 1, host, listener.address[1], port_file, self.args.config, port_file)
         fed = self.cfg.federation
         halt = _HaltAtStart(self.out)
+        door.refused_at_start = self._evicted_on_resume()
         try:
             wait = fed.setup_timeout_s if self.args.start_deadline is None else self.args.start_deadline
             absent = door.gather(time.monotonic() + wait, fed.min_sites,
                                  f"start `hpcfed join {self.args.config} --server PORT_FILE --site N` for each, "
                                  f"or wait longer (--start-deadline, federation.setup_timeout_s)",
-                                 left_out=set(fed.exclude_sites), halted=halt.reason)
+                                 left_out=set(fed.exclude_sites) | set(door.refused_at_start), halted=halt.reason)
             threading.Thread(target=door.take_knocks, name="hpcfed-knocks", daemon=True).start()
             summary = self._federate(door, cred, job_id, absent)
         except HaltedAtStart as exc:
@@ -159,14 +160,38 @@ class _Served:
         self._close(door)
         return 0
 
+    def _evicted_on_resume(self) -> dict[int, str]:
+        """On --resume, the sites the checkpoint records as evicted: not waited for while gathering
+        (their knocks are refused with the reason), each named in the log."""
+        if not self.args.resume:
+            return {}
+        from hpcfed.server.setup import evicted_on_resume
+
+        out = evicted_on_resume(self.out, self.keys.file_auth("checkpoint"), self.size - 1)
+        for cid, reason in sorted(out.items()):
+            log.warning("site %d was evicted in the checkpoint this run resumes from (%s): it is not expected, "
+                        "and its knock is refused", cid, reason)
+        return out
+
     def _federate(self, door: Any, cred: Any, job_id: bytes, absent: set[int]) -> dict[str, Any]:
+        from hpcfed.comm.api import ChannelError
         from hpcfed.comm.channel import SecureChannel
         from hpcfed.server.server import Server
 
         timeout = self.cfg.federation.setup_timeout_s
         channel = SecureChannel(door.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
                                 **channel_settings(self.cfg))
-        channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout)
+        def look() -> None:  # a site whose lifeline closed meanwhile is left out at once (`_drop_unconnected`)
+            for rank in door.transport.lost():
+                channel.peer_gone(rank)
+
+        channel.watch_peers(look)
+        try:  # a site that fails or stays silent is dropped at setup (`_drop_unconnected`), not the server
+            channel.connect([r + 1 for r in range(self.size - 1) if r not in absent], timeout=timeout,
+                            require_all=False)
+        except ChannelError as exc:
+            log.warning("%s: the federation goes on without them", exc)
+        channel.watch_peers(None)
         for rank in channel.peers:
             log.info("rank %d authenticated as %s", rank, channel.identity(rank))
         server = Server(self.cfg, channel, self.out, resume=self.args.resume, keys=self.keys)

@@ -46,6 +46,8 @@ log = logging.getLogger("hpcfed")
 # How long a site knocks again while the server still counts it present: its last job's lifeline
 # closes within a second or two of that job's end, then the server drops it and lets it back in.
 STILL_PRESENT_RETRY_S = 15.0
+_RESIGNAL_S = 0.5  # how often the main thread is interrupted again until it has heard its server went away
+GATHER_WAIT_S = 3600.0  # how long a site let in waits for the server's handshake (its lifeline sees a dead server)
 
 
 # -- a site --------------------------------------------------------------------------------------------
@@ -136,14 +138,23 @@ class _Joined:
                   self.cfg.federation.setup_timeout_s)
         self.recovering.clear()
         self.gone = reason
-        signal.pthread_kill(threading.main_thread().ident or 0, _GONE_SIGNAL)
+        threading.Thread(target=self._signal_until_heard, name="hpcfed-server-gone", daemon=True).start()
         timer = threading.Timer(SERVER_GONE_GRACE_S, self._stuck)
         timer.daemon = True
         timer.start()
 
+    def _signal_until_heard(self) -> None:
+        """Interrupt the main thread until it has left the lost federation: an interrupt that lands
+        where Python ignores exceptions (a weakref callback, a __del__) is lost, so it is sent again."""
+        deadline = time.monotonic() + SERVER_GONE_GRACE_S
+        while not (self.recovering.is_set() or self.finishing.is_set()) and time.monotonic() < deadline:
+            signal.pthread_kill(threading.main_thread().ident or 0, _GONE_SIGNAL)
+            self.recovering.wait(_RESIGNAL_S)
+
     def _interrupt(self, signum: int, frame: Any) -> None:
-        if self.gone is not None and not self.finishing.is_set():
-            self.gone = None
+        if self.gone is not None and not self.recovering.is_set() and not self.finishing.is_set():
+            if _importing(frame):  # cut short, a module stays half made (torch's lazy imports): the next one
+                return
             raise _ServerGone()
 
     def _stuck(self) -> None:
@@ -161,11 +172,15 @@ class _Joined:
         resume = self.args.resume
         while True:
             try:
-                return self._attempt(resume)
-            except _ServerGone:
+                try:
+                    return self._attempt(resume)
+                except _ServerGone:
+                    self.recovering.set()
+            except _ServerGone:  # sent again before the first was heard: it landed here
                 self.recovering.set()
-                self.lifelines.close()
-                resume = True  # the resumed server continues from its checkpoint, and so does this site
+            self.gone = None
+            self.lifelines.close()
+            resume = True  # the resumed server continues from its checkpoint, and so does this site
 
     def _attempt(self, resume: bool) -> int:
         from hpcfed.comm import port as mpiport
@@ -177,6 +192,7 @@ class _Joined:
         welcome, where = _knock_until(self.args.server, cred, self.args.site, fed.setup_timeout_s)
         # A late joiner is let in at the server's next round: at most a round's deadline away.
         await_go(welcome.sock, fed.setup_timeout_s + fed.round_deadline_s)
+        _fault("HPCFED_FAULT_KILL_AFTER_GO", self.rank)  # (tests: a site that dies between GO and its Connect)
         try:
             comm = mpiport.connect(welcome.port, CONNECT_S)
         except mpiport.PortError as exc:
@@ -204,7 +220,11 @@ class _Joined:
 
         channel = SecureChannel(self.transport, cred, job_id, log=logging.getLogger("hpcfed.comm").warning,
                                 **channel_settings(self.cfg))
-        channel.connect([0], timeout=self.cfg.federation.setup_timeout_s)
+        _fault("HPCFED_FAULT_KILL_IN_HANDSHAKE", self.rank)  # (tests: a site that dies in its secure handshake)
+        # A site let in while the server still gathers the others waits for the server's handshake
+        # until the gathering ends (`hpcfed serve --start-deadline`, which may be longer than
+        # setup_timeout_s); a server that dies meanwhile is seen by the lifeline, not by this wait.
+        channel.connect([0], timeout=max(self.cfg.federation.setup_timeout_s, GATHER_WAIT_S))
         channel.expect({0: protocol.SERVER_KINDS})
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
         torch.set_num_threads(max(1, self.cfg.threads_per_rank))
@@ -219,12 +239,39 @@ class _Joined:
         channel.close()
 
 
+def _importing(frame: Any) -> bool:
+    """Whether the interrupted main thread is inside an import (importlib's frames on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _fault(name: str, rank: int) -> None:
+    """Fault injection for the tests: SIGKILL this site's job here when the environment names its rank."""
+    if os.environ.get(name) == str(rank):
+        log.error("fault injection (%s): killing rank %d", name, rank)
+        logging.shutdown()
+        os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job: mpiexec and its proxy too
+
+
 def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str]:
     """Knock until the server answers, with a back-off, for at most `wait` s: it may start later
     than this site, or be resuming (it rewrites its port file, read again at every try), or not have
-    seen this site's last job end yet. Any other refusal, or a garbled port file, ends the wait at once,
-    with the reason. Returns (welcome, where)."""
-    from hpcfed.comm.rendezvous import STILL_PRESENT, NoPortFile, RendezvousError, knock, read_server
+    seen this site's last job end yet (refusal code "still_present", retried for up to
+    `STILL_PRESENT_RETRY_S`), or find this site's knocks too fast ("rate_limited"), or be too busy to
+    answer (letting another site in: `NO_ANSWER`, as when nothing listens). Any other refusal,
+    or a garbled port file, ends the wait at once, with the reason. Returns (welcome, where)."""
+    from hpcfed.comm.rendezvous import (
+        NO_ANSWER,
+        RATE_LIMITED,
+        STILL_PRESENT,
+        NoPortFile,
+        RendezvousError,
+        knock,
+        read_server,
+    )
 
     deadline = time.monotonic() + wait
     delay, last, where = 0.5, "", f"--server {spec}"
@@ -238,12 +285,13 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
         except OSError as exc:  # nothing listens (yet), unreachable, timed out
             last = f"nothing answered at {address[0]}:{address[1]} ({exc.strerror or exc or type(exc).__name__})"
         except RendezvousError as exc:
-            if STILL_PRESENT not in str(exc):
+            if exc.code == STILL_PRESENT:
+                present_since = present_since or time.monotonic()
+                if time.monotonic() - present_since > STILL_PRESENT_RETRY_S:
+                    raise  # another job of this site is alive: not a race with the end of this site's last job
+            elif exc.code not in (RATE_LIMITED, NO_ANSWER):
                 raise
-            present_since = present_since or time.monotonic()
-            if time.monotonic() - present_since > STILL_PRESENT_RETRY_S:
-                raise  # another job of this site is alive: not a race with the end of this site's last job
-            last = str(exc)  # this site's last job is not declared lost yet: knock again in a moment
+            last = str(exc)  # not declared lost yet, or knocking too fast: knock again in a moment
         if time.monotonic() + delay > deadline:
             raise FederationError(
                 f"site {site}: no server within {wait:g} s (federation.setup_timeout_s) from {where}; last: {last}. "

@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -63,12 +65,14 @@ class SiteDoor:
         self.finished = threading.Event()  # the federation is over: losses no longer matter
         self.server: Any = None  # once built: told of every site lost
         self.lost: dict[int, str] = {}  # client id -> why
+        self.refused_at_start: dict[int, str] = {}  # client id -> why (evicted in the checkpoint resumed from)
 
     # -- at the start ------------------------------------------------------------------------------
     def gather(self, deadline: float, min_sites: int, hint: str, *, left_out: AbstractSet[int] = frozenset(),
                halted: Callable[[], str | None] = lambda: None) -> set[int]:
-        """Let sites in until all but `left_out` (excluded by the operator: never waited for) have
-        joined or `deadline`; the client ids of those that have not (they may join later).
+        """Let sites in until all but `left_out` (excluded by the operator, or evicted in the checkpoint
+        a resumed server continues from: never waited for) have joined or `deadline`; the client ids
+        of those that have not (they may join later).
         FederationError when fewer than `min_sites` joined; `HaltedAtStart` when `halted()` gives
         a reason (OUT/HALT, SIGUSR2), looked at every second while it waits."""
         wanted = self.num_sites - len(left_out)
@@ -102,19 +106,32 @@ class SiteDoor:
         evicted (with the reason its knock is refused; "" for the listener's own)."""
         with self._lock:
             taken = dict.fromkeys((self.joined - {cid + 1 for cid in self.lost}) | self._queued, "")
+        for cid, reason in self.refused_at_start.items():
+            taken[cid + 1] = f"site {cid} was evicted from this federation ({reason}): it cannot rejoin"
         for cid, reason in self.server.refused() if self.server is not None else ():
             taken[cid + 1] = f"site {cid} is out of this federation ({reason}): it cannot rejoin"
         return taken
 
     def let_in(self, knock: Knock) -> bool:
         """GO, then `Accept` the site's `Connect`: its spoke and its lifeline from now on."""
+        def gone() -> bool:
+            if not _closed(knock.sock):
+                return False
+            log.warning("site %d's job ended after its GO, before its MPI Connect: its pending Accept is released",
+                        knock.rank - 1)
+            return True
+
         try:
             send_go(knock.sock)
-            comm = mpiport.accept(self.port_name, ACCEPT_S)
+            comm = mpiport.accept(self.port_name, ACCEPT_S, gone=gone)
         except OSError as exc:
             comm, why = None, f"it went away after its knock ({exc.strerror or exc})"
+        except mpiport.PortStuck as exc:
+            comm, why = None, f"{exc} (it was killed in the middle of its Connect)"
+            self._fresh_port()
         else:
-            why = f"it never connected to the MPI port within {ACCEPT_S:g} s"
+            why = (f"it never connected to the MPI port within {ACCEPT_S:g} s" if not _closed(knock.sock) else
+                   "its job ended before it connected to the MPI port (its knock's socket closed)")
         with self._lock:
             self._queued.discard(knock.rank)
             back = knock.rank in self.joined
@@ -136,6 +153,11 @@ class SiteDoor:
         log.info("site %d %s as rank %d (key %s)", knock.rank - 1, "is back" if back else "joined", knock.rank,
                  knock.identity)
         return True
+
+    def _fresh_port(self) -> None:
+        """An Accept is stuck on the old port (its thread stays in MPI): sites are told a new one."""
+        self.port_name = self.listener.port_name = mpiport.open_port()
+        log.warning("an MPI Accept could not be released: sites are let in on a fresh MPI port from now on")
 
     # -- later ---------------------------------------------------------------------------------------
     def take_knocks(self) -> None:
@@ -211,3 +233,12 @@ class SiteDoor:
     def close(self) -> None:
         self.finished.set()
         self.listener.close()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether a welcomed site's knock socket (its lifeline to be) was closed by its end: its job died."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True

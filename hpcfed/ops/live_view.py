@@ -83,6 +83,26 @@ def _size(n: object) -> str:
     return f"{n:.1f} TB"
 
 
+SHOWN_GAPS = 3  # the newest gaps drawn per site (the count says how many more)
+
+
+def gaps_text(gaps: object) -> str:
+    """A site's gaps as `12→15, 30→` (away since round 30), the newest `SHOWN_GAPS`; the file is
+    read as untrusted: anything but [int, int or null] pairs is skipped."""
+    if not isinstance(gaps, list):
+        return "-"
+    pairs = [g for g in gaps[-1000:] if isinstance(g, list) and len(g) == 2 and _round(g[0]) and
+             (g[1] is None or _round(g[1]))]
+    if not pairs:
+        return "-"
+    text = ", ".join(f"{left}→{'' if back is None else back}" for left, back in pairs[-SHOWN_GAPS:])
+    return text if len(pairs) <= SHOWN_GAPS else f"{len(pairs) - SHOWN_GAPS} more, {text}"
+
+
+def _round(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -1 <= value < 1 << 62
+
+
 def _headline(snap: dict[str, Any], now: float) -> str:
     progress = snap.get("progress") or {}
     where = (f"{progress.get('done', '?')}/{progress.get('total', '?')} {progress.get('unit', 'rounds')}"
@@ -107,7 +127,7 @@ def render(snap: dict[str, Any], epsilons: dict[int, float], now: float | None =
 
     now = time.time() if now is None else now
     table = Table(expand=False)
-    for column in ("site", "rank", "state", "last round", "heard", "in", "out", "ε", "reason"):
+    for column in ("site", "rank", "state", "last round", "heard", "in", "out", "ε", "away (left→back)", "reason"):
         table.add_column(column, justify="left" if column in ("state", "reason") else "right")
     for site in snap["sites"]:
         if not isinstance(site, dict):
@@ -118,7 +138,8 @@ def render(snap: dict[str, Any], epsilons: dict[int, float], now: float | None =
         table.add_row(str(site.get("client")), str(site.get("rank")), Text(state, style=STATE_STYLES.get(state, "")),
                       "-" if site.get("last_round") is None else str(site.get("last_round")),
                       "-" if heard is None else f"{heard:.0f} s ago", _size(site.get("bytes_in")),
-                      _size(site.get("bytes_out")), "-" if eps is None else f"{eps:.2f}", str(site.get("reason") or ""))
+                      _size(site.get("bytes_out")), "-" if eps is None else f"{eps:.2f}", gaps_text(site.get("gaps")),
+                      str(site.get("reason") or ""))
     server = snap.get("server") or {}
     footer = (f"server: in {_size(server.get('bytes_in'))}, out {_size(server.get('bytes_out'))}, "
               f"{server.get('updates_accepted', 0)} updates accepted, {server.get('rejected', 0)} messages refused, "

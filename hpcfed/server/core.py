@@ -332,7 +332,10 @@ class ServerCore:
         if self._metrics is not None:
             self.metrics.log(self.round, cid, "client_failed", 1)
         floor = self.config.roster.min_sites
-        if len(self.live) < floor:
+        if len(self.live) < floor and self.joiners is not None and self.strategy.synchronous:
+            log.warning("only %d site(s) left, fewer than federation.min_sites=%d: the next round waits for sites "
+                        "to rejoin (hpcfed serve)", len(self.live), floor)
+        elif len(self.live) < floor:
             raise BelowFloor(f"only {len(self.live)} site(s) left after client {cid} (rank {cid + 1}) {why}, fewer "
                              f"than federation.min_sites={floor}: the federation stops; continue it with --resume; "
                              f"last checkpoint: {self.last_checkpoint or 'none'}")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from hpcfed import protocol as P
 from hpcfed.comm.api import ChannelError, Message
 from hpcfed.server import validation as V
-from hpcfed.server.core import ServerCore
+from hpcfed.server.core import BelowFloor, ServerCore
 
 log = logging.getLogger("hpcfed.server")
 
@@ -132,10 +132,25 @@ def await_members(core: ServerCore, rnd: int, needed: Callable[[], int]) -> None
     if core.joiners is None or len(core.live) >= needed():
         return
     limit = core.config.deadlines.setup_timeout_s
-    log.warning("round %d: %d site(s) present, a secure sum needs %d: waiting up to %g s "
-                "(federation.setup_timeout_s) for sites to join or rejoin", rnd, len(core.live), needed(), limit)
+    log.warning("round %d: %d site(s) present, it needs %d: waiting up to %g s (federation.setup_timeout_s) "
+                "for sites to join or rejoin", rnd, len(core.live), needed(), limit)
     deadline = time.monotonic() + limit
     while len(core.live) < needed() and time.monotonic() < deadline and not core.halt_requested:
         admit(core, rnd)
         core.maybe_status()
         time.sleep(_MEMBERS_POLL_S)
+
+
+def await_floor(core: ServerCore, rnd: int) -> None:
+    """Under `hpcfed serve`, before sync round `rnd`: fewer than ``federation.min_sites`` present (every
+    site's job ended at once, say) waits up to ``federation.setup_timeout_s`` for sites to rejoin, and
+    only then ends the federation (`BelowFloor`, to be continued with --resume)."""
+    floor = core.config.roster.min_sites
+    if core.joiners is None or len(core.live) >= floor:
+        return  # (a one-job run ends as soon as a site's end leaves fewer: `ServerCore.client_failed`)
+    await_members(core, rnd, lambda: floor)
+    if len(core.live) < floor:
+        raise BelowFloor(f"only {len(core.live)} site(s) present, fewer than federation.min_sites={floor}, and none "
+                         f"rejoined within {core.config.deadlines.setup_timeout_s:g} s (federation.setup_timeout_s): "
+                         f"the federation stops; continue it with --resume; last checkpoint: "
+                         f"{core.last_checkpoint or 'none'}")

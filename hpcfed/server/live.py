@@ -92,7 +92,13 @@ class LiveFile:
                 "last_round": core.participation.newest_round(cid),
                 "last_heard_s": None if heard is None else round(now - heard, 1),
                 "bytes_in": stats.received_from.get(rank, 0), "bytes_out": stats.sent_to.get(rank, 0),
-                "rejoins": core.participation.rejoins[cid], "gaps": core.participation.gaps.get(cid, [])}
+                "rejoins": core.participation.rejoins[cid], "gaps": _gaps(core, cid)}
+
+
+def _gaps(core: ServerCore, cid: int) -> list[list[int | None]]:
+    """Site `cid`'s gaps [left, back], the one it is in now as [left, None] (as summary.json's)."""
+    away = core.departures.dropped.get(cid) if cid not in core.live else None
+    return [*core.participation.gaps.get(cid, []), *([[away.round, None]] if away is not None else [])]
 
 
 def site_state(core: ServerCore, cid: int) -> tuple[str, str]:

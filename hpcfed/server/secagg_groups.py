@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hpcfed.errors import FederationError
+from hpcfed.privacy import audit
 from hpcfed.privacy.group_rules import Group
 from hpcfed.privacy.group_testing import Isolation, Verdict, group_noise_multiplier
 from hpcfed.privacy.secagg import group_graph, members_graph
@@ -100,6 +101,8 @@ class GroupTesting:
         clean: list[tuple[np.ndarray, int, int]] = []
         for g in sets:
             total = state.sum_of(g) if self.groups is not None else state.result()[0]
+            if audit.folder() is not None:  # the chaos soak's record (off by default)
+                self.core.metrics.log(rnd, None, "audit_sum", audit.sum_probe(total), members=sorted(g))
             try:
                 clean.append((*judge_sum(total, len(g), self.spec), len(g)))
             except ValueError as exc:
@@ -108,6 +111,8 @@ class GroupTesting:
                 self.refused_whole = rnd if self.groups is None else self.refused_whole
         if clean:
             weighted = np.sum([c[0] for c in clean], axis=0)
+            if audit.folder() is not None:  # the step FedAvg's fold applies: Σ n_k·δ_k / Σ n_k
+                self.core.metrics.log(rnd, None, "audit_step", audit.model_probe(weighted) / sum(c[1] for c in clean))
             fold(weighted, sum(c[1] for c in clean), sum(c[2] for c in clean))
         self.core.metrics.log(rnd, None, "secagg_smallest_sum", min(map(len, sets)))
         for verdict in self.isolation.record(rnd, sets, refused, self.groups is not None):

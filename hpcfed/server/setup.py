@@ -70,7 +70,8 @@ def exchange(core: ServerCore, resume: bool) -> int:
                          time_offset=elapsed, mirror=mirror)
     layout_header = layout.describe()
     for cid in sorted(out - set(core.config.roster.exclude_sites)):  # evicted in an earlier attempt: tell it
-        core.channel.post(cid + 1, P.EVICTED, {"reason": core.ledger.evicted[cid].reason})
+        if cid + 1 in core.channel.peers:  # (`hpcfed serve` lets none in: its knock was refused)
+            core.channel.post(cid + 1, P.EVICTED, {"reason": core.ledger.evicted[cid].reason})
     for cid in sorted(core.live):
         reply_header, reply_tensors = replies.get(cid, ({}, {}))
         shard = None  # which of its own shards the site loads (it verifies it against this digest)
@@ -101,13 +102,7 @@ def _left_out(core: ServerCore, resume: bool) -> set[int]:
     and on --resume those the newest checkpoint recorded as evicted. They leave `core.live`."""
     rnd = max(core.round, 0)
     if resume:
-        for path in ckpt_store.list_checkpoints(core.out_dir / "checkpoints"):
-            try:
-                ckpt = ckpt_store.load(path, core.file_auth)
-            except ckpt_store.CheckpointError:
-                continue  # named when the checkpoint to resume from is picked
-            core.ledger.load_state(ckpt.meta.get("evicted"), core.num_clients)
-            break
+        core.ledger.load_state(evicted_state(core.out_dir, core.file_auth), core.num_clients)
     for cid in core.config.roster.exclude_sites:
         if 0 <= cid < core.num_clients:
             core.ledger.exclude(cid, rnd)
@@ -116,6 +111,28 @@ def _left_out(core: ServerCore, resume: bool) -> set[int]:
         log.warning("this run goes on without %s", "; ".join(
             f"client {e.client} (rank {e.rank}): {e.reason}" for e in core.ledger.evicted.values()))
     return set(core.ledger.evicted)
+
+
+def evicted_state(out_dir: Path, file_auth: Any) -> object:
+    """The evictions the newest verified checkpoint in `out_dir` recorded (its meta's list; None if
+    none verifies): a resumed run goes on without these sites, and does not wait for them."""
+    for path in ckpt_store.list_checkpoints(out_dir / "checkpoints"):
+        try:
+            ckpt = ckpt_store.load(path, file_auth)
+        except ckpt_store.CheckpointError:
+            continue  # named when the checkpoint to resume from is picked
+        return ckpt.meta.get("evicted")
+    return None
+
+
+def evicted_on_resume(out_dir: Path, file_auth: Any, num_clients: int) -> dict[int, str]:
+    """Client id -> why, for the sites the newest verified checkpoint in `out_dir` recorded as
+    evicted (or excluded): `hpcfed serve --resume` does not wait for them while it gathers sites."""
+    from hpcfed.server.eviction import Ledger
+
+    ledger = Ledger("evict", 0)
+    ledger.load_state(evicted_state(out_dir, file_auth), num_clients)
+    return {cid: e.reason for cid, e in ledger.evicted.items()}
 
 
 def _load_checkpoint(core: ServerCore, held: Held) -> ckpt_store.Checkpoint | None:

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from hpcfed.errors import FederationError
+from hpcfed.privacy import audit
 from hpcfed.server import joining
 from hpcfed.server.collect import Collector, PlainCollector, RoundUploads
 from hpcfed.server.core import ServerCore
@@ -65,8 +66,10 @@ class SyncRounds:
         core = self.core
         core.round = rnd
         joining.admit(core, rnd)  # sites that joined late (`hpcfed serve`) take part from this round
+        joining.await_floor(core, rnd)  # every site away at once: they may come back (`hpcfed serve`)
         t0 = time.monotonic()
         want_state = self.checkpoint_due(rnd)
+        _audit_model(core, rnd, "start")
         self.strategy.begin_round(rnd)
         core.influence.begin_round(core.live)
         uploads = self.collector.collect(rnd, want_state)
@@ -78,6 +81,7 @@ class SyncRounds:
         self.budgets_spent = bool(updates) and all(u.metrics.get("record_dp_stopped") == 1.0 for u in updates)
         core.participation.folded([u.client_id for u in updates])
         self.strategy.end_round(rnd)  # a lost round folded nothing: the model stays (DP still counts the round)
+        _audit_model(core, rnd, "end")
         core.influence.settle()
         if not uploads.lost:
             core.strategy.version += 1
@@ -136,6 +140,13 @@ class SyncRounds:
             return True
         every = checkpoints.every
         return every > 0 and ((rnd + 1) % every == 0 or rnd == self.end - 1)
+
+
+def _audit_model(core: ServerCore, rnd: int, when: str) -> None:
+    """The chaos soak's probe of the global model (`hpcfed.privacy.audit`; off by default)."""
+    model = getattr(core.strategy, "global_flat", None)
+    if audit.folder() is not None and model is not None:
+        core.metrics.log(rnd, None, "audit_model", audit.model_probe(model), at=when)
 
 
 def _metric_brief(updates: list[Update]) -> str:

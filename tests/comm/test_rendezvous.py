@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -86,16 +87,91 @@ def test_keys_mode_binds_each_key_to_its_rank_and_the_site_pins_the_server():
 
 
 def test_a_wrong_psk_a_stranger_rank_and_a_second_join_are_refused_with_the_reason():
-    cases = [(crypto.Credentials(mode="psk", psk=bytes(32)), 0, set(), "proof is invalid"),
-             (crypto.Credentials(mode="psk", psk=PSK), 5, set(), "not a site of this federation"),
-             (crypto.Credentials(mode="psk", psk=PSK), 0, {1}, "site 0 is present and alive"),
-             (crypto.Credentials(mode="psk", psk=PSK), 1, {2: "site 1 is out: evicted"}, "site 1 is out: evicted")]
-    for cred, cid, taken, reason in cases:
+    cases = [(crypto.Credentials(mode="psk", psk=bytes(32)), 0, set(), "proof is invalid", "refused"),
+             (crypto.Credentials(mode="psk", psk=PSK), 5, set(), "not a site of this federation", "refused"),
+             (crypto.Credentials(mode="psk", psk=PSK), 0, {1}, "site 0 is present and alive", "still_present"),
+             (crypto.Credentials(mode="psk", psk=PSK), 1, {2: "site 1 is out: evicted"}, "site 1 is out: evicted",
+              "out")]
+    for cred, cid, taken, reason, code in cases:
         server = _Server(crypto.Credentials(mode="psk", psk=PSK), taken=taken, wait=0.4)
-        with pytest.raises(RendezvousError, match=reason):
+        with pytest.raises(RendezvousError, match=reason) as refused:
             knock(server.listener.address, cred, cid, timeout=5)
         server.close()
-        assert server.found == [None] and reason in server.refusals[0]
+        assert refused.value.code == code  # the site branches on the code, never on the text
+        assert server.found == [None] and reason in server.refusals[0] and f"({code})" in server.refusals[0]
+
+
+def test_knocks_beyond_the_limit_for_one_site_are_refused_before_any_proof():
+    server = _Server(crypto.Credentials(mode="psk", psk=PSK), taken={1}, wait=8)
+    codes = []
+    for _ in range(rendezvous.KNOCKS_PER_WINDOW + 3):
+        with pytest.raises(RendezvousError) as refused:
+            knock(server.listener.address, crypto.Credentials(mode="psk", psk=PSK), 0, timeout=5)
+        codes.append(refused.value.code)
+    # another site from the same address is not limited by site 0's knocks: it gets in
+    welcome = knock(server.listener.address, crypto.Credentials(mode="psk", psk=PSK), 1, timeout=5)
+    server.close()
+    assert codes == ["still_present"] * rendezvous.KNOCKS_PER_WINDOW + ["rate_limited"] * 3
+    assert "knocked 8 times from 127.0.0.1" in server.refusals[-1] and server.found[0].rank == 2
+    welcome.sock.close()
+
+
+class _LyingServer:
+    """A knock socket that answers every hello with `reply` (a hostile or broken server)."""
+
+    def __init__(self, reply: dict) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.address = self.sock.getsockname()
+        self.reply = json.dumps(reply).encode()
+        self.knocks = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.knocks += 1
+                offer = json.dumps({"hpcfed": "knock-v1", "challenge": "00" * 32}).encode()
+                conn.sendall(struct.pack(">I", len(offer)) + offer)
+                conn.recv(8192)
+                conn.sendall(struct.pack(">I", len(self.reply)) + self.reply)
+                conn.close()
+
+
+@pytest.mark.parametrize("code,parsed", [
+    ("still_present", "still_present"), ("rate_limited", "rate_limited"), ("out", "out"),
+    ("still_present " * 1000, "refused"), (7, "refused"), (None, "refused"), (["out"], "refused"),
+    ({"still_present": 1}, "refused"), ("STILL_PRESENT", "refused"),
+])
+def test_a_refusal_code_from_the_server_is_parsed_as_hostile_input(code, parsed):
+    server = _LyingServer({"ok": False, "code": code, "reason": "x" * 5000})
+    with pytest.raises(RendezvousError) as refused:
+        knock(server.address, crypto.Credentials(mode="psk", psk=PSK), 0, timeout=5)
+    server.sock.close()
+    assert refused.value.code == parsed and len(str(refused.value)) < 400
+
+
+def test_a_joining_site_knocks_again_only_on_the_codes_that_say_so(tmp_path):
+    from hpcfed.errors import FederationError
+    from hpcfed.launch.crossjob_join import _knock_until
+
+    psk = crypto.Credentials(mode="psk", psk=PSK)
+    for reply, again in [({"ok": False, "code": "out", "reason": "site 0 is out: evicted"}, False),
+                         ({"ok": False, "code": "refused", "reason": "present and alive"}, False),  # text not read
+                         ({"ok": False, "code": "rate_limited", "reason": "slow down"}, True)]:
+        server = _LyingServer(reply)
+        with pytest.raises((RendezvousError, FederationError), match=reply["reason"]):
+            _knock_until(f"{server.address[0]}:{server.address[1]}", psk, 0, 3.0)
+        server.sock.close()
+        assert (server.knocks > 1) == again, (reply, server.knocks)
+    server = _Server(psk, taken={1}, wait=6)  # still present for a while, then let in: it knocks until then
+    threading.Timer(1.5, server.taken.clear).start()
+    welcome, _ = _knock_until(f"{server.listener.address[0]}:{server.listener.address[1]}", psk, 0, 10.0)
+    server.close()
+    assert welcome.rank == 1 and server.found[0].rank == 1
+    welcome.sock.close()
 
 
 def _raw_knock(address: tuple[str, int], payload: bytes) -> bytes:

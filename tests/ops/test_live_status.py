@@ -147,3 +147,15 @@ def test_the_view_of_a_fake_run_names_the_eviction(tmp_path: Path):
     out = _fake_run(tmp_path / "run")
     view = run_cli(["status", str(out), "--once"], env={"COLUMNS": "160"}).stdout
     assert "evicted" in view and "malformed update" in view and "1.50" in view and "3/8 rounds" in view
+
+
+@pytest.mark.parametrize("gaps, text", [
+    ([[3, 7], [12, None]], "3→7, 12→"),
+    ([[r, r + 1] for r in range(10)], "7 more, 7→8, 8→9, 9→10"),
+    (None, "-"), ("3→7", "-"), ([], "-"),
+    ([[3, 7], [True, 2], ["1", 2], [1], [1, 2, 3], [2**70, 1], [4, "x"], {"a": 1}], "3→7"),  # hostile: skipped
+], ids=["open", "many", "none", "a-string", "empty", "hostile"])
+def test_gaps_are_drawn_from_what_the_live_file_holds(gaps, text):
+    from hpcfed.ops.live_view import gaps_text
+
+    assert gaps_text(gaps) == text

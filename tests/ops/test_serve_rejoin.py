@@ -14,6 +14,7 @@ import json
 
 import crossjob_helpers as H
 import pytest
+from conftest import run_cli
 
 pytestmark = pytest.mark.mpi
 
@@ -32,7 +33,7 @@ def federation(tmp_path_factory):
     """The whole story, once: (server's log, server's output, OUT, the refusals the bad knocks got)."""
     tmp = tmp_path_factory.mktemp("rejoin")
     out, port = tmp / "srv", tmp / "srv" / "port.json"
-    server = H.serve(out, SECURE, "--start-deadline", "20")  # sites 0 and 1 (site 0 brings the initial model)
+    server = H.serve(out, SECURE, "--start-deadline", "60")  # sites 0 and 1 (site 0 brings the initial model)
     sites = {i: H.join(port, i, tmp / f"site{i}", SECURE) for i in (0, 1)}
     H.wait_for("a checkpoint with sites 0 and 1", lambda: any((out / "checkpoints").glob("ckpt-*.h5"))
                and len(_sums(out, 1)) >= 2, [server, *sites.values()], timeout=240)
@@ -41,12 +42,14 @@ def federation(tmp_path_factory):
     H.kill_job(sites.pop(1))  # the whole job, mid-round
     H.wait_for("site 1 dropped", lambda: H.logged(out, "client 1 (rank 2) lost: its job ended"),
                [server, *sites.values()])
+    bad = {"view_away": run_cli(["status", str(out), "--once"], env={"COLUMNS": "200"}).stdout}  # the operator's view
     stale = H.join(port, 1, tmp / "site1", SECURE, psk="11" * 32)  # credentials of another federation
     twin = H.join(port, 0, tmp / "site0-twin", SECURE)  # a second job for a live site
-    bad = {name: proc.communicate(timeout=120)[0] for name, proc in (("stale", stale), ("twin", twin))}
+    bad.update({name: proc.communicate(timeout=120)[0] for name, proc in (("stale", stale), ("twin", twin))})
     sites[1] = H.join(port, 1, tmp / "site1", SECURE)  # the same command as the first time
     H.wait_for("two rounds with site 1 back", lambda: len([e for e in H.events(out) if e["name"] == "rejoined"]) == 1
                and len([r for r in _sums(out, 1) if r >= _back(out)]) >= 2, [server, *sites.values()], timeout=300)
+    bad["view_back"] = run_cli(["status", str(out), "--once"], env={"COLUMNS": "200"}).stdout
     (out / "HALT").touch()
     (code, text), *ends = H.finish([server, *sites.values()], 180)
     assert code == 0 and all(c == 0 for c, _ in ends), text[-4000:] + "".join(t[-1500:] for _, t in ends)
@@ -89,3 +92,14 @@ def test_a_stale_key_and_a_second_job_for_a_live_site_are_refused_at_the_knock(f
     assert "site 1's proof is invalid (another pre-shared key)" in bad["stale"]
     assert "site 0 is present and alive in this federation" in bad["twin"]
     assert "site 0 is present and alive" in log and "site 1's proof is invalid" in log
+
+
+def test_the_operators_view_draws_each_sites_gaps(federation):
+    """`hpcfed status` during the run: site 1 away since the round it was dropped, then back."""
+    _, _, out, views = federation
+    back = _back(out)
+    dropped = next(e["round"] for e in H.events(out) if e["client"] == 1 and e["name"] == "client_failed")
+    away = [line for line in views["view_away"].splitlines() if f"{dropped}→" in line]  # site 1's row: away
+    assert len(away) == 1 and "dropped" in away[0], views["view_away"]
+    again = next(line for line in views["view_back"].splitlines() if f"{dropped}→{back}" in line)
+    assert "present" in again, views["view_back"]
