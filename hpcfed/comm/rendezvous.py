@@ -286,7 +286,7 @@ class Listener:
             try:
                 found = self._admit(conn, taken, peer[0])
             except RendezvousError as exc:
-                self.log(f"knock from {peer[0]}:{peer[1]} refused ({exc.code}): {exc}")
+                self.log(f"knock from {peer[0]}:{peer[1]} refused: {exc} [{exc.code}]")
                 _refuse(conn, str(exc), exc.code)
                 continue
             except OSError as exc:

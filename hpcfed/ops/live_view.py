@@ -128,7 +128,9 @@ def render(snap: dict[str, Any], epsilons: dict[int, float], now: float | None =
     now = time.time() if now is None else now
     table = Table(expand=False)
     for column in ("site", "rank", "state", "last round", "heard", "in", "out", "ε", "away (left→back)", "reason"):
-        table.add_column(column, justify="left" if column in ("state", "reason") else "right")
+        # a site's state is never cut short (a narrow or piped console squeezes the other columns instead)
+        table.add_column(column, justify="left" if column in ("state", "reason") else "right",
+                         no_wrap=column == "state", min_width=max(map(len, STATE_STYLES)) if column == "state" else None)
     for site in snap["sites"]:
         if not isinstance(site, dict):
             continue

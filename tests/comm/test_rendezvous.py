@@ -98,7 +98,7 @@ def test_a_wrong_psk_a_stranger_rank_and_a_second_join_are_refused_with_the_reas
             knock(server.listener.address, cred, cid, timeout=5)
         server.close()
         assert refused.value.code == code  # the site branches on the code, never on the text
-        assert server.found == [None] and reason in server.refusals[0] and f"({code})" in server.refusals[0]
+        assert server.found == [None] and reason in server.refusals[0] and f"[{code}]" in server.refusals[0]
 
 
 def test_knocks_beyond_the_limit_for_one_site_are_refused_before_any_proof():

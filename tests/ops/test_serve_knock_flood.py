@@ -113,4 +113,4 @@ def test_a_flood_of_knocks_is_refused_while_the_rounds_go_on(tmp_path):
     assert rss_after - rss_before < 20 * 2**20, (rss_before, rss_after)  # bounded: nothing kept per knock
     log = (out / "logs" / "rank0.log").read_text()
     limited = codes["1:rate_limited"] + codes["3:rate_limited"]
-    assert log.count("refused (rate_limited)") == limited and "Traceback" not in text
+    assert log.count("[rate_limited]") == limited and "Traceback" not in text
