@@ -129,9 +129,9 @@ def render(snap: dict[str, Any], epsilons: dict[int, float], now: float | None =
     table = Table(expand=False)
     for column in ("site", "rank", "state", "last round", "heard", "in", "out", "ε", "away (left→back)", "reason"):
         # a site's state is never cut short (a narrow or piped console squeezes the other columns instead)
-        state = column == "state"
+        is_state = column == "state"
         table.add_column(column, justify="left" if column in ("state", "reason") else "right",
-                         no_wrap=state, min_width=max(map(len, STATE_STYLES)) if state else None)
+                         no_wrap=is_state, min_width=max(map(len, STATE_STYLES)) if is_state else None)
     for site in snap["sites"]:
         if not isinstance(site, dict):
             continue
