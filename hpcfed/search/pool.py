@@ -52,6 +52,11 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
     return list(_executor().map(fn, items))
 
 
+def in_turn(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """`fn` over `items` on the calling thread, in order: `map_ordered` for work too small to hand over."""
+    return [fn(item) for item in items]
+
+
 def row_spans(rows: int, sites: int) -> list[tuple[int, int]]:
     """Spans of a batch's rows to search as separate tasks per site: enough to keep every core busy
     when there are more cores than sites, none shorter than `MIN_SPAN_ROWS`."""

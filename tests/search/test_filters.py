@@ -135,3 +135,44 @@ def test_service_filters_by_where_and_refuses_a_bad_one_with_a_400(run: Path) ->
             assert status == 400 and named in body["error"], body
     finally:
         service.stop()
+
+
+@pytest.mark.parametrize("queries", [1, kept.SMALL_BATCH, kept.SMALL_BATCH + 1, 40])
+def test_kept_top_k_is_the_exact_top_k_in_either_path(queries: int) -> None:
+    """A few query rows go through FAISS's scan, more through one matrix product: both give the exact
+    top-k, best first, and k as large as the rows kept."""
+    rng = np.random.default_rng(4)
+    vectors = rng.normal(size=(700, 24)).astype(np.float32)
+    q = rng.normal(size=(queries, 24)).astype(np.float32)
+    want = q.astype(np.float64) @ vectors.T.astype(np.float64)
+    for k in (1, 10, 700):
+        scores, rows = kept.top_k(q, vectors, k)
+        assert rows.shape == (queries, k) and scores.shape == (queries, k)
+        assert np.allclose(scores, np.take_along_axis(want, rows, axis=1), atol=1e-4)
+        assert np.allclose(scores, -np.sort(-want, axis=1)[:, :k], atol=1e-4)
+        assert all(len(set(r.tolist())) == k for r in rows)
+
+
+def test_a_narrow_filter_searched_on_the_callers_thread_answers_as_the_pool_does(
+        run: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Few kept rows are searched site after site on the calling thread (`INLINE_WORK`); forcing the
+    pool (no inline work at all) gives the same answers, for one query and for a batch."""
+    import hpcfed.search.global_search as gs
+
+    run = Path(tmp_path / "run")
+    write_message_sites(run, [400, 300])
+    for site in (0, 1):
+        build_index(export_path(run, site), spec=IndexSpec(kind="flat"), progress=False)
+    search = GlobalSearch.from_folder(run)
+    where = search.where(["label=fire"])
+    ids = ["m0-5", "m1-7", "m0-100", "m1-250"]
+    vectors = np.stack([search.indexes[i[1]].vector_of(i) for i in ids])
+    calls: list[str] = []
+    monkeypatch.setattr(gs, "in_turn", lambda fn, items: calls.append("inline") or [fn(x) for x in items])
+    inline = [search.search("0", vectors[:1], 10, ids[:1], where), search.search("0", vectors, 10, ids, where)]
+    assert calls == ["inline", "inline"]
+    monkeypatch.setattr(gs, "INLINE_WORK", 0)
+    pooled = [search.search("0", vectors[:1], 10, ids[:1], where), search.search("0", vectors, 10, ids, where)]
+    assert calls == ["inline", "inline"]  # the pool this time
+    assert inline == pooled and all(len(hits) == 10 for batch in inline for hits in batch)
+    assert all(search.label_name(h.site, h.label) == "fire" for batch in inline for hits in batch for h in hits)
