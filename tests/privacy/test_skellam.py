@@ -13,8 +13,8 @@ import pytest
 from hpcfed.config import ConfigError, load
 from hpcfed.privacy import skellam
 from hpcfed.privacy.accountant import Accountant, epsilon
-from hpcfed.privacy.site_input import decode_sum, encode_discrete, encode_update, input_spec
 from hpcfed.privacy.requirements import Declared, check_privacy
+from hpcfed.privacy.site_input import decode_sum, encode_discrete, encode_update, input_spec
 from hpcfed.schema import InvalidValue
 
 
