@@ -98,5 +98,5 @@ def test_the_noise_key_is_checked_and_skellam_needs_secure_aggregation(tmp_path)
         load(bad)
     central = tmp_path / "central.yaml"
     central.write_text(base + "privacy: {dp: {noise: skellam}}\n")
-    with pytest.raises(ConfigError, match="privacy.dp.noise.*secure_aggregation=true"):
+    with pytest.raises(ConfigError, match=r"privacy\.dp\.noise.*secure_aggregation=true"):
         check_privacy(load(central), Declared("fedavg", True, "weighted_sum"))
