@@ -27,7 +27,7 @@ from hpcfed.privacy import masking
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.buffered import Invite, StalenessRule, check_invite
 from hpcfed.privacy.secagg import ProtocolError, group_graph
-from hpcfed.privacy.secagg_epoch import BufferSite, EpochKeys, PeerBook, context_bytes
+from hpcfed.privacy.secagg_epoch import BufferSite, EpochKeys, PeerBook
 from hpcfed.privacy.site_input import InputSpec
 
 _INTERRUPTING = frozenset({P.PARAMS, P.FINAL, P.STOP, P.EVICTED, P.CHECKPOINT})
@@ -88,7 +88,7 @@ class BufferedSecAggSite(SecAggSite):
             if adv.site not in graph[me] or adv.site in peers:
                 raise ProtocolError(f"site {adv.site}: epoch advert relayed twice, or not a neighbour in the buffer")
             peers[adv.site] = self.book.accept(adv)
-        state = BufferSite(self.epoch, graph, peers, self.size, context_bytes(invite.context), self.peer_keys)
+        state = BufferSite(self.epoch, graph, peers, self.size, invite.context, self.peer_keys)
         weight = self.rule.units(invite.staleness, spec.max_examples)
         codes = masking.encode(upload.delta, weight, spec.max_examples, spec.value_range, spec.levels, upload.scale)
         metrics = dict(upload.header.get("metrics", {}))

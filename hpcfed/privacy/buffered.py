@@ -19,7 +19,7 @@ strictly (a replayed invitation, or masked inputs of an earlier buffer, belong t
 passed); the server's version is no older than any version it already sent this site and no newer
 than one per buffer so far (version = 1 + buffers applied); the staleness is exactly that version
 minus the version this site trained from. The invitation's buffer, version and member list are
-bound into every signature of the buffer (`buffer_context` is the round number SecAgg signs), so a
+bound into every signature of the buffer (`buffer_context`, a whole SHA-256 digest, is what SecAgg signs), so a
 server that tells two members different versions or different member lists makes their signatures
 fail: the members refuse the buffer in keys mode.
 """
@@ -72,17 +72,18 @@ class Invite:
     staleness: int  # version − the version this site trained from
 
     @property
-    def context(self) -> int:
+    def context(self) -> bytes:
         return buffer_context(self.buffer, self.version, self.members)
 
 
-def buffer_context(buffer: int, version: int, members: Iterable[int]) -> int:
-    """The number SecAgg signs for this buffer (adverts, consistency check): its buffer, version and
-    members hashed, so that a member told another version or member list does not verify."""
+def buffer_context(buffer: int, version: int, members: Iterable[int]) -> bytes:
+    """What SecAgg binds for this buffer (masks, sealed shares, the consistency check): its buffer,
+    version and members hashed, so that a member told another version or member list does not verify.
+    The whole 32-byte digest: a shorter prefix would let a server search for two buffers that share it
+    (2^28 hashes for 56 bits) and replay one buffer's consistency signatures in the other."""
     ids = sorted(members)
-    digest = hashlib.sha256(b"hpcfed-secagg-buffer" + buffer.to_bytes(8, "big") + version.to_bytes(8, "big")
-                            + b"".join(i.to_bytes(4, "big") for i in ids)).digest()
-    return int.from_bytes(digest[:7], "big")  # below 2^56: an 8-byte round field
+    return hashlib.sha256(b"hpcfed-secagg-buffer" + buffer.to_bytes(8, "big") + version.to_bytes(8, "big")
+                          + len(ids).to_bytes(4, "big") + b"".join(i.to_bytes(4, "big") for i in ids)).digest()
 
 
 def _int(value: object, what: str, low: int, high: int) -> int:

@@ -122,6 +122,8 @@ def threshold_for(degree: int) -> int:
     return degree // 2 + 1
 
 
+CONTEXT_BYTES = 32  # an asynchronous buffer's context: a whole SHA-256 digest (`buffer_consistency_bytes`)
+
 @dataclass(frozen=True)
 class Advert:
     """A site's two public keys for one round of secure aggregation (for pairwise masks and for sealing
@@ -146,20 +148,38 @@ def consistency_bytes(rnd: int, survivors: Iterable[int], signer: Advert) -> byt
     to the signer's own fresh agreement keys of this round (its advert), so that a signature of
     another round, or of another job run with the same identity keys, or over another set, does not
     verify (a round number alone repeats from job to job, and rank 0 draws the job id)."""
+    return _consistency(b"hpcfed-secagg-consistency", rnd.to_bytes(8, "big"), survivors, signer)
+
+
+def buffer_consistency_bytes(context: bytes, survivors: Iterable[int], signer: Advert) -> bytes:
+    """What a site signs in an asynchronous buffer's consistency check: as `consistency_bytes`, but
+    bound to the buffer's whole 32-byte context digest (`hpcfed.privacy.buffered.buffer_context`).
+    The signer's epoch keys live across many buffers, so the context alone tells buffers apart: all
+    256 bits of it are signed, and a server cannot find two buffers whose signatures interchange."""
+    if len(context) != CONTEXT_BYTES:
+        raise ValueError(f"a buffer context is {CONTEXT_BYTES} bytes, not {len(context)}")
+    return _consistency(b"hpcfed-secagg-buffer-consistency", context, survivors, signer)
+
+
+def _consistency(tag: bytes, scope: bytes, survivors: Iterable[int], signer: Advert) -> bytes:
     ids = sorted(survivors)
-    return (b"hpcfed-secagg-consistency" + rnd.to_bytes(8, "big") + signer.site.to_bytes(4, "big")
-            + signer.c_public + signer.s_public + len(ids).to_bytes(4, "big")
-            + b"".join(i.to_bytes(4, "big") for i in ids))
+    return (tag + scope + signer.site.to_bytes(4, "big") + signer.c_public + signer.s_public
+            + len(ids).to_bytes(4, "big") + b"".join(i.to_bytes(4, "big") for i in ids))
 
 
 def consistency_verifies(public: bytes | None, signature: bytes | None, rnd: int, survivors: Iterable[int],
                          signer: Advert | None) -> bool:
     """Whether `signature` is `signer`'s identity key (`public`) over round `rnd`'s survivor set
     (`consistency_bytes`); anything missing does not verify."""
-    if public is None or signature is None or signer is None:
+    return signer is not None and signature_verifies(public, signature, consistency_bytes(rnd, survivors, signer))
+
+
+def signature_verifies(public: bytes | None, signature: bytes | None, message: bytes) -> bool:
+    """Whether `signature` is the Ed25519 key `public`'s over `message`; anything missing does not."""
+    if public is None or signature is None:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(public).verify(signature, consistency_bytes(rnd, survivors, signer))
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
     except (InvalidSignature, ValueError):
         return False
     return True

@@ -61,7 +61,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from hpcfed.privacy import shamir
 from hpcfed.privacy.masking import apply_masks
-from hpcfed.privacy.secagg import Advert, ProtocolError, consistency_bytes, consistency_verifies, threshold_for
+from hpcfed.privacy.secagg import Advert, ProtocolError, buffer_consistency_bytes, signature_verifies, threshold_for
 
 _RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 SEALED_BYTES = 12 + 4 + shamir.SHARE_BYTES + 16  # nonce || AES-GCM(x || seed share) || tag
@@ -83,7 +83,7 @@ class EpochAdvert:
                 + self.c_public + self.s_public)
 
     def keys(self) -> Advert:
-        """As the consistency check binds a signer's keys (`consistency_bytes`)."""
+        """As the consistency check binds a signer's keys (`buffer_consistency_bytes`)."""
         return Advert(self.site, self.c_public, self.s_public)
 
 
@@ -222,8 +222,7 @@ class BufferSite:
         self.signed = frozenset(survivors)
         if self.keys.identity is None:
             return None
-        return self.keys.identity.sign(consistency_bytes(_context_int(self.context), self.signed,
-                                                         self.keys.advert().keys()))
+        return self.keys.identity.sign(buffer_consistency_bytes(self.context, self.signed, self.keys.advert().keys()))
 
     def unmask(self, alive: set[int], dropped: set[int], signatures: Mapping[int, bytes] | None,
                fast: bool) -> dict[int, tuple[str, int, bytes]]:
@@ -254,9 +253,9 @@ class BufferSite:
     def _check_consistency(self, signatures: Mapping[int, bytes]) -> None:
         assert self.peer_identities is not None and self.signed is not None
         for peer, signature in sorted(signatures.items()):
-            if peer not in self.neighbours or peer not in self.signed or not consistency_verifies(
-                    self.peer_identities.get(peer), signature, _context_int(self.context), self.signed,
-                    self.peers[peer].keys()):
+            if peer not in self.neighbours or peer not in self.signed or not signature_verifies(
+                    self.peer_identities.get(peer), signature,
+                    buffer_consistency_bytes(self.context, self.signed, self.peers[peer].keys())):
                 raise ProtocolError(f"site {peer}: its consistency signature relayed to site {self.site} is not a "
                                     f"surviving neighbour's over the set this site signed in this buffer: refused")
         if len(signatures) < self.threshold:
@@ -307,8 +306,8 @@ class BufferServer:
         assert self.survivors is not None
         if site not in self.survivors or site in self.signatures:
             raise ProtocolError(f"site {site}: consistency signature from a site outside the survivor set, or twice")
-        if identities is not None and not consistency_verifies(identities.get(site), signature, _context_int(
-                self.context), self.survivors, self.adverts[site].keys()):
+        if identities is not None and not signature_verifies(identities.get(site), signature, buffer_consistency_bytes(
+                self.context, self.survivors, self.adverts[site].keys())):
             raise ProtocolError(f"site {site}: its consistency signature does not verify over the buffer's survivors")
         self.signatures[site] = signature
 
@@ -370,11 +369,3 @@ class BufferServer:
         apply_masks(total, masks)
         return total, set(self.survivors)
 
-
-def _context_int(context: bytes) -> int:
-    return int.from_bytes(context[:7], "big")
-
-
-def context_bytes(context: int) -> bytes:
-    """A buffer's context (`hpcfed.privacy.buffered.buffer_context`) as the bytes HKDF and AES-GCM bind."""
-    return context.to_bytes(7, "big")

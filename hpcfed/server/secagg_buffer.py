@@ -43,7 +43,7 @@ from hpcfed.privacy import buffered as B
 from hpcfed.privacy import secagg_wire as W
 from hpcfed.privacy.buffered import StalenessRule, buffer_context, judge_buffer
 from hpcfed.privacy.secagg import ProtocolError, group_graph
-from hpcfed.privacy.secagg_epoch import SEALED_BYTES, BufferServer, PeerBook, context_bytes
+from hpcfed.privacy.secagg_epoch import SEALED_BYTES, BufferServer, PeerBook
 from hpcfed.server import validation as V
 from hpcfed.server.collect import RoundUploads
 from hpcfed.server.core import ServerCore
@@ -79,7 +79,7 @@ class BufferExchange(SecAggCollector):
         core, taken, n = self.core, RoundUploads(b), self.num_sites
         graph = group_graph([sorted(members)], b, self._degree())
         adverts = {cid: self.book.adverts[cid] for cid in members}
-        state = BufferServer(graph, self.size, context_bytes(buffer_context(b, version, members)), adverts)
+        state = BufferServer(graph, self.size, buffer_context(b, version, members), adverts)
         for cid in sorted(members):
             core.send_to(cid, P.SA_BUFFER, {"round": b, "members": sorted(members), "version": version,
                                             "staleness": staleness[cid],

@@ -50,7 +50,7 @@ class Server:
                                   secret_seed=_noise_seed(cfg, keys), buffer_size=cfg.federation.buffer_size)
         strategy: Strategy = with_privacy(  # privacy.dp wraps the strategy (hpcfed.strategies.dp)
             strategy_cls(build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
-                         context), cfg.privacy, context)
+                         context), cfg.privacy, context, cfg.federation.quorum)
         # the server's own sections of the config, built once: nothing else in hpcfed.server reads `cfg`
         self.core = ServerCore(ServerConfig.from_config(cfg), channel, out_dir, strategy, task_cls, task_config, keys)
         self.resume = resume

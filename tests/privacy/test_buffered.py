@@ -11,7 +11,7 @@ import pytest
 from hpcfed.privacy import masking
 from hpcfed.privacy.buffered import StalenessRule, buffer_context, check_invite, judge_buffer
 from hpcfed.privacy.secagg import ProtocolError, group_graph
-from hpcfed.privacy.secagg_epoch import BufferServer, BufferSite, EpochKeys, context_bytes
+from hpcfed.privacy.secagg_epoch import BufferServer, BufferSite, EpochKeys
 from hpcfed.privacy.site_input import input_spec
 
 K, P = 4, 64
@@ -58,7 +58,7 @@ def _buffer(b: int, members: list[int], codes: dict[int, np.ndarray],
     """One buffer among `members` on the epoch keys (psk mode), in process: the unmasked sum and each
     masked input; `replay`: masked inputs a site sends in place of its own (from an earlier buffer)."""
     graph = group_graph([members], b, None)
-    ctx = context_bytes(buffer_context(b, 1, members))
+    ctx = buffer_context(b, 1, members)
     adverts = {k: EPOCH[k].advert() for k in members}
     sites = {k: BufferSite(EPOCH[k], graph, {v: adverts[v] for v in graph[k]}, P + 1, ctx) for k in members}
     server = BufferServer(graph, P + 1, ctx, adverts)

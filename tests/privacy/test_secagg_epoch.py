@@ -11,8 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from hpcfed.privacy import buffered as B
-from hpcfed.privacy.secagg import ProtocolError, group_graph
-from hpcfed.privacy.secagg_epoch import BufferServer, BufferSite, EpochKeys, PeerBook, context_bytes
+from hpcfed.privacy.secagg import ProtocolError, buffer_consistency_bytes, group_graph
+from hpcfed.privacy.secagg_epoch import BufferServer, BufferSite, EpochKeys, PeerBook
 
 SIZE = 50
 
@@ -26,7 +26,7 @@ def _federation(k: int):
 
 def _buffer(keys, public, members, b=1):
     graph = group_graph([sorted(members)], b, None)
-    ctx = context_bytes(B.buffer_context(b, b + 1, members))
+    ctx = B.buffer_context(b, b + 1, members)
     adverts = {i: keys[i].advert() for i in members}
     sites = {}
     for i in members:
@@ -151,3 +151,29 @@ def test_a_self_mask_revealed_for_a_buffer_the_site_is_not_in_is_refused():
     sites[1].unmask(set(members), set(), None, fast=True)
     with pytest.raises(ProtocolError, match="second"):
         sites[1].sign_survivors(set(members))  # answered: it signs nothing else in this buffer
+
+
+def test_a_consistency_signature_binds_the_whole_buffer_context_not_a_prefix():
+    """Epoch keys sign in many buffers, so only the context tells them apart: a server that found two
+    buffers whose contexts share a prefix (2^28 hashes for the 56 bits once signed) must still not be
+    able to replay one buffer's signature in the other. Here the contexts differ in the last byte only."""
+    keys, public = _federation(4)
+    members = {0, 1, 2, 3}
+    sites, server, graph = _buffer(keys, public, members)
+    context = sites[1].context
+    assert len(context) == 32
+    twin = BufferServer(graph, SIZE, context[:-1] + bytes([context[-1] ^ 1]), {i: keys[i].advert() for i in members})
+    for i, site in sites.items():
+        upload = site.masked_input(np.zeros(SIZE, dtype=np.uint32))
+        server.take_masked(i, *upload)
+        twin.take_masked(i, *upload)
+    alive, _ = server.fix_survivors(members - {3})
+    twin.fix_survivors(members - {3})
+    for i in alive:
+        sites[i].open_shares(server.shares_for(i), set(alive))
+    signature = sites[1].sign_survivors(set(alive))
+    with pytest.raises(ProtocolError, match="does not verify"):
+        twin.take_signature(1, signature, public)
+    server.take_signature(1, signature, public)  # in its own buffer it verifies
+    with pytest.raises(ValueError, match="32 bytes"):
+        buffer_consistency_bytes(context[:7], alive, keys[1].advert().keys())
