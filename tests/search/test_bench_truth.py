@@ -5,6 +5,7 @@ the vectors appended after it."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -62,3 +63,22 @@ def test_the_append_truth_searches_the_export_and_the_appended_vectors_together(
     assert _pairs(got) == _pairs(want)
     assert any(r["id"].startswith("s") for a in got for r in a["results"])  # both folders answer
     assert any(r["id"].startswith("a") for a in got for r in a["results"])
+
+
+def test_the_bench_reports_each_command_s_own_peak_memory_not_its_own() -> None:
+    """`bench_search.run` measures a command's peak RSS and CPU time: a small command started while the
+    bench holds 400 MB reports its own few tens of MB (Linux charges a child started straight from a
+    process that process's peak), one that allocates 300 MB reports at least that, and a failure is
+    named with the command's exit status and its stderr."""
+    from bench_search import run
+
+    held = np.ones(400 * 2**20 // 8)  # the bench's own memory (a whole collection at 1 M: gigabytes)
+    small = run([sys.executable, "-c", "pass"], dict(os.environ))
+    big = run([sys.executable, "-c", "import numpy; a = numpy.ones(300 * 2**20 // 8); print(a.sum() > 0)"],
+              dict(os.environ))
+    assert held.sum() > 0
+    assert small["peak_rss_mb"] < 150, small
+    assert big["peak_rss_mb"] >= 300 and big["stdout"].strip() == "True", big
+    assert big["cpu_s"] > 0.0
+    with pytest.raises(RuntimeError, match=r"exited 3: .*no way"):
+        run([sys.executable, "-c", "import sys; print('no way', file=sys.stderr); sys.exit(3)"], dict(os.environ))
