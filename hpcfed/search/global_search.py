@@ -221,4 +221,3 @@ class GlobalSearch:
         """The merged top-k for document `doc_id`, asked from its home site (itself left out)."""
         home = self.home_of(doc_id)
         return self.search(home, self.indexes[home].vector_of(doc_id)[None], k, [doc_id], where)[0]
-
