@@ -52,6 +52,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_process import cpu_seconds, peak_rss_mb, run  # noqa: E402
 from search_truth import exact_answers  # noqa: E402
 
 from hpcfed.store.embeddings import export_path, write_export  # noqa: E402 (after the path is set)
@@ -114,36 +115,6 @@ def write_collection(folder: Path, n: int, sites: int, d: int, given: np.ndarray
     return ids
 
 
-# Runs a command as its own child and writes that child's rusage to a file. Linux charges a child
-# the peak RSS of the memory it was forked from (an exec records the old mm's high-water mark), so a
-# command started straight from this process would report at least this process's own size (1.8 GB
-# for a 0.5 GB append at 1 M); started from this small launcher, it reports its own.
-_MEASURED = """import json, os, subprocess, sys
-proc = subprocess.Popen(sys.argv[2:])
-_, status, usage = os.wait4(proc.pid, 0)
-with open(sys.argv[1], "w") as f:
-    json.dump({"cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss}, f)
-sys.exit(os.waitstatus_to_exitcode(status) & 255)
-"""
-
-
-def run(cmd: list[str], env: dict[str, str]) -> dict:
-    """Run one CLI process; its wall time, CPU time (user + system, its threads and children), peak RSS
-    (wait4, taken by a small launcher: see `_MEASURED`) and stdout. On a shared machine the CPU time is
-    the figure to compare: the wall time also counts the time the scheduler gave to other processes."""
-    with tempfile.TemporaryDirectory(prefix="hpcfed-bench-run-") as folder:
-        usage_file = Path(folder) / "usage.json"
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _MEASURED, str(usage_file), *cmd], cwd=REPO, env=env,
-                              capture_output=True)
-        seconds = time.perf_counter() - start
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.decode()[-3000:]}")
-        usage = json.loads(usage_file.read_text())
-    return {"seconds": round(seconds, 2), "cpu_s": round(usage["cpu_s"], 2),
-            "peak_rss_mb": round(usage["maxrss_kb"] / 1024), "stdout": proc.stdout.decode()}
-
-
 def recall(index_answers: list[dict], exact_answers: list[dict], k: int) -> tuple[float, float]:
     """Mean |index top-k ∩ exact top-k| / k over the queries (matched by position); and the same counting
     a result whose reported score reaches the exact k-th score as correct (near-duplicates tie, and
@@ -173,7 +144,7 @@ def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str], whe
         host, port = json.loads(first)["listening"].removeprefix("http://").rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         latencies = []
-        cpu_before = _cpu_s(proc.pid)
+        cpu_before = cpu_seconds(proc.pid)
         for doc_id in ids:
             body = json.dumps({"id": doc_id, "k": k, **({"where": where} if where else {})})
             t = time.perf_counter()
@@ -184,8 +155,8 @@ def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str], whe
             if response.status != 200:
                 raise RuntimeError(f"/search answered {response.status}: {data[:300]!r}")
         conn.close()
-        cpu = _cpu_s(proc.pid) - cpu_before
-        rss = _peak_rss_mb(proc.pid)
+        cpu = cpu_seconds(proc.pid) - cpu_before
+        rss = peak_rss_mb(proc.pid)
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
@@ -194,20 +165,6 @@ def serve_latency(folder: Path, ids: list[str], k: int, env: dict[str, str], whe
             "p95_ms": round(ms[int(0.95 * (len(ms) - 1))], 2), "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 2),
             "queries_per_s": round(len(ms) / (sum(ms) / 1000), 1), "peak_rss_mb": rss,
             "cpu_ms_per_query": round(1000 * cpu / max(1, len(ms)), 2)}
-
-
-def _cpu_s(pid: int) -> float:
-    """The service's CPU seconds so far (all its threads): on a loaded machine, what a query costs
-    whatever the scheduler does to its wall time."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _peak_rss_mb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024)
-    return -1
 
 
 def main(argv: list[str] | None = None) -> int:

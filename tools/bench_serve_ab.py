@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_search import _cpu_s  # noqa: E402 (after the path is set)
+from bench_process import cpu_seconds  # noqa: E402 (after the path is set)
 
 
 class Service:
@@ -48,7 +48,7 @@ class Service:
 
     def ask(self, body: str, *, timed: bool = True) -> None:
         """One /search request; its wall time and the service's CPU time for it are kept when `timed`."""
-        cpu, t = _cpu_s(self.proc.pid), time.perf_counter()
+        cpu, t = cpu_seconds(self.proc.pid), time.perf_counter()
         self.conn.request("POST", "/search", body, {"Content-Type": "application/json"})
         response = self.conn.getresponse()
         data = response.read()
@@ -57,7 +57,7 @@ class Service:
             raise RuntimeError(f"{self.tree}: /search answered {response.status}: {data[:300]!r}")
         if timed:
             self.latencies.append(wall)
-            self.cpu += _cpu_s(self.proc.pid) - cpu
+            self.cpu += cpu_seconds(self.proc.pid) - cpu
 
     def summary(self) -> dict:
         ms = sorted(1000 * x for x in self.latencies)

@@ -70,7 +70,7 @@ def test_the_bench_reports_each_command_s_own_peak_memory_not_its_own() -> None:
     bench holds 400 MB reports its own few tens of MB (Linux charges a child started straight from a
     process that process's peak), one that allocates 300 MB reports at least that, and a failure is
     named with the command's exit status and its stderr."""
-    from bench_search import run
+    from bench_process import run
 
     held = np.ones(400 * 2**20 // 8)  # the bench's own memory (a whole collection at 1 M: gigabytes)
     small = run([sys.executable, "-c", "pass"], dict(os.environ))
