@@ -23,7 +23,7 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy.buffered import StalenessRule
-from hpcfed.server import joining
+from hpcfed.server import between_uploads, joining
 from hpcfed.server import validation as V
 from hpcfed.server.core import ServerCore
 from hpcfed.server.progress import Progress
@@ -150,11 +150,8 @@ class SecureBufferedLoop:
     def after_buffer(self, count: int) -> bool:
         """Checkpoint when one fell due with this buffer's `count` uploads; True to halt now."""
         core = self.core
-        done, before = core.updates_accepted, core.updates_accepted - count
-        every = core.config.checkpoints.every * core.num_clients
-        halt_at = core.config.checkpoints.halt_after_round
-        halt = (core.halt_requested or (halt_at is not None and before < halt_at <= done)) and done < self.max_updates
-        if halt or (every > 0 and done // every > before // every):
+        halt, checkpoint = between_uploads.due(core, count, self.max_updates)
+        if checkpoint:
             self.checkpoint()
             if not halt:
                 for cid in sorted(core.live):
@@ -169,36 +166,12 @@ class SecureBufferedLoop:
 
     def check_silent(self) -> None:
         """A site unheard of for `round_deadline_s` while training has failed (a ready one waits on us)."""
-        limit = self.core.config.deadlines.round_deadline_s
-        now = time.monotonic()
-        for cid in sorted(self.core.live - set(self.ready)):
-            if now - self.last_seen.get(cid, now) > limit:
-                self.core.client_failed(cid, f"was not ready within {limit:g} s (federation.round_deadline_s)")
+        between_uploads.fail_silent(self.core, self.last_seen, set(self.ready), "was not ready")
 
     def checkpoint(self) -> None:
         """Between buffers: every site writes its shard (one waiting for a buffer, or finishing its step,
-        drops that upload first); the manifest is committed with the server's state after the buffers so far."""
-        core, rnd = self.core, self.core.updates_accepted
-        for cid in sorted(core.live):
-            core.send_to(cid, P.CHECKPOINT, {"round": rnd})
+        drops that upload first: its SA_READY is passed over); the manifest is committed with the
+        server's state after the buffers so far."""
         self.ready.clear()
         self.sent.clear()
-        sites: dict[int, V.ShardRef | None] = {}
-        deadline = time.monotonic() + core.config.deadlines.round_deadline_s
-        while len(sites) < len(core.live):
-            msg = core.recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED, P.SA_READY}, f"checkpoint {rnd}",
-                                  waiting_for=core.live - set(sites), fatal=False)
-            if msg is None:
-                for cid in sorted(core.live - set(sites)):
-                    limit = core.config.deadlines.round_deadline_s
-                    core.client_failed(cid, f"wrote no checkpoint shard within {limit:g} s")
-                break
-            if msg.kind == P.SA_READY:
-                continue  # sent before the site saw CHECKPOINT: it drops that upload
-            ref = V.shard_ref(msg.header)
-            if msg.source - 1 not in core.live or ref is None or ref["round"] != rnd:
-                core.reject(msg.source, "malformed header", f"CHECKPOINT_DONE for checkpoint {rnd}")
-                continue
-            sites[msg.source - 1] = ref
-            self.last_seen[msg.source - 1] = time.monotonic()
-        core.commit_checkpoint(rnd, sites)
+        between_uploads.gather_shards(self.core, self.last_seen, P.SA_READY, lambda msg: None)
