@@ -89,7 +89,8 @@ def wrong_rounds(srv: Path, audit_dir: Path, num_sites: int) -> list[str]:
 
 def rejoin_rounds(srv: Path) -> list[dict[str, Any]]:
     """Each site let back in (a ``rejoined`` event with its knock's time), from the server's
-    metrics.jsonl: which site, and how soon its upload was folded after its knock.
+    metrics.jsonl: which site, the seconds from its knock to its setup done (``let_in_s``), and how
+    soon its upload was folded after its knock.
 
     - sync: ``rounds`` = the round that first folded its upload minus the round in progress when
       its knock came (1: the next round; 0: the round it knocked in, which was still waiting);
@@ -107,7 +108,8 @@ def rejoin_rounds(srv: Path) -> list[dict[str, Any]]:
             continue
         cid, start, knock = e["client"], e["value"], e["knock_time"]
         mine = sorted(r for r, c in trained if c == cid and r >= start)
-        row: dict[str, Any] = {"site": cid, "knock_time": knock, "let_in_from": start}
+        row: dict[str, Any] = {"site": cid, "knock_time": knock, "let_in_s": round(e["time"] - knock, 2),
+                               "let_in_from": start}
         if ended:  # sync: the rounds are numbered, each ends once
             in_progress = next((r for t, r in ended if t > knock), None)
             row["rounds"] = mine[0] - in_progress if mine and in_progress is not None else None

@@ -116,6 +116,7 @@ def _print(result: dict[str, Any]) -> None:
     print(f"rejoins: {result['mode']}, K = {result['sites']}, secure aggregation "
           f"{'on' if result['secure_aggregation'] else 'off'}; load average {result['load_before']} before, "
           f"{result['load_after']} after; server exit {result['server_exit']}")
+    print(f"seconds from the knock to its setup done: {[r['let_in_s'] for r in rows]}")
     if result["mode"] == "sync":
         delays = [r["rounds"] for r in rows]
         print(f"rounds from the knock to the first folded upload (1: the next round): {delays}; within one round: "

@@ -47,6 +47,7 @@ log = logging.getLogger("hpcfed")
 # closes within a second or two of that job's end, then the server drops it and lets it back in.
 STILL_PRESENT_RETRY_S = 15.0
 _RESIGNAL_S = 0.5  # how often the main thread is interrupted again until it has heard its server went away
+PORT_FILE_POLL_S = 0.5  # how often a site waiting for its server's port file looks again
 GATHER_WAIT_S = 3600.0  # how long a site let in waits for the server's handshake (its lifeline sees a dead server)
 
 
@@ -296,11 +297,12 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
     delay, last, where = 0.5, "", f"--server {spec}"
     present_since = 0.0  # when the server first said this site is still present
     while True:
+        pause = None  # the back-off, unless set
         try:
             address, where = read_server(spec)
             return knock(address, cred, site, timeout=min(10.0, max(1.0, deadline - time.monotonic()))), where
         except NoPortFile as exc:
-            last = str(exc)
+            last, pause = str(exc), PORT_FILE_POLL_S  # a file read: the site knocks as soon as the server is up
         except OSError as exc:  # nothing listens (yet), unreachable, timed out
             last = f"nothing answered at {address[0]}:{address[1]} ({exc.strerror or exc or type(exc).__name__})"
         except RendezvousError as exc:
@@ -311,10 +313,11 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
             elif exc.code not in (RATE_LIMITED, NO_ANSWER):
                 raise
             last = str(exc)  # not declared lost yet, or knocking too fast: knock again in a moment
-        if time.monotonic() + delay > deadline:
+        if pause is None:
+            pause, delay = delay, min(2 * delay, 10.0)
+        if time.monotonic() + pause > deadline:
             raise FederationError(
                 f"site {site}: no server within {wait:g} s (federation.setup_timeout_s) from {where}; last: {last}. "
                 f"The server is not running, the port file is stale (the server rewrites it at every start), "
                 f"or a firewall blocks the port (see docs/cluster.md, 'Across clusters')")
-        time.sleep(delay)
-        delay = min(2 * delay, 10.0)
+        time.sleep(pause)
