@@ -41,6 +41,16 @@ def lost_rounds(log_text: str) -> list[tuple[int, str]]:
             for m in re.finditer(r"round (\d+) lost: (.*)", log_text)]
 
 
+def sites_not_back(log_text: str) -> list[int]:
+    """The sites the server lost and never let back in afterwards, from its log (empty: every loss
+    was followed by that site's return, as a rejoin or as a site of a resumed server). A site job
+    killed before it knocked is no loss: the server never had it."""
+    away: dict[int, bool] = {}
+    for m in re.finditer(r"client (\d+) \(rank \d+\) (lost|is back|resumes from its own shard)", log_text):
+        away[int(m.group(1))] = m.group(2) == "lost"
+    return sorted(c for c, gone in away.items() if gone)
+
+
 def wrong_rounds(srv: Path, audit_dir: Path, num_sites: int) -> list[str]:
     """Each way a round was applied wrongly or twice, named (empty: every round was applied rightly)."""
     evs = events(srv)
