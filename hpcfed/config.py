@@ -320,7 +320,7 @@ def _apply_override(data: dict[str, Any], item: str) -> str:
 # The privacy mechanism too (ε is a function of the rounds done and these); max_epsilon is a budget
 # like rounds and may change.
 RESUME_MUST_MATCH = ("seed", "method", "strategy", "task", "privacy.secure_aggregation", "privacy.dp.clip_norm",
-                     "privacy.dp.noise_multiplier", "privacy.dp.delta", "privacy.dp.adaptive",
+                     "privacy.dp.noise_multiplier", "privacy.dp.delta", "privacy.dp.adaptive", "privacy.dp.noise",
                      "privacy.secagg.clip_norm", "privacy.secagg.max_examples", "privacy.record_dp")
 
 

@@ -37,8 +37,19 @@ class DPConfig:
     delta: float = 1e-5
     max_epsilon: float | None = None  # the run stops before a round would take ε past this
     adaptive: AdaptiveClipConfig | None = None
+    # With secure aggregation, the sites' noise: "skellam" (integer noise on the fixed-point grid, the
+    # exact distributed mechanism: hpcfed.privacy.skellam) or "gaussian" (continuous, then rounded).
+    # Unset: skellam with secure aggregation; central mode's noise is the server's Gaussian.
+    noise: str | None = None
+
+    def discrete(self, secure_aggregation: bool) -> bool:
+        """Whether the sites add integer (Skellam) noise: under secure aggregation, unless gaussian is asked."""
+        return secure_aggregation and self.noise != "gaussian"
 
     def validate(self) -> None:
+        if self.noise not in (None, "skellam", "gaussian"):
+            raise InvalidValue("noise", f"must be skellam or gaussian (the sites' noise under secure aggregation), "
+                                        f"got {self.noise!r}")
         _positive(self, "clip_norm", "noise_multiplier", "max_epsilon")
         for name in ("clip_norm", "noise_multiplier", "delta", "max_epsilon"):
             value = getattr(self, name)
@@ -104,8 +115,6 @@ class RecordDPConfig:
     def target(self, client_id: int) -> float:
         """Site `client_id`'s target ε: its own in `site_epsilon`, else `epsilon`."""
         return self.site_epsilon.get(client_id, self.epsilon)
-        if self.delta is not None and not 0.0 < self.delta < 1.0:
-            raise InvalidValue("delta", f"must be in (0, 1) and below 1 / (records per site), got {self.delta!r}")
 
 
 @dataclass(kw_only=True)

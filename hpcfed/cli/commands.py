@@ -18,20 +18,21 @@ Errors the user can fix print one plain line (no traceback) and exit with code 2
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from hpcfed.cli import bench, data, join, keygen, new, report, run, search, serve, status
-from hpcfed.cli import eval as eval_command
-from hpcfed.cli import inspect as inspect_command
+# `hpcfed NAME ...` -> the module (`hpcfed.cli.NAME`) whose main(argv) runs it, in the order
+# `hpcfed --help` lists them. Imported on use: every MPI rank starts as `hpcfed run`, and the search
+# and status commands' imports are a few hundred ms of CPU a rank that a run never uses.
+COMMANDS: tuple[str, ...] = ("run", "serve", "join", "keygen", "data", "search", "eval", "report", "status",
+                             "inspect", "new", "bench")
 
-# `hpcfed NAME ...` -> the module whose main(argv) runs it, in the order `hpcfed --help` lists them
-COMMANDS: dict[str, ModuleType] = {
-    "run": run, "serve": serve, "join": join, "keygen": keygen, "data": data, "search": search,
-    "eval": eval_command, "report": report, "status": status, "inspect": inspect_command, "new": new,
-    "bench": bench,
-}
+
+def command_module(name: str) -> ModuleType:
+    """The module of command `name` (one of `COMMANDS`)."""
+    return importlib.import_module(f"hpcfed.cli.{name}")
 
 USER_ERROR_EXIT = 2
 
@@ -40,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpcfed", description="Federated learning for HPC clusters over MPI.",
                                 epilog="`hpcfed COMMAND --help` tells more of each command.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
-        sub.add_parser(name, help=module.SUMMARY, add_help=False)
+    for name in COMMANDS:
+        sub.add_parser(name, help=command_module(name).SUMMARY, add_help=False)
     return p
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     """The `hpcfed` command: run the subcommand named in `argv`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
-        command = COMMANDS[argv[0]]
+        command = command_module(argv[0])
         return _guard(lambda: command.main(argv[1:]))
     _parser().parse_args(argv)  # --help, or the error naming the commands there are
     return 1

@@ -66,7 +66,7 @@ def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, 
         stages.append(attacks.UnboundedEncode(spec, up.uniform_weighting))
     else:
         stages.append(Clip(spec.clip_norm))
-        if spec.noise_std > 0:
+        if spec.noise_std > 0 and not spec.discrete:  # Skellam noise is drawn on the grid, by Encode
             stages.append(Noise(spec.noise_std))
         stages.append(Encode(spec, up.uniform_weighting, channel.rank - 1))
         if attack is not None:  # a garbage* attack (group testing's attacker: docs/threats.md)

@@ -6,6 +6,9 @@ with the site's weight. `hpcfed.client.secagg.SecAggSite` masks and sends what t
     Delta: δ = trained − sent (float64)        Clip: factor = min(1, C / ‖δ‖₂)
     Noise: δ ← factor·δ + N(0, (z·C/√m)²)      Encode: w·factor·δ in fixed point, then n (w = n / max_examples)
 
+With discrete (Skellam) noise there is no Noise stage: Encode rounds factor·δ to the grid at random
+and adds integer noise there (`site_input.encode_discrete`).
+
 The clip's factor is not applied by `Clip`: `Encode` folds it into the fixed-point pass (one
 float64 temporary, as `site_input.encode_update`), and `Noise` applies it before adding noise.
 """
@@ -19,7 +22,7 @@ from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
 from hpcfed.privacy import masking
 from hpcfed.privacy.dp import clip_factor
-from hpcfed.privacy.site_input import InputSpec, noised
+from hpcfed.privacy.site_input import InputSpec, encode_discrete, noised
 
 
 class Delta(Stage):
@@ -78,6 +81,9 @@ class Encode(Stage):
         if not 0 <= weight <= self.spec.max_examples:
             raise FederationError(f"client {self.client_id}: {upload.num_examples} training examples, outside 0.."
                                   f"privacy.secagg.max_examples={self.spec.max_examples}; raise it on every rank")
+        if self.spec.discrete:  # distributed DP's integer noise, added on the grid
+            upload.codes = encode_discrete(upload.delta, upload.scale, self.spec)
+            return upload
         upload.codes = masking.encode(upload.delta, weight, self.spec.max_examples, self.spec.value_range,
                                       self.spec.levels, upload.scale)
         return upload

@@ -4,22 +4,27 @@ This package is a library below the runtime: it imports numpy, cryptography and 
 nothing of hpcfed's server, client, strategies or tasks.
 """
 
+import importlib
 import importlib.util
-import sys
-from types import ModuleType
+from typing import Any
 
 
-def load_on_first_use(name: str) -> ModuleType:
-    """Module `name`, run only when one of its attributes is first used (`importlib.util.LazyLoader`).
-    dp-accounting imports scipy, over a second of CPU: every rank of every run imports this package,
-    and only a run with DP asks the accountant anything."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
+def load_on_first_use(name: str) -> Any:
+    """Module `name`, imported only when one of its attributes is first used. dp-accounting imports
+    scipy, over a second of CPU: every rank of every run imports this package, and only a run with DP
+    asks the accountant anything. Not `importlib.util.LazyLoader`: that puts the module in
+    `sys.modules`, where `inspect.getmodule` (which torch calls while it registers its own operators)
+    touches every module's `__file__`, and so loaded scipy on every rank after all."""
+    if importlib.util.find_spec(name) is None:
         raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _OnFirstUse(name)
+
+
+class _OnFirstUse:
+    """Stands for a module that is imported on the first attribute asked of it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)

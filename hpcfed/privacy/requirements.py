@@ -44,6 +44,10 @@ def check_privacy(cfg: Config, strategy: Declared) -> None:
     if dp is None:
         return
     key = locate(cfg.source, "privacy.dp")
+    if dp.noise == "skellam" and not cfg.privacy.secure_aggregation:
+        raise ConfigError(f"{locate(cfg.source, 'privacy.dp.noise')} = skellam is the sites' integer noise under "
+                          f"secure aggregation; without it the server adds Gaussian noise itself: set "
+                          f"privacy.secure_aggregation=true, or remove privacy.dp.noise")
     if not strategy.synchronous:
         raise ConfigError(f"{key}: differential privacy runs in synchronous rounds only, and strategy "
                           f"{strategy.name!r} is asynchronous; choose strategy fedavg, or remove privacy.dp")

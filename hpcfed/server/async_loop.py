@@ -72,6 +72,9 @@ class AsyncLoop:
         try:
             self.begin()
             while core.updates_accepted < self.max_updates:
+                for cid in joining.await_floor(core, core.updates_accepted):  # every site away (`hpcfed serve`)
+                    self.outbox.owe(cid, answer=True)
+                    self.last_seen[cid] = time.monotonic()
                 if not core.live:
                     raise FederationError(f"every client has failed; last checkpoint: {core.last_checkpoint or 'none'}")
                 accepted = self.step()

@@ -64,6 +64,8 @@ class SecureBufferedLoop:
         for cid in sorted(core.live):
             self.answer(cid)
         while core.updates_accepted < self.max_updates:
+            for cid in joining.await_floor(core, core.updates_accepted):  # every site away (`hpcfed serve`)
+                self.answer(cid)
             if not core.live:
                 raise FederationError(f"every client has failed; last checkpoint: {core.last_checkpoint or 'none'}")
             self.step()

@@ -50,7 +50,7 @@ class Server:
                                   secret_seed=_noise_seed(cfg, keys), buffer_size=cfg.federation.buffer_size)
         strategy: Strategy = with_privacy(  # privacy.dp wraps the strategy (hpcfed.strategies.dp)
             strategy_cls(build(strategy_cls.Config, cfg.strategy.options, where=cfg.source, prefix="strategy."),
-                         context), cfg.privacy, context)
+                         context), cfg.privacy, context, cfg.federation.quorum)
         # the server's own sections of the config, built once: nothing else in hpcfed.server reads `cfg`
         self.core = ServerCore(ServerConfig.from_config(cfg), channel, out_dir, strategy, task_cls, task_config, keys)
         self.resume = resume
@@ -97,9 +97,10 @@ class Server:
         """Hydra says a rank of the job ended (SIGUSR1): the server finds out which and goes on without it."""
         self.core.peer_ended()
 
-    def late_sites(self, absent: set[int], admit: Callable[[], list[int]]) -> None:
+    def late_sites(self, absent: set[int], admit: Callable[[], dict[int, float]]) -> None:
         """Sites `absent` at the start (`hpcfed serve`) may join later: `admit()`, called at each
-        safe point (a sync round's start, an async step), returns those connected since."""
+        safe point (a sync round's start, an async step), returns those connected since, each with
+        when its knock came (`time.monotonic`)."""
         self.core.roster.start_late(absent)
         self.core.joiners = admit
 

@@ -32,6 +32,7 @@ from hpcfed.params import ParamLayout, Params
 from hpcfed.privacy.accountant import Accountant
 from hpcfed.privacy.dp import CentralDP as CentralSum
 from hpcfed.privacy.dp import adapt_clip, update_noise_multiplier
+from hpcfed.privacy.site_input import InputSpec, spec_for
 from hpcfed.strategies.base import WEIGHTED_SUM, Strategy, StrategyContext, SyncStrategy, Update
 
 
@@ -173,8 +174,9 @@ class DistributedDP(CentralDP):
     name = "dp+secagg"
     aggregates = WEIGHTED_SUM  # it takes the round's secure sum (central DP needs each upload, to clip it)
 
-    def __init__(self, inner: SyncStrategy, context: StrategyContext) -> None:
+    def __init__(self, inner: SyncStrategy, context: StrategyContext, spec: InputSpec | None = None) -> None:
         super().__init__(inner, context)
+        self.spec = spec  # the sites' encoding: with Skellam noise, the accountant needs its grid
         self._secure_sum: np.ndarray | None = None
         self._count = 0
         self._released_at: float | None = None  # this round's multiplier, where group testing lowers it
@@ -183,6 +185,11 @@ class DistributedDP(CentralDP):
         """This round's sums are released at `noise_multiplier` (group testing's smallest group): the
         accountant composes the round at it (docs/threats.md, "The DP noise in a group sum")."""
         self._released_at = noise_multiplier
+
+    def initialize(self, initial: Params) -> None:
+        super().initialize(initial)
+        if self.spec is not None and self.spec.discrete:
+            self.accountant.grid = self.spec.grid(self.layout.size)
 
     def begin_round(self, round: int) -> None:
         self.inner.begin_round(round)
@@ -208,15 +215,24 @@ class DistributedDP(CentralDP):
 
     def report(self) -> dict[str, Any]:
         out = super().report()
-        out["privacy"].update(secure_aggregation=True, noise="distributed (each site adds z*C/sqrt(m))")
+        discrete = self.accountant.grid is not None
+        out["privacy"].update(secure_aggregation=True, noise=(
+            "distributed skellam (each site adds integer noise of std z*C/sqrt(m) on the fixed-point grid)"
+            if discrete else "distributed gaussian (each site adds z*C/sqrt(m), then rounds to fixed point)"))
+        if discrete:
+            out["privacy"]["accountant"] = "rdp, skellam (Agarwal et al. 2021; dp-accounting's conversion)"
         return out
 
 
-def with_privacy(strategy: Strategy, privacy: PrivacyConfig, context: StrategyContext) -> Strategy:
+def with_privacy(strategy: Strategy, privacy: PrivacyConfig, context: StrategyContext, quorum: float = 1.0
+                 ) -> Strategy:
     """`strategy` as the run's ``privacy`` section asks (checked by `hpcfed.privacy.requirements`):
-    wrapped in `DistributedDP` (secure aggregation) or `CentralDP` when it has ``dp``, else as it is."""
+    wrapped in `DistributedDP` (secure aggregation; the sites' encoding from `quorum`) or `CentralDP`
+    when it has ``dp``, else as it is."""
     if privacy.dp is None:
         return strategy
     if not isinstance(strategy, SyncStrategy):  # the base, not a strategy: the config check refuses async + DP
         raise TypeError(f"DP runs in synchronous rounds only; strategy {strategy.name!r} is asynchronous")
-    return DistributedDP(strategy, context) if privacy.secure_aggregation else CentralDP(strategy, context)
+    if privacy.secure_aggregation:
+        return DistributedDP(strategy, context, spec_for(privacy, context.num_clients, quorum))
+    return CentralDP(strategy, context)

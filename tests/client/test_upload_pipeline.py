@@ -60,8 +60,11 @@ def _stages(rank: int, *overrides: str) -> list[type]:
     (3, ["attack=bad_header"], [attacks.MalformedSend]),
     (3, ["attack=bad_header_then_flood"], [attacks.MalformedSend]),
     (1, ["privacy.secure_aggregation=true", "influence.enabled=false"], [Delta, Clip, Encode, SecAggSite]),
+    # distributed DP: Skellam noise (the default) is drawn on the grid by Encode; Gaussian has its stage
     (1, ["privacy.secure_aggregation=true", "influence.enabled=false", "privacy.dp.noise_multiplier=1.0"],
-     [Delta, Clip, Noise, Encode, SecAggSite]),
+     [Delta, Clip, Encode, SecAggSite]),
+    (1, ["privacy.secure_aggregation=true", "influence.enabled=false", "privacy.dp.noise_multiplier=1.0",
+         "privacy.dp.noise=gaussian"], [Delta, Clip, Noise, Encode, SecAggSite]),
     (3, ["privacy.secure_aggregation=true", "influence.enabled=false", "attack=flood"],
      [attacks.Tamper, Delta, attacks.UnboundedEncode, SecAggSite]),
     # group testing's attacker: the honest clip and encoding, then random field elements in their place
