@@ -43,11 +43,16 @@ def lost_rounds(log_text: str) -> list[tuple[int, str]]:
 
 def sites_not_back(log_text: str) -> list[int]:
     """The sites the server lost and never let back in afterwards, from its log (empty: every loss
-    was followed by that site's return, as a rejoin or as a site of a resumed server). A site job
-    killed before it knocked is no loss: the server never had it."""
+    was followed by that site's return, as a rejoin, or in the gathering of a resumed server, whose
+    "setup done" starts the count again). A site job killed before it knocked is no loss: the server
+    never had it."""
     away: dict[int, bool] = {}
-    for m in re.finditer(r"client (\d+) \(rank \d+\) (lost|is back|resumes from its own shard)", log_text):
-        away[int(m.group(1))] = m.group(2) == "lost"
+    for m in re.finditer(r"client (\d+) \(rank \d+\) (lost|is back|resumes from its own shard)|(setup done)",
+                         log_text):
+        if m.group(3):
+            away.clear()
+        else:
+            away[int(m.group(1))] = m.group(2) == "lost"
     return sorted(c for c, gone in away.items() if gone)
 
 
