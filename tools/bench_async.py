@@ -2,7 +2,7 @@
 
     python tools/bench_async.py [--config configs/fedahe_synthetic.yaml] [--np 4] [--slow 2] [--factor 4]
                                 [--json] [--plot conv.png] [--afed] [--repeats 1] [--metric val_micro_f1]
-                                [key=value ...]
+                                [--secure] [key=value ...]
 
 Both runs use the same config and seed; sync FedAvg runs ``rounds`` rounds, the async runs may accept
 up to ``--async-updates`` (default 2) x rounds x clients uploads; all use
@@ -18,6 +18,10 @@ machine's background load hits both, and reports the median of the N speedups (e
 own FedAvg run) with every pair listed. ``--metric`` picks the curve: ``val_micro_f1`` (each site's
 model after its local step) or ``received_val_micro_f1`` (the model the server sent, logged with
 ``task.model_selection=best_val``).
+
+``--secure`` runs every federation of the comparison with ``privacy.secure_aggregation=true``: sync
+FedAvg's rounds summed securely against FedDWA's buffers summed securely among their members
+(`hpcfed.strategies.feddwa_buffers`), so the speedup is secure async against secure sync.
 """
 
 from __future__ import annotations
@@ -84,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--repeats", type=int, default=1, help="run the FedAvg/FedDWA pair this many times")
     p.add_argument("--metric", default="val_micro_f1", help="per-site F1 curve to compare")
+    p.add_argument("--secure", action="store_true",
+                   help="every run with privacy.secure_aggregation=true (secure async against secure sync)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_async_"))
-    overrides = [f"federation.slowdown={{{args.slow}: {args.factor}}}", *args.overrides]
+    overrides = [f"federation.slowdown={{{args.slow}: {args.factor}}}",
+                 *(["privacy.secure_aggregation=true"] if args.secure else []), *args.overrides]
     from hpcfed.config import load
 
     rounds = load(REPO / args.config if not Path(args.config).is_absolute() else args.config,
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats > 1:
         report["speedups"] = [r["speedup"] for r in pairs]
         report["pairs"] = pairs
-    report.update({"metric": args.metric, "slowdown": {str(args.slow): args.factor}})
+    report.update({"metric": args.metric, "slowdown": {str(args.slow): args.factor}, "secure": args.secure})
     if args.plot:
         plot_convergence({m: r["out"] for m, r in pairs[0]["runs"].items()}, args.plot, metric=args.metric)
     if args.json:

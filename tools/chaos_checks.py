@@ -41,6 +41,21 @@ def lost_rounds(log_text: str) -> list[tuple[int, str]]:
             for m in re.finditer(r"round (\d+) lost: (.*)", log_text)]
 
 
+def sites_not_back(log_text: str) -> list[int]:
+    """The sites the server lost and never let back in afterwards, from its log (empty: every loss
+    was followed by that site's return, as a rejoin, or in the gathering of a resumed server, whose
+    "setup done" starts the count again). A site job killed before it knocked is no loss: the server
+    never had it."""
+    away: dict[int, bool] = {}
+    for m in re.finditer(r"client (\d+) \(rank \d+\) (lost|is back|resumes from its own shard)|(setup done)",
+                         log_text):
+        if m.group(3):
+            away.clear()
+        else:
+            away[int(m.group(1))] = m.group(2) == "lost"
+    return sorted(c for c, gone in away.items() if gone)
+
+
 def wrong_rounds(srv: Path, audit_dir: Path, num_sites: int) -> list[str]:
     """Each way a round was applied wrongly or twice, named (empty: every round was applied rightly)."""
     evs = events(srv)
@@ -85,3 +100,38 @@ def wrong_rounds(srv: Path, audit_dir: Path, num_sites: int) -> list[str]:
         elif not audit.sums_match([p for p in probes if p is not None], int(e["value"])):
             problems.append(f"round {e['round']}: the sum folded is not the sum of sites {members}' inputs")
     return problems
+
+
+def rejoin_rounds(srv: Path) -> list[dict[str, Any]]:
+    """Each site let back in (a ``rejoined`` event with its knock's time), from the server's
+    metrics.jsonl: which site, the seconds from its knock to its setup done (``let_in_s``), and how
+    soon its upload was folded after its knock.
+
+    - sync: ``rounds`` = the round that first folded its upload minus the round in progress when
+      its knock came (1: the next round; 0: the round it knocked in, which was still waiting);
+    - async: ``before_admit`` = uploads folded between its knock and the step that let it in (0: it
+      was let in at once), ``others_before_first`` = uploads of other sites folded between then and
+      its own first one (one round of the others is K - 1).
+    A rejoin whose first upload is not in the file yet (the run ended first) has None."""
+    evs = events(srv)
+    ended = sorted((e["time"], e["round"]) for e in evs if e["name"] == "round_time_s")  # sync rounds, as they ended
+    accepted = sorted((e["time"], e["round"]) for e in evs if e["name"] == "broadcast")  # async uploads, as folded
+    trained = [(e["round"], e["client"]) for e in evs if e["name"] == "train_loss" and e["client"] is not None]
+    found = []
+    for e in evs:
+        if e["name"] != "rejoined" or "knock_time" not in e:
+            continue
+        cid, start, knock = e["client"], e["value"], e["knock_time"]
+        mine = sorted(r for r, c in trained if c == cid and r >= start)
+        row: dict[str, Any] = {"site": cid, "knock_time": knock, "let_in_s": round(e["time"] - knock, 2),
+                               "let_in_from": start}
+        if ended:  # sync: the rounds are numbered, each ends once
+            in_progress = next((r for t, r in ended if t > knock), None)
+            row["rounds"] = mine[0] - in_progress if mine and in_progress is not None else None
+        else:
+            at_knock = max((r for t, r in accepted if t <= knock), default=0)
+            row["before_admit"] = start - at_knock
+            first = next((r for r in mine if r > start), None)
+            row["others_before_first"] = None if first is None else first - start - 1
+        found.append(row)
+    return found

@@ -21,14 +21,14 @@ import numpy as np
 from hpcfed import protocol as P
 from hpcfed.client import attacks
 from hpcfed.client.assemble import eviction_hooks, upload_pipeline
-from hpcfed.client.config import ClientConfig, SiteSection
+from hpcfed.client.config import ClientConfig
+from hpcfed.client.prepared import Prepared, prepare
 from hpcfed.client.upload import Pipeline, RoundStart, Superseded, Upload
 from hpcfed.comm.api import Channel, Message
 from hpcfed.cost import rank_cost
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout, Params
-from hpcfed.tasks import data_parallel
 from hpcfed.tasks.base import Site, Task
 from hpcfed.tasks.data_parallel import SiteRanks
 
@@ -39,20 +39,21 @@ class Client:
     """One client site (rank 1..K): trains the task on the server's models and uploads the results."""
 
     def __init__(self, config: ClientConfig, channel: Channel, out_dir: Path, device: str = "cpu",
-                 resume: bool = False, keys: RankKeys | None = None, ranks: SiteRanks | None = None) -> None:
+                 resume: bool = False, keys: RankKeys | None = None, ranks: SiteRanks | None = None,
+                 prepared: Prepared | None = None) -> None:
+        """`prepared`: what the site built before it met the server (`hpcfed join`); built here when
+        there is none, or it was built for another rank or federation size than `channel`'s."""
         self.config, self.loop = config, config.loop
         self.channel = channel
         self.client_id = channel.rank - 1
         self.num_clients = channel.size - 1
         self.keys = keys or RankKeys(config.security, channel.rank)  # read once (the launch passes them)
-        site = config.site
-        self.site = build_site(config, self.client_id, self.num_clients, out_dir, device, self.keys, ranks)
-        self._lingers = attacks.lingers(site.attack_played_by(self.client_id, self.num_clients))  # will not leave
-        self.task: Task = site.task_cls(site.task_config, self.site)
-        if data_parallel.parallel(ranks):  # a site of many ranks: its leader hands each round to the others
-            from hpcfed.client.site_ranks import SiteLeader
-
-            self.task = SiteLeader(self.task, ranks)  # type: ignore[arg-type]  # parallel() checked
+        if prepared is None or not prepared.fits(self.client_id, self.num_clients):
+            prepared = prepare(config, self.client_id, self.num_clients, out_dir, device, self.keys, ranks)
+        self.prepared: Prepared | None = prepared  # until its setup exchange is done
+        self.site: Site = prepared.site
+        self.task: Task = prepared.task
+        self._lingers = attacks.lingers(config.site.attack_played_by(self.client_id, self.num_clients))  # stays
         self._fit_s, self._examples = 0.0, 0  # the site's throughput, reported with RESULT
         self._on_evicted = eviction_hooks(channel, self.site.attack)
         self.layout: ParamLayout | None = None
@@ -65,13 +66,9 @@ class Client:
         self._held: Message | None = None
         self.upload: Pipeline | None = None  # train -> ... -> send, assembled once the layout is known
         self._pending: Message | None = None  # what ended an upload stage's wait early, handled next
-        from hpcfed.store import site_state
-
         # This site's own checkpoint shards: written and read here only, tagged with the site's key.
         self.resume = resume
-        self.state_dir = site_state.site_dir(self.loop.site_state_dir, out=out_dir, client=self.client_id,
-                                             rank=self.client_id + 1)
-        self.state_auth = self.keys.file_auth("site-shard")
+        self.state_dir, self.state_auth = prepared.state_dir, prepared.state_auth
 
     def run(self) -> None:
         """Take part in the federation until the server says STOP (or stops answering: FederationError)."""
@@ -115,17 +112,15 @@ class Client:
             hook()
 
     def _setup(self) -> bool:
-        header, tensors = self.task.setup()
+        prepared = self.prepared
+        assert prepared is not None  # one setup exchange per Client
+        header, tensors = prepared.setup
         out = P.prefixed(tensors, P.SETUP_PREFIX)
         if self.client_id == 0:
             out.update(P.prefixed(self.task.get_parameters(), P.INIT_PREFIX))
-        setup_header: dict[str, Any] = {"task": header}
         # The shards this site holds intact: on --resume the server picks a checkpoint all sites hold;
         # a site rejoining a running server (`hpcfed join` again) resumes from its newest one.
-        from hpcfed.store import site_state
-
-        setup_header["shards"] = site_state.held_shards(self.state_dir, self.client_id, self.state_auth)
-        self.channel.send(0, P.SETUP, setup_header, out)
+        self.channel.send(0, P.SETUP, {"task": header, "shards": prepared.shards}, out)
         reply = self._wait({P.SETUP_REPLY, P.STOP, P.EVICTED}, self.loop.setup_timeout_s + self.loop.client_timeout_s)
         if reply.kind == P.EVICTED:  # evicted in an earlier attempt of this run (the checkpoint says)
             self._evicted(reply)
@@ -145,12 +140,12 @@ class Client:
 
             shard_round: Any = shard.get("round")  # from the server: int() refuses a non-number, caught below
             try:
-                state = site_state.load_shard(self.state_dir, int(shard_round), str(shard.get("digest")),
-                                              self.client_id, self.state_auth)
+                state = prepared.shard_state(int(shard_round), str(shard.get("digest")))
             except (site_state.ShardError, TypeError, ValueError) as exc:
                 raise FederationError(
                     f"client {self.client_id} (rank {self.client_id + 1}): cannot resume: {exc}") from None
             self.task.load_state_dict(state)
+        self.prepared = None  # its shard read ahead is not kept for the whole run
         return True
 
     def _train_and_upload(self, msg: Message) -> None:
@@ -275,30 +270,6 @@ class Client:
                 f"client {self.client_id} (rank {self.client_id + 1}): the server (rank 0) sent nothing for "
                 f"{timeout:g} s (federation.client_timeout_s); it has probably died — leaving")
         return msg
-
-
-def build_site(config: ClientConfig, client_id: int, num_clients: int, out_dir: Path, device: str,
-               keys: RankKeys | None, ranks: SiteRanks | None = None) -> Site:
-    """Where site `client_id`'s task runs, as each of its ranks builds it (every rank of a site holds
-    the site's `keys`: under record-level DP they draw the site's batches and noise alike)."""
-    from hpcfed.data.root import data_root
-
-    site = config.site
-    played = site.attack_played_by(client_id, num_clients)
-    return Site(client_id=client_id, num_clients=num_clients, seed=site.seed, out_dir=out_dir,
-                data_root=data_root(site.data_root), device=device, method=site.method, attack=attacks.base(played),
-                config_hash=site.config_hash, record_dp=_record_dp(site, keys) if keys is not None else None,
-                ranks=ranks)
-
-
-def _record_dp(site: SiteSection, keys: RankKeys) -> Any:
-    """The site's `privacy.record_dp` settings with its secret seed (its batches and noise), or None."""
-    if site.record_dp is None:
-        return None
-    from hpcfed.privacy.record_dp import SiteSettings
-
-    seed = keys.secret_seed("record-dp")
-    return SiteSettings(site.record_dp, site.rounds, seed, site.source)
 
 
 def _is_answer(msg: Message) -> bool:

@@ -47,6 +47,7 @@ log = logging.getLogger("hpcfed")
 # closes within a second or two of that job's end, then the server drops it and lets it back in.
 STILL_PRESENT_RETRY_S = 15.0
 _RESIGNAL_S = 0.5  # how often the main thread is interrupted again until it has heard its server went away
+PORT_FILE_POLL_S = 0.5  # how often a site waiting for its server's port file looks again
 GATHER_WAIT_S = 3600.0  # how long a site let in waits for the server's handshake (its lifeline sees a dead server)
 
 
@@ -189,6 +190,7 @@ class _Joined:
         from hpcfed.comm.spokes import SpokeTransport
         cred = self.keys.credentials()
         fed = self.cfg.federation
+        prepared = self._prepare()  # before the knock: once let in, the site is ready for that round
         welcome, where = _knock_until(self.args.server, cred, self.args.site, fed.setup_timeout_s)
         # A late joiner is let in at the server's next round: at most a round's deadline away.
         await_go(welcome.sock, fed.setup_timeout_s + fed.round_deadline_s)
@@ -203,7 +205,7 @@ class _Joined:
         self.lifelines.add(0, welcome.sock)
         log.info("site %d joined the server at %s as rank %d of %d", self.args.site, where, welcome.rank,
                  welcome.size)
-        self._federate(cred, welcome.job_id, resume)
+        self._federate(cred, welcome.job_id, resume, prepared)
         self.finishing.set()
         if not mpiport.disconnect_all([comm], DISCONNECT_S):
             log.warning("site %d: the server did not disconnect within %g s; ending without it", self.args.site,
@@ -211,9 +213,28 @@ class _Joined:
         self.lifelines.close()  # after the Disconnect: the server disconnects only sites it still sees alive
         return 0
 
-    def _federate(self, cred: Any, job_id: bytes, resume: bool) -> None:
+    def _prepare(self) -> Any:
+        """The site's slow part, done before each knock (`hpcfed.client.prepared`): torch, its data, its
+        model, its SETUP payload and its newest shard, read afresh for every attempt; None when the
+        config does not say how many sites there are (then its `Client` builds it once let in)."""
         import torch
 
+        from hpcfed.client.config import ClientConfig
+        from hpcfed.client.prepared import prepare
+
+        torch.set_num_threads(max(1, self.cfg.threads_per_rank))
+        per = self.cfg.federation.ranks_per_site
+        num_clients = self.cfg.federation.num_clients if isinstance(per, int) else len(per)
+        if num_clients is None:
+            return None
+        t0 = time.monotonic()
+        prepared = prepare(ClientConfig.from_config(self.cfg), self.args.site, num_clients, self.out, self.device,
+                           self.keys, self.ranks)
+        log.info("site %d ready in %.1f s (data, model, %d shard(s) held): knocking", self.args.site,
+                 time.monotonic() - t0, len(prepared.shards))
+        return prepared
+
+    def _federate(self, cred: Any, job_id: bytes, resume: bool, prepared: Any) -> None:
         from hpcfed import protocol
         from hpcfed.client.client import Client
         from hpcfed.comm.channel import SecureChannel
@@ -227,12 +248,11 @@ class _Joined:
         channel.connect([0], timeout=max(self.cfg.federation.setup_timeout_s, GATHER_WAIT_S))
         channel.expect({0: protocol.SERVER_KINDS})
         signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
-        torch.set_num_threads(max(1, self.cfg.threads_per_rank))
         from hpcfed.client.config import ClientConfig
         from hpcfed.client.site_ranks import stop_site
 
         client = Client(ClientConfig.from_config(self.cfg), channel, self.out, device=self.device, resume=resume,
-                        keys=self.keys, ranks=self.ranks)
+                        keys=self.keys, ranks=self.ranks, prepared=prepared)
         client.run()
         self.finishing.set()
         stop_site(client.task)  # the site's other ranks leave
@@ -277,11 +297,12 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
     delay, last, where = 0.5, "", f"--server {spec}"
     present_since = 0.0  # when the server first said this site is still present
     while True:
+        pause = None  # the back-off, unless set
         try:
             address, where = read_server(spec)
             return knock(address, cred, site, timeout=min(10.0, max(1.0, deadline - time.monotonic()))), where
         except NoPortFile as exc:
-            last = str(exc)
+            last, pause = str(exc), PORT_FILE_POLL_S  # a file read: the site knocks as soon as the server is up
         except OSError as exc:  # nothing listens (yet), unreachable, timed out
             last = f"nothing answered at {address[0]}:{address[1]} ({exc.strerror or exc or type(exc).__name__})"
         except RendezvousError as exc:
@@ -292,10 +313,11 @@ def _knock_until(spec: str, cred: Any, site: int, wait: float) -> tuple[Any, str
             elif exc.code not in (RATE_LIMITED, NO_ANSWER):
                 raise
             last = str(exc)  # not declared lost yet, or knocking too fast: knock again in a moment
-        if time.monotonic() + delay > deadline:
+        if pause is None:
+            pause, delay = delay, min(2 * delay, 10.0)
+        if time.monotonic() + pause > deadline:
             raise FederationError(
                 f"site {site}: no server within {wait:g} s (federation.setup_timeout_s) from {where}; last: {last}. "
                 f"The server is not running, the port file is stale (the server rewrites it at every start), "
                 f"or a firewall blocks the port (see docs/cluster.md, 'Across clusters')")
-        time.sleep(delay)
-        delay = min(2 * delay, 10.0)
+        time.sleep(pause)

@@ -59,7 +59,7 @@ class SiteDoor:
         self.num_sites = transport.size - 1
         self.joined: set[int] = set()  # ranks let in, lost ones included (they may knock again: `lost`)
         self._queued: set[int] = set()  # ranks welcomed and waiting to be let in
-        self._knocks: queue.Queue[Knock] = queue.Queue()
+        self._knocks: queue.Queue[tuple[Knock, float]] = queue.Queue()  # with when it came (monotonic)
         self._let_in_at: dict[int, float] = {}  # rank -> when it was last let in (one entry per site)
         self._lock = threading.Lock()
         self.finished = threading.Event()  # the federation is over: losses no longer matter
@@ -176,25 +176,26 @@ class SiteDoor:
                 self._queued.add(knock.rank)
             log.info("site %d knocked (key %s): it is let in at the next round or step", knock.rank - 1,
                      knock.identity)
-            self._knocks.put(knock)
+            self._knocks.put((knock, time.monotonic()))
 
-    def admit(self, channel: Any, timeout: float) -> list[int]:
+    def admit(self, channel: Any, timeout: float) -> dict[int, float]:
         """From the server's thread: let in the sites that knocked since, and authenticate them on
-        `channel`; the client ids now connected."""
-        ranks, not_yet = [], []
+        `channel`; the client ids now connected, each with when its knock came (`time.monotonic`)."""
+        ranks: dict[int, float] = {}
+        not_yet = []
         while True:
             try:
-                knock = self._knocks.get_nowait()
+                knock, knocked = self._knocks.get_nowait()
             except queue.Empty:
                 break
             if time.monotonic() - self._let_in_at.get(knock.rank, -float("inf")) < REJOIN_INTERVAL_S:
-                not_yet.append(knock)  # back too soon after its last let-in: it waits, queued (one knock a site)
+                not_yet.append((knock, knocked))  # back too soon after its last let-in: it waits, queued (one a site)
             elif self.let_in(knock):
-                ranks.append(knock.rank)
-        for knock in not_yet:
-            self._knocks.put(knock)
+                ranks[knock.rank] = knocked
+        for entry in not_yet:
+            self._knocks.put(entry)
         if not ranks:
-            return []
+            return {}
         for rank in ranks:
             channel.forget(rank)  # a site back from a lost job: a fresh session (a new site: nothing to forget)
         with contextlib.suppress(Exception):  # who failed is read from channel.peers below
@@ -205,7 +206,7 @@ class SiteDoor:
                             rank - 1, rank, timeout)
                 self.lifelines.drop(rank)
                 self.transport.mark_lost(rank)
-        return [r - 1 for r in ranks if r in channel.peers]
+        return {r - 1: knocked for r, knocked in ranks.items() if r in channel.peers}
 
     # -- lost ------------------------------------------------------------------------------------------
     def on_lost(self, rank: int, reason: str) -> None:

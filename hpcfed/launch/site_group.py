@@ -116,8 +116,8 @@ def follow_site_leader(cfg: Config, group: SiteGroup, out_dir: Path, device: str
     DP every rank of the site draws the site's batches and noise from its secret seed."""
     import torch
 
-    from hpcfed.client.client import build_site
     from hpcfed.client.config import ClientConfig
+    from hpcfed.client.prepared import build_site
     from hpcfed.client.site_ranks import follow_leader
     from hpcfed.credentials import RankKeys
 

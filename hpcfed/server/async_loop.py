@@ -21,7 +21,7 @@ import numpy as np
 from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
-from hpcfed.server import joining
+from hpcfed.server import between_uploads, joining
 from hpcfed.server import validation as V
 from hpcfed.server.bounding import Bounding
 from hpcfed.server.core import ServerCore
@@ -72,6 +72,9 @@ class AsyncLoop:
         try:
             self.begin()
             while core.updates_accepted < self.max_updates:
+                for cid in joining.await_floor(core, core.updates_accepted):  # every site away (`hpcfed serve`)
+                    self.outbox.owe(cid, answer=True)
+                    self.last_seen[cid] = time.monotonic()
                 if not core.live:
                     raise FederationError(f"every client has failed; last checkpoint: {core.last_checkpoint or 'none'}")
                 accepted = self.step()
@@ -250,24 +253,16 @@ class AsyncLoop:
     def after_accepting(self, count: int) -> bool:
         """`count` uploads were just accepted (several when parked ones are released together):
         checkpoint when one fell due among them; True to halt now."""
-        core = self.core
-        done, before = core.updates_accepted, core.updates_accepted - count
-        every = core.config.checkpoints.every * core.num_clients  # 0: no checkpoint but a halt's
-        halt_at = core.config.checkpoints.halt_after_round
-        halt = (core.halt_requested or (halt_at is not None and before < halt_at <= done)) and done < self.max_updates
-        if halt or (every > 0 and done // every > before // every):
+        halt, checkpoint = between_uploads.due(self.core, count, self.max_updates)
+        if checkpoint:
             self.checkpoint()
         if not halt:
-            core.maybe_status()
+            self.core.maybe_status()
         return halt
 
     def check_silent(self) -> None:
         """A site unheard of for `round_deadline_s` has failed (a parked one waits on the server)."""
-        limit = self.core.config.deadlines.round_deadline_s
-        now = time.monotonic()
-        for cid in sorted(self.core.live - set(self.held) - self.unanswered):  # those waiting wait on the server
-            if now - self.last_seen[cid] > limit:
-                self.core.client_failed(cid, f"sent no update for {limit:g} s (federation.round_deadline_s)")
+        between_uploads.fail_silent(self.core, self.last_seen, set(self.held) | self.unanswered, "sent no update")
 
     def checkpoint(self) -> None:
         """The consistent point is this moment of the server (its state after the uploads
@@ -276,34 +271,14 @@ class AsyncLoop:
         asked for; any other is refused at once, so a flood cannot fill the site's inbox and crowd
         out its own answer) and handled after the manifest. At most one in-flight step per site is
         replayed on resume."""
-        core = self.core
-        rnd = core.updates_accepted
-        for cid in sorted(core.live):
-            core.send_to(cid, P.CHECKPOINT, {"round": rnd})
-        sites: dict[int, V.ShardRef | None] = {}
-        deadline = time.monotonic() + core.config.deadlines.round_deadline_s
-        while len(sites) < len(core.live):
-            msg = core.recv_until(deadline, {P.CHECKPOINT_DONE, P.FAILED, P.UPDATE}, f"checkpoint {rnd}",
-                                  waiting_for=core.live - set(sites), fatal=False)
-            if msg is not None and msg.kind == P.UPDATE:
-                if msg.source - 1 in self.requested and all(m.source != msg.source for m in self.deferred):
-                    self.deferred.append(msg)
-                else:
-                    core.reject(msg.source, "unrequested update", "an upload the server did not ask for")
-                continue
-            if msg is None:  # a silent site has failed (dropped with on_client_failure=continue)
-                limit = core.config.deadlines.round_deadline_s
-                for cid in sorted(core.live - set(sites)):
-                    core.client_failed(cid, f"wrote no checkpoint shard within {limit:g} s")
-                break
-            cid = msg.source - 1
-            ref = V.shard_ref(msg.header)
-            if cid not in core.live or ref is None or ref["round"] != rnd:
-                core.reject(msg.source, "malformed header", f"CHECKPOINT_DONE for checkpoint {rnd}")
-                continue
-            sites[cid] = ref
-            self.last_seen[cid] = time.monotonic()
-        core.commit_checkpoint(rnd, sites)
+        between_uploads.gather_shards(self.core, self.last_seen, P.UPDATE, self._hold)
+
+    def _hold(self, msg: Message) -> None:
+        """An upload that arrived during a checkpoint: held for after it, if asked for and the first."""
+        if msg.source - 1 in self.requested and all(m.source != msg.source for m in self.deferred):
+            self.deferred.append(msg)
+        else:
+            self.core.reject(msg.source, "unrequested update", "an upload the server did not ask for")
 
     def _model_message(self, cid: int, answer: bool) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
         """The model owed to `cid`, composed as it is posted (`hpcfed.server.outbox`)."""

@@ -75,7 +75,8 @@ class ServerCore:
         self.cpu0 = time.process_time()
         self.on_drop: Callable[[int], None] | None = None  # told of a site the federation goes on without
         # What lets sites not there at the start (`hpcfed serve`) in later (`.joining`).
-        self.joiners: Callable[[], list[int]] | None = None
+        self.joiners: Callable[[], dict[int, float]] | None = None  # client id -> when its knock came
+        self.knocked_at: dict[int, float] = {}  # a site connected, until its setup is done
         self.setup_reply: tuple[dict[str, Any], dict[str, np.ndarray]] = ({}, {})  # a late site's
         # Checkpoints are tagged with a key derived from the job's credentials, never kept in out_dir.
         self.keys = keys
@@ -332,8 +333,8 @@ class ServerCore:
         if self._metrics is not None:
             self.metrics.log(self.round, cid, "client_failed", 1)
         floor = self.config.roster.min_sites
-        if len(self.live) < floor and self.joiners is not None and self.strategy.synchronous:
-            log.warning("only %d site(s) left, fewer than federation.min_sites=%d: the next round waits for sites "
+        if len(self.live) < floor and self.joiners is not None:
+            log.warning("only %d site(s) left, fewer than federation.min_sites=%d: the federation waits for sites "
                         "to rejoin (hpcfed serve)", len(self.live), floor)
         elif len(self.live) < floor:
             raise BelowFloor(f"only {len(self.live)} site(s) left after client {cid} (rank {cid + 1}) {why}, fewer "

@@ -37,13 +37,15 @@ log = logging.getLogger("hpcfed.server")
 
 def admit(core: ServerCore, start_round: int) -> list[int]:
     """The late sites whose setup is done since the last call, live from now on (from `start_round`).
-    Never waits: a site connected now sends its SETUP when its data is loaded, taken at a later call."""
+    A site connected by this call had its data and model ready before it knocked (`hpcfed join`):
+    its SETUP is waited for up to `FRESH_SETUP_S`, so that it takes part from this safe point.
+    Any other is never waited for: its SETUP is taken at a later call."""
     if core.joiners is None:
         return []
     core.check_departures()  # a site lost and back already is dropped first
     now = time.monotonic()
     connected = core.joiners()
-    for cid in connected:
+    for cid, knocked in connected.items():
         if not core.roster.may_join(cid):  # (the door lets in only late or lost sites: a safeguard)
             log.warning("client %d (rank %d) connected but is %s: not let in", cid, cid + 1, core.roster.state(cid))
             core.channel.peer_gone(cid + 1)
@@ -51,23 +53,41 @@ def admit(core: ServerCore, start_round: int) -> list[int]:
         core.departures.coming_back(cid)  # its old job's end is forgotten: the new job's is seen
         core.rejects_before[cid + 1] = core.rejected_by_rank.get(cid + 1, 0)  # security.max_rejects: per job
         core.roster.rejoining[cid] = now + core.config.deadlines.setup_timeout_s
+        core.knocked_at[cid] = knocked
     if connected:
         core.refresh_expect()  # their SETUP is taken
+    fresh_until = time.monotonic() + FRESH_SETUP_S
     joined = [cid for cid, deadline in sorted(core.roster.rejoining.items())
-              if _set_up(core, cid, start_round, deadline)]
+              if _set_up(core, cid, start_round, deadline, fresh_until if cid in connected else 0.0)]
     if joined:
         back = core.departures.dropped.keys() & set(joined)
         core.roster.join(joined, start_round)
         core.refresh_expect()  # SETUP from them no more
         for cid in joined:
-            core.metrics.log(core.round, cid, "rejoined" if cid in back else "joined", start_round)
+            core.metrics.log(core.round, cid, "rejoined" if cid in back else "joined", start_round,
+                             **_knock_time(core, cid))
     return joined
 
 
-def _set_up(core: ServerCore, cid: int, start_round: int, deadline: float) -> bool:
-    """Late site `cid`'s setup exchange if its SETUP has come: True once it is done. A site whose
-    setup fails, or that is gone or silent past `deadline`, is given up on (the reason logged)."""
-    msg = core.channel.recv(source=cid + 1, kinds={P.SETUP, P.FAILED}, timeout=0)
+def _knock_time(core: ServerCore, cid: int) -> dict[str, float]:
+    """``knock_time``: when site `cid`'s knock was let through, on the metrics' clock (so a reader
+    sees how many rounds or uploads it waited); nothing when unknown."""
+    knocked = core.knocked_at.pop(cid, None)
+    if knocked is None:
+        return {}
+    return {"knock_time": round(core.metrics.elapsed() - (time.monotonic() - knocked), 4)}
+
+
+# How long a safe point waits for the SETUP of a site it has just connected: a site prepares before
+# it knocks and sends its SETUP right after the handshake, so this covers a loaded node, not its data.
+FRESH_SETUP_S = 5.0
+
+
+def _set_up(core: ServerCore, cid: int, start_round: int, deadline: float, wait_until: float = 0.0) -> bool:
+    """Late site `cid`'s setup exchange if its SETUP has come (waited for until `wait_until`): True
+    once it is done. A site whose setup fails, or that is gone or silent past `deadline`, is given up
+    on (the reason logged)."""
+    msg = core.channel.recv(source=cid + 1, kinds={P.SETUP, P.FAILED}, timeout=max(0.0, wait_until - time.monotonic()))
     gone = core.departures.cause_of_silence(cid)
     if msg is None and gone is None and time.monotonic() < deadline:
         return False  # not yet
@@ -126,31 +146,37 @@ def _refused(core: ServerCore, cid: int, msg: Message | None, gone: str | None) 
 _MEMBERS_POLL_S = 0.5  # how often a round short of sites looks for sites let in
 
 
-def await_members(core: ServerCore, rnd: int, needed: Callable[[], int]) -> None:
+def await_members(core: ServerCore, rnd: int, needed: Callable[[], int]) -> list[int]:
     """Under `hpcfed serve`: wait, letting sites in, until `needed()` are present for round `rnd`'s secure
-    sum (at most ``federation.setup_timeout_s``, or until a halt; the count may grow with the sites present)."""
+    sum (at most ``federation.setup_timeout_s``, or until a halt; the count may grow with the sites present).
+    The sites let in meanwhile."""
     if core.joiners is None or len(core.live) >= needed():
-        return
+        return []
     limit = core.config.deadlines.setup_timeout_s
-    log.warning("round %d: %d site(s) present, it needs %d: waiting up to %g s (federation.setup_timeout_s) "
-                "for sites to join or rejoin", rnd, len(core.live), needed(), limit)
+    step = "round" if core.strategy.synchronous else "accepted update"
+    log.warning("%s %d: %d site(s) present, it needs %d: waiting up to %g s (federation.setup_timeout_s) "
+                "for sites to join or rejoin", step, rnd, len(core.live), needed(), limit)
     deadline = time.monotonic() + limit
+    joined: list[int] = []
     while len(core.live) < needed() and time.monotonic() < deadline and not core.halt_requested:
-        admit(core, rnd)
+        joined += admit(core, rnd)
         core.maybe_status()
         time.sleep(_MEMBERS_POLL_S)
+    return joined
 
 
-def await_floor(core: ServerCore, rnd: int) -> None:
-    """Under `hpcfed serve`, before sync round `rnd`: fewer than ``federation.min_sites`` present (every
-    site's job ended at once, say) waits up to ``federation.setup_timeout_s`` for sites to rejoin, and
-    only then ends the federation (`BelowFloor`, to be continued with --resume)."""
+def await_floor(core: ServerCore, rnd: int) -> list[int]:
+    """Under `hpcfed serve`, before sync round `rnd` (or the async loop's next step, `rnd` uploads
+    accepted): fewer than ``federation.min_sites`` present (every site's job ended at once, say) waits
+    up to ``federation.setup_timeout_s`` for sites to rejoin, and only then ends the federation
+    (`BelowFloor`, to be continued with --resume). The sites let in meanwhile (async: owed the model)."""
     floor = core.config.roster.min_sites
     if core.joiners is None or len(core.live) >= floor:
-        return  # (a one-job run ends as soon as a site's end leaves fewer: `ServerCore.client_failed`)
-    await_members(core, rnd, lambda: floor)
+        return []  # (a one-job run ends as soon as a site's end leaves fewer: `ServerCore.client_failed`)
+    joined = await_members(core, rnd, lambda: floor)
     if len(core.live) < floor:
         raise BelowFloor(f"only {len(core.live)} site(s) present, fewer than federation.min_sites={floor}, and none "
                          f"rejoined within {core.config.deadlines.setup_timeout_s:g} s (federation.setup_timeout_s): "
                          f"the federation stops; continue it with --resume; last checkpoint: "
                          f"{core.last_checkpoint or 'none'}")
+    return joined

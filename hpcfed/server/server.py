@@ -97,9 +97,10 @@ class Server:
         """Hydra says a rank of the job ended (SIGUSR1): the server finds out which and goes on without it."""
         self.core.peer_ended()
 
-    def late_sites(self, absent: set[int], admit: Callable[[], list[int]]) -> None:
+    def late_sites(self, absent: set[int], admit: Callable[[], dict[int, float]]) -> None:
         """Sites `absent` at the start (`hpcfed serve`) may join later: `admit()`, called at each
-        safe point (a sync round's start, an async step), returns those connected since."""
+        safe point (a sync round's start, an async step), returns those connected since, each with
+        when its knock came (`time.monotonic`)."""
         self.core.roster.start_late(absent)
         self.core.joiners = admit
 

@@ -125,3 +125,12 @@ def logged(out: Path, text: str) -> bool:
         return text in (out / "logs" / "rank0.log").read_text()
     except OSError:
         return False
+
+
+def prepared(site_out: Path, site: int) -> bool:
+    """Whether site `site`'s job (writing to `site_out`) has its data and model ready: it knocks next
+    (a site prepares before it knocks, so a short --start-deadline starts after this)."""
+    try:
+        return "ready in" in (site_out / "logs" / f"rank{site + 1}.log").read_text()
+    except OSError:
+        return False

@@ -3,7 +3,7 @@ secure aggregation, site jobs SIGKILLed every 8-15 s and the server's own job ki
 resumed. Asserted on what the run wrote (`tools/chaos_checks.py` again, on its folder): no round
 applied wrongly or twice (each folded sum is exactly its listed sites' inputs, each round's model
 the last one's plus its own step, across the resume), no job ended by itself, rounds lost only to
-a secure-aggregation shortfall, every kill followed by a rejoin. (Rank 0's memory is the long
+a secure-aggregation shortfall, every site the server lost let back in (and one at least). (Rank 0's memory is the long
 soak's figure: a minute is all warm-up.)"""
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ def test_a_short_chaos_soak_loses_nothing_but_named_rounds(tmp_path):
     assert "{" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])
     checks = result["checks"]
-    assert result["kills"] >= 2 and result["server_kills"] == 1, proc.stdout[-3000:]
+    assert result["kills"] >= 2 and result["server_kills"] == 1 and result["rejoins"] >= 1, proc.stdout[-3000:]
     assert wrong_rounds(out / "srv", out / "audit", 3) == [] == result["wrong"]
     assert result["rounds_done"] >= 5 and result["ended"] == [], proc.stdout[-3000:]
     for name in ("0 rounds applied wrongly (audit)", "0 runs ended (no job ended by itself; the server ended cleanly)",
                  "rounds lost only to a secure-aggregation shortfall", "no site evicted",
-                 "every kill followed by a rejoin"):
+                 "every site the server lost was let back in"):
         assert checks[name], (name, proc.stdout[-3000:])
     log = (out / "srv" / "logs" / "rank0.log").read_text()
     assert all("secure aggregation" in why for _, why in lost_rounds(log))

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import REPO, run_cli
-from crossjob_helpers import CONFIG, SMALL, finish, join, kill_job, serve, summary, values, wait_for
+from crossjob_helpers import CONFIG, SMALL, finish, join, kill_job, prepared, serve, summary, values, wait_for
 
 from hpcfed.cli.commands import main
 from hpcfed.store import checkpoint as ck
@@ -42,13 +42,17 @@ def test_sites_joining_as_separate_jobs_reach_the_numbers_of_one_job(tmp_path):
 
 
 def test_a_wrong_key_is_refused_and_too_few_sites_end_the_server_at_its_deadline(tmp_path):
-    overrides = [*SMALL, "federation.min_sites=2", "federation.setup_timeout_s=20"]  # the sites knock that long
+    overrides = [*SMALL, "federation.min_sites=2", "federation.setup_timeout_s=20"]
     srv = tmp_path / "srv"
+    # The sites prepare before they knock, then wait that long for the server (its start under load too).
+    sites = [*overrides, "federation.setup_timeout_s=40"]
+    good = join(srv / "port.json", 0, tmp_path / "site0", sites)
+    wrong = join(srv / "port.json", 1, tmp_path / "site1", sites, psk="11" * 32)
+    wait_for("both sites ready", lambda: prepared(tmp_path / "site0", 0) and prepared(tmp_path / "site1", 1),
+             [good, wrong])
     server = serve(srv, overrides, "--start-deadline", "20")
     wait_for("a port file", lambda: (srv / "port.json").exists(), [server])
     started = time.monotonic()  # the server's deadline runs from here
-    good = join(srv / "port.json", 0, tmp_path / "site0", overrides)
-    wrong = join(srv / "port.json", 1, tmp_path / "site1", overrides, psk="11" * 32)
     (srv_code, srv_text), (good_code, good_text), (wrong_code, wrong_text) = finish([server, good, wrong], 120)
     assert wrong_code == 2 and "the server refused site 1: site 1's proof is invalid (another pre-shared key)" \
         in wrong_text, wrong_text
@@ -56,7 +60,7 @@ def test_a_wrong_key_is_refused_and_too_few_sites_end_the_server_at_its_deadline
     assert srv_code == 2 and "only 1 of 2 sites joined by the start deadline, fewer than federation.min_sites=2; " \
         "missing: site 1" in srv_text, srv_text
     assert good_code != 0 and "the server is gone" in good_text, good_text  # it does not wait forever either
-    assert time.monotonic() - started < 90  # 20 s of waiting, then the site's own deadline
+    assert time.monotonic() - started < 90  # 20 s of waiting, then the site's own deadline (40 s)
     assert not (srv / "summary.json").exists()
 
 

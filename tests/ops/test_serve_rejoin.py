@@ -5,16 +5,20 @@ One real server job and three site jobs, secure aggregation on: sites 0 and 1 st
 late; site 1's whole job is SIGKILLed, dropped, and knocks again -- first with a stale pre-shared
 key (refused), while a second job of live site 0 is refused too -- then with its own key: it is
 back on a fresh session, resumes from its own shard of the newest checkpoint, and takes part in
-the masked sums from the next round. Judged by what the server wrote (metrics.jsonl, summary.json,
-its log)."""
+the masked sums from the round after its knock (it loaded its data and model before knocking).
+Judged by what the server wrote (metrics.jsonl, summary.json, its log)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import crossjob_helpers as H
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO))
+from tools.chaos_checks import rejoin_rounds
 
 pytestmark = pytest.mark.mpi
 
@@ -69,6 +73,8 @@ def test_a_rejoining_site_takes_part_in_secure_rounds_from_its_own_shard(federat
     assert not [r for r in ones if dropped[0] < r < back]  # nothing of it while it was away
     assert [r for r in ones if r >= back][:2] == [back, back + 1]  # in the sum from the round it was let in
     assert "site 1 is back as rank 2" in log and "client 1 (rank 2) is back: it takes part from round" in log
+    # ready before it knocked: folded in the round after the one in progress at its knock (issue 38)
+    assert [(r["site"], r["rounds"]) for r in rejoin_rounds(out)] == [(1, 1)], rejoin_rounds(out)
     assert "client 1 (rank 2) resumes from its own shard of round" in log  # not from the global model
     live = json.loads((out / "live.json").read_text())  # its last snapshot (a halted run writes no summary)
     sites = {s["client"]: s for s in live["sites"]}

@@ -3,7 +3,8 @@ under mpiexec in place of ``python -m hpcfed``: ``buffer_spy.py SPY_DIR hpcfed-a
 
 - rank 0: every message it decrypts, as tests/privacy/secagg_spy.py records them (SPY_DIR/rank0/);
 - ranks 1..K: what each site fed each buffer it joined (the model it trained from, its clipped delta,
-  the staleness and version it was told) to SPY_DIR/site<id>-b<buffer>.npz;
+  the model it trained as a plain site would upload it, the staleness and version it was told) to
+  SPY_DIR/site<id>-b<buffer>.npz;
 - SPY_KILL="CID:STAGE,..." with SPY_KILL_BUFFER=B: in the first buffer numbered >= B that site CID
   joins, it SIGKILLs itself once invited, its epoch keys advertised and relayed to the others
   ("before": no masked input), or just after it sent its masked input ("after"); SPY_HOLD_S: the
@@ -40,6 +41,7 @@ def _spy_site(out: Path, client: int) -> None:
     def buffer_(self, invite, upload, adverts) -> None:  # type: ignore[no-untyped-def]  # the patched method's own
         current["buffer"] = invite.buffer
         np.savez(out / f"site{client}-b{invite.buffer}.npz", sent=upload.sent, delta=upload.delta * upload.scale,
+                 trained=(upload.sent + upload.delta).astype(np.float32),  # the model a plain site would upload
                  staleness=invite.staleness, version=invite.version, members=sorted(invite.members))
         if kills and client not in kills and invite.buffer >= kill_from and set(kills) <= invite.members:
             time.sleep(hold_s)  # the survivors mask once rank 0 has seen the others die

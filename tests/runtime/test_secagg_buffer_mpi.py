@@ -6,7 +6,9 @@ everything rank 0 decrypts and what each site fed each buffer.
   beyond |r| 0.15.
 - Each buffer's step (the model its members got back minus the model of its version) is the
   staleness-weighted mean Σ s_k δ_k / Σ s_k of its members' clipped deltas, s = 1/√(1+τ) as the
-  weight coordinate carries it, within quantisation.
+  weight coordinate carries it, within quantisation; and it is the step plain FedBuff
+  (`FedBuff.on_update`) takes from the same members' trained models, so secure and plain runs differ
+  only in their schedule (which sites share a buffer), never in what a buffer computes.
 - The slow site never holds the fast ones up: they fill most buffers, and it lands in some.
 """
 
@@ -92,6 +94,34 @@ def test_each_buffers_step_is_the_staleness_weighted_mean_of_its_members_deltas(
     assert checked >= 4
     staleness = [int(f["staleness"]) for f in fed.values()]
     assert max(staleness) >= 1  # some member trained from an older version and was weighed down
+
+
+def test_each_buffers_step_is_the_one_plain_fedbuff_takes_from_the_same_uploads(run):
+    """Plain FedBuff's own `on_update`, fed each member's trained model (what a plain site uploads,
+    unclipped) measured from the version it trained from, lands on the model the secure buffer made:
+    the same weights, staleness rule, normalisation, and no clip or fixed-point range in the way."""
+    from hpcfed.strategies.base import StrategyContext, Update
+    from hpcfed.strategies.fedbuff import FedBuff
+
+    _, spy = run
+    fed = _fed(spy)
+    models = {int(f["version"]) - int(f["staleness"]): f["sent"] for f in fed.values()}  # version -> model
+    checked = stale = 0
+    for b in sorted({b for _, b in fed}):
+        members = sorted(site for site, bb in fed if bb == b)
+        version = int(fed[members[0], b]["version"])
+        bases = [version - int(fed[c, b]["staleness"]) for c in members]
+        if version + 1 not in models or not all(v in models for v in [version, *bases]):
+            continue
+        plain = FedBuff(FedBuff.Config(), StrategyContext(num_clients=K, seed=0, buffer_size=len(members)))
+        plain.initialize({"w": models[version].astype(np.float32)})
+        plain.version, plain.models = version, {v: models[v].astype(np.float32) for v in {version, *bases}}
+        for c, base in zip(members, bases):
+            plain.on_update(Update(client_id=c, flat=fed[c, b]["trained"], num_examples=100, base_version=base))
+        assert plain.version == version + 1, b
+        assert np.abs(plain.global_flat - models[version + 1]).max() < 1e-5, b
+        checked, stale = checked + 1, stale + (max(bases) < version)
+    assert checked >= 4 and stale >= 1
 
 
 def test_the_slow_site_holds_no_one_up_and_lands_in_some_buffers(run):
