@@ -73,7 +73,7 @@ def own_keys(keys_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-# -- running the suite on two workers (`pytest -n 2`, pytest-xdist; README "Two commands") ------------
+# -- running the suite on xdist workers (`pytest -n 3`, pytest-xdist; README "Two commands") ----------
 SHARED_SCOPES = ("module", "package", "class")  # a fixture of these scopes runs once per worker that uses it
 LONG_MARKS = ("mpi", "slurm", "two_nodes")  # tests that start processes and run a federation
 
@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     shared = {item.nodeid.split("::", 1)[0] for item in items if _shares_a_fixture(item)}
     # Longest first: pytest-xdist deals out the groups (largest first), then single tests in this
     # order. Federations (mpi, slurm, two_nodes) take seconds to minutes, unit tests milliseconds, so
-    # with the modules that run federations dealt first the two workers end on short tests and finish
+    # with the modules that run federations dealt first the workers end on short tests and finish
     # together, not one waiting for the other's last federation. Whole modules move (the sort is
     # stable), so a module's tests stay together and in their order, and its fixtures run once.
     long = {item.nodeid.split("::", 1)[0] for item in items if any(map(item.get_closest_marker, LONG_MARKS))}
