@@ -46,6 +46,9 @@ def federation(tmp_path_factory):
     H.kill_job(sites.pop(1))  # the whole job, mid-round
     H.wait_for("site 1 dropped", lambda: H.logged(out, "client 1 (rank 2) lost: its job ended"),
                [server, *sites.values()])
+    # the operator's view reads live.json, which the server rewrites after the log line: wait for it
+    H.wait_for("live.json showing site 1 away", lambda: _live_state(out, 1) not in (None, "present"),
+               [server, *sites.values()])
     bad = {"view_away": run_cli(["status", str(out), "--once"], env={"COLUMNS": "200"}).stdout}  # the operator's view
     stale = H.join(port, 1, tmp / "site1", SECURE, psk="11" * 32)  # credentials of another federation
     twin = H.join(port, 0, tmp / "site0-twin", SECURE)  # a second job for a live site
@@ -58,6 +61,15 @@ def federation(tmp_path_factory):
     (code, text), *ends = H.finish([server, *sites.values()], 180)
     assert code == 0 and all(c == 0 for c, _ in ends), text[-4000:] + "".join(t[-1500:] for _, t in ends)
     return (out / "logs" / "rank0.log").read_text(), text, out, bad
+
+
+def _live_state(out, cid: int) -> str | None:
+    """Site `cid`'s state in the server's newest live.json (None while there is none, or mid-write)."""
+    try:
+        live = json.loads((out / "live.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return next((s["state"] for s in live.get("sites", []) if s.get("client") == cid), None)
 
 
 def _back(out) -> int:
