@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import compileall
+import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,31 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         for folder in ("hpcfed", "tools"):
             compileall.compile_dir(REPO / folder, quiet=1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With HPCFED_SUITE_CPU=<folder>, write each test's CPU seconds (this worker's own, and those of
+    the processes it started and waited for: mpiexec and every rank under it) and wall seconds to a
+    JSON-lines file per worker; `python tools/suite_cpu.py <folder>` ranks them. CPU, unlike wall
+    time, hardly moves with the machine's load, so it says which tests to make cheaper."""
+    folder = os.environ.get("HPCFED_SUITE_CPU")
+    if not folder:
+        yield
+        return
+    own, children, start = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), time.monotonic()
+    yield
+    record = {"test": item.nodeid, "own_cpu_s": round(_cpu(resource.RUSAGE_SELF) - own, 3),
+              "children_cpu_s": round(_cpu(resource.RUSAGE_CHILDREN) - children, 3),
+              "wall_s": round(time.monotonic() - start, 3)}
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(Path(folder) / f"{worker}.jsonl", "a", encoding="utf-8") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,16 @@
 """A site is a group of ranks (issue 39): `hpcfed run --np 1+K·R` with `federation.ranks_per_site`,
 under real mpiexec.
 
-- Two sites of two ranks train the quickstart, under secure aggregation, to the accuracy of two
-  sites of one rank (same seed, same global batch: DDP's all-reduce gives every rank the whole
-  batch's gradient).
+- Two sites of two ranks train the quickstart, under secure aggregation and record-level DP, to the
+  accuracy of two sites of one rank (same seed, same global batch: DDP's all-reduce gives every
+  rank the whole batch's gradient).
 - Rank 0 holds a channel with the K leaders only; a non-leader's frames to rank 0 (sent on
   MPI_COMM_WORLD as if for its site) are refused and counted, and change nothing.
 - A run halted with one rank per site resumes with two (the leader's shard holds the site's state).
 - Record-level DP with two ranks per site: the same ε as one rank (the accountant counts the site's
   whole batch), and the same model up to the all-reduce's sums (the noise is added once, after it).
+  It runs in the same pair of federations as secure aggregation: every launch starts its ranks
+  afresh (torch's import is most of a small run's CPU), so one pair checks both.
 - The same layout runs asynchronously (FedDWA).
 - A non-leader SIGKILLed mid-run under `on_client_failure: continue` ends its site: rank 0 drops
   that site, the other finishes.
@@ -35,8 +37,8 @@ pytestmark = pytest.mark.mpi
 QUICKSTART = "configs/quickstart.yaml"
 TWO_BY_TWO = ["federation.ranks_per_site=2", "--np", "5"]
 ONE_BY_TWO = ["--np", "3"]
-SYNC = ["rounds=4", "checkpoint_every=2", "privacy.secure_aggregation=true"]
-RECORD_DP = ["rounds=3", "eval_every=0", "checkpoint_every=0", "privacy.record_dp.epsilon=8"]
+EPSILON = 8  # record DP's target for the whole run
+SYNC = ["rounds=4", "checkpoint_every=2", "privacy.secure_aggregation=true", f"privacy.record_dp.epsilon={EPSILON}"]
 
 
 def _run(out: Path, overrides: list[str], env: dict | None = None, config: str = QUICKSTART) -> dict:
@@ -54,19 +56,12 @@ def _close(a: dict, b: dict, loss: float = 1e-3) -> None:
 
 @pytest.fixture(scope="module")
 def sync_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
-    """The quickstart under secure aggregation with 2 sites x 2 ranks (its rank 2, site 0's non-leader,
-    hostile) and with 2 sites x 1 rank."""
+    """The quickstart under secure aggregation and record-level DP with 2 sites x 2 ranks (its rank 2,
+    site 0's non-leader, hostile) and with 2 sites x 1 rank."""
     base = tmp_path_factory.mktemp("site_ranks")
     two = _run(base / "two", [*SYNC, *TWO_BY_TWO], env={"HPCFED_FAULT_NON_LEADER_SENDS": "2"})
     one = _run(base / "one", [*SYNC, *ONE_BY_TWO])
     return two, one, base / "two"
-
-
-@pytest.fixture(scope="module")
-def record_dp_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    """The quickstart under record-level DP with 2 sites x 2 ranks and with 2 sites x 1 rank."""
-    base = tmp_path_factory.mktemp("site_ranks_dp")
-    return _run(base / "two", [*RECORD_DP, *TWO_BY_TWO]), _run(base / "one", [*RECORD_DP, *ONE_BY_TWO])
 
 
 def test_two_ranks_per_site_reach_one_rank_sites_accuracy_under_secure_aggregation(sync_pair):
@@ -74,7 +69,9 @@ def test_two_ranks_per_site_reach_one_rank_sites_accuracy_under_secure_aggregati
     assert sorted(two["clients"]) == sorted(one["clients"]) == ["0", "1"]
     _close(two, one)
     assert two["lost_rounds"] == [] == one["lost_rounds"], (two, one)  # every masked sum unmasked
-    assert all(two["clients"][s]["accuracy"] > 0.3 for s in ("0", "1")), two["clients"]
+    # it learns: above chance (1/8) by more than half again, under record DP's noise (the runs are
+    # seeded, noise included: 0.27 and 0.34 here; without record DP 4 rounds reach over 0.3)
+    assert all(two["clients"][s]["accuracy"] > 0.2 for s in ("0", "1")), two["clients"]
     # per-site throughput, examples per second of training, for every site
     assert sorted(two["throughput"]) == ["0", "1"] and all(v > 0 for v in two["throughput"].values())
     # rank 0's channel peers are the two leaders, never the non-leaders
@@ -101,12 +98,12 @@ def test_a_run_resumes_with_another_number_of_ranks_per_site(sync_pair, tmp_path
     _close(resumed, two)
 
 
-def test_record_dp_with_two_ranks_per_site_counts_and_trains_as_one_rank(record_dp_pair):
-    two, one = record_dp_pair
+def test_record_dp_with_two_ranks_per_site_counts_and_trains_as_one_rank(sync_pair):
+    two, one, _ = sync_pair
     # the accountant counts the site's whole batch (q = batch / n of the site), whatever R is
     assert two["privacy"]["record_dp"] == one["privacy"]["record_dp"], (two["privacy"], one["privacy"])
     eps = two["privacy"]["record_dp"]["sites"]
-    assert sorted(eps) == ["0", "1"] and all(0 < e <= 8 for e in eps.values()), eps
+    assert sorted(eps) == ["0", "1"] and all(0 < e <= EPSILON for e in eps.values()), eps
     # the same batches and the same noise (drawn once per step, after the all-reduce): the same model
     _close(two, one)
 

@@ -1,6 +1,7 @@
-"""One malicious site among four under the DEFAULT config, real mpiexec: the honest sites' test
+"""One malicious site among three under the DEFAULT config, real mpiexec: the honest sites' test
 accuracy stays within 0.05 of the no-attack run and no honest site is blamed
-(the full table, with the async flood: tools/insider_attacks.py).
+(the full table, with the async flood: tools/insider_attacks.py). The enormous update (`attack=scale`)
+is tested in test_eviction_mpi.py: refused every round, never evicted, honest accuracy kept.
 
 The quickstart as it is (8 rounds): the first round, with no history of typical distances, is
 bounded by its own median distance (its uploads are parked until it is in), every later round by
@@ -15,17 +16,18 @@ import pytest
 from conftest import REPO, run_cli
 
 pytestmark = pytest.mark.mpi
-HONEST = ("0", "1", "2")
+HONEST = ("0", "1")
+HOSTILE = 2  # the last client turns malicious (`attack=`), at rank 3
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("insider")
     out = {}
-    for attack in (None, "claim_examples", "scale", "sign_flip"):
+    for attack in (None, "claim_examples", "sign_flip"):
         folder = root / (attack or "baseline")
         run_cli(["run", "configs/quickstart.yaml", "--out", str(folder),
-                 *([f"attack={attack}"] if attack else [])], np=5, timeout=400)
+                 *([f"attack={attack}"] if attack else [])], np=4, timeout=400)
         out[attack] = json.loads((folder / "summary.json").read_text())
     return out
 
@@ -34,7 +36,7 @@ def _honest_mean(summary: dict) -> float:
     return sum(summary["clients"][c]["accuracy"] for c in HONEST) / len(HONEST)
 
 
-@pytest.mark.parametrize("attack", ["claim_examples", "scale", "sign_flip"])
+@pytest.mark.parametrize("attack", ["claim_examples", "sign_flip"])
 def test_one_malicious_site_costs_the_honest_ones_at_most_005(runs, attack):
     base, hit = runs[None], runs[attack]
     assert _honest_mean(base) > 0.5  # the federation learns at all
@@ -53,8 +55,8 @@ def fast_attacker_runs(tmp_path_factory):
     for attack in (None, "sign_flip"):
         folder = root / (attack or "baseline")
         run_cli(["run", str(config), "--out", str(folder), "federation.mode=async", "strategy.name=fedasync",
-                 "federation.slowdown={0: 4, 1: 4, 2: 4}", *([f"attack={attack}"] if attack else [])],
-                np=5, timeout=400)
+                 "federation.slowdown={0: 4, 1: 4}", *([f"attack={attack}"] if attack else [])],
+                np=4, timeout=400)
         refused = re.findall(r"rejected message from rank (\d+)", (folder / "logs" / "rank0.log").read_text())
         out[attack] = json.loads((folder / "summary.json").read_text()), refused
     return out
@@ -65,15 +67,11 @@ def test_a_fast_async_attacker_is_measured_from_what_it_was_sent_and_bounded(fas
     assert _honest_mean(base) > 0.5
     # async runs are not repeatable (arrival order): measured drops -0.04 +- 0.03 over 4 pairs
     assert _honest_mean(base) - _honest_mean(hit) <= 0.1, (_honest_mean(base), _honest_mean(hit))
-    assert not base_refused and refused and set(refused) == {"4"}  # only the attacker's
+    assert not base_refused and refused and set(refused) == {"3"}  # only the attacker's
     assert not hit["dropped_clients"] and not hit["missing_clients"]
 
 
-def test_the_enormous_update_is_refused_and_counted_not_blamed_on_anyone_else(runs):
-    # refused every round (8); never accepted, it has no history of its own to be judged against,
-    # so the refusals are no proof and it is not evicted (docs/threats.md, "Only proof evicts")
-    assert runs["scale"]["rejected"]["runtime"].get("update out of range", 0) == 8
-    assert runs["scale"]["evicted"] == []
+def test_no_honest_site_is_blamed(runs):
     assert not runs[None]["evicted"]  # an honest site is never evicted; a refused attacker may be
-    assert all(e["client"] == 3 for a in ("claim_examples", "sign_flip") for e in runs[a]["evicted"])
+    assert all(e["client"] == HOSTILE for a in ("claim_examples", "sign_flip") for e in runs[a]["evicted"])
     assert runs[None]["rejected"]["runtime"].get("update out of range", 0) == 0
