@@ -39,8 +39,8 @@ def rank_cost(stats: object, loop_cpu_s: float | None = None) -> dict[str, float
 
 def parse_cost(value: object) -> dict[str, float] | None:
     """A peer's reported cost if it is well formed, else None (the caller rejects the message)."""
-    optional = set(_SITE_FLOATS) | set(_LOOP_FLOATS)
-    if not isinstance(value, dict) or not set(_INTS) | set(_FLOATS) <= set(value) <= set(_INTS) | set(_FLOATS) | optional:
+    required, optional = set(_INTS) | set(_FLOATS), set(_SITE_FLOATS) | set(_LOOP_FLOATS)
+    if not isinstance(value, dict) or not required <= set(value) <= required | optional:
         return None
     out: dict[str, float] = {}
     for k in _INTS:
