@@ -4,6 +4,7 @@ layout is known (after the setup exchange). Each stage is installed only when co
     plain:              train -> [Tamper] -> Send | MalformedSend -> [faults]
     secure aggregation: train -> [Tamper] -> Delta -> Clip -> [Noise] -> Encode -> SecAggSite -> [faults]
     secure, async:      train -> Delta -> Clip -> BufferedSecAggSite (weighs, encodes, masks) -> [faults]
+                        (garbage*: BufferedSecAggSite masks random field elements in place of its input)
     malicious, masked:  train -> Tamper -> Delta -> UnboundedEncode -> SecAggSite -> [faults]
     garbage, masked:    train -> Delta -> Clip -> [Noise] -> Encode -> Garbage -> SecAggSite -> [faults]
 
