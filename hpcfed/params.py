@@ -174,6 +174,18 @@ class ParamLayout:
             flat[offset : offset + n] = np.asarray(params[name], dtype=np.float32).reshape(-1)
         return flat
 
+    def difference(self, params: Mapping[str, np.ndarray], base: np.ndarray) -> np.ndarray:
+        """params − base in float64 (`base`: a float32 vector of this layout), parameter by parameter:
+        the values of ``np.subtract(flatten(params), base, dtype=np.float64)`` without the float32 copy
+        of `params` first; raises ValueError naming any mismatch."""
+        self.check(params)
+        out = np.empty(self.size, dtype=np.float64)
+        for name, shape, offset in zip(self.names, self.shapes, self.offsets):
+            n = int(np.prod(shape, dtype=np.int64))
+            np.subtract(np.asarray(params[name], dtype=np.float32).reshape(-1), base[offset: offset + n],
+                        out=out[offset: offset + n], dtype=np.float64)
+        return out
+
     def unflatten(self, flat: np.ndarray) -> Params:
         """Views (no copy) of `flat` shaped as the parameters."""
         if flat.shape != (self.size,):

@@ -28,7 +28,8 @@ Asynchronous (`--async`): FedBuff (configs/quickstart_fedbuff.yaml, buffers of `
 plain async against secure buffered async (each buffer summed securely among its members on the sites'
 epoch keys: `hpcfed.privacy.secagg_epoch`), `--repeat` pairs per K, plain and secure alternating: the
 median time between two server versions (one buffer applied; metrics.jsonl `fedbuff_version`) with P
-float32 parameters and no local training, each pair's ratio and their median; then (unless `--utility-k
+float32 parameters and no local training, and the CPU per buffer of rank 0, of a member (per upload)
+and of all ranks (summary.json cost's `loop_cpu_s`), each pair's ratios and their medians; then (unless `--utility-k
 1`) the quickstart FedBuff's final mean test accuracy plain and secure (`--utility-k` sites,
 `--utility-rounds` x K uploads).
 
@@ -171,6 +172,9 @@ def record_dp_table(ks: list[int], rounds: int, epsilons: list[float], clip: flo
 
 
 FEDBUFF = "configs/quickstart_fedbuff.yaml"
+# `loop_cpu`'s figures, as printed (plain / secure, in ms)
+CPU_KEYS = {"rank0_cpu_per_buffer_s": "rank 0 per buffer", "member_cpu_per_upload_s": "a member per upload",
+            "all_cpu_per_buffer_s": "all ranks per buffer"}
 
 
 def buffer_time(k: int, p: int, rounds: int, buffer: int, secure: bool, timeout: float) -> dict:
@@ -184,7 +188,22 @@ def buffer_time(k: int, p: int, rounds: int, buffer: int, secure: bool, timeout:
             bumps.append(e["time"])
             last = e["value"]
     gaps = [b - a for a, b in itertools.pairwise(bumps)]
-    return {"buffer_time_s": statistics.median(gaps) if gaps else float("nan"), "buffers": len(bumps)}
+    return {"buffer_time_s": statistics.median(gaps) if gaps else float("nan"), "buffers": len(bumps),
+            **loop_cpu(res["summary"])}
+
+
+def loop_cpu(summary: dict) -> dict:
+    """CPU per buffer from each rank's loop CPU (summary.json cost's `loop_cpu_s`: set-up and final
+    evaluation left out): rank 0's per buffer applied, a member's per upload it made (all sites' CPU
+    over the uploads folded), and all ranks' together per buffer (what bounds the wall time when
+    the ranks outnumber the cores)."""
+    buffers = max(1, int(summary["server_version"]) - 1)
+    uploads = max(1, int(summary["updates_accepted"]))
+    cost = summary["cost"]
+    server = float(cost["0"].get("loop_cpu_s", float("nan")))
+    sites = sum(float((c or {}).get("loop_cpu_s", float("nan"))) for r, c in cost.items() if r != "0")
+    return {"buffers_applied": buffers, "uploads": uploads, "rank0_cpu_per_buffer_s": server / buffers,
+            "member_cpu_per_upload_s": sites / uploads, "all_cpu_per_buffer_s": (server + sites) / buffers}
 
 
 def async_table(ks: list[int], p: int, rounds: int, buffer: int, utility_k: int, utility_rounds: int,
@@ -197,15 +216,21 @@ def async_table(ks: list[int], p: int, rounds: int, buffer: int, utility_k: int,
         for _ in range(repeat):
             plain, secure = (buffer_time(k, p, rounds, buffer, s, timeout) for s in (False, True))
             pairs.append({"plain": plain, "secure": secure, "load": os.getloadavg()[0],
-                          "time_ratio": secure["buffer_time_s"] / plain["buffer_time_s"]})
+                          "time_ratio": secure["buffer_time_s"] / plain["buffer_time_s"],
+                          **{f"{key}_ratio": secure[key] / plain[key] for key in CPU_KEYS}})
         row = {"k": k, "p": p, "buffer": min(buffer, k), "pairs": pairs,
-               "time_ratio": statistics.median(pair["time_ratio"] for pair in pairs)}
+               "time_ratio": statistics.median(pair["time_ratio"] for pair in pairs),
+               **{f"{key}_ratio": statistics.median(pair[f"{key}_ratio"] for pair in pairs) for key in CPU_KEYS}}
         rows.append(row)
         for pair in pairs:
+            cpu = "; CPU " + ", ".join(f"{what} {pair['plain'][key] * 1e3:.0f} / {pair['secure'][key] * 1e3:.0f} ms "
+                                       f"(x{pair[f'{key}_ratio']:.2f})" for key, what in CPU_KEYS.items())
             print(f"  K={k:3d} P={p:,} buffer {row['buffer']}: {pair['plain']['buffer_time_s']:.3f} s plain, "
-                  f"{pair['secure']['buffer_time_s']:.3f} s secure per buffer (x{pair['time_ratio']:.2f}); "
+                  f"{pair['secure']['buffer_time_s']:.3f} s secure per buffer (x{pair['time_ratio']:.2f}){cpu}; "
                   f"load {pair['load']:.1f}", flush=True)
-        print(f"  K={k:3d}: median ratio x{row['time_ratio']:.2f} over {repeat} pair(s)", flush=True)
+        print(f"  K={k:3d}: median ratio x{row['time_ratio']:.2f} wall, " + ", ".join(
+            f"x{row[f'{key}_ratio']:.2f} {what}" for key, what in CPU_KEYS.items()) + f" over {repeat} pair(s)",
+            flush=True)
     if utility_k < 2:
         return {"buffers": rows}
     utility = {}

@@ -4,6 +4,7 @@ layout is known (after the setup exchange). Each stage is installed only when co
     plain:              train -> [Tamper] -> Send | MalformedSend -> [faults]
     secure aggregation: train -> [Tamper] -> Delta -> Clip -> [Noise] -> Encode -> SecAggSite -> [faults]
     secure, async:      train -> Delta -> Clip -> BufferedSecAggSite (weighs, encodes, masks) -> [faults]
+                        (garbage*: BufferedSecAggSite masks random field elements in place of its input)
     malicious, masked:  train -> Tamper -> Delta -> UnboundedEncode -> SecAggSite -> [faults]
     garbage, masked:    train -> Delta -> Clip -> [Noise] -> Encode -> Garbage -> SecAggSite -> [faults]
 
@@ -74,7 +75,7 @@ def _secagg_stages(config: ClientConfig, channel: Channel, layout: ParamLayout, 
     if up.mode == "async":  # FedBuff's buffers: the site weighs and encodes once its buffer tells it its staleness
         return [stages[0], Clip(spec.clip_norm), BufferedSecAggSite(
             channel, layout.size, keys=keys, degree=up.privacy.secagg.degree, timeout_s=up.client_timeout_s,
-            spec=spec, rule=up.staleness)]
+            spec=spec, rule=up.staleness, garbage=attack if attack in attacks.GARBAGE_ATTACKS else None)]
     site = SecAggSite(channel, layout.size, keys=keys, degree=up.privacy.secagg.degree,
                       min_group=up.privacy.secagg.min_group, timeout_s=up.client_timeout_s)
     return [*stages, site]

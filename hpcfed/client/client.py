@@ -55,6 +55,7 @@ class Client:
         self.task: Task = prepared.task
         self._lingers = attacks.lingers(config.site.attack_played_by(self.client_id, self.num_clients))  # stays
         self._fit_s, self._examples = 0.0, 0  # the site's throughput, reported with RESULT
+        self._loop_cpu0: float | None = None  # process CPU when the loop began (after the set-up), for RESULT
         self._on_evicted = eviction_hooks(channel, self.site.attack)
         self.layout: ParamLayout | None = None
         self.slowdown = float(self.loop.slowdown.get(self.client_id, 1.0))
@@ -78,6 +79,7 @@ class Client:
             return
         if not self._setup():
             return
+        self._loop_cpu0 = time.process_time()
         try:
             while True:
                 msg, self._pending = self._pending or self._wait({P.PARAMS, P.FINAL, P.STOP, P.CHECKPOINT,
@@ -192,6 +194,7 @@ class Client:
         return {"round": rnd, "digest": digest, "path": str(path)}
 
     def _final(self, msg: Message) -> None:
+        loop_cpu = time.process_time() - self._loop_cpu0 if self._loop_cpu0 is not None else None
         self._load(msg)
         metrics = self.task.evaluate(int(msg.header.get("round", 0)), final=True)
         path = self.task.export_embeddings(self.site.out_dir)
@@ -201,7 +204,7 @@ class Client:
             seal_export(path, self.keys.file_auth("embeddings"))
             log.info("client %d: embeddings written to %s", self.client_id, path)
         self.channel.send(0, P.RESULT, {"metrics": {k: _json_number(v) for k, v in metrics.items()},
-                                        "cost": {**rank_cost(self.channel.stats), **self._throughput()},
+                                        "cost": {**rank_cost(self.channel.stats, loop_cpu), **self._throughput()},
                                         "export": str(path) if path else None})
 
     def _throughput(self) -> dict[str, float]:

@@ -15,8 +15,6 @@ float64 temporary, as `site_input.encode_update`), and `Noise` applies it before
 
 from __future__ import annotations
 
-import numpy as np
-
 from hpcfed.client.upload import RoundStart, Stage, Upload, Upstream
 from hpcfed.errors import FederationError
 from hpcfed.params import ParamLayout
@@ -35,7 +33,7 @@ class Delta(Stage):
         sent = self.layout.flatten(start.current_model())  # before training: the model as received
         upload = upstream(start)
         upload.sent = sent
-        upload.delta = np.subtract(self.layout.flatten(upload.params), sent, dtype=np.float64)  # one pass
+        upload.delta = self.layout.difference(upload.params, sent)  # one pass, no float32 copy first
         return upload
 
 

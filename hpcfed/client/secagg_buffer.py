@@ -17,6 +17,7 @@ the upload (`Superseded`): the server answers it again afterwards.
 from __future__ import annotations
 
 from hpcfed import protocol as P
+from hpcfed.client import attacks
 from hpcfed.client.secagg import SecAggSite
 from hpcfed.client.upload import RoundStart, Superseded, Upload, Upstream
 from hpcfed.comm.api import Channel, Message
@@ -37,9 +38,10 @@ class BufferedSecAggSite(SecAggSite):
     """The upload stage of a secure buffered federation: wait for a buffer, weigh, mask, unmask."""
 
     def __init__(self, channel: Channel, size: int, *, keys: RankKeys, degree: int | None, timeout_s: float,
-                 spec: InputSpec, rule: StalenessRule) -> None:
+                 spec: InputSpec, rule: StalenessRule, garbage: str | None = None) -> None:
         super().__init__(channel, size, keys=keys, degree=degree, min_group=2, timeout_s=timeout_s)
         self.spec, self.rule = spec, rule
+        self.garbage = garbage  # a hostile site's ``garbage*`` attack (`attacks.garbage_input`, per buffer)
         self.last_buffer = -1  # the last buffer this site took part in: numbers must rise
         self.newest_seen = 0  # the newest server version this site was sent
         self.epoch = EpochKeys(self.site, self.identity)  # this process's long-lived keys (one epoch)
@@ -91,6 +93,8 @@ class BufferedSecAggSite(SecAggSite):
         state = BufferSite(self.epoch, graph, peers, self.size, invite.context, self.peer_keys)
         weight = self.rule.units(invite.staleness, spec.max_examples)
         codes = masking.encode(upload.delta, weight, spec.max_examples, spec.value_range, spec.levels, upload.scale)
+        if self.garbage is not None:  # a hostile site: random field elements in place of its input
+            codes = attacks.garbage_input(self.garbage, codes, b)
         metrics = dict(upload.header.get("metrics", {}))
         metrics["secagg_clipped"] = 0.0 if upload.within else 1.0
         metrics["staleness"] = float(invite.staleness)

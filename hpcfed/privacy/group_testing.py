@@ -97,6 +97,21 @@ def _deal(live: list[int], candidates: set[int], count: int, rng: random.Random)
     return [frozenset(g) for g in groups]
 
 
+def narrowing(ready: Sequence[int], want: int, suspected: set[int]) -> list[int] | None:
+    """An asynchronous buffer's `want` members from the `ready` sites (in the order they became ready)
+    with at most one `suspected` site: the first such, so that a refused sum narrows the evidence
+    down (a buffer of the same suspects again would only repeat it); None when the ready sites
+    do not allow one yet."""
+    picked: list[int] = []
+    for site in ready:
+        if site in suspected and any(p in suspected for p in picked):
+            continue
+        picked.append(site)
+        if len(picked) == want:
+            return picked
+    return None
+
+
 def group_noise_multiplier(noise_multiplier: float, group: int, sites_needed: int) -> float:
     """Under distributed DP each site adds noise of std z·C/√m (m = `sites_needed`, the quorum's
     count: a sum over m sites has std z·C). A group sum over `group` sites carries only their
@@ -111,12 +126,13 @@ class Verdict:
 
     site: int
     round: int
-    rounds: tuple[int, ...]  # the rounds whose refused sums hold it
+    rounds: tuple[int, ...]  # the rounds (or asynchronous buffers) whose refused sums hold it
+    what: str = "group sums of rounds"  # what the numbers are, in the proof's words
 
     def proof(self, max_hostile: int) -> str:
         names = ", ".join(map(str, self.rounds[:-1])) + f" and {self.rounds[-1]}" if len(self.rounds) > 1 \
             else str(self.rounds[0])
-        return (f"group sums of rounds {names} isolate site {self.site} (every set of at most {max_hostile} "
+        return (f"{self.what} {names} isolate site {self.site} (every set of at most {max_hostile} "
                 f"site(s) that meets each refused sum holds it)")
 
 
@@ -134,6 +150,7 @@ class Isolation:
     active: bool = False
     quiet: int = 0  # clean group rounds in a row
     convicted: set[int] = field(default_factory=set)
+    what: str = "group sums of rounds"  # the verdicts' words for the sums (asynchronous buffers: their own)
 
     def groups_for(self, rnd: int, live: Iterable[int]) -> list[Group] | None:
         """Round `rnd`'s groups, or None: sum the whole federation (no pending refusal, or no
@@ -162,8 +179,12 @@ class Isolation:
         verdicts = []
         for site in sorted(proven([r for _, r in self.refused], self.max_hostile) - self.convicted):
             rounds = tuple(sorted({r for r, g in self.refused if site in g}))
-            verdicts.append(Verdict(site, rnd, rounds))
+            verdicts.append(Verdict(site, rnd, rounds, self.what))
         return verdicts
+
+    def suspected(self) -> set[int]:
+        """The sites some explanation of the pending refused sums holds (none pending: none)."""
+        return suspects([r for _, r in self.refused], self.max_hostile) if self.refused else set()
 
     def remember(self, revealed: Iterable[Group]) -> None:
         """Sums the server may hold (each set once: a set seen again adds nothing to the span)."""

@@ -12,6 +12,10 @@ training first and tends to land in the next buffer as its fresh, full-weight me
 order, the same sites kept that role and weighed more than their share (quickstart FedBuff, K = 3,
 buffers of 2: secure below plain in 7 of 8 seeds; docs/benchmarks.md).
 
+A refused buffer's sum is evidence against its members (`hpcfed.server.secagg_buffer`): until it is
+explained, a buffer holds at most one suspected site (the others wait for a buffer of their own),
+so that the next refusal narrows it down to the hostile member, which is then evicted on that proof.
+
 A checkpoint is taken between buffers: rank 0 asks every site for its shard; a site waiting for a
 buffer, or finishing its step meanwhile, drops its upload and writes its shard; afterwards every
 site is answered with the current model. So an interrupted buffer is lost, never the run, and the
@@ -27,6 +31,7 @@ from hpcfed import protocol as P
 from hpcfed.comm.api import Message
 from hpcfed.errors import FederationError
 from hpcfed.privacy.buffered import StalenessRule
+from hpcfed.privacy.group_testing import narrowing
 from hpcfed.server import between_uploads, joining
 from hpcfed.server import validation as V
 from hpcfed.server.core import ServerCore
@@ -118,7 +123,9 @@ class SecureBufferedLoop:
         self.last_seen[cid] = time.monotonic()
 
     def next_members(self) -> set[int]:
-        """The next buffer's members: the first B ready live sites (fewer when fewer are live, >= 2)."""
+        """The next buffer's members: the first B ready live sites (fewer when fewer are live, >= 2).
+        While a refused buffer's evidence is pending, at most one suspected site per buffer
+        (`group_testing.narrowing`), waiting for other sites to be ready unless every live site is."""
         live = self.core.live
         for cid in [c for c in self.ready if c not in live]:
             del self.ready[cid]
@@ -126,7 +133,12 @@ class SecureBufferedLoop:
         if len(live) < 2:
             raise FederationError(f"only {len(live)} site(s) left: secure buffered aggregation needs 2 in a buffer; "
                                   f"last checkpoint: {self.core.last_checkpoint or 'none'}")
-        return set(list(self.ready)[:want]) if len(self.ready) >= want else set()
+        if len(self.ready) < want:
+            return set()
+        picked = narrowing(list(self.ready), want, self.exchange.testing.isolation.suspected() & live)
+        if picked is None and len(self.ready) < len(live):
+            return set()  # a buffer of the same suspects would repeat the evidence: wait for other sites
+        return set(picked or list(self.ready)[:want])
 
     def run_buffer(self, members: set[int]) -> int:
         """One buffer: its protocol, its metrics, the members answered; the uploads it folded."""

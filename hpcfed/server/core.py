@@ -73,6 +73,7 @@ class ServerCore:
         self.status = StatusLine(config.deadlines.status_every_s)
         self.live_file = LiveFile(out_dir)  # OUT/live.json, what `hpcfed status OUT` shows
         self.cpu0 = time.process_time()
+        self.loop_cpu_s: float | None = None  # CPU seconds of the rounds or buffers (summary.json's cost)
         self.on_drop: Callable[[int], None] | None = None  # told of a site the federation goes on without
         # What lets sites not there at the start (`hpcfed serve`) in later (`.joining`).
         self.joiners: Callable[[], dict[int, float]] | None = None  # client id -> when its knock came

@@ -26,7 +26,10 @@ synchronous round's (`hpcfed.server.secagg_round.SecAggCollector`, whose `_gathe
 The sum is judged as a round's (in the encoding, norm within C·Σ s_k), and its weight coordinate
 must be exactly Σ q(τ_k) of the survivors, which rank 0 knows (it told each its staleness): a site
 that claims another weight is caught there. A refused sum folds nothing (the buffer is lost; the
-members are answered all the same).
+members are answered all the same) and is evidence: the refused buffers' member sets, which differ
+from buffer to buffer, narrow down the hostile member as group testing does for rounds, and one they
+prove hostile is evicted (`hpcfed.server.secagg_groups.GroupTesting.buffer_refused`). A refused sum
+never ends the run (federation.on_client_failure is for members lost, not for inputs refused).
 """
 
 from __future__ import annotations
@@ -111,7 +114,9 @@ class BufferExchange(SecAggCollector):
                 answering = set(alive)
             self._gather(b, P.SA_REVEAL, answering, lambda cid, msg: state.take_unmask(
                 cid, B.parse_answers(cid, msg.header.get("answers"), n)))
-            self._judge_and_fold(b, state, staleness)
+            if not self._judge_and_fold(b, state, staleness):  # refused: evidence, never the run's end
+                core.lost_rounds.append(b)
+                return _only(taken, set(state.survivors or ()) & core.live, lost=True)
         except (BufferLost, ValueError) as exc:  # ProtocolError included: a site left or went silent while unmasking
             self._lose(b, str(exc), set(members), set(state.masked), set(members) - set(state.masked))
             return _only(taken, set(state.masked) & core.live, lost=True)
@@ -139,13 +144,22 @@ class BufferExchange(SecAggCollector):
         self._gather(b, P.SA_SIGNED, alive, signed)
         return state.answering(True) & self.core.live
 
-    def _judge_and_fold(self, b: int, state: BufferServer, staleness: dict[int, int]) -> None:
+    def _judge_and_fold(self, b: int, state: BufferServer, staleness: dict[int, int]) -> bool:
         """Unmask, judge (`judge_sum`: in the encoding, norm within C·Σ q) and check the weight
-        coordinate against Σ q(τ_k) of the survivors; fold Σ s_k·δ_k and Σ s_k into the strategy."""
+        coordinate against Σ q(τ_k) of the survivors; fold Σ s_k·δ_k and Σ s_k into the strategy.
+        False when the sum is refused: the buffer is lost, its members are evidence (group testing
+        across buffers: `GroupTesting.buffer_refused`), and the run goes on whatever
+        federation.on_client_failure says (a refusal is not a failure: one hostile member must not
+        end the federation by sending a bad input)."""
         total, alive = state.result()
-        weighted, weight = judge_buffer(total, staleness, alive, self.rule, self.spec)
+        try:
+            weighted, weight = judge_buffer(total, staleness, alive, self.rule, self.spec)
+        except ValueError as exc:
+            self.testing.buffer_refused(b, frozenset(alive), str(exc))
+            return False
         self.async_strategy.fold_sum(weighted, weight, len(alive))
         self.core.metrics.log(b, None, "secagg_buffer_weight", weight)
+        return True
 
     def _quorum(self, rnd: int, sites: set[int], what: str) -> None:
         """A buffer's stage needs 2 of its members: fewer lose the buffer (the run goes on)."""

@@ -118,6 +118,23 @@ class GroupTesting:
         for verdict in self.isolation.record(rnd, sets, refused, self.groups is not None):
             self._convict(verdict)
 
+    def buffer_refused(self, buffer: int, members: Group, why: str) -> None:
+        """An asynchronous buffer's unmasked sum over `members` was refused (`why`): evidence, as a
+        refused round's sum is. Buffers are formed from whoever is ready, so their members differ and
+        the evidence narrows without asking for groups (each buffer sums new inputs; none is retried);
+        a site it proves hostile is evicted, and only then. Clean sums prove nothing: not recorded."""
+        self.isolation.what = "the refused sums of buffers"
+        names = ", ".join(map(str, sorted(members)))
+        log.warning("buffer %d: the secure sum of sites [%s] is refused, and nothing of it is folded: %s (evidence "
+                    "against one of them at least; buffers of other members narrow it down, without unmasking "
+                    "anyone)", buffer, names, why)
+        self.core.metrics.log(buffer, None, "secagg_sum_refused", 1)
+        for site in members:
+            self.first_evidence.setdefault(site, f"buffer {buffer}: the secure sum of sites [{names}] was refused: "
+                                                 f"{why}"[:200])
+        for verdict in self.isolation.record(buffer, [members], [members], False):
+            self._convict(verdict)
+
     def _refused(self, rnd: int, group: Group, why: str) -> None:
         members = ", ".join(map(str, sorted(group)))
         what = "the securely aggregated sum" if self.groups is None else f"the secure sum of group [{members}]"

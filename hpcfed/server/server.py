@@ -15,6 +15,7 @@ server keeps serving.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,10 @@ class Server:
         core = self.core
         start_round = setup.exchange(core, self.resume)
         core.metrics.log(None, None, "num_clients", core.num_clients)
+        cpu0 = time.process_time()
         if core.strategy.synchronous:
             halted = SyncRounds(core, start_round).run()
+            core.loop_cpu_s = time.process_time() - cpu0
             if halted is not None:
                 return summary.halt(core, halted)
         else:
@@ -84,6 +87,7 @@ class Server:
             loop: AsyncLoop | SecureBufferedLoop = SecureBufferedLoop(core) if core.config.privacy.secure_aggregation \
                 else AsyncLoop(core)
             stopped_early = loop.run()
+            core.loop_cpu_s = time.process_time() - cpu0
             loop.forget_owed()  # STOP or FINAL supersedes every model still owed
             if stopped_early:
                 return summary.halt(core, core.updates_accepted)

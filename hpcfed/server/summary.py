@@ -130,7 +130,7 @@ def summarize(core: ServerCore, results: Results, costs: dict[int, dict[str, Any
         "server_cpu_s": time.process_time() - core.cpu0,
         # per rank ("0" is the server): peak RSS, channel bytes, seconds in AES-GCM; null for a
         # client whose RESULT carried none
-        "cost": {"0": rank_cost(stats), **{str(c + 1): costs.get(c) for c in range(core.num_clients)}},
+        "cost": {"0": rank_cost(stats, core.loop_cpu_s), **{str(c + 1): costs.get(c) for c in range(core.num_clients)}},
         # per site: training examples per second of its rounds' training, all of its ranks together
         "throughput": {str(c): cost["examples_per_s"] for c, cost in sorted(costs.items())
                        if cost and "examples_per_s" in cost},

@@ -23,6 +23,7 @@ from hpcfed.privacy.group_testing import (
     Verdict,
     explanations,
     group_noise_multiplier,
+    narrowing,
     partition,
     proven,
     suspects,
@@ -276,3 +277,31 @@ def test_a_group_sum_carries_only_its_members_dp_noise(k, quorum, g):
     assert shares.sum(0).std() == pytest.approx(z * clip, rel=0.03)
     assert shares[:g].sum(0).std() == pytest.approx(group_noise_multiplier(z, g, m) * clip, rel=0.03)
     assert group_noise_multiplier(z, g, m) < z / 1.4  # well under the run's z: what threats.md says
+
+
+def test_an_asynchronous_buffer_holds_at_most_one_suspected_site_while_evidence_is_pending():
+    ready = [2, 3, 0, 1]
+    assert narrowing(ready, 2, set()) == [2, 3]  # nothing pending: the first B ready
+    assert narrowing(ready, 2, {2, 3}) == [2, 0]  # 3 waits for a buffer without 2
+    assert narrowing([3, 2], 2, {2, 3}) is None  # only suspects ready: wait for others
+    assert narrowing([3, 2, 1], 3, {2, 3}) is None
+    assert narrowing([1, 3, 2, 0], 3, {2, 3}) == [1, 3, 0]
+
+
+@pytest.mark.parametrize("hostile", range(4))
+def test_buffers_formed_by_narrowing_prove_the_hostile_member_and_never_an_honest_one(hostile):
+    """Buffers of 2 of 4 sites, every buffer with the hostile member refused: whatever order the sites
+    become ready in, it is proven within two refusals of the first, and only it."""
+    rng = random.Random(hostile)
+    for _ in range(50):
+        iso = Isolation(4, 2, 1, what="the refused sums of buffers")
+        ready, verdicts, refusals = [], [], 0
+        while not verdicts and refusals < 10:
+            ready += rng.sample([s for s in range(4) if s not in ready], 4 - len(ready))
+            picked = narrowing(ready, 2, iso.suspected()) or ready[:2]
+            ready = [s for s in ready if s not in picked]
+            if hostile in picked:
+                refusals += 1
+                verdicts = iso.record(refusals, [frozenset(picked)], [frozenset(picked)], False)
+        assert [v.site for v in verdicts] == [hostile] and refusals == 2
+        assert verdicts[0].proof(1).startswith("the refused sums of buffers 1 and 2 isolate site")

@@ -158,3 +158,38 @@ def test_a_halted_secure_buffered_run_resumes_from_the_checkpoint_between_buffer
     assert [e["value"] for e in events if e["name"] == "buffer"][2] == 2.0  # buffer numbers go on from version 3
     summary = json.loads((part / "summary.json").read_text())
     assert summary["mean"]["accuracy"] > 0.3
+
+
+def test_a_buffers_members_are_answered_in_the_order_they_became_ready(tmp_path):
+    """3 sites in buffers of 3, each ready on a schedule against its id (site 2 at once, site 1 after
+    0.6 s, site 0 after 1.2 s: tests/privacy/buffer_spy.py's SPY_READY_DELAY). After each buffer rank 0
+    answers its members in the order it took them as ready, never by site id (the bias that made
+    secure FedBuff weigh the low ids' sites more: hpcfed.server.buffered); the schedule makes the two
+    orders differ, so the old id order fails here."""
+    out, spy = tmp_path / "run", tmp_path / "spy"
+    cmd = [mpiexec(), "-n", "4", sys.executable, str(SPY), str(spy), "run", "configs/quickstart_fedbuff.yaml",
+           "--out", str(out), "rounds=2", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
+           "influence.enabled=false", "federation.buffer_size=3", "federation.round_deadline_s=60"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32, "SPY_READY_DELAY": "1:0.6,0:1.2"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    pending: list[int] = []  # sites taken as ready since the last buffer, in rank 0's order
+    expected: dict[int, list[int]] = {}  # buffer -> its members in the order they became ready
+    answers: dict[int, list[int]] = {}
+    current: int | None = None
+    for event in map(json.loads, (spy / "order.jsonl").read_text().splitlines()):
+        if "buffer" in event:
+            current = event["buffer"]
+            expected[current] = [c for c in pending if c in event["members"]]
+            pending = [c for c in pending if c not in event["members"]]
+            answers[current] = []
+        elif "ready" in event:
+            pending.append(event["ready"])
+            current = None  # the answers of a buffer follow it at once; none before the first buffer count
+        elif current is not None:
+            answers[current].append(event["answered"])
+    assert len(answers) == 2, answers
+    for b, answered in answers.items():
+        assert answered == expected[b], (b, answered, expected[b])
+    # the schedule held: ready order is not id order, so answering by id fails the check above
+    assert all(order == [2, 1, 0] for order in expected.values()), expected

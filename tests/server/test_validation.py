@@ -194,3 +194,20 @@ def test_a_sites_throughput_in_its_result_cost_is_bounded():
         refused = parse_result({"metrics": {}, "cost": {**cost, "examples_per_s": bad}})
         assert isinstance(refused, Rejection) and "cost" in refused.detail, bad
     assert isinstance(parse_result({"metrics": {}, "cost": {**cost, "examples_per_hour": 1.0}}), Rejection)
+
+
+def test_a_sites_loop_cpu_in_its_result_cost_is_bounded():
+    """A site's CPU of its loop (what bench_privacy --async reads per buffer) is hostile like the rest."""
+    from hpcfed.cost import rank_cost
+    from hpcfed.server.validation import Rejection
+
+    class _Stats:
+        pass
+
+    cost = rank_cost(_Stats(), loop_cpu_s=2.5)
+    assert cost["loop_cpu_s"] == 2.5 and "loop_cpu_s" not in rank_cost(_Stats())
+    ok = parse_result({"metrics": {"accuracy": 0.5}, "cost": cost})
+    assert not isinstance(ok, Rejection) and ok[1] is not None and ok[1]["loop_cpu_s"] == 2.5
+    for bad in (-1.0, math.nan, math.inf, 1e12, "slow", False, None):
+        refused = parse_result({"metrics": {}, "cost": {**cost, "loop_cpu_s": bad}})
+        assert isinstance(refused, Rejection) and "cost" in refused.detail, bad
