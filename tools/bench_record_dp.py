@@ -111,13 +111,16 @@ def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, ep
     if freeze_first:
         from hpcfed.tasks.private_training import RecordDPTraining, steps_per_round
 
+        def loss_of(task: SyntheticTask) -> Any:
+            return lambda x, y: task.loss_fn(task.model(x), y)
+
         for task in sites:
             task.encoder[0].requires_grad_(False)
-            if task.private is not None:  # DP-SGD over the trainable parameters left
-                task.private = RecordDPTraining(
-                    spec, task.site.client_id, model=task.model,  # type: ignore[arg-type]  # set when private
-                    loss=lambda x, y, t=task: t.loss_fn(t.model(x), y), records=len(task.data["x_train"]),
-                    batch_size=batch, steps_per_round=steps_per_round(len(task.data["x_train"]), batch, epochs))
+            if spec is not None:  # DP-SGD over the trainable parameters left
+                records = len(task.data["x_train"])
+                task.private = RecordDPTraining(spec, task.site.client_id, model=task.model, loss=loss_of(task),
+                                                records=records, batch_size=batch,
+                                                steps_per_round=steps_per_round(records, batch, epochs))
     model: dict = dict(sites[0].get_parameters())
     velocity: dict = {name: 0.0 for name in model}
     for rnd in range(rounds):
@@ -162,11 +165,11 @@ def accuracy_table(settings: list[str], rounds: int, **server: Any) -> list[dict
 def round_table(k: int, rounds: int, repeats: int, extra: list[str], timeout: float,
                 batch_sizes: list[int] | None = None) -> list[dict]:
     """Median round time of plain and record-DP federations, run in interleaved pairs: each repeat runs one
-    pair per batch size (`None`: the config's), plain first on even repeats and DP first on odd ones, so a
+    pair per batch size (none given: the config's), plain first on even repeats and DP first on odd ones, so a
     drift of the machine's load falls on both sides."""
     rows = []
     for rep in range(repeats):
-        for bs in batch_sizes or [None]:
+        for bs in batch_sizes or [0]:
             keys = [*extra, f"task.batch_size={bs}"] if bs else list(extra)
             order = ("plain", "dp") if rep % 2 == 0 else ("dp", "plain")
             runs = {side: record_run(k, rounds, keys if side == "plain" else [*keys, *DP_KEYS], timeout)
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_rounds and not args.accuracy:
         result["rounds"] = round_table(args.k, args.rounds, args.repeats, args.set, args.timeout,
                                        args.round_batch_sizes)
-        for bs in args.round_batch_sizes or [None]:
+        for bs in args.round_batch_sizes or [0]:
             rows = [r for r in result["rounds"] if r["batch_size"] == bs]
             print(f"  median ratio record DP / plain, batch {bs or 'config'}: round time "
                   f"x{statistics.median(r['ratio'] for r in rows):.2f}", flush=True)
