@@ -25,6 +25,9 @@ run in this process (the sites' tasks, fit and evaluated as the federation does,
 examples; no MPI, so a sweep takes seconds per setting instead of minutes): final mean test accuracy
 after `--rounds` rounds and the largest site ε. Its plain figures equal the mpiexec runs' (K = 4:
 0.895, K = 8: 0.956); under DP its noise differs from a federation's (another secret seed), not its law.
+`--momentum`/`--server-lr` put FedAvgM's server step on the mean, `--hidden` narrows the MLP and
+`--freeze-first` keeps its first layer at the shared initial weights (fewer trained parameters, so less
+noise in norm): the ideas tried in docs/benchmarks.md, "Record-level DP: whole rounds per batch size".
 
 A benchmark, not a test: the round times move with the machine's load (printed with them).
 """
@@ -143,8 +146,8 @@ def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, ep
 
 
 def accuracy_table(settings: list[str], rounds: int, **server: Any) -> list[dict]:
-    """`fedavg_in_process` for each K:EPS:LR:BATCH:EPOCHS:CLIP[:SEED] (`server`: its hidden, momentum and
-    server_lr, the same for every setting)."""
+    """`fedavg_in_process` for each K:EPS:LR:BATCH:EPOCHS:CLIP[:SEED] (`server`: its hidden, momentum,
+    server_lr and freeze_first, the same for every setting)."""
     import torch
 
     torch.set_num_threads(1)
