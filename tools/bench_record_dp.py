@@ -2,8 +2,10 @@
 DP-SGD, side by side in one run.
 
     python tools/bench_record_dp.py [--batch-sizes 32 128 512] [--fits 8] [--k 4] [--rounds 6]
-                                    [--repeats 2] [--set key=value ...] [--skip-rounds] [--json]
+                                    [--repeats 2] [--round-batch-sizes 32 128 500] [--skip-fits]
+                                    [--set key=value ...] [--skip-rounds] [--json]
     python tools/bench_record_dp.py --rounds 8 --accuracy 4:8:0.05:128:2:0.1 4:0:0.05:128:2:0.1 ...
+                                    [--hidden 64] [--momentum 0] [--server-lr 1] [--freeze-first]
 
 Local training: one quickstart site (in this process, one torch thread) fits `--fits` rounds plain, with
 `privacy.record_dp` (ε 8) as sites run it (the linear layers' clipped sums, `hpcfed.privacy.linear_clip`),
@@ -13,8 +15,9 @@ a round's fit (the first left out) and the ratios to plain, per batch size. CPU 
 loaded machine it moves far less.
 
 Rounds: `--repeats` pairs of real federations (`mpiexec -n K+1 python -m hpcfed run`, the quickstart,
-`--rounds` rounds, no checkpoints), plain then record DP (ε 8), one after the other; the median round
-time (metrics.jsonl `round_time_s`, first round left out) of each and the ratio DP / plain per pair.
+`--rounds` rounds, no checkpoints) per batch size of `--round-batch-sizes`, plain and record DP (ε 8) one
+after the other, the order swapped every repeat; the median round time (metrics.jsonl `round_time_s`,
+first round left out) of each and the ratio DP / plain per pair.
 That ratio is the issue's goal (≤ 2); the fits above say where the time goes.
 
 Accuracy (`--accuracy K:EPS:LR:BATCH:EPOCHS:CLIP[:SEED] ...`, EPS 0 = plain): the quickstart's FedAvg
@@ -22,6 +25,9 @@ run in this process (the sites' tasks, fit and evaluated as the federation does,
 examples; no MPI, so a sweep takes seconds per setting instead of minutes): final mean test accuracy
 after `--rounds` rounds and the largest site ε. Its plain figures equal the mpiexec runs' (K = 4:
 0.895, K = 8: 0.956); under DP its noise differs from a federation's (another secret seed), not its law.
+`--momentum`/`--server-lr` put FedAvgM's server step on the mean, `--hidden` narrows the MLP and
+`--freeze-first` keeps its first layer at the shared initial weights (fewer trained parameters, so less
+noise in norm): the ideas tried in docs/benchmarks.md, "Record-level DP: whole rounds per batch size".
 
 A benchmark, not a test: the round times move with the machine's load (printed with them).
 """
@@ -35,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -86,8 +93,13 @@ def fit_table(batch_sizes: list[int], fits: int) -> list[dict]:
 
 
 def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, epochs: int, clip: float,
-                      seed: int = 0) -> dict:
-    """The quickstart's FedAvg in this process: final mean test accuracy and max site ε (eps 0: plain)."""
+                      seed: int = 0, *, hidden: int = 64, momentum: float = 0.0, server_lr: float = 1.0,
+                      freeze_first: bool = False) -> dict:
+    """The quickstart's FedAvg in this process: final mean test accuracy and max site ε (eps 0: plain).
+    `momentum` > 0 or `server_lr` != 1: FedAvgM's server step (`hpcfed.strategies.fedavgm`) on the mean;
+    `hidden`: the MLP's hidden width (the quickstart's `task.hidden`); `freeze_first`: the first layer stays
+    at its initial weights, the same on every site (random ReLU features), so DP-SGD's noise falls on the
+    other layers' parameters only."""
     from hpcfed.config import RecordDPConfig
     from hpcfed.privacy.record_dp import SiteSettings
     from hpcfed.tasks.base import Site
@@ -96,10 +108,24 @@ def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, ep
     out = Path(tempfile.mkdtemp())
     settings = RecordDPConfig(epsilon=eps, delta=1e-5, clip_norm=clip) if eps else None
     spec = SiteSettings(settings, rounds, secret_seed=1234 + seed) if settings else None
-    sites = [SyntheticTask(SyntheticTask.Config(lr=lr, batch_size=batch, local_epochs=epochs),
+    sites = [SyntheticTask(SyntheticTask.Config(lr=lr, batch_size=batch, local_epochs=epochs, hidden=hidden),
                            Site(client_id=i, num_clients=k, seed=seed, out_dir=out, record_dp=spec))
              for i in range(k)]
+    if freeze_first:
+        from hpcfed.tasks.private_training import RecordDPTraining, steps_per_round
+
+        def loss_of(task: SyntheticTask) -> Any:
+            return lambda x, y: task.loss_fn(task.model(x), y)
+
+        for task in sites:
+            task.encoder[0].requires_grad_(False)
+            if spec is not None:  # DP-SGD over the trainable parameters left
+                records = len(task.data["x_train"])
+                task.private = RecordDPTraining(spec, task.site.client_id, model=task.model, loss=loss_of(task),
+                                                records=records, batch_size=batch,
+                                                steps_per_round=steps_per_round(records, batch, epochs))
     model: dict = dict(sites[0].get_parameters())
+    velocity: dict = {name: 0.0 for name in model}
     for rnd in range(rounds):
         updates = []
         for task in sites:
@@ -107,7 +133,10 @@ def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, ep
             updates.append((task.fit(rnd).num_examples, task.get_parameters()))
         total = sum(n for n, _ in updates)
         if total:
-            model = {name: sum(n * p[name] for n, p in updates) / total for name in model}
+            mean = {name: sum(n * p[name] for n, p in updates) / total for name in model}
+            # FedAvgM: v = β·v + (θ̄ - θ), θ += η·v (β 0, η 1: FedAvg's mean itself)
+            velocity = {name: momentum * velocity[name] + (mean[name] - model[name]) for name in model}
+            model = {name: model[name] + server_lr * velocity[name] for name in model}
     accuracy = []
     for task in sites:
         task.set_parameters(model)
@@ -116,8 +145,9 @@ def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, ep
     return {"accuracy": statistics.fmean(accuracy), "epsilon": epsilon}
 
 
-def accuracy_table(settings: list[str], rounds: int) -> list[dict]:
-    """`fedavg_in_process` for each K:EPS:LR:BATCH:EPOCHS:CLIP[:SEED]."""
+def accuracy_table(settings: list[str], rounds: int, **server: Any) -> list[dict]:
+    """`fedavg_in_process` for each K:EPS:LR:BATCH:EPOCHS:CLIP[:SEED] (`server`: its hidden, momentum,
+    server_lr and freeze_first, the same for every setting)."""
     import torch
 
     torch.set_num_threads(1)
@@ -127,24 +157,34 @@ def accuracy_table(settings: list[str], rounds: int) -> list[dict]:
         row: dict = {"k": int(k), "epsilon_target": float(eps), "lr": float(lr), "batch_size": int(batch),
                      "local_epochs": int(epochs), "clip_norm": float(clip), "seed": int(seed[0]) if seed else 0}
         row.update(fedavg_in_process(int(k), rounds, float(eps), float(lr), int(batch), int(epochs), float(clip),
-                                     row["seed"]))
+                                     row["seed"], **server))
+        row.update(server)
         rows.append(row)
         eps_text = f"ε {row['epsilon']:.2f}" if row["epsilon"] is not None else "plain"
         print(f"  accuracy, {text}: {row['accuracy']:.3f} ({eps_text})", flush=True)
     return rows
 
 
-def round_table(k: int, rounds: int, repeats: int, extra: list[str], timeout: float) -> list[dict]:
-    """Median round time of plain and record-DP federations, run in pairs one after the other."""
+def round_table(k: int, rounds: int, repeats: int, extra: list[str], timeout: float,
+                batch_sizes: list[int] | None = None) -> list[dict]:
+    """Median round time of plain and record-DP federations, run in interleaved pairs: each repeat runs one
+    pair per batch size (none given: the config's), plain first on even repeats and DP first on odd ones, so a
+    drift of the machine's load falls on both sides."""
     rows = []
     for rep in range(repeats):
-        plain = record_run(k, rounds, extra, timeout)
-        dp = record_run(k, rounds, [*extra, *DP_KEYS], timeout)
-        rows.append({"k": k, "rounds": rounds, "plain_s": plain["round_time_s"], "record_dp_s": dp["round_time_s"],
-                     "ratio": dp["round_time_s"] / plain["round_time_s"], "plain_accuracy": plain["accuracy"],
-                     "record_dp_accuracy": dp["accuracy"], "epsilon": dp["epsilon"]})
-        print(f"  round, K={k} pair {rep + 1}: plain {plain['round_time_s']:.3f} s, record DP "
-              f"{dp['round_time_s']:.3f} s (x{rows[-1]['ratio']:.2f}); load {os.getloadavg()[0]:.1f}", flush=True)
+        for bs in batch_sizes or [0]:
+            keys = [*extra, f"task.batch_size={bs}"] if bs else list(extra)
+            order = ("plain", "dp") if rep % 2 == 0 else ("dp", "plain")
+            runs = {side: record_run(k, rounds, keys if side == "plain" else [*keys, *DP_KEYS], timeout)
+                    for side in order}
+            plain, dp = runs["plain"], runs["dp"]
+            rows.append({"k": k, "rounds": rounds, "batch_size": bs, "repeat": rep, "plain_s": plain["round_time_s"],
+                         "record_dp_s": dp["round_time_s"], "ratio": dp["round_time_s"] / plain["round_time_s"],
+                         "plain_accuracy": plain["accuracy"], "record_dp_accuracy": dp["accuracy"],
+                         "epsilon": dp["epsilon"], "load": os.getloadavg()[0]})
+            print(f"  round, K={k} batch {bs or 'config'} pair {rep + 1}: plain {plain['round_time_s']:.3f} s, "
+                  f"record DP {dp['round_time_s']:.3f} s (x{rows[-1]['ratio']:.2f}); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
     return rows
 
 
@@ -155,23 +195,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--round-batch-sizes", type=int, nargs="*", default=[],
+                    help="the federation pairs at these batch sizes (default: the config's)")
+    ap.add_argument("--skip-fits", action="store_true", help="only the federations' table")
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for the federations")
     ap.add_argument("--skip-rounds", action="store_true", help="only the local-training table")
     ap.add_argument("--accuracy", nargs="*", default=[], metavar="K:EPS:LR:BATCH:EPOCHS:CLIP[:SEED]",
                     help="in-process FedAvg settings to score (only these when given)")
+    ap.add_argument("--hidden", type=int, default=64, help="--accuracy: the MLP's hidden width (task.hidden)")
+    ap.add_argument("--momentum", type=float, default=0.0, help="--accuracy: FedAvgM's server momentum β")
+    ap.add_argument("--server-lr", type=float, default=1.0, help="--accuracy: FedAvgM's server learning rate η")
+    ap.add_argument("--freeze-first", action="store_true",
+                    help="--accuracy: the first layer stays at its (shared) initial weights")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     print(f"bench_record_dp: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     result: dict = {"load_average": os.getloadavg()[0]}
     if args.accuracy:
-        result["accuracy"] = accuracy_table(args.accuracy, args.rounds)
-    else:
+        result["accuracy"] = accuracy_table(args.accuracy, args.rounds, hidden=args.hidden, momentum=args.momentum,
+                                            server_lr=args.server_lr, freeze_first=args.freeze_first)
+    elif not args.skip_fits:
         result["fit"] = fit_table(args.batch_sizes, args.fits)
     if not args.skip_rounds and not args.accuracy:
-        result["rounds"] = round_table(args.k, args.rounds, args.repeats, args.set, args.timeout)
-        ratio = statistics.median(r["ratio"] for r in result["rounds"])
-        print(f"  median round-time ratio record DP / plain: x{ratio:.2f}", flush=True)
+        result["rounds"] = round_table(args.k, args.rounds, args.repeats, args.set, args.timeout,
+                                       args.round_batch_sizes)
+        for bs in args.round_batch_sizes or [0]:
+            rows = [r for r in result["rounds"] if r["batch_size"] == bs]
+            print(f"  median ratio record DP / plain, batch {bs or 'config'}: round time "
+                  f"x{statistics.median(r['ratio'] for r in rows):.2f}", flush=True)
     return finish(result, args.json)
 
 
