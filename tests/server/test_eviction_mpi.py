@@ -66,7 +66,8 @@ def test_uploads_refused_by_bounded_influence_evict_past_the_configured_count(tm
     """Honest for two rounds, then x1e30: beyond everything it and the others sent, twice."""
     summary, _ = _run(tmp_path / "run", "attack=scale_later", "security.max_refused_updates=1")
     (ev,) = summary["evicted"]
-    assert ev["client"] == HOSTILE and ev["round"] == 3 and ev["reason"].startswith("refused by bounded influence 2 times")
+    assert (ev["client"], ev["round"]) == (HOSTILE, 3)
+    assert ev["reason"].startswith("refused by bounded influence 2 times")
     assert abs(_honest_mean(summary) - _honest_mean(without_site)) <= 0.05
 
 
@@ -126,5 +127,6 @@ def test_resume_with_exclude_sites_goes_on_without_that_site(tmp_path, without_s
     _halt(folder)
     summary, proc = _run(folder, "checkpoint_every=1", f"federation.exclude_sites=[{HOSTILE}]", resume=True)
     assert proc.returncode == 0
-    assert [(e["client"], e["reason"]) for e in summary["evicted"]] == [(HOSTILE, "excluded (federation.exclude_sites)")]
+    excluded = [(e["client"], e["reason"]) for e in summary["evicted"]]
+    assert excluded == [(HOSTILE, "excluded (federation.exclude_sites)")]
     assert sorted(summary["clients"]) == list(HONEST)
