@@ -10,6 +10,7 @@ from test_events import make_task
 
 from hpcfed.tasks.bola import bola
 from hpcfed.tasks.dame_safe import (
+    TIE,
     bootstrap_gain,
     choose_final,
     choose_personal,
@@ -308,3 +309,30 @@ def test_an_edge_on_one_validation_message_is_a_tie_and_keeps_local():
     from hpcfed.tasks.events import EventsTask
 
     assert build(EventsTask.Config, {}, prefix="task.").select_tolerance == 0.0
+
+
+def test_a_tie_rounded_above_zero_keeps_local():
+    """Issue 40, dame_crisis6 seed 1: a personalised model that clustered the validation messages
+    perfectly (NMI 0.9999999999999999) against a Local model one message off had a bound of +3.7e-17:
+    on the resamples without that message both are the same partition, and NMI's float rounding of
+    two names for one partition made the tie look like a gain. A resample's gain within `TIE` of 0 is
+    0, so the bound is exactly 0 and Local is kept; a real edge is not touched."""
+    rng = np.random.default_rng(20)
+    labels = rng.integers(0, 5, 80)
+    personal = [rng.permutation(5)[labels] + 1 for _ in range(3)]  # perfect, under other cluster names
+    local = []
+    for _ in range(3):
+        one_off = rng.permutation(5)[labels]
+        i = rng.integers(0, 80)
+        one_off[i] = (one_off[i] + 1) % 5
+        local.append(one_off)
+    idx = np.random.default_rng(0).integers(0, 80, size=(1000, 80))
+    raw = np.mean([nmi_rows(labels[idx], p[idx]) - nmi_rows(labels[idx], q[idx]) for p, q in zip(personal, local)],
+                  axis=0)
+    assert 0.0 < float(np.quantile(raw, 0.1)) < TIE  # the case: rounding puts the tie above 0
+    gain = bootstrap_gain(labels, personal, local, 1000, seed=0)
+    assert np.array_equal(gain, np.where(np.abs(raw) < TIE, 0.0, raw)) and (gain > 0.01).any()
+    chosen, report = select({"local": local, "personal": personal}, labels, margin=0.0, draws=1000,
+                            confidence=0.9, seed=0)
+    assert report["val_personal_nmi"] > report["val_local_nmi"] and report["val_gain_lower"] == 0.0
+    assert chosen == "local" and report["kept_personal"] == 0.0

@@ -132,6 +132,8 @@ def test_safe_tables_shadow_local_checks_every_site_seed(tmp_path, capsys):
         out = root / "dame" / f"seed{seed}"
         out.mkdir(parents=True)
         clients = {str(c): {"nmi": v, "local_nmi": shadows[seed][c]} for c, v in enumerate(delivered[seed])}
+        clients["1"].update({"kept_personal": float(seed), "val_local_nmi": 0.60, "val_personal_nmi": 0.61,
+                             "val_cluster_nmi": 0.58, **({"val_gain_lower": 0.002} if seed else {})})
         (out / "summary.json").write_text(json.dumps({"clients": clients}))
     _safe_run(root / "local" / "seed0", [0.80, 0.70, 0.9005])  # a method=local run, 0.0005 off the shadow
     assert tool.main(["--config", "c.yaml", "--out", str(root), "--sites", "A", "B", "C", "--seeds", "0", "1",
@@ -144,3 +146,8 @@ def test_safe_tables_shadow_local_checks_every_site_seed(tmp_path, capsys):
     assert "| dame − local | +0.000 (+0.000) | +0.003 (-0.015) | -0.000 (-0.000) | +0.001 (-0.005) |" in text
     assert "DAMe ≥ Local − 0.01 on every site and seed (6 site-seeds): NOT met (1 below) " \
            "(worst site-seed -0.0150: B, seed 1)" in text
+    # every site-seed on a row of its own: delivered, Local, the difference, what was kept and why
+    assert "| 1 | B | 0.6950 | 0.7100 | -0.0150 | personalised | +0.0100 | +0.0020 |" in text
+    assert "| 0 | B | 0.7200 | 0.7000 | +0.0200 | Local | +0.0100 | – |" in text
+    assert "| 0 | C | 0.9000 | 0.9005 | -0.0005 | Local | – | – |" in text  # Local from the method=local run
+    assert sum(line.startswith("  | 0 |") or line.startswith("  | 1 |") for line in text.splitlines()) == 6
