@@ -5,7 +5,7 @@ DP-SGD, side by side in one run.
                                     [--repeats 2] [--round-batch-sizes 32 128 500] [--skip-fits]
                                     [--set key=value ...] [--skip-rounds] [--json]
     python tools/bench_record_dp.py --rounds 8 --accuracy 4:8:0.05:128:2:0.1 4:0:0.05:128:2:0.1 ...
-                                    [--hidden 64] [--momentum 0] [--server-lr 1] [--freeze-first]
+                                    [--hidden 64] [--records 500] [--momentum 0] [--server-lr 1] [--freeze-first]
 
 Local training: one quickstart site (in this process, one torch thread) fits `--fits` rounds plain, with
 `privacy.record_dp` (ε 8) as sites run it (the linear layers' clipped sums, `hpcfed.privacy.linear_clip`),
@@ -93,13 +93,15 @@ def fit_table(batch_sizes: list[int], fits: int) -> list[dict]:
 
 
 def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, epochs: int, clip: float,
-                      seed: int = 0, *, hidden: int = 64, momentum: float = 0.0, server_lr: float = 1.0,
+                      seed: int = 0, *, hidden: int = 64, records: int = 500, momentum: float = 0.0,
+                      server_lr: float = 1.0,
                       freeze_first: bool = False) -> dict:
     """The quickstart's FedAvg in this process: final mean test accuracy and max site ε (eps 0: plain).
     `momentum` > 0 or `server_lr` != 1: FedAvgM's server step (`hpcfed.strategies.fedavgm`) on the mean;
-    `hidden`: the MLP's hidden width (the quickstart's `task.hidden`); `freeze_first`: the first layer stays
-    at its initial weights, the same on every site (random ReLU features), so DP-SGD's noise falls on the
-    other layers' parameters only."""
+    `hidden`: the MLP's hidden width (the quickstart's `task.hidden`); `records`: each site's training
+    records (`task.samples_per_site`: DP-SGD's noise against the signal falls with them); `freeze_first`:
+    the first layer stays at its initial weights, the same on every site (random ReLU features), so
+    DP-SGD's noise falls on the other layers' parameters only."""
     from hpcfed.config import RecordDPConfig
     from hpcfed.privacy.record_dp import SiteSettings
     from hpcfed.tasks.base import Site
@@ -108,7 +110,8 @@ def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, ep
     out = Path(tempfile.mkdtemp())
     settings = RecordDPConfig(epsilon=eps, delta=1e-5, clip_norm=clip) if eps else None
     spec = SiteSettings(settings, rounds, secret_seed=1234 + seed) if settings else None
-    sites = [SyntheticTask(SyntheticTask.Config(lr=lr, batch_size=batch, local_epochs=epochs, hidden=hidden),
+    sites = [SyntheticTask(SyntheticTask.Config(lr=lr, batch_size=batch, local_epochs=epochs, hidden=hidden,
+                                                samples_per_site=records),
                            Site(client_id=i, num_clients=k, seed=seed, out_dir=out, record_dp=spec))
              for i in range(k)]
     if freeze_first:
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accuracy", nargs="*", default=[], metavar="K:EPS:LR:BATCH:EPOCHS:CLIP[:SEED]",
                     help="in-process FedAvg settings to score (only these when given)")
     ap.add_argument("--hidden", type=int, default=64, help="--accuracy: the MLP's hidden width (task.hidden)")
+    ap.add_argument("--records", type=int, default=500,
+                    help="--accuracy: training records per site (task.samples_per_site; the quickstart's 500)")
     ap.add_argument("--momentum", type=float, default=0.0, help="--accuracy: FedAvgM's server momentum β")
     ap.add_argument("--server-lr", type=float, default=1.0, help="--accuracy: FedAvgM's server learning rate η")
     ap.add_argument("--freeze-first", action="store_true",
@@ -213,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_record_dp: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     result: dict = {"load_average": os.getloadavg()[0]}
     if args.accuracy:
-        result["accuracy"] = accuracy_table(args.accuracy, args.rounds, hidden=args.hidden, momentum=args.momentum,
-                                            server_lr=args.server_lr, freeze_first=args.freeze_first)
+        result["accuracy"] = accuracy_table(args.accuracy, args.rounds, hidden=args.hidden, records=args.records,
+                                            momentum=args.momentum, server_lr=args.server_lr,
+                                            freeze_first=args.freeze_first)
     elif not args.skip_fits:
         result["fit"] = fit_table(args.batch_sizes, args.fits)
     if not args.skip_rounds and not args.accuracy:

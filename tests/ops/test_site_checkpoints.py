@@ -110,8 +110,12 @@ def test_missing_shard_falls_back_to_a_checkpoint_every_site_holds_then_stops_na
         shard.unlink()
     proc = _run(out, "--resume", check=False)
     assert proc.returncode != 0
-    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "no checkpoint is held intact" in ln]
-    assert lines and "client 0 (rank 1)" in lines[0] and "shard-0000" in lines[0], proc.stderr[-3000:]
+    # rank 0's own log: its last console line can be lost when MPI_Abort tears the job down before
+    # mpiexec has forwarded it (seen once under a loaded full suite); `hpcfed run --np` prints the
+    # reason from the exit marker the rank writes first (tests/ops/test_newcomer.py)
+    said = proc.stderr + proc.stdout + (out / "logs" / "rank0.log").read_text()
+    lines = [ln for ln in said.splitlines() if "no checkpoint is held intact" in ln]
+    assert lines and "client 0 (rank 1)" in lines[0] and "shard-0000" in lines[0], said[-3000:]
     assert "Traceback" not in proc.stderr
 
 
