@@ -33,8 +33,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With HPCFED_SUITE_CPU=<folder>, write each test's CPU seconds (this worker's own, and those of
     the processes it started and waited for: mpiexec and every rank under it) and wall seconds to a
-    JSON-lines file per worker; `python tools/suite_cpu.py <folder>` ranks them. CPU, unlike wall
-    time, hardly moves with the machine's load, so it says which tests to make cheaper."""
+    JSON-lines file per worker; `python tools/suite_cpu.py <folder>` ranks them. CPU says which tests
+    to make cheaper better than wall time does, which is mostly waiting on a loaded machine; it still
+    moves with load somewhat (MPI ranks poll for a while after each message), so compare runs made
+    at a like load."""
     folder = os.environ.get("HPCFED_SUITE_CPU")
     if not folder:
         yield

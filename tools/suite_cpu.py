@@ -4,8 +4,10 @@
     python tools/suite_cpu.py /tmp/cpu --top 30
 
 Wall time on a shared machine says how long a test waited as much as what it cost; CPU (the test's
-own, plus mpiexec's and every rank's it started) says which tests to make cheaper. The suite's wall
-time on N cores is at least its total CPU / N.
+own, plus mpiexec's and every rank's it started) says which tests to make cheaper. It still grows
+somewhat with load (MPI ranks poll for a while after each message), so compare runs at a like load.
+Processes a test started but never waited for (daemons under Slurm, a killed server's orphans) are
+not counted. The suite's wall time on N cores is at least its total CPU / N.
 """
 
 from __future__ import annotations
