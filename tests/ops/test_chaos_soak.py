@@ -29,7 +29,12 @@ def test_a_short_chaos_soak_loses_nothing_but_named_rounds(tmp_path):
     assert "{" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])
     checks = result["checks"]
-    assert result["kills"] >= 2 and result["server_kills"] == 1 and result["rejoins"] >= 1, proc.stdout[-3000:]
+    # Every killed site comes back, by a rejoin or by the resumed server's gathering (the check "every
+    # site the server lost was let back in" below). Whether any comes back by a rejoin within 54 s
+    # depends on the load: a site job prepares (torch, data, model, shard) before it knocks, and one
+    # full suite under load saw 5 kills and every site back through the gathering only. The rejoin
+    # path itself is asserted deterministically in test_serve_rejoin.py and test_serve_join_sites.py.
+    assert result["kills"] >= 2 and result["server_kills"] == 1, proc.stdout[-3000:]
     assert wrong_rounds(out / "srv", out / "audit", 3) == [] == result["wrong"]
     assert result["rounds_done"] >= 5 and result["ended"] == [], proc.stdout[-3000:]
     for name in ("0 rounds applied wrongly (audit)", "0 runs ended (no job ended by itself; the server ended cleanly)",
