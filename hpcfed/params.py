@@ -7,7 +7,7 @@ operations with no Python loop over layers; the channel carries one flat buffer 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,9 +169,8 @@ class ParamLayout:
         """Copy `params` into one float32 vector; raises ValueError naming any mismatch."""
         self.check(params)
         flat = np.empty(self.size, dtype=np.float32) if out is None else out
-        for name, shape, offset in zip(self.names, self.shapes, self.offsets):
-            n = int(np.prod(shape, dtype=np.int64))
-            flat[offset : offset + n] = np.asarray(params[name], dtype=np.float32).reshape(-1)
+        for name, span in self._spans():
+            flat[span] = np.asarray(params[name], dtype=np.float32).reshape(-1)
         return flat
 
     def difference(self, params: Mapping[str, np.ndarray], base: np.ndarray) -> np.ndarray:
@@ -180,21 +179,21 @@ class ParamLayout:
         of `params` first; raises ValueError naming any mismatch."""
         self.check(params)
         out = np.empty(self.size, dtype=np.float64)
-        for name, shape, offset in zip(self.names, self.shapes, self.offsets):
-            n = int(np.prod(shape, dtype=np.int64))
-            np.subtract(np.asarray(params[name], dtype=np.float32).reshape(-1), base[offset: offset + n],
-                        out=out[offset: offset + n], dtype=np.float64)
+        for name, span in self._spans():
+            np.subtract(np.asarray(params[name], dtype=np.float32).reshape(-1), base[span], out=out[span],
+                        dtype=np.float64)
         return out
+
+    def _spans(self) -> Iterator[tuple[str, slice]]:
+        """Each parameter's name and its slice of the flat vector."""
+        for name, shape, offset in zip(self.names, self.shapes, self.offsets):
+            yield name, slice(offset, offset + int(np.prod(shape, dtype=np.int64)))
 
     def unflatten(self, flat: np.ndarray) -> Params:
         """Views (no copy) of `flat` shaped as the parameters."""
         if flat.shape != (self.size,):
             raise ValueError(f"flat parameter vector has shape {flat.shape}, expected ({self.size},)")
-        out: Params = {}
-        for name, shape, offset in zip(self.names, self.shapes, self.offsets):
-            n = int(np.prod(shape, dtype=np.int64))
-            out[name] = flat[offset : offset + n].reshape(shape)
-        return out
+        return {name: flat[span].reshape(shape) for (name, span), shape in zip(self._spans(), self.shapes)}
 
     def check(self, params: Mapping[str, np.ndarray]) -> None:
         """Raise ValueError if `params` does not have exactly this layout's names and shapes."""
