@@ -45,7 +45,7 @@ SEALED_TYPES = frozenset({F_DATA, F_CONFIRM, F_SHM_OFFER, F_SHM_ACCEPT, F_SHM_DA
 SLOT = struct.Struct("<I")  # the ring slot an SHM_DATA or SHM_FREE frame names
 OFFER = struct.Struct("<II")  # slots, bytes per slot; then the segment name
 MAX_PLAIN_FRAME = 1024  # handshake bodies and refusal texts
-SMALL_FRAME = 64 << 10  # frames this small have arrived whole when probed (MPI eager protocol)
+SMALL_FRAME = 64 << 10  # frames this small are received into one small buffer kept for them
 
 Refusal = tuple[str, str]  # (reason counted in the stats, detail for the log)
 

@@ -115,19 +115,18 @@ class Receiver:
         s.stats.bytes_received += n if n < (1 << 62) else 0
         peer = s.peers.get(src)
         if peer is not None and peer.cut_off:
-            s.transport.discard(src)
+            self._wait_recv(src, n, s.transport.discard(src))
             s.count_cut_off_frame()
             return True
         max_frame = s.opts.max_frame
         if n > max_frame:
-            s.transport.discard(src)
+            self._wait_recv(src, n, s.transport.discard(src))
             s.reject(src, "oversize frame", f"{n}-byte frame exceeds the {max_frame}-byte limit")
             return True
         view = self._rx_view(n)
-        if n <= SMALL_FRAME + HDR + TAG:
-            s.transport.recv_into(src, view)
-        else:
-            self._wait_recv(s.transport.irecv_into(src, view))
+        if not self._wait_recv(src, n, s.transport.irecv_into(src, view)):
+            self._retire_rx_buffers()  # MPI may still write into `view`
+            return True
         try:
             self._on_frame(src, view)
         except ChannelError:
@@ -146,16 +145,33 @@ class Receiver:
             self._rx_big = np.empty(self._s.opts.max_frame, dtype=np.uint8)
         return self._rx_big.data[:n]
 
-    def _wait_recv(self, req: Request) -> None:
+    def _wait_recv(self, src: int, n: int, req: Request) -> bool:
+        """Wait for the frame `iprobe` announced. Past MPI's eager limit only its envelope has
+        arrived, and a sender that dies (or stalls) before the rest leaves the receive pending
+        for ever: it is given up, with the message it belonged to, once the sender is known to
+        have ended (`peer_gone`) or after `send_timeout_s`. Whether the frame arrived."""
         opts = self._s.opts
         backoff = polling.Backoff(max(opts.spin_s, polling.ACTIVE_SPIN_S), opts.backoff_max_s)  # it is on its way
         deadline = time.monotonic() + opts.send_timeout_s
         while not req.test():
-            if time.monotonic() > deadline:
+            self._s.look_for_gone()
+            gone = src in self._s.gone
+            if gone or time.monotonic() > deadline:
                 req.cancel()
-                raise ChannelError(f"a frame announced to rank {self._s.rank} never arrived within "
-                                   f"{opts.send_timeout_s:g} s")
+                self.drop_assembly(src)
+                self._s.stats.abandoned_frames += 1
+                self._s.log(f"a {n}-byte frame from rank {src} was given up: "
+                            + ("its sender ended before all of it arrived" if gone else
+                               f"it did not arrive within {opts.send_timeout_s:g} s (is rank {src} alive?)"))
+                return False
             backoff.pause()
+        return True
+
+    def _retire_rx_buffers(self) -> None:
+        """A receive was given up and MPI may still write into its buffer: never use it again."""
+        self._rx_small = np.empty_like(self._rx_small)
+        self._rx_big = None
+        self._crypto.retire_rx_buffers()
 
     def _on_frame(self, src: int, view: memoryview) -> None:
         h = frame.check(view, src, self._s.rank)

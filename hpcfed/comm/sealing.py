@@ -98,6 +98,13 @@ class CryptoPool:
             self._rx_opening[self._rx_turn] = None
         return self._rx_bigs[self._rx_turn].data[:n]
 
+    def retire_rx_buffers(self) -> None:
+        """Fresh receive buffers from now on (MPI may still write into one of the current ones;
+        the chunks being opened keep theirs alive until they are done)."""
+        self._rx_bigs.clear()
+        self._rx_opening.clear()
+        self._rx_turn = 0
+
     def open_later(self, opener: crypto.Sealer, seq: int, ciphertext: memoryview, aad: bytes,
                    out: memoryview) -> Future[float]:
         """Open the chunk in the current receive buffer on a pool thread; the buffer waits for it."""

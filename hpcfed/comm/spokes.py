@@ -111,11 +111,8 @@ class SpokeTransport:
     def irecv_into(self, source: int, out: memoryview) -> Request:
         return self._link(source).irecv_into(0, out)
 
-    def recv_into(self, source: int, out: memoryview) -> None:
-        self._link(source).recv_into(0, out)
-
-    def discard(self, source: int) -> None:
-        self._link(source).discard(0)
+    def discard(self, source: int) -> Request:
+        return self._link(source).discard(0)
 
     def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
         raise RuntimeError("a star of separate jobs has no collective across sites (hub and spoke): "

@@ -20,6 +20,7 @@ class ChannelStats:
     polls: int = 0  # Iprobe calls: how often the channel looked for a frame
     idle_sleeps: int = 0  # back-off sleeps while waiting (an idle rank sleeps, it does not spin)
     dropped_chunks: int = 0  # later chunks of a message refused at its first chunk, dropped unread
+    abandoned_frames: int = 0  # frames announced whose rest never came (their sender ended or stalled)
     # Message bytes (the bundles, before sealing) per peer rank: what an operator's live view shows
     sent_to: dict[int, int] = field(default_factory=dict)
     received_from: dict[int, int] = field(default_factory=dict)
@@ -45,5 +46,6 @@ class ChannelStats:
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "seal_s": self.seal_s, "open_s": self.open_s,
                 "polls": self.polls, "idle_sleeps": self.idle_sleeps, "dropped_chunks": self.dropped_chunks,
+                "abandoned_frames": self.abandoned_frames,
                 "rejected": dict(self.rejected),
                 "rejected_by_rank": {str(k): v for k, v in sorted(self.rejected_by_rank.items())}}

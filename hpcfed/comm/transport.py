@@ -32,7 +32,8 @@ class Request(Protocol):
         """Whether the operation has completed (it also lets MPI make progress on it)."""
 
     def cancel(self) -> None:
-        """Abandon the operation (a send to a peer that is gone); its buffer may still be read later."""
+        """Abandon the operation (its peer is gone or stalled) without waiting; MPI may still read
+        or write its buffer later, so the caller never reuses that buffer."""
 
 
 class Transport(Protocol):
@@ -49,13 +50,11 @@ class Transport(Protocol):
         """(source, bytes) of a frame that has arrived (from `source`, or from any rank), or None."""
 
     def irecv_into(self, source: int, out: memoryview) -> Request:
-        """Start receiving the next frame from `source` into `out`."""
+        """Start receiving the next frame from `source` into `out`. A probed frame may still be on
+        its way (past MPI's eager limit only its envelope has arrived), so this never blocks."""
 
-    def recv_into(self, source: int, out: memoryview) -> None:
-        """Receive a frame that `iprobe` has already seen (it has arrived, so this does not wait)."""
-
-    def discard(self, source: int) -> None:
-        """Drop the next frame from `source` without reading it (an oversize frame)."""
+    def discard(self, source: int) -> Request:
+        """Start dropping the next frame from `source` without reading it (an oversize frame)."""
 
     def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
         """`root`'s `nbytes` bytes (`data` there) at every rank."""
@@ -123,16 +122,22 @@ def _unlink(path: str) -> None:
 
 # -- MPI --------------------------------------------------------------------------------------------
 class _MPIRequest:
-    __slots__ = ("_done", "_is_send", "_req")
+    __slots__ = ("_discarding", "_done", "_is_send", "_req")
 
-    def __init__(self, req: object, is_send: bool) -> None:
+    def __init__(self, req: object, is_send: bool, discarding: bool = False) -> None:
         self._req = req
         self._done = False
         self._is_send = is_send
+        self._discarding = discarding  # a receive into 1 byte: its truncation error is its completion
 
     def test(self) -> bool:
         if not self._done:
-            self._done = bool(self._req.Test())  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
+            try:
+                self._done = bool(self._req.Test())  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
+            except Exception as exc:
+                if not (self._discarding and _is_truncation(exc)):
+                    raise
+                self._done = True  # MPI defines a truncated receive as consuming the message
         return self._done
 
     def cancel(self) -> None:
@@ -142,16 +147,27 @@ class _MPIRequest:
         Its buffer is kept alive until the process ends."""
         if self._done:
             return
-        if self._is_send:
-            _ABANDONED.append(self._req)
-        else:
+        if not self._is_send:
+            # A receive not yet matched is cancelled; one matched to a frame whose sender died
+            # can neither be cancelled nor complete (waiting on it would hang): it is left pending.
             self._req.Cancel()  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
-            self._req.Wait()  # type: ignore[attr-defined]  # a cancelled receive completes at once
+            with contextlib.suppress(Exception):
+                if self._req.Test():  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
+                    self._done = True
+                    return
+        _ABANDONED.append(self._req)
         self._done = True
 
 
-# Sends given up on by `cancel`; MPI may still read their buffers, so they must outlive it.
+# Requests given up on by `cancel`; MPI may still use their buffers (mpi4py's request holds them), so
+# they must outlive it.
 _ABANDONED: list[object] = []
+
+
+def _is_truncation(exc: Exception) -> bool:
+    from mpi4py import MPI
+
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_TRUNCATE
 
 
 class MPITransport:
@@ -188,20 +204,12 @@ class MPITransport:
         req = self.comm.Irecv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
         return _MPIRequest(req, is_send=False)
 
-    def recv_into(self, source: int, out: memoryview) -> None:
-        """Receive a frame that `iprobe` has already seen (it has arrived, so this does not wait)."""
-        self.comm.Recv([out, self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
-
-    def discard(self, source: int) -> None:
-        """Drop the next frame from `source` without reading it (an oversize frame): receiving it
-        into a 1-byte buffer completes the receive with a truncation error, which MPI defines as
-        consuming the message."""
-        MPI = self._MPI
-        try:
-            self.comm.Recv([bytearray(1), MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
-        except MPI.Exception as exc:
-            if exc.Get_error_class() != MPI.ERR_TRUNCATE:
-                raise
+    def discard(self, source: int) -> _MPIRequest:
+        """Start dropping the next frame from `source` without reading it (an oversize frame):
+        receiving it into a 1-byte buffer ends the receive with a truncation error, which MPI
+        defines as consuming the message."""
+        req = self.comm.Irecv([bytearray(1), self._MPI.BYTE], source=source, tag=self.tag)  # type: ignore[attr-defined]  # mpi4py's Comm/Request, typed `object` so that comm imports mpi4py lazily
+        return _MPIRequest(req, is_send=False, discarding=True)
 
     def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
         buf = np.zeros(nbytes, dtype=np.uint8)
@@ -297,17 +305,15 @@ class InProcTransport:
         raise RuntimeError(f"no frame from rank {source} to receive (probe first)")
 
     def irecv_into(self, source: int, out: memoryview) -> _Done:
-        self.recv_into(source, out)
-        return _DONE
-
-    def recv_into(self, source: int, out: memoryview) -> None:
         frame = self._pop(source)
         if len(frame) > len(out):
             raise ValueError(f"frame of {len(frame)} bytes does not fit the {len(out)}-byte buffer")
         out[: len(frame)] = frame
+        return _DONE
 
-    def discard(self, source: int) -> None:
+    def discard(self, source: int) -> _Done:
         self._pop(source)
+        return _DONE
 
     def bcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
         hub = self._hub

@@ -34,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcfed.comm.transport import MPITransport
+from hpcfed.comm.transport import MPITransport, Request
 from hpcfed.errors import FederationError
 from hpcfed.site_layout import SiteLayout
 from hpcfed.tasks.data_parallel import SiteRanks
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpcfed.launch")
 
 _ADDRESS_BYTES = 256  # host:port of the site's TCPStore, zero-padded
+_MAX_DISCARDING = 64  # refused frames on MPI_COMM_WORLD still in flight, at most
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class LeadersOnlyTransport:
         self._star, self._world = star, MPITransport(world, tag=MPI.ANY_TAG)
         self.rank, self.size, self.layout = star.rank, star.size, layout
         self.refused: dict[int, int] = {}  # world rank -> frames refused
+        self._discarding: list[Request] = []  # refused frames still on their way (never waited on)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._star, name)
@@ -193,12 +195,17 @@ class LeadersOnlyTransport:
 
     def refuse_world(self) -> None:
         """Read and drop every frame waiting on MPI_COMM_WORLD, counting it against its sender."""
+        self._discarding = [req for req in self._discarding if not req.test()]
         for _ in range(64):  # bounded per call: a flood cannot hold the server here
+            if len(self._discarding) >= _MAX_DISCARDING:
+                return  # frames that do not come are not waited for; the next call looks again
             found = self._world.iprobe(None)
             if found is None:
                 return
             source = found[0]
-            self._world.discard(source)
+            req = self._world.discard(source)
+            if not req.test():
+                self._discarding.append(req)
             self.refused[source] = self.refused.get(source, 0) + 1
             if self.refused[source] == 1:
                 where = self.layout.site_of(source)

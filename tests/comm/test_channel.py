@@ -629,3 +629,51 @@ def test_a_send_to_a_peer_that_ended_fails_at_once_not_at_its_timeout():
     with pytest.raises(ChannelError, match="rank 2 has ended"):  # nothing more is sent to it
         chans[0].post(2, 4, {})
     _echo(chans, 1)  # the others are untouched
+
+
+class _NeverArrives:
+    """A receive matched to a frame whose rest never comes (its sender died past MPI's eager limit)."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def test(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _stall_frames_from(ch: SecureChannel, src: int) -> list[_NeverArrives]:
+    """From now on every frame from `src` is announced to `ch` but never arrives."""
+    transport, stalled = ch._session.transport, []
+
+    def irecv_into(source: int, out: memoryview):
+        if source != src:
+            return type(transport).irecv_into(transport, source, out)
+        transport.discard(source)  # matched: MPI no longer offers it to a probe
+        stalled.append(_NeverArrives())
+        return stalled[-1]
+
+    transport.irecv_into = irecv_into  # type: ignore[method-assign]
+    return stalled
+
+
+@pytest.mark.parametrize("how", ["its sender ended", "it did not arrive within"])
+def test_a_frame_whose_sender_dies_before_it_arrives_is_given_up_not_waited_for(how):
+    kw = {"send_timeout_s": 0.5} if how.startswith("it did not") else {}
+    chans = _job([_psk()] * 3, **kw)
+    assert not _connect(chans)
+    stalled = _stall_frames_from(chans[0], 1)
+    if how == "its sender ended":  # its lifeline closed (`hpcfed serve`) or SIGUSR1 (one job)
+        chans[0].watch_peers(lambda: chans[0].peer_gone(1))
+    buffers = chans[0]._rx._rx_small
+    chans[1].send(0, 4, {"from": 1}, {"x": np.ones(3, np.float32)})
+    t0 = time.monotonic()
+    assert chans[0].recv(source=1, timeout=1.5) is None
+    assert time.monotonic() - t0 < 2.5  # the caller's wait, not send_timeout_s (600 s by default)
+    assert len(stalled) == 1 and stalled[0].cancelled
+    assert chans[0].stats.abandoned_frames == 1 and chans[0].stats.as_dict()["abandoned_frames"] == 1
+    assert chans[0]._rx._rx_small is not buffers  # MPI may still write into the old one
+    assert any(how in line and "rank 1" in line for line in chans[0].test_log)
+    _echo(chans, 2)  # the other site is served as before

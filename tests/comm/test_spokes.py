@@ -36,18 +36,15 @@ class _Link:
     def irecv_into(self, source, out):
         return self.t.irecv_into(self.peer, out)
 
-    def recv_into(self, source, out):
-        self.t.recv_into(self.peer, out)
-
     def discard(self, source):
-        self.t.discard(self.peer)
+        return self.t.discard(self.peer)
 
 
 def _get(t: SpokeTransport, source: int) -> bytes:
     found = t.iprobe(source)
     assert found is not None and found[0] == source
     buf = bytearray(found[1])
-    t.recv_into(source, memoryview(buf))
+    assert t.irecv_into(source, memoryview(buf)).test()
     return bytes(buf)
 
 
