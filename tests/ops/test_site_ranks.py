@@ -11,7 +11,7 @@ under real mpiexec.
   whole batch), and the same model up to the all-reduce's sums (the noise is added once, after it).
   It runs in the same pair of federations as secure aggregation: every launch starts its ranks
   afresh (torch's import is most of a small run's CPU), so one pair checks both.
-- The same layout runs asynchronously (FedDWA).
+- The same layout runs asynchronously (FedDWA), under record-level DP (no change of protocol).
 - A non-leader SIGKILLed mid-run under `on_client_failure: continue` ends its site: rank 0 drops
   that site, the other finishes.
 
@@ -108,13 +108,16 @@ def test_record_dp_with_two_ranks_per_site_counts_and_trains_as_one_rank(sync_pa
     _close(two, one)
 
 
-def test_two_ranks_per_site_asynchronously(tmp_path):
+def test_two_ranks_per_site_asynchronously_under_record_dp(tmp_path):
+    # record DP needs no change of protocol under an asynchronous strategy: each site counts its own steps
     cfg = yaml.safe_load((REPO / QUICKSTART).read_text())
     cfg["strategy"] = {"name": "feddwa"}
     (tmp_path / "async.yaml").write_text(yaml.safe_dump(cfg))
-    asynchronous = _run(tmp_path / "async", [*TWO_BY_TWO, "rounds=3", "eval_every=0"],
-                        config=str(tmp_path / "async.yaml"))
+    overrides = [*TWO_BY_TWO, "rounds=3", "eval_every=0", f"privacy.record_dp.epsilon={EPSILON}"]
+    asynchronous = _run(tmp_path / "async", overrides, config=str(tmp_path / "async.yaml"))
     assert asynchronous["updates_accepted"] == 6 and sorted(asynchronous["clients"]) == ["0", "1"], asynchronous
+    record = asynchronous["privacy"]["record_dp"]
+    assert sorted(record["sites"]) == ["0", "1"] and 0 < record["epsilon"] <= EPSILON + 1e-6, record
 
 
 def test_a_killed_non_leader_ends_its_site_and_the_other_finishes(tmp_path):

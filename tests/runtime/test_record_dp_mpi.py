@@ -1,7 +1,10 @@
 """Record-level DP under mpiexec: ε per site each round in metrics.jsonl and in summary.json, a
-halted-then-resumed twin that reports the same ε and ends bit-identical, the budget stop (one site
-stops, the other goes on, the run ends when none can), and record DP with secure aggregation and with
-an asynchronous strategy."""
+halted-then-resumed twin that reports the same ε and ends bit-identical, and the budget stop (one
+site stops, the other goes on, the run ends when none can).
+
+Record DP with secure aggregation, and under an asynchronous strategy (FedDWA), run in
+tests/ops/test_site_ranks.py, whose federations carry them beside the sites of two ranks: every
+launch imports torch afresh on each site rank, most of a small run's CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from conftest import REPO, run_cli
+from conftest import run_cli
 
 from hpcfed.privacy.record_dp import epsilon
 from hpcfed.store import checkpoint as ck
@@ -68,24 +71,3 @@ def test_a_site_at_its_budget_stops_the_other_goes_on_and_the_run_ends_when_none
     sites = json.loads((out / "summary.json").read_text())["privacy"]["record_dp"]["sites"]
     assert sites["1"] == pytest.approx(epsilon(1.5, 32 / 500, 16, 1e-5)) and sites["1"] <= 1.3
     assert sites["0"] == pytest.approx(epsilon(1.5, 32 / 500, 48, 1e-5)) and sites["0"] <= 1.9
-
-
-def test_record_dp_with_secure_aggregation(tmp_path):
-    out = tmp_path / "run"
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(out), *QUICK, "rounds=2", "checkpoint_every=0",
-             "privacy.record_dp.epsilon=8", "privacy.secure_aggregation=true"], np=4, timeout=400)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["privacy"]["secure_aggregation"] is True
-    assert set(summary["privacy"]["record_dp"]["sites"]) == {"0", "1", "2"}
-    eps = _events(out, "record_dp_epsilon")
-    assert {c for _, c in eps} == {0, 1, 2} and all(0 < v <= 8 + 1e-6 for v in eps.values())
-    assert summary["mean"]["accuracy"] > 1 / 8  # it learned something through the noise and the masks
-
-
-def test_record_dp_with_an_asynchronous_strategy(tmp_path):
-    out, config = tmp_path / "run", tmp_path / "quickstart_async.yaml"
-    config.write_text((REPO / "configs" / "quickstart.yaml").read_text().replace("  weighting: num_examples\n", ""))
-    run_cli(["run", str(config), "--out", str(out), *QUICK, "rounds=2", "checkpoint_every=0",
-             "privacy.record_dp.epsilon=8", "strategy.name=fedasync"], np=3, timeout=400)
-    record = json.loads((out / "summary.json").read_text())["privacy"]["record_dp"]
-    assert set(record["sites"]) == {"0", "1"} and 0 < record["epsilon"] <= 8 + 1e-6
