@@ -145,6 +145,11 @@ def task_class(name: str, config_path: str | None = None) -> type[Task]:
     return cls
 
 
+def uses_torch(cfg: Config) -> bool:
+    """Whether the config's task trains with torch (`Task.uses_torch`); its sites import it only then."""
+    return task_class(cfg.task.name, cfg.source).uses_torch
+
+
 def strategy_class(name: str, config_path: str | None = None) -> type[Strategy]:
     """The Strategy class `name` stands for; see `task_class`."""
     cls: type[Strategy] = _resolve(STRATEGIES, STRATEGY_GROUP, "strategy", name, config_path)  # checked by _check_kind

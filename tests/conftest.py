@@ -47,6 +47,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
               "children_cpu_s": round(_cpu(resource.RUSAGE_CHILDREN) - children, 3),
               "wall_s": round(time.monotonic() - start, 3)}
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / f"{worker}.jsonl", "a", encoding="utf-8") as log:
         log.write(json.dumps(record) + "\n")
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+from conftest import REPO
 
 from hpcfed.launch.device import gpu_for, local_rank, select_device
 
@@ -66,3 +70,36 @@ def test_device_cuda_with_fewer_gpus_than_ranks_on_a_node_names_the_node_and_cou
     assert problem.startswith("node gpu-node-7: device=cuda with 4 ranks that train but 2 GPU(s)")
     assert node_gpu_problem("n", 2, 2, "cuda") is None and node_gpu_problem("n", 4, 2, "auto") is None
     assert node_gpu_problem("n", 2, 0, "cuda") is None  # none at all: select_device's own error
+
+
+def test_a_site_of_a_task_without_torch_never_imports_it(tmp_path) -> None:
+    """A doc2vec site (gensim) picks its device, sets its threads, joins the vocabulary, trains a round
+    and exports, as a site rank does, without importing torch (seconds of CPU on every rank); the
+    quickstart's site does import it."""
+    code = f"""
+import sys
+from hpcfed import registry
+from hpcfed.client.client import Client  # noqa: F401 (what a site rank imports)
+from hpcfed.config import load
+from hpcfed.launch.device import select_device, set_torch_threads
+from hpcfed.tasks.base import Site
+
+for path, overrides in (("configs/seec_20ng_joint.yaml", ["task.dataset=gensim", "task.max_docs=20",
+                                                           "task.vector_size=8", "task.total_epochs=1"]),
+                        ("configs/quickstart.yaml", [])):
+    cfg = load(path, overrides)
+    task_cls = registry.resolve(cfg).task
+    device = select_device(1, "auto", uses_torch=registry.uses_torch(cfg))
+    set_torch_threads(1, registry.uses_torch(cfg))
+    if task_cls.name == "doc2vec":
+        tc = task_cls.Config(**cfg.task.options)
+        tasks = [task_cls(tc, Site(client_id=c, num_clients=2, seed=0, out_dir={str(tmp_path)!r})) for c in range(2)]
+        replies, init = task_cls.server_setup(tc, {{c: t.setup() for c, t in enumerate(tasks)}})
+        tasks[0].on_setup(replies[0])
+        tasks[0].set_parameters(init)
+        assert tasks[0].fit(0).num_examples > 0 and tasks[0].export_embeddings({str(tmp_path)!r}).is_file()
+    print(task_cls.name, device, "torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["doc2vec cpu False", "synthetic cpu True"]

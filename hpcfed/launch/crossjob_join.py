@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcfed import registry
 from hpcfed.config import Config, ConfigError
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
@@ -88,7 +89,7 @@ def _site_job(cfg: Config, args: argparse.Namespace, out: Path, world: Any, rank
     check_site_job(ranks, world.Get_size(), args.site)
     check_node_gpus(world, cfg.device, rank0_trains=True)  # collective over the site's job, before any may fail
     group = join_group(world, cfg.federation.ranks_per_site, args.site, cfg.federation.num_clients or args.site + 1)
-    device = select_device(args.site + 1, cfg.device)  # a GPU by local rank on its node
+    device = select_device(args.site + 1, cfg.device, uses_torch=registry.uses_torch(cfg))  # by local rank
     if group.local_rank == 0:
         return _Joined(cfg, args, out, group, device).run()
     signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server's to decide, through the leader
@@ -217,12 +218,11 @@ class _Joined:
         """The site's slow part, done before each knock (`hpcfed.client.prepared`): torch, its data, its
         model, its SETUP payload and its newest shard, read afresh for every attempt; None when the
         config does not say how many sites there are (then its `Client` builds it once let in)."""
-        import torch
-
         from hpcfed.client.config import ClientConfig
         from hpcfed.client.prepared import prepare
+        from hpcfed.launch.device import set_torch_threads
 
-        torch.set_num_threads(max(1, self.cfg.threads_per_rank))
+        set_torch_threads(self.cfg.threads_per_rank, registry.uses_torch(self.cfg))
         per = self.cfg.federation.ranks_per_site
         num_clients = self.cfg.federation.num_clients if isinstance(per, int) else len(per)
         if num_clients is None:

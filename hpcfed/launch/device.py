@@ -78,12 +78,23 @@ def _num_gpus() -> int:
         return 0
 
 
+def set_torch_threads(threads_per_rank: int, uses_torch: bool) -> None:
+    """torch's intra-op threads for a site's rank (`threads_per_rank`); a site whose task does not
+    train with torch never imports it."""
+    if uses_torch:
+        import torch
+
+        torch.set_num_threads(max(1, threads_per_rank))
+
+
 def select_device(rank: int, preference: str, *, env: Mapping[str, str] | None = None,
-                  num_gpus: int | None = None) -> str:
+                  num_gpus: int | None = None, uses_torch: bool = True) -> str:
     """The torch device string for MPI rank `rank` under config ``device: preference``.
 
     `preference` is ``auto`` (GPU when visible, else CPU), ``cpu``, ``cuda`` (GPU required), or an
-    explicit ``cuda:N`` (pins every client to GPU N). Rank 0, the server, always gets ``cpu``.
+    explicit ``cuda:N`` (pins every client to GPU N). Rank 0, the server, always gets ``cpu``, and so
+    does a site whose task does not train with torch (`uses_torch` false: gensim's), which then never
+    imports it (torch's import is seconds of CPU per rank).
     `env` and `num_gpus` exist so the binding can be tested without GPUs; they default to the
     process environment and torch's count of visible GPUs.
     """
@@ -96,7 +107,7 @@ def select_device(rank: int, preference: str, *, env: Mapping[str, str] | None =
             raise ValueError(f"device={preference!r}: expected auto, cpu, cuda or cuda:N") from None
     elif pref not in PREFERENCES:
         raise ValueError(f"device={preference!r}: expected one of auto, cpu, cuda, cuda:N")
-    if rank == 0 or pref == "cpu":
+    if rank == 0 or pref == "cpu" or not uses_torch:
         return "cpu"
     count = _num_gpus() if num_gpus is None else int(num_gpus)
     if count == 0:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpcfed import registry
 from hpcfed.config import Config, ConfigError
 from hpcfed.credentials import RankKeys
 from hpcfed.errors import FederationError
@@ -163,15 +164,14 @@ def _run_client(cfg: Config, channel: object, out_dir: Path, device: str, resume
                 group: SiteGroup) -> None:
     """A site's leader (or a site of one rank): the client loop; a site of many ranks first starts
     its torch.distributed group, and tells its other ranks to leave at the end."""
-    import torch
-
     signal.signal(HALT_SIGNAL, signal.SIG_IGN)  # the server decides when to stop
     signal.signal(signal.SIGUSR1, lambda *_: peer_lost())
-    torch.set_num_threads(max(1, cfg.threads_per_rank))
     from hpcfed.client.client import Client
     from hpcfed.client.config import ClientConfig
     from hpcfed.client.site_ranks import stop_site
+    from hpcfed.launch.device import set_torch_threads
 
+    set_torch_threads(cfg.threads_per_rank, registry.uses_torch(cfg))
     ranks = init_site_torch(group, device, site_timeout(cfg)) if group.parallel else None
     client = Client(ClientConfig.from_config(cfg), channel, out_dir, device=device, resume=resume,  # type: ignore[arg-type]  # a SecureChannel is a Channel
                     keys=keys, ranks=ranks)
@@ -313,7 +313,7 @@ def _device(cfg: Config, rank: int, comm: Any) -> str:
     from hpcfed.launch.device import check_node_gpus, select_device
 
     check_node_gpus(comm, cfg.device)  # collective over the world: every rank, before any may fail alone
-    return select_device(rank, cfg.device)
+    return select_device(rank, cfg.device, uses_torch=registry.uses_torch(cfg))
 
 
 def _setup_logging(rank: int, out_dir: Path, size: int, name: str = "") -> None:
@@ -351,9 +351,7 @@ def closing_lines(summary: dict, out_dir: Path, cfg: Config) -> list[str]:
     figures = ", ".join(f"{k}={v:.4f}" for k, v in mean.items() if isinstance(v, float)) or "no metrics"
     clients = len(summary.get("clients", {}))
     try:
-        from hpcfed.registry import task_class
-
-        task_cls: object = task_class(cfg.task.name, cfg.source)
+        task_cls: object = registry.task_class(cfg.task.name, cfg.source)
     except ValueError:
         task_cls = None
     note = getattr(task_cls, "evaluation_note", "")  # what the task's splits mean

@@ -97,6 +97,9 @@ class Task(ABC):
     # Whether its ranks can train one site together (`federation.ranks_per_site` > 1): fit shards
     # each batch over `Site.ranks` and all-reduces the gradients (`hpcfed.tasks.data_parallel`).
     site_parallel: ClassVar[bool] = False
+    # Whether it trains with torch. A site of a task that does not (gensim's) runs on the CPU and
+    # never imports torch, seconds of CPU saved on every rank (`hpcfed.launch.device.select_device`).
+    uses_torch: ClassVar[bool] = True
 
     @dataclass(kw_only=True)
     class Config:

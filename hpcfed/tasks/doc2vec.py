@@ -96,6 +96,7 @@ class GensimJointTask(Task):
 
     kind: ClassVar[str] = "doc2vec"
     entity: ClassVar[str] = "doc"
+    uses_torch = False  # gensim trains on the CPU: its sites never import torch
 
     def __init__(self, config: Any, site: Site) -> None:
         super().__init__(config, site)
