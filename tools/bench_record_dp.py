@@ -6,6 +6,7 @@ DP-SGD, side by side in one run.
                                     [--set key=value ...] [--skip-rounds] [--json]
     python tools/bench_record_dp.py --rounds 8 --accuracy 4:8:0.05:128:2:0.1 4:0:0.05:128:2:0.1 ...
                                     [--hidden 64] [--records 500] [--momentum 0] [--server-lr 1] [--freeze-first]
+                                    [--optimizer adam|sgd] [--sgd-momentum 0] [--noise-multiplier Z]
 
 Local training: one quickstart site (in this process, one torch thread) fits `--fits` rounds plain, with
 `privacy.record_dp` (ε 8) as sites run it (the linear layers' clipped sums, `hpcfed.privacy.linear_clip`),
@@ -28,6 +29,10 @@ after `--rounds` rounds and the largest site ε. Its plain figures equal the mpi
 `--momentum`/`--server-lr` put FedAvgM's server step on the mean, `--hidden` narrows the MLP and
 `--freeze-first` keeps its first layer at the shared initial weights (fewer trained parameters, so less
 noise in norm): the ideas tried in docs/benchmarks.md, "Record-level DP: whole rounds per batch size".
+`--optimizer sgd --sgd-momentum 0.9` trains the sites by SGD with momentum (`task.optimizer`,
+`task.momentum`; the recipe of configs/quickstart_record_dp.yaml is `--accuracy K:8:0.3:500:16:1`), and
+`--noise-multiplier` gives z instead of a target ε, to part the noise's cost from the clipping's
+(docs/benchmarks.md, "Record DP at 500 records a site").
 
 A benchmark, not a test: the round times move with the machine's load (printed with them).
 """
