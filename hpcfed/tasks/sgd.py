@@ -4,7 +4,7 @@ The counterpart of `hpcfed.tasks.adam.Adam`, for the same reason: torch's optimi
 `torch._dynamo`, the compiler, the first time one is built or stepped, which costs a site rank about
 as much CPU as importing torch. `SGD` keeps torch's state (``momentum_buffer`` per parameter) and
 calls the same functional step with the same arguments, so its arithmetic is `torch.optim.SGD`'s bit
-for bit (tests/tasks/test_sgd.py), and its state dict has torch's layout, so a checkpoint written
+for bit (tests/tasks/test_adam.py), and its state dict has torch's layout, so a checkpoint written
 by either class resumes in the other.
 
 Under record-level DP (`privacy.record_dp`) the quickstart takes it with ``task.optimizer: sgd``: SGD
