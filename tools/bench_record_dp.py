@@ -6,6 +6,7 @@ DP-SGD, side by side in one run.
                                     [--set key=value ...] [--skip-rounds] [--json]
     python tools/bench_record_dp.py --rounds 8 --accuracy 4:8:0.05:128:2:0.1 4:0:0.05:128:2:0.1 ...
                                     [--hidden 64] [--records 500] [--momentum 0] [--server-lr 1] [--freeze-first]
+                                    [--optimizer adam|sgd] [--sgd-momentum 0] [--noise-multiplier Z]
 
 Local training: one quickstart site (in this process, one torch thread) fits `--fits` rounds plain, with
 `privacy.record_dp` (ε 8) as sites run it (the linear layers' clipped sums, `hpcfed.privacy.linear_clip`),
@@ -28,6 +29,10 @@ after `--rounds` rounds and the largest site ε. Its plain figures equal the mpi
 `--momentum`/`--server-lr` put FedAvgM's server step on the mean, `--hidden` narrows the MLP and
 `--freeze-first` keeps its first layer at the shared initial weights (fewer trained parameters, so less
 noise in norm): the ideas tried in docs/benchmarks.md, "Record-level DP: whole rounds per batch size".
+`--optimizer sgd --sgd-momentum 0.9` trains the sites by SGD with momentum (`task.optimizer`,
+`task.momentum`; the recipe of configs/quickstart_record_dp.yaml is `--accuracy K:8:0.3:500:16:1`), and
+`--noise-multiplier` gives z instead of a target ε, to part the noise's cost from the clipping's
+(docs/benchmarks.md, "Record DP at 500 records a site").
 
 A benchmark, not a test: the round times move with the machine's load (printed with them).
 """
@@ -94,24 +99,28 @@ def fit_table(batch_sizes: list[int], fits: int) -> list[dict]:
 
 def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, epochs: int, clip: float,
                       seed: int = 0, *, hidden: int = 64, records: int = 500, momentum: float = 0.0,
-                      server_lr: float = 1.0,
-                      freeze_first: bool = False) -> dict:
+                      server_lr: float = 1.0, freeze_first: bool = False, optimizer: str = "adam",
+                      site_momentum: float = 0.0, noise_multiplier: float | None = None) -> dict:
     """The quickstart's FedAvg in this process: final mean test accuracy and max site ε (eps 0: plain).
     `momentum` > 0 or `server_lr` != 1: FedAvgM's server step (`hpcfed.strategies.fedavgm`) on the mean;
     `hidden`: the MLP's hidden width (the quickstart's `task.hidden`); `records`: each site's training
     records (`task.samples_per_site`: DP-SGD's noise against the signal falls with them); `freeze_first`:
     the first layer stays at its initial weights, the same on every site (random ReLU features), so
-    DP-SGD's noise falls on the other layers' parameters only."""
+    DP-SGD's noise falls on the other layers' parameters only; `optimizer`/`site_momentum`: the sites'
+    `task.optimizer` and `task.momentum`; `noise_multiplier`: z given (the budget then set far above
+    what the run spends), to see what the noise costs apart from the clipping."""
     from hpcfed.config import RecordDPConfig
     from hpcfed.privacy.record_dp import SiteSettings
     from hpcfed.tasks.base import Site
     from hpcfed.tasks.synthetic import SyntheticTask
 
     out = Path(tempfile.mkdtemp())
-    settings = RecordDPConfig(epsilon=eps, delta=1e-5, clip_norm=clip) if eps else None
+    settings = RecordDPConfig(epsilon=eps if noise_multiplier is None else 1e12, delta=1e-5, clip_norm=clip,
+                              noise_multiplier=noise_multiplier) if eps or noise_multiplier else None
     spec = SiteSettings(settings, rounds, secret_seed=1234 + seed) if settings else None
     sites = [SyntheticTask(SyntheticTask.Config(lr=lr, batch_size=batch, local_epochs=epochs, hidden=hidden,
-                                                samples_per_site=records),
+                                                samples_per_site=records, optimizer=optimizer,  # type: ignore[arg-type]
+                                                momentum=site_momentum),
                            Site(client_id=i, num_clients=k, seed=seed, out_dir=out, record_dp=spec))
              for i in range(k)]
     if freeze_first:
@@ -145,7 +154,8 @@ def fedavg_in_process(k: int, rounds: int, eps: float, lr: float, batch: int, ep
         task.set_parameters(model)
         accuracy.append(task.evaluate(rounds, final=True)["accuracy"])
     epsilon = max(t.private.accountant.epsilon for t in sites if t.private) if settings else None
-    return {"accuracy": statistics.fmean(accuracy), "epsilon": epsilon}
+    z = sites[0].private.plan.noise_multiplier if sites[0].private is not None else None
+    return {"accuracy": statistics.fmean(accuracy), "epsilon": epsilon, "z": z}
 
 
 def accuracy_table(settings: list[str], rounds: int, **server: Any) -> list[dict]:
@@ -163,7 +173,7 @@ def accuracy_table(settings: list[str], rounds: int, **server: Any) -> list[dict
                                      row["seed"], **server))
         row.update(server)
         rows.append(row)
-        eps_text = f"ε {row['epsilon']:.2f}" if row["epsilon"] is not None else "plain"
+        eps_text = f"ε {row['epsilon']:.2f}, z {row['z']:.2f}" if row["epsilon"] is not None else "plain"
         print(f"  accuracy, {text}: {row['accuracy']:.3f} ({eps_text})", flush=True)
     return rows
 
@@ -210,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="--accuracy: training records per site (task.samples_per_site; the quickstart's 500)")
     ap.add_argument("--momentum", type=float, default=0.0, help="--accuracy: FedAvgM's server momentum β")
     ap.add_argument("--server-lr", type=float, default=1.0, help="--accuracy: FedAvgM's server learning rate η")
+    ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                    help="--accuracy: the sites' task.optimizer")
+    ap.add_argument("--sgd-momentum", type=float, default=0.0, help="--accuracy: the sites' task.momentum (sgd)")
+    ap.add_argument("--noise-multiplier", type=float, default=None,
+                    help="--accuracy: z given instead of computed from EPS (what the noise alone costs)")
     ap.add_argument("--freeze-first", action="store_true",
                     help="--accuracy: the first layer stays at its (shared) initial weights")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -220,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.accuracy:
         result["accuracy"] = accuracy_table(args.accuracy, args.rounds, hidden=args.hidden, records=args.records,
                                             momentum=args.momentum, server_lr=args.server_lr,
-                                            freeze_first=args.freeze_first)
+                                            freeze_first=args.freeze_first, optimizer=args.optimizer,
+                                            site_momentum=args.sgd_momentum,
+                                            noise_multiplier=args.noise_multiplier)
     elif not args.skip_fits:
         result["fit"] = fit_table(args.batch_sizes, args.fits)
     if not args.skip_rounds and not args.accuracy:

@@ -23,18 +23,14 @@ _GROUP_DEFAULTS: dict[str, Any] = {
 }
 
 
-class Adam:
-    """`torch.optim.Adam` (or `AdamW` with ``decoupled_weight_decay=True``) for one group of
-    parameters on an eager, single-device model: ``zero_grad``, ``step``, ``state_dict`` and
-    ``load_state_dict`` as torch's."""
+class OneGroup:
+    """What this module's `Adam` and `hpcfed.tasks.sgd.SGD` share: one group of parameters on an eager,
+    single-device model, torch's ``zero_grad`` and ``state_dict`` layout, and taking a saved group."""
 
-    def __init__(self, params: Any, *, lr: float, weight_decay: float = 0.0,
-                 decoupled_weight_decay: bool = False) -> None:
+    def __init__(self, params: Any, group: dict[str, Any]) -> None:
         self.params: list[Any] = list(params)
         if not self.params:
             raise ValueError("optimizer got an empty parameter list")
-        group = {"lr": lr, **_GROUP_DEFAULTS, "weight_decay": weight_decay,
-                 "decoupled_weight_decay": decoupled_weight_decay}
         self.param_groups: list[dict[str, Any]] = [{**group, "params": self.params}]
         self.state: dict[Any, dict[str, Any]] = {}
 
@@ -49,6 +45,37 @@ class Adam:
                 p.grad.detach_()
                 p.grad.requires_grad_(False)
                 p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}``, torch's layout."""
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self.params)))
+        state = {i: dict(self.state[p]) for i, p in enumerate(self.params) if p in self.state}
+        return {"state": state, "param_groups": [group]}
+
+    def take_group(self, state_dict: dict[str, Any]) -> dict[int, Any]:
+        """Take the hyperparameters of `state_dict`'s one group (refused when it is not one group of these
+        parameters); the parameter of each saved index, for the caller to load its per-parameter state."""
+        groups = state_dict["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
+            raise ValueError(f"optimizer state for {[len(g['params']) for g in groups]} parameters in "
+                             f"{len(groups)} group(s) does not fit {len(self.params)} parameters in one group")
+        saved = groups[0]
+        self.param_groups = [{**self.param_groups[0], **{k: v for k, v in saved.items() if k != "params"},
+                              "params": self.params}]
+        self.state = {}
+        return {int(idx): p for idx, p in zip(saved["params"], self.params, strict=True)}
+
+
+class Adam(OneGroup):
+    """`torch.optim.Adam` (or `AdamW` with ``decoupled_weight_decay=True``) for one group of
+    parameters on an eager, single-device model: ``zero_grad``, ``step``, ``state_dict`` and
+    ``load_state_dict`` as torch's."""
+
+    def __init__(self, params: Any, *, lr: float, weight_decay: float = 0.0,
+                 decoupled_weight_decay: bool = False) -> None:
+        super().__init__(params, {"lr": lr, **_GROUP_DEFAULTS, "weight_decay": weight_decay,
+                                  "decoupled_weight_decay": decoupled_weight_decay})
 
     def step(self) -> None:
         """One Adam step over the parameters that have a gradient (torch's functional `adam`)."""
@@ -87,28 +114,13 @@ class Adam:
                  decoupled_weight_decay=g["decoupled_weight_decay"], amsgrad=g["amsgrad"], beta1=beta1,
                  beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}``, torch's layout."""
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self.params)))
-        state = {i: dict(self.state[p]) for i, p in enumerate(self.params) if p in self.state}
-        return {"state": state, "param_groups": [group]}
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the hyperparameters and per-parameter state of `state_dict` (this class's or torch's):
         moments are cast to their parameter's dtype and device, ``step`` is kept as it is (as torch does)."""
         import torch
 
-        groups = state_dict["param_groups"]
-        if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
-            raise ValueError(f"optimizer state for {[len(g['params']) for g in groups]} parameters in "
-                             f"{len(groups)} group(s) does not fit {len(self.params)} parameters in one group")
-        saved = groups[0]
-        index = {idx: p for idx, p in zip(saved["params"], self.params, strict=True)}
-        self.param_groups = [{**self.param_groups[0], **{k: v for k, v in saved.items() if k != "params"},
-                              "params": self.params}]
+        index = self.take_group(state_dict)
         self.param_groups[0]["betas"] = tuple(self.param_groups[0]["betas"])
-        self.state = {}
         for idx, entry in state_dict["state"].items():
             p = index[int(idx)]
             self.state[p] = {key: (torch.as_tensor(value) if key == "step"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from hpcfed.tasks import data_parallel, torch_state
 from hpcfed.tasks.adam import Adam
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
 from hpcfed.tasks.private_training import RecordDPTraining, steps_per_round
+from hpcfed.tasks.sgd import SGD
 
 
 def _rng(*keys: int) -> np.random.Generator:
@@ -84,6 +85,10 @@ class SyntheticTask(Task):
         hidden: int = 64
         embed_dim: int = 16
         lr: float = 0.005
+        # adam | sgd (with `momentum`): under privacy.record_dp, SGD steps by the noisy gradient itself where
+        # Adam moves every coordinate about lr a step, noise or not (docs/guides/privacy.md, record DP)
+        optimizer: Literal["adam", "sgd"] = "adam"
+        momentum: float = 0.0  # sgd only
         local_epochs: int = 1
         batch_size: int = 32
         dtype: str = "float32"  # float32 | float16 | bfloat16: the model's dtype, kept on the wire
@@ -99,6 +104,13 @@ class SyntheticTask(Task):
                 raise ValueError("num_classes must be >= 2")
             if self.dtype not in ("float32", "float16", "bfloat16"):
                 raise ValueError(f"dtype={self.dtype!r}; choose float32, float16 or bfloat16")
+            if self.optimizer not in ("adam", "sgd"):
+                raise ValueError(f"optimizer={self.optimizer!r}; choose adam or sgd")
+            if not self.lr > 0:
+                raise ValueError(f"lr must be > 0, got {self.lr}")
+            if not 0.0 <= self.momentum < 1.0 or (self.momentum and self.optimizer != "sgd"):
+                raise ValueError(f"momentum must be in [0, 1) and is for optimizer sgd only, got {self.momentum} "
+                                 f"with optimizer {self.optimizer}")
             if self.local_epochs < 0 or self.ballast < 0:
                 raise ValueError("local_epochs and ballast must be >= 0")
 
@@ -122,7 +134,9 @@ class SyntheticTask(Task):
             self.model.to(dtype)
             for key in ("x_train", "x_val", "x_test"):
                 self.data[key] = self.data[key].to(dtype)
-        self.optimizer = Adam(self.model.parameters(), lr=c.lr)  # torch.optim.Adam's steps, started faster
+        # torch.optim.Adam's / SGD's steps, started faster (no compiler import)
+        self.optimizer: Adam | SGD = (SGD(self.model.parameters(), lr=c.lr, momentum=c.momentum) if c.optimizer == "sgd"
+                                      else Adam(self.model.parameters(), lr=c.lr))
         self.loss_fn = nn.CrossEntropyLoss()
         self.private: RecordDPTraining | None = None
         self._parallel_model: Any = None  # the DDP wrapper, built at the first fit (a collective)

@@ -150,6 +150,28 @@ def test_a_resumed_site_reports_the_same_epsilon_and_refuses_other_settings(tmp_
         other.load_state_dict(state)
 
 
+def test_the_record_dp_quickstart_config_takes_full_batch_sgd_and_spends_its_budget_over_the_run(tmp_path):
+    """configs/quickstart_record_dp.yaml (the recipe docs/guides/privacy.md recommends): every step samples
+    all 500 records (q = 1), 16 steps a round by SGD with momentum, and the run's 8 rounds end within ε 8
+    with none of it left unspent beyond the accountant's slack."""
+    from hpcfed.config import load
+    from hpcfed.schema import build
+    from hpcfed.tasks.sgd import SGD
+
+    cfg = load(Path(__file__).resolve().parents[2] / "configs" / "quickstart_record_dp.yaml")
+    task_cls = resolve(cfg).task
+    spec = R.SiteSettings(cfg.privacy.record_dp, cfg.rounds, secret_seed=7)
+    task = task_cls(build(task_cls.Config, cfg.task.options), Site(client_id=0, num_clients=4, seed=cfg.seed,
+                                                                    out_dir=tmp_path, record_dp=spec))
+    assert isinstance(task.optimizer, SGD) and task.optimizer.param_groups[0]["momentum"] == 0.9
+    plan = task.private.plan
+    assert (plan.sample_rate, plan.steps_per_round, plan.records, plan.delta) == (1.0, 16, 500, 1e-5)
+    for rnd in range(cfg.rounds):
+        assert task.fit(rnd).metrics["record_dp_stopped"] == 0.0
+    assert 7.99 < task.private.accountant.epsilon <= 8.0 + 1e-9
+    assert task.fit(cfg.rounds).num_examples == 0  # a ninth round would pass the target
+
+
 class _Tiny(TorchTask):
     def build_model(self):
         return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
