@@ -150,6 +150,8 @@ class Receiver:
         arrived, and a sender that dies (or stalls) before the rest leaves the receive pending
         for ever: it is given up, with the message it belonged to, once the sender is known to
         have ended (`peer_gone`) or after `send_timeout_s`. Whether the frame arrived."""
+        if req.test():  # the usual case, every frame: no pacing to set up
+            return True
         opts = self._s.opts
         backoff = polling.Backoff(max(opts.spin_s, polling.ACTIVE_SPIN_S), opts.backoff_max_s)  # it is on its way
         deadline = time.monotonic() + opts.send_timeout_s

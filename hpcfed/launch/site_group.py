@@ -195,7 +195,8 @@ class LeadersOnlyTransport:
 
     def refuse_world(self) -> None:
         """Read and drop every frame waiting on MPI_COMM_WORLD, counting it against its sender."""
-        self._discarding = [req for req in self._discarding if not req.test()]
+        if self._discarding:  # (every poll of rank 0 comes here: nothing to build when none is pending)
+            self._discarding = [req for req in self._discarding if not req.test()]
         for _ in range(64):  # bounded per call: a flood cannot hold the server here
             if len(self._discarding) >= _MAX_DISCARDING:
                 return  # frames that do not come are not waited for; the next call looks again
