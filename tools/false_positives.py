@@ -13,7 +13,7 @@ from instead (`hpcfed new --template torch`: a 3-layer MLP over Gaussian blobs, 
 The same cell runs with the guard and without it:
 
     python tools/false_positives.py [--rounds 200] [--sites 3 8] [--modes sync async] [--model torch]
-                                    [--seeds 0 1] [--own-clip 2 1000] [--json]
+                                    [--seeds 0 1] [--own-clip 2 1000] [--json] [--out DIR]
 
 Printed per cell: uploads refused, refusals that count as evidence (a site evicted past
 security.max_refused_updates = 3 of them: the goal is none), clipped uploads, the largest
@@ -33,8 +33,11 @@ import importlib.util
 import itertools
 import json
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +98,38 @@ def torch_sites(split: str, k: int, seed: int, out: Path) -> list[Task]:
     return sites
 
 
+def site_io(sites: list[Task], layout: ParamLayout) -> tuple[Callable[[int, np.ndarray], None],
+                                                               Callable[[int], np.ndarray]]:
+    """Load a flat float32 model into a site and read its model back as one, the same values as
+    ``set_parameters(layout.unflatten(flat))`` and ``layout.flatten(get_parameters())``. For an all-float32
+    torch module (both models here), one copy per tensor into the site's own parameter tensors, found
+    once, and one concatenation back: no per-upload dict of numpy copies. Otherwise the task's own path."""
+    import torch
+
+    tensors: list[list[Any]] = []  # per site: the module's tensors that `get_parameters` names, in its order
+    for task in sites:
+        module = getattr(task, "model", None)
+        state = module.state_dict() if isinstance(module, torch.nn.Module) else {}
+        tensors.append([state.get(name) for name in layout.names])
+    if not all(t is not None and t.dtype == torch.float32 and tuple(t.shape) == shape
+               for ts in tensors for t, shape in zip(ts, layout.shapes)):
+        return (lambda cid, flat: sites[cid].set_parameters(layout.unflatten(flat)),
+                lambda cid: layout.flatten(sites[cid].get_parameters()))
+    spans = [slice(o, o + int(np.prod(s, dtype=np.int64))) for o, s in zip(layout.offsets, layout.shapes)]
+
+    def load(cid: int, flat: np.ndarray) -> None:
+        source = torch.from_numpy(flat)
+        with torch.no_grad():
+            for tensor, span in zip(tensors[cid], spans):
+                tensor.copy_(source[span].view(tensor.shape))
+
+    def read(cid: int) -> np.ndarray:
+        with torch.no_grad():
+            return torch.cat([t.reshape(-1) for t in tensors[cid]]).numpy()
+
+    return load, read
+
+
 def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: int = 0,
              model: str = "quickstart") -> dict:
     """One federation; its guard's record and the sites' final mean test accuracy."""
@@ -102,6 +137,7 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
         sites = make_sites(split, k, seed, Path(tmp), model)
         layout = ParamLayout.of(sites[0].get_parameters())
         model = layout.flatten(sites[0].get_parameters())
+        load, read = site_io(sites, layout)
         guard = InfluenceGuard(InfluenceConfig(enabled=guarded), k)
         refused, evidence = 0, dict.fromkeys(range(k), 0)
         kept = {cid: [] for cid in range(k)}  # per site: ||clipped step|| / ||asked step|| of each clipped upload
@@ -109,9 +145,9 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
 
         def upload(cid: int, sent: np.ndarray, rnd: int) -> tuple[np.ndarray, int] | None:
             nonlocal refused
-            sites[cid].set_parameters(layout.unflatten(sent))
+            load(cid, sent)
             n = sites[cid].fit(rnd).num_examples
-            flat = layout.flatten(sites[cid].get_parameters())
+            flat = read(cid)
             if not guarded:
                 return flat, n
             nonlocal capped
@@ -152,7 +188,7 @@ def run_cell(split: str, k: int, mode: str, rounds: int, guarded: bool, seed: in
                 sent[cid], version[cid] = model.copy(), rnd * k + step + 1
         accuracy = []
         for task in sites:
-            task.set_parameters(layout.unflatten(model))
+            task.set_parameters(layout.unflatten(model))  # the task's own path, once
             accuracy.append(task.evaluate(rounds, final=True)["accuracy"])
     return {"refused": refused, "evicted": sorted(c for c, n in evidence.items() if n > MAX_REFUSED),
             "evidence": sum(evidence.values()), "clipped": guard.clipped, "peak_ratio": round(guard.peak_ratio, 3),
@@ -175,6 +211,7 @@ def main() -> None:
                         help="experiment: the cap on a site's own steps in its clip (influence._OWN_CLIP), "
                              "each against the same run without the guard")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write each cell's row to OUT/<cell>.json as it finishes")
     args = parser.parse_args()
     import torch
 
@@ -184,13 +221,22 @@ def main() -> None:
         for k in args.sites:
             for split, seed, own_clip in itertools.product(args.splits, args.seeds, args.own_clip):
                 influence._OWN_CLIP = own_clip
+                start = time.process_time()
                 on = run_cell(split, k, mode, args.rounds, True, seed, model=args.model)
+                cpu_on = time.process_time() - start
                 if own_clip == args.own_clip[0]:  # the run without the guard does not depend on it
+                    start = time.process_time()
                     off = run_cell(split, k, mode, args.rounds, False, seed, model=args.model)
+                    cpu_off = time.process_time() - start
                 rows.append({"model": args.model, "mode": mode, "sites": k, "split": split, "seed": seed,
-                             "own_clip": own_clip, **on,
-                             "accuracy_off": off["accuracy"], "site_accuracy_off": off["site_accuracy"]})
+                             "own_clip": own_clip, "rounds": args.rounds, **on,
+                             "accuracy_off": off["accuracy"], "site_accuracy_off": off["site_accuracy"],
+                             "cpu_s": [round(cpu_on, 1), round(cpu_off, 1)]})
                 r = rows[-1]
+                if args.out is not None:
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    name = f"{args.model}_{mode}_K{k}_{split.replace(' ', '')}_r{args.rounds}_s{seed}_c{own_clip:g}"
+                    (args.out / f"{name}.json").write_text(json.dumps(r, indent=2) + "\n")
                 if not args.json:
                     print(f"{args.model:10} {mode:5} K={k:<2} {split:14} seed {seed} own clip {own_clip:g} "
                           f"refused {r['refused']:4} "
