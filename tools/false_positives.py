@@ -25,7 +25,7 @@ runs the cell with other caps, each against the one run without the guard). The 
 cell share the data, each site's training seed and the upload order, so a gap between them is the
 guard's. ``--out DIR`` also writes each cell's row, with the CPU seconds of each arm, to DIR as the
 cell finishes, so a long matrix that is stopped keeps what it measured. Nearly all of a cell's CPU
-is the sites' local training (one upload of the quickstart or the template is 25-35 ms of CPU); the
+is the sites' local training (one upload of the quickstart or the template is 15-40 ms of CPU); the
 guard, the copies in and out of the sites and the final evaluation are under a tenth of it.
 """
 
