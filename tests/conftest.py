@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The quickstart's network in NumPy (`hpcfed.tasks.synthetic_numpy`), for the federations that test
+# the server, the channel or the launcher rather than a model: its site ranks never import torch,
+# about 3 s of CPU less each, most of what a small federation costs (CONTRIBUTING.md).
+NUMPY_SITES = "task.name=synthetic_numpy"
 SHARED_DATA = (REPO / ".." / "shared" / "data").resolve()
 
 

@@ -123,7 +123,8 @@ def test_two_ranks_per_site_asynchronously_under_record_dp(tmp_path):
 def test_a_killed_non_leader_ends_its_site_and_the_other_finishes(tmp_path):
     out = tmp_path / "run"
     proc = start(out, ["federation.ranks_per_site=2", "federation.on_client_failure=continue", "rounds=30",
-                       "eval_every=0", "federation.quorum=0.5", "federation.round_deadline_s=60"], np_=5)
+                       "eval_every=0", "federation.quorum=0.5", "federation.round_deadline_s=60"], np_=5,
+                 torch_sites=True)
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists() and
                  (out / "metrics.jsonl").read_text().count('"round_time_s"') >= 2, 180, "two rounds", proc)

@@ -1,6 +1,7 @@
 """A site that misbehaves once and then stays quiet cannot stop the federation (real mpiexec).
 
-Each run: the quickstart for 4 rounds, 3 sites, the last one hostile. The honest sites' accuracy
+Each run: the quickstart's network in NumPy (no torch on the sites) for 6 rounds, 3 sites, the last
+one hostile. The honest sites' accuracy
 is compared with the same run without that site (`federation.exclude_sites=[2]`). Every run starts
 its ranks afresh (torch's import is most of a small run's CPU), so the module keeps to two honest
 sites and lets one run carry the assertions of two attacks where one attack begins with the other."""
@@ -10,13 +11,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import NUMPY_SITES, REPO, run_cli
 
 pytestmark = pytest.mark.mpi
 HONEST = ("0", "1")
 HOSTILE, HOSTILE_RANK = 2, 3  # the last client turns malicious (`attack=`)
 NP = 4
-SHORT = ["rounds=4", "federation.round_deadline_s=60"]
+ROUNDS = 6
+SHORT = [f"rounds={ROUNDS}", "federation.round_deadline_s=60", NUMPY_SITES]
 
 
 def _run(folder, *extra, config="configs/quickstart.yaml", resume=False):
@@ -75,7 +77,7 @@ def test_a_site_refused_from_its_first_upload_is_refused_every_time_and_never_ev
     """x1e30 from the start: no accepted upload of its own to judge it against, so the refusals
     are no proof; it holds no influence, and no one is evicted."""
     summary, _ = _run(tmp_path / "run", "attack=scale", "security.max_refused_updates=1")
-    assert summary["evicted"] == [] and summary["rejected"]["runtime"]["update out of range"] == 4
+    assert summary["evicted"] == [] and summary["rejected"]["runtime"]["update out of range"] == ROUNDS
     assert abs(_honest_mean(summary) - _honest_mean(without_site)) <= 0.05
 
 
@@ -84,7 +86,7 @@ def test_an_async_site_is_evicted_alike(tmp_path):
     config.write_text((REPO / "configs" / "quickstart.yaml").read_text().replace("  weighting: num_examples\n", ""))
     summary, _ = _run(tmp_path / "run", "strategy.name=fedasync", "attack=bad_header", config=config)
     assert [e["client"] for e in summary["evicted"]] == [HOSTILE]
-    assert sorted(summary["clients"]) == list(HONEST) and summary["updates_accepted"] == 12
+    assert sorted(summary["clients"]) == list(HONEST) and summary["updates_accepted"] == 3 * ROUNDS
 
 
 def test_what_an_evicted_site_sends_afterwards_is_dropped_unread_in_bounded_memory(tmp_path, without_site):
