@@ -29,7 +29,7 @@ import numpy as np
 from hpcfed.params import Params
 from hpcfed.store.embeddings import export_path, write_export
 from hpcfed.tasks.base import Bundle, FitResult, Site, Task
-from hpcfed.tasks.synthetic import macro_f1, make_site_data
+from hpcfed.tasks.synthetic import EVALUATION_NOTE, BlobsConfig, macro_f1, make_site_data
 
 _BETAS, _EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
 
@@ -40,36 +40,11 @@ class SyntheticNumpyTask(Task):
     name = "synthetic_numpy"
     uses_torch = False
     record_dp_refusal = "its NumPy network computes one gradient per batch, not one per example"
-    evaluation_note = ("val_accuracy is on each site's validation split, label-skewed like its training data; "
-                       "the final test split is balanced over the classes (every class counts equally)")
+    evaluation_note = EVALUATION_NOTE
 
     @dataclass(kw_only=True)
-    class Config:
-        num_classes: int = 8
-        dim: int = 16
-        modes_per_class: int = 3
-        samples_per_site: int = 500
-        label_skew: float = 0.5  # Dirichlet concentration; smaller = more skewed; 0 = IID
-        noise: float = 1.5
-        hidden: int = 64
-        embed_dim: int = 16
-        lr: float = 0.005
-        local_epochs: int = 1
-        batch_size: int = 32
-        # A parameter of this many zeros that travels but is never trained (as the quickstart's
-        # `ballast`): sizes the messages for transport tests without adding compute.
-        ballast: int = 0
-
-        def validate(self) -> None:
-            for key in ("num_classes", "dim", "samples_per_site", "hidden", "embed_dim", "batch_size"):
-                if getattr(self, key) < 1:
-                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-            if self.num_classes < 2:
-                raise ValueError("num_classes must be >= 2")
-            if not self.lr > 0:
-                raise ValueError(f"lr must be > 0, got {self.lr}")
-            if self.local_epochs < 0 or self.ballast < 0:
-                raise ValueError("local_epochs and ballast must be >= 0")
+    class Config(BlobsConfig):
+        pass  # the quickstart's options but its optimizer, momentum and dtype (Adam, float32 here)
 
     def __init__(self, config: Config, site: Site) -> None:
         super().__init__(config, site)

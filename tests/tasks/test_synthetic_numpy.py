@@ -143,3 +143,15 @@ def test_the_ballast_travels_untrained_and_leaves_the_network_alone(tmp_path):
     heavy.fit(0)
     assert not heavy.params["ballast"].any()
     assert all(np.array_equal(v, heavy.params[k]) for k, v in plain.params.items())
+
+
+@pytest.mark.parametrize("override, message", [
+    ("privacy.record_dp.epsilon=8", "task 'synthetic_numpy' cannot take record-level DP: its NumPy network"),
+    ("federation.ranks_per_site=2", "task 'synthetic_numpy' trains on one rank per site"),
+])
+def test_what_needs_torch_is_refused_in_one_line_naming_the_key(override, message):
+    from hpcfed.config import ConfigError, load
+    from hpcfed.registry import resolve
+
+    with pytest.raises(ConfigError, match=message):
+        resolve(load(REPO / "configs" / "quickstart.yaml", ["task.name=synthetic_numpy", override]))
