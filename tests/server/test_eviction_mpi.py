@@ -111,8 +111,16 @@ def test_below_min_sites_the_run_stops_cleanly(tmp_path):
     assert "federation.min_sites=3" in summary["stopped"] and summary["evicted"][0]["client"] == HOSTILE
 
 
-def test_a_slow_honest_site_is_never_evicted(tmp_path):
-    summary, _ = _run(tmp_path / "run", "federation.slowdown={1: 4}")
+@pytest.fixture(scope="module")
+def slow_site(tmp_path_factory):
+    """Three honest sites, client 1 four times slower, a checkpoint after every round."""
+    folder = tmp_path_factory.mktemp("slow") / "run"
+    summary, _ = _run(folder, "federation.slowdown={1: 4}", "checkpoint_every=1")
+    return folder, summary
+
+
+def test_a_slow_honest_site_is_never_evicted(slow_site):
+    _, summary = slow_site
     assert summary["evicted"] == [] and sorted(summary["clients"]) == ["0", "1", "2"]
 
 
@@ -124,11 +132,19 @@ def test_an_eviction_is_checkpointed_and_a_resumed_run_keeps_the_site_out(tmp_pa
     assert abs(_honest_mean(summary) - _honest_mean(without_site)) <= 0.05
 
 
-def test_resume_with_exclude_sites_goes_on_without_that_site(tmp_path, without_site):
-    folder = tmp_path / "run"
-    _halt(folder)
-    summary, proc = _run(folder, "checkpoint_every=1", f"federation.exclude_sites=[{HOSTILE}]", resume=True)
-    assert proc.returncode == 0
+def test_a_run_rolled_back_and_resumed_with_exclude_sites_goes_on_without_that_site(slow_site):
+    """The operator's way to take a site's folded rounds out (docs/guides/faults.md): back to the
+    oldest checkpoint kept (round 3 of 0..5; the newer ones deleted), resumed without client 2; the
+    slow run's figures were read before."""
+    folder, _ = slow_site
+    for newer in sorted((folder / "checkpoints").glob("ckpt-*.h5"))[1:]:
+        newer.unlink()
+    (folder / "summary.json").unlink()
+    summary, proc = _run(folder, "federation.slowdown={1: 4}", "checkpoint_every=1",
+                         f"federation.exclude_sites=[{HOSTILE}]", resume=True)
+    assert proc.returncode == 0 and "resumed from" in proc.stderr + proc.stdout
     excluded = [(e["client"], e["reason"]) for e in summary["evicted"]]
     assert excluded == [(HOSTILE, "excluded (federation.exclude_sites)")]
     assert sorted(summary["clients"]) == list(HONEST)
+    rounds = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds if r["name"] == "round_time_s"] == list(range(ROUNDS))
