@@ -48,8 +48,9 @@ judged by the typical step). That refusal keeps the upload out of the model, but
 and honest heterogeneity crosses it: over 1,000 asynchronous rounds an honest site sent a model
 the others had moved on from asked for up to 144 x both the typical step and its own last ones
 (`tools/false_positives.py`, docs/benchmarks.md), and when such refusals counted, honest sites
-were evicted in each of the quickstart's asynchronous cells. So it never counts toward eviction. What counts (`Refused.evidence`, toward eviction past ``security.max_refused_updates``) is
-an upload beyond ``reject_factor`` x the model's own scale ``max(||θ_ref||, sqrt(P))`` (x1e30,
+were evicted in each of the quickstart's asynchronous cells. So it never counts toward eviction.
+What counts (`Refused.evidence`, toward eviction past ``security.max_refused_updates``) is an upload
+beyond ``reject_factor`` x the model's own scale ``max(||θ_ref||, sqrt(P))`` (x1e30,
 finite but enormous parameters), from a site that has had an upload accepted: a local round that
 moves every parameter by ten times the model's whole norm is no training step. One refused with no
 accepted upload of its own (its first uploads) is refused and answered, never counted: an x1e30
