@@ -2,8 +2,9 @@
 
 The same data as `hpcfed.tasks.synthetic` (same world, same label skew, same splits) and the same
 network shape (``dim -> hidden -> embed_dim -> num_classes``, ReLU between, torch's ``nn.Linear``
-initialisation), trained by Adam with torch's defaults on the same mini-batches; its gradient is
-the network's own two-line backward pass. What it is for:
+initialisation), trained by Adam with torch's defaults on mini-batches of the same size; its
+gradient is the network's backward pass written out (tests/tasks/test_synthetic_numpy.py checks it
+and the optimizer against torch's). What it is for:
 
 - **checking a cluster in seconds**: MPI between nodes, the job key or identity keys, Slurm's
   launch, node-local checkpoint folders, with nothing to install on the compute nodes but NumPy,
