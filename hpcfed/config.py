@@ -157,7 +157,9 @@ class InfluenceConfig:
     enabled: bool = True
     max_weight_factor: float = 1.0  # weight cap, relative to the median claimed size
     clip_factor: float = 1.0  # distance cap, x the median recent distance (or the site's own recent steps, up to 2x it)
-    reject_factor: float = 10.0  # refuse uploads farther than this x the median recent distance
+    # Refuse uploads farther than this x the median recent distance (and the site's own recent steps):
+    # never counted against the site; farther than this x the model's own scale, counted (evidence).
+    reject_factor: float = 10.0
     # Bound the first uploads by their own median distance: they are parked on rank 0's disk (K x
     # model bytes, in out/scratch) until the first sync round, or min(3, K) async sites, are in.
     # False: clip them to the model's norm.

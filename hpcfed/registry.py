@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 TASKS: dict[str, str] = {
     "synthetic": "hpcfed.tasks.synthetic:SyntheticTask",
+    "synthetic_numpy": "hpcfed.tasks.synthetic_numpy:SyntheticNumpyTask",
     "events": "hpcfed.tasks.events:EventsTask",
     "hin": "hpcfed.tasks.hin:HINTask",
     "doc2vec": "hpcfed.tasks.doc2vec:Doc2VecTask",

@@ -15,7 +15,18 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread for torch, NumPy's BLAS and gensim in every test process and what it starts,
+# before anything imports them: three xdist workers share two cores, and an idle OpenMP thread spins
+# waiting for work, so two threads a process cost a loaded run up to 4x the CPU for no speed
+# (measured: tests/models/test_mapper.py + test_hin_plots.py, 83 s of CPU with the default, 22 s
+# with one). The ranks set their own (`threads_per_rank`, default 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
+# The quickstart's network in NumPy (`hpcfed.tasks.synthetic_numpy`), for the federations that test
+# the server, the channel or the launcher rather than a model: its site ranks never import torch,
+# about 3 s of CPU less each, most of what a small federation costs (CONTRIBUTING.md).
+NUMPY_SITES = "task.name=synthetic_numpy"
 SHARED_DATA = (REPO / ".." / "shared" / "data").resolve()
 
 

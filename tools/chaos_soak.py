@@ -57,9 +57,9 @@ MARKER = ".chaos-soak"
 RSS_TOLERANCE = 0.10  # the last window's peak RSS may exceed the first's by this much
 
 
-def _overrides(sites: int, secure: bool) -> list[str]:
-    return ["rounds=1000000", f"federation.num_clients={sites}", "task.samples_per_site=100", "eval_every=0",
-            "checkpoint_every=2", "federation.on_client_failure=continue", "federation.quorum=0.5",
+def _overrides(sites: int, secure: bool, task: str) -> list[str]:
+    return [f"task.name={task}", "rounds=1000000", f"federation.num_clients={sites}", "task.samples_per_site=100",
+            "eval_every=0", "checkpoint_every=2", "federation.on_client_failure=continue", "federation.quorum=0.5",
             "federation.setup_timeout_s=300", "federation.round_deadline_s=30", "influence.reject_factor=1000",
             f"privacy.secure_aggregation={'true' if secure else 'false'}", "federation.slowdown={0: 3}"]
 
@@ -71,7 +71,7 @@ class Soak:
         self.args, self.out = args, Path(args.out)
         self.config = CONFIG
         self.srv = self.out / "srv"
-        self.overrides = _overrides(args.sites, not args.plain)
+        self.overrides = _overrides(args.sites, not args.plain, args.task)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HPCFED_PSK": PSK,
                     "PYTHONPATH": str(REPO), "HPCFED_AUDIT": str(self.out / "audit")}
         self.sites: dict[int, subprocess.Popen[bytes]] = {}
@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-kills", type=int, default=1, help="times the server's job is killed and resumed")
     p.add_argument("--out", default="/tmp/hpcfed-chaos")
     p.add_argument("--plain", action="store_true", help="without secure aggregation")
+    p.add_argument("--task", default="synthetic", choices=("synthetic", "synthetic_numpy"),
+                   help="the quickstart's network in torch, or in NumPy (sites that start without torch)")
     p.add_argument("--json", action="store_true", help="print the result as JSON too")
     args = p.parse_args(argv)
     result = Soak(args).run()

@@ -64,55 +64,68 @@ def macro_f1(y: np.ndarray, pred: np.ndarray, num_classes: int) -> float:
     return float(np.mean(scores)) if scores else 0.0
 
 
+# printed under the run's final figures (see hpcfed.launch.rank.closing_lines)
+EVALUATION_NOTE = ("val_accuracy is on each site's validation split, label-skewed like its training data; "
+                   "the final test split is balanced over the classes (every class counts equally)")
+
+
+@dataclass(kw_only=True)
+class BlobsConfig:
+    """The quickstart's data and network shape and training, shared by its torch task and its NumPy twin
+    (`hpcfed.tasks.synthetic_numpy`)."""
+
+    num_classes: int = 8
+    dim: int = 16
+    modes_per_class: int = 3
+    samples_per_site: int = 500
+    label_skew: float = 0.5  # Dirichlet concentration; smaller = more skewed; 0 = IID
+    noise: float = 1.5
+    hidden: int = 64
+    embed_dim: int = 16
+    lr: float = 0.005
+    local_epochs: int = 1
+    batch_size: int = 32
+    # A parameter tensor of this many values that the model carries but never uses: sizes the
+    # model for the comm/scale benchmarks (tools/bench_scale.py) without adding compute.
+    ballast: int = 0
+
+    def validate(self) -> None:
+        for key in ("num_classes", "dim", "samples_per_site", "hidden", "embed_dim", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_classes < 2:
+            raise ValueError("num_classes must be >= 2")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.local_epochs < 0 or self.ballast < 0:
+            raise ValueError("local_epochs and ballast must be >= 0")
+
+
 class SyntheticTask(Task):
     """The quickstart's task: an MLP on label-skewed blobs with planted structure; needs no download."""
 
     name = "synthetic"
     record_dp_refusal = ""  # each training example is one independent record
     site_parallel = True  # a site of many ranks shares each batch (tasks/data_parallel.py)
-    # printed under the run's final figures (see hpcfed.launch.rank.closing_lines)
-    evaluation_note = ("val_accuracy is on each site's validation split, label-skewed like its training data; "
-                       "the final test split is balanced over the classes (every class counts equally)")
+    evaluation_note = EVALUATION_NOTE
 
     @dataclass(kw_only=True)
-    class Config:
-        num_classes: int = 8
-        dim: int = 16
-        modes_per_class: int = 3
-        samples_per_site: int = 500
-        label_skew: float = 0.5  # Dirichlet concentration; smaller = more skewed; 0 = IID
-        noise: float = 1.5
-        hidden: int = 64
-        embed_dim: int = 16
-        lr: float = 0.005
+    class Config(BlobsConfig):
         # adam | sgd (with `momentum`): under privacy.record_dp, SGD steps by the noisy gradient itself where
         # Adam moves every coordinate about lr a step, noise or not (docs/guides/privacy.md, record DP)
         optimizer: Literal["adam", "sgd"] = "adam"
         momentum: float = 0.0  # sgd only
-        local_epochs: int = 1
-        batch_size: int = 32
         dtype: str = "float32"  # float32 | float16 | bfloat16: the model's dtype, kept on the wire
-        # A parameter tensor of this many values that the model carries but never uses: sizes the
-        # model for the comm/scale benchmarks (tools/bench_scale.py) without adding compute.
-        ballast: int = 0
 
         def validate(self) -> None:
-            for key in ("num_classes", "dim", "samples_per_site", "hidden", "embed_dim", "batch_size"):
-                if getattr(self, key) < 1:
-                    raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-            if self.num_classes < 2:
-                raise ValueError("num_classes must be >= 2")
+            super().validate()
             if self.dtype not in ("float32", "float16", "bfloat16"):
                 raise ValueError(f"dtype={self.dtype!r}; choose float32, float16 or bfloat16")
             if self.optimizer not in ("adam", "sgd"):
                 raise ValueError(f"optimizer={self.optimizer!r}; choose adam or sgd")
-            if not self.lr > 0:
-                raise ValueError(f"lr must be > 0, got {self.lr}")
             if not 0.0 <= self.momentum < 1.0 or (self.momentum and self.optimizer != "sgd"):
                 raise ValueError(f"momentum must be in [0, 1) and is for optimizer sgd only, got {self.momentum} "
                                  f"with optimizer {self.optimizer}")
-            if self.local_epochs < 0 or self.ballast < 0:
-                raise ValueError("local_epochs and ballast must be >= 0")
 
     def __init__(self, config: Config, site: Site) -> None:
         super().__init__(config, site)

@@ -12,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, mpiexec
+from conftest import NUMPY_SITES, REPO, mpiexec
 
 CONFIG = "configs/quickstart.yaml"
-# The smallest quickstart that proves a point: 2 sites, 2 rounds, 100 samples, short deadlines.
+# The smallest quickstart that proves a point: 2 sites, 2 rounds, 100 samples, short deadlines, and
+# its network in NumPy (no torch on the sites: these tests are about the jobs, not the model).
 SMALL = ["rounds=2", "task.samples_per_site=100", "federation.num_clients=2", "eval_every=0",
-         "federation.setup_timeout_s=60", "federation.round_deadline_s=30"]
+         "federation.setup_timeout_s=60", "federation.round_deadline_s=30", NUMPY_SITES]
 PSK = "00" * 32
 
 

@@ -15,17 +15,20 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import REPO, mpiexec
+from conftest import NUMPY_SITES, REPO, mpiexec
 
 QUICKSTART = "configs/quickstart.yaml"
 
 
 def start(out: Path, overrides: list[str], *, np_: int = 3, resume: bool = False,
-          extra_env: dict | None = None, config: str = QUICKSTART, launcher: str | None = None) -> subprocess.Popen:
+          extra_env: dict | None = None, config: str = QUICKSTART, launcher: str | None = None,
+          torch_sites: bool = False) -> subprocess.Popen:
     """`hpcfed run quickstart OVERRIDES --np NP --out OUT [--resume]` (the user's path: it relaunches
-    itself under mpiexec and watches the ranks), in the background."""
+    itself under mpiexec and watches the ranks), in the background. The quickstart's network runs
+    in NumPy (`NUMPY_SITES`) unless `torch_sites`: these tests are about the launcher and the server."""
     mpiexec()  # skips without MPI
-    cmd = [sys.executable, "-m", "hpcfed", "run", str(config), *overrides, "--np", str(np_), "--out", str(out)]
+    task = [NUMPY_SITES] if config == QUICKSTART and not torch_sites else []
+    cmd = [sys.executable, "-m", "hpcfed", "run", str(config), *task, *overrides, "--np", str(np_), "--out", str(out)]
     if resume:
         cmd.append("--resume")
     if launcher:  # another mpiexec (e.g. the two-node wrapper)

@@ -25,7 +25,8 @@ def test_a_short_chaos_soak_loses_nothing_but_named_rounds(tmp_path):
     out = tmp_path / "soak"
     proc = subprocess.run([sys.executable, "tools/chaos_soak.py", "--minutes", "0.9", "--sites", "3", "--seed", "1",
                            "--kill-every", "8-15", "--away", "2-5", "--server-kills", "1", "--out", str(out),
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=900)
+                           "--task", "synthetic_numpy", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert "{" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])
     checks = result["checks"]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, mpiexec
+from conftest import NUMPY_SITES, REPO, mpiexec
 
 pytestmark = pytest.mark.mpi
 
@@ -16,7 +16,7 @@ def test_thousand_crafted_messages_are_all_rejected_and_change_nothing(tmp_path)
     mpiexec()  # skips without MPI
     proc = subprocess.run(
         [sys.executable, "tools/hostile_campaign.py", "--json", "--messages", "1000", "--out", str(tmp_path),
-         "rounds=3", "checkpoint_every=1"],
+         "rounds=3", "checkpoint_every=1", NUMPY_SITES],
         cwd=REPO, capture_output=True, text=True, timeout=400)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     result = json.loads(proc.stdout)
@@ -55,7 +55,7 @@ def test_two_gib_flood_of_unsolicited_and_oversize_messages_leaves_server_memory
     mpiexec()  # skips without MPI
     proc = subprocess.run(
         [sys.executable, "tools/hostile_campaign.py", "--json", "--messages", "0", "--flood-mib", "2048",
-         "--out", str(tmp_path), "rounds=2", "checkpoint_every=1"],
+         "--out", str(tmp_path), "rounds=2", "checkpoint_every=1", NUMPY_SITES],
         cwd=REPO, capture_output=True, text=True, timeout=500)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     result = json.loads(proc.stdout)

@@ -1,8 +1,11 @@
 """Every method resumes from its site-local checkpoints under real mpiexec (issue 13): a synchronous
-run stopped after round 1 (`halt_after_round`) and resumed with `--resume` ends with the same final
-metrics as the uninterrupted run, for DAMe (SEGA on the server, BOLA/GLECC and the local model on
-each site), Ditto (a personal model per site) and federated doc2vec (gensim's model and vocabulary on
-each site); asynchronous FedDWA resumes and completes its update budget."""
+run taken back to round 1 (its newer checkpoint deleted, as an operator rolls a federation back)
+and resumed with `--resume` ends with the same final metrics as the uninterrupted run, for DAMe
+(SEGA on the server, BOLA/GLECC and the local model on each site), Ditto (a personal model per site)
+and federated doc2vec (gensim's model and vocabulary on each site); asynchronous FedDWA halts,
+resumes and completes its update budget. (A run halted after round 1 resumes the same way:
+tests/runtime/test_federation_mpi.py; rolling back saves the third launch: the uninterrupted run
+is also the one resumed.)"""
 
 from __future__ import annotations
 
@@ -42,16 +45,22 @@ def _final(out: Path) -> dict:
 
 
 @pytest.mark.parametrize("method", sorted(SYNC))
-def test_sync_method_resumed_after_round_1_ends_like_the_uninterrupted_run(method, tmp_path):
+def test_sync_method_rolled_back_to_round_1_and_resumed_ends_like_the_uninterrupted_run(method, tmp_path):
     args, np_ = SYNC[method]
-    full, part = tmp_path / "full", tmp_path / "part"
-    _run(args, full, np_)
-    _run(args, part, np_, "halt_after_round=1")
-    assert ck.latest_valid(part / "checkpoints").round == 1 and not (part / "summary.json").exists()
-    shards = sorted(p.relative_to(part).as_posix() for p in (part / "sites").rglob("*.h5"))
+    out = tmp_path / "run"
+    _run(args, out, np_)
+    uninterrupted = _final(out)
+    shards = sorted(p.relative_to(out).as_posix() for p in (out / "sites").rglob("*.h5"))
     assert len(shards) >= np_ - 1, shards  # each site's own state, beside the run, not in rank 0's files
-    _run(args, part, np_, "--resume")
-    assert _final(part) == _final(full)
+    # Back to round 1: every site still holds its round-1 shard (keep_checkpoints = 3), and the
+    # server names the one each must load; nothing newer may leak into the resumed state.
+    (out / "checkpoints" / "ckpt-000002.h5").unlink()
+    (out / "summary.json").unlink()
+    assert ck.latest_valid(out / "checkpoints").round == 1
+    _run(args, out, np_, "--resume")
+    assert _final(out) == uninterrupted
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records if r["name"] == "round_time_s"] == [0, 1, 2]  # round 2 once, rerun
 
 
 def test_async_feddwa_resumes_and_completes_its_budget(tmp_path):

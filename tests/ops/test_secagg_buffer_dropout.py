@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import NUMPY_SITES, REPO
 from ops_helpers import events, finish, spy_launcher, start
 
 from hpcfed.privacy.buffered import StalenessRule
@@ -25,7 +25,7 @@ K, BEFORE, AFTER = 6, 4, 1
 
 def test_a_buffer_that_loses_a_member_before_and_one_after_masking_completes_and_the_run_goes_on(tmp_path):
     out, spy = tmp_path / "run", tmp_path / "spy"
-    proc = start(out, ["rounds=3", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
+    proc = start(out, [NUMPY_SITES, "rounds=3", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
                        "influence.enabled=false", "federation.on_client_failure=continue",
                        f"federation.buffer_size={K}", "federation.round_deadline_s=60"], np_=K + 1,
                  config="configs/quickstart_fedbuff.yaml",

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.mpi
 
 # site 0 is a job of 2 ranks (started by `hpcfed join` itself: mpiexec -n 2), site 1 of one; a
 # loaded 2-core machine can take a minute to start three Pythons with torch, hence the longer setup
-SMALL = [*H.SMALL, "federation.setup_timeout_s=180"]
+SMALL = [*H.SMALL, "federation.setup_timeout_s=180", "task.name=synthetic"]  # torch: a site of two ranks
 RANKS = [*SMALL, "federation.ranks_per_site=[2,1]"]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import h5py
 import pytest
-from conftest import run_cli
+from conftest import NUMPY_SITES, run_cli
 
 pytestmark = pytest.mark.mpi
 
@@ -24,7 +24,8 @@ COMMON = ["rounds=4", "checkpoint_every=1", "keep_checkpoints=3"]
 
 
 def _run(out: Path, *extra: str, env: dict | None = None, check: bool = True):
-    return run_cli(["run", "configs/quickstart.yaml", "--out", str(out), *COMMON, *extra], np=3, timeout=300,
+    return run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES,
+                    "--out", str(out), *COMMON, *extra], np=3, timeout=300,
                    env=env, check=check)
 
 
@@ -42,7 +43,7 @@ def runs(tmp_path_factory):
     full, killed, keys = base / "full", base / "killed", base / "keys"
     _run(full)
     env = {"HPCFED_PSK": "", "HPCFED_KEYS_DIR": str(keys)}
-    twin = ["run", "configs/quickstart.yaml", "--np", "3", "--out", str(killed), *COMMON]
+    twin = ["run", "configs/quickstart.yaml", NUMPY_SITES, "--np", "3", "--out", str(killed), *COMMON]
     proc = run_cli(twin, env={**env, "HPCFED_FAULT_KILL_BEFORE_MANIFEST": "2"}, timeout=300, check=False)
     assert proc.returncode != 0
     state = {"after_kill": sorted(p.name for p in (killed / "checkpoints").glob("ckpt-*.h5")),
@@ -88,7 +89,7 @@ def test_rank0_files_hold_no_site_state_and_sites_prune_in_step(runs):
         assert shards == ["shard-000000.h5", "shard-000001.h5", "shard-000002.h5", "shard-000003.h5"][-4:]
     text = run_cli(["inspect", str(out / "sites" / "1" / "shard-000003.h5")], timeout=120,
                    env={"HPCFED_STATE_KEY": "00" * 32}).stdout
-    assert "hpcfed site shard of client 1, round 3 (authenticated with the job key)" in text and "opt|" in text
+    assert "hpcfed site shard of client 1, round 3 (authenticated with the job key)" in text and "exp_avg|" in text
     assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.h5")) == [
         "ckpt-000001.h5", "ckpt-000002.h5", "ckpt-000003.h5"]
 

@@ -6,7 +6,8 @@ under real mpiexec.
   rank the whole batch's gradient).
 - Rank 0 holds a channel with the K leaders only; a non-leader's frames to rank 0 (sent on
   MPI_COMM_WORLD as if for its site) are refused and counted, and change nothing.
-- A run halted with one rank per site resumes with two (the leader's shard holds the site's state).
+- A run taken back to an earlier round with one rank per site resumes with two (the leader's shard
+  holds the site's state).
 - Record-level DP with two ranks per site: the same ε as one rank (the accountant counts the site's
   whole batch), and the same model up to the all-reduce's sums (the noise is added once, after it).
   It runs in the same pair of federations as secure aggregation: every launch starts its ranks
@@ -61,7 +62,7 @@ def sync_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Pat
     base = tmp_path_factory.mktemp("site_ranks")
     two = _run(base / "two", [*SYNC, *TWO_BY_TWO], env={"HPCFED_FAULT_NON_LEADER_SENDS": "2"})
     one = _run(base / "one", [*SYNC, *ONE_BY_TWO])
-    return two, one, base / "two"
+    return two, one, base
 
 
 def test_two_ranks_per_site_reach_one_rank_sites_accuracy_under_secure_aggregation(sync_pair):
@@ -79,7 +80,8 @@ def test_two_ranks_per_site_reach_one_rank_sites_accuracy_under_secure_aggregati
 
 
 def test_a_non_leader_cannot_speak_for_its_site(sync_pair):
-    two, _, out = sync_pair
+    two, _, base = sync_pair
+    out = base / "two"
     log = (out / "logs" / "rank0.log").read_text()
     assert "refused a frame from rank 2 (client 0, its rank 1) on MPI_COMM_WORLD: only the site's leader (rank 1)" \
         in log, log[-3000:]
@@ -87,12 +89,14 @@ def test_a_non_leader_cannot_speak_for_its_site(sync_pair):
     assert "non-leader rank 2 sends 20 frames" in (out / "logs" / "rank2.log").read_text()
 
 
-def test_a_run_resumes_with_another_number_of_ranks_per_site(sync_pair, tmp_path):
-    # halted after round 2 with one rank per site, resumed with two: the leader restores the shard
-    # and broadcasts it to its other rank; the result is the uninterrupted runs'
-    two, one, _ = sync_pair
-    out = tmp_path / "run"
-    run_cli(["run", QUICKSTART, *SYNC, "halt_after_round=2", *ONE_BY_TWO, "--out", str(out)], timeout=400)
+def test_a_run_resumes_with_another_number_of_ranks_per_site(sync_pair):
+    # the one-rank run taken back to round 1 (its newer checkpoint deleted) and resumed with two ranks
+    # per site: the leader restores the shard and broadcasts it to its other rank; the result is the
+    # uninterrupted runs' (the one-rank run's figures were read before: nothing else reads its folder)
+    two, one, base = sync_pair
+    out = base / "one"
+    (out / "checkpoints" / "ckpt-000003.h5").unlink()
+    (out / "summary.json").unlink()
     resumed = _run(out, ["--resume", *SYNC, *TWO_BY_TWO])
     _close(resumed, one)
     _close(resumed, two)
@@ -123,7 +127,8 @@ def test_two_ranks_per_site_asynchronously_under_record_dp(tmp_path):
 def test_a_killed_non_leader_ends_its_site_and_the_other_finishes(tmp_path):
     out = tmp_path / "run"
     proc = start(out, ["federation.ranks_per_site=2", "federation.on_client_failure=continue", "rounds=30",
-                       "eval_every=0", "federation.quorum=0.5", "federation.round_deadline_s=60"], np_=5)
+                       "eval_every=0", "federation.quorum=0.5", "federation.round_deadline_s=60"], np_=5,
+                 torch_sites=True)
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists() and
                  (out / "metrics.jsonl").read_text().count('"round_time_s"') >= 2, 180, "two rounds", proc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import NUMPY_SITES, run_cli
 
 pytestmark = pytest.mark.mpi
 
@@ -59,7 +59,7 @@ def test_rank0_memory_for_sync_fedavg_stays_within_five_models_at_k8(tmp_path):
     params = 16_000_000
     out = tmp_path / "k8"
     run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=2", "checkpoint_every=0", "eval_every=0",
-             f"task.ballast={params}", "task.local_epochs=0", "task.samples_per_site=50", "task.hidden=8"],
+             f"task.ballast={params}", "task.local_epochs=0", "task.samples_per_site=50", "task.hidden=8", NUMPY_SITES],
             np=9, timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates_accepted"] == 16

@@ -11,7 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import NUMPY_SITES, run_cli
 
 from hpcfed.store import checkpoint as ck
 from hpcfed.store import site_state
@@ -89,7 +89,7 @@ def straggler(tmp_path_factory) -> tuple[Path, str]:
     far past the 6 s deadline, which the run waits out in full, and the server mostly waits; client 0's
     round takes ~1 s on a loaded host."""
     out = tmp_path_factory.mktemp("straggler") / "run"
-    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=1", "checkpoint_every=0",
+    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=1", "checkpoint_every=0", NUMPY_SITES,
                     "federation.quorum=0.5", "federation.round_deadline_s=6", "federation.slowdown={1: 5000}"],
                    np=3, timeout=240)
     return out, proc.stderr
@@ -134,7 +134,8 @@ def test_identity_keys_mode_admits_authorized_sites_only_each_from_its_own_rank(
     for rank, source in ((0, 0), (1, 1), (2, 1)):
         for suffix in ("", ".pub"):
             shutil.copy2(keys / f"rank{source}{suffix}", twin / f"rank{rank}{suffix}")
-    common = ["rounds=1", "checkpoint_every=0", "security.mode=keys", f"security.server_public_key={keys}/rank0.pub"]
+    common = [NUMPY_SITES, "rounds=1", "checkpoint_every=0", "security.mode=keys",
+              f"security.server_public_key={keys}/rank0.pub"]
     ok = tmp_path / "ok"
     run_cli(["run", "configs/quickstart.yaml", "--out", str(ok), *common, f"security.identity={keys}/rank{{rank}}",
              f"security.authorized_keys={keys}/authorized"], np=3, timeout=180)

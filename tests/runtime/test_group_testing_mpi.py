@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, mpiexec, run_cli
+from conftest import NUMPY_SITES, REPO, mpiexec, run_cli
 
 pytestmark = pytest.mark.mpi
 K, HOSTILE = 6, 5
@@ -26,7 +26,8 @@ ARGS = ["rounds=8", "privacy.secure_aggregation=true", "influence.enabled=false"
 
 
 def _run(folder, *extra):
-    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(folder), *ARGS, *extra], np=K + 1, timeout=500)
+    proc = run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES,
+                    "--out", str(folder), *ARGS, *extra], np=K + 1, timeout=500)
     events = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return json.loads((folder / "summary.json").read_text()), events, proc
 
@@ -74,7 +75,7 @@ def test_a_site_that_sends_garbage_once_costs_one_round_and_is_not_evicted(tmp_p
 ])
 def test_a_server_asking_for_a_small_or_overlapping_group_is_refused_naming_the_rule(tmp_path, groups, rule):
     cmd = [mpiexec(), "-n", str(K + 1), sys.executable, str(REPO / "tests" / "privacy" / "hostile_groups.py"),
-           json.dumps(groups), "run", "configs/quickstart.yaml", "--out", str(tmp_path / "run"), *ARGS,
+           json.dumps(groups), "run", "configs/quickstart.yaml", NUMPY_SITES, "--out", str(tmp_path / "run"), *ARGS,
            "rounds=3", "attack=garbage", "federation.on_client_failure=continue"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
@@ -89,7 +90,7 @@ def test_a_server_asking_for_a_small_or_overlapping_group_is_refused_naming_the_
 
 
 def test_a_min_group_above_the_number_of_sites_is_refused_in_one_line_naming_the_key(tmp_path):
-    proc = run_cli(["run", "configs/quickstart.yaml", "--out", str(tmp_path / "run"), "rounds=1",
+    proc = run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES, "--out", str(tmp_path / "run"), "rounds=1",
                     "privacy.secure_aggregation=true", "influence.enabled=false", "privacy.secagg.min_group=3"],
                    np=3, timeout=300, check=False)
     assert proc.returncode != 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import NUMPY_SITES, run_cli
 
 from hpcfed.privacy import skellam
 from hpcfed.privacy.accountant import epsilon
@@ -31,7 +31,7 @@ def _global(out: Path) -> bytes:
 
 def test_dp_run_reports_epsilon_stops_at_the_budget_and_resumes_identically(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(full), *DP], np=3, timeout=300)
+    run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES, "--out", str(full), *DP], np=3, timeout=300)
     events = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     eps = {e["round"]: e["value"] for e in events if e["name"] == "epsilon"}
     assert eps == pytest.approx({r: epsilon(2.0, r + 1, 1e-5) for r in range(3)})
@@ -41,9 +41,10 @@ def test_dp_run_reports_epsilon_stops_at_the_budget_and_resumes_identically(tmp_
     assert (summary["privacy"]["delta"], summary["privacy"]["noise_multiplier"]) == (1e-5, 2.0)
     assert ck.latest_valid(full / "checkpoints").round == 2  # the budget's last round was checkpointed
 
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), *DP, "halt_after_round=0"], np=3, timeout=300)
+    run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES,
+             "--out", str(part), *DP, "halt_after_round=0"], np=3, timeout=300)
     assert not (part / "summary.json").exists()
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(part), *DP, "--resume"], np=3, timeout=300)
+    run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES, "--out", str(part), *DP, "--resume"], np=3, timeout=300)
     assert _global(full) == _global(part)
     resumed = json.loads((part / "summary.json").read_text())
     assert resumed["privacy"] == summary["privacy"] and resumed["clients"] == summary["clients"]
@@ -54,7 +55,7 @@ def test_distributed_dp_under_secure_aggregation_adds_skellam_noise_and_counts_i
     and ε per round is the Skellam mechanism's for that grid and the model's size, a little above the
     continuous Gaussian analysis's."""
     out = tmp_path / "dist"
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "influence.enabled=false",
+    run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES, "--out", str(out), "influence.enabled=false",
              "privacy.secure_aggregation=true", "privacy.dp.clip_norm=1.0", "privacy.dp.noise_multiplier=2.0",
              "rounds=3"], np=4, timeout=300)
     summary = json.loads((out / "summary.json").read_text())

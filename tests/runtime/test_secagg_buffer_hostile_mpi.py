@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import NUMPY_SITES, run_cli
 
 pytestmark = pytest.mark.mpi
 K, HOSTILE = 4, 3
@@ -22,7 +22,8 @@ K, HOSTILE = 4, 3
 
 def test_a_member_sending_garbage_is_narrowed_down_across_buffers_and_evicted_on_proof(tmp_path):
     out = tmp_path / "run"
-    proc = run_cli(["run", "configs/quickstart_fedbuff.yaml", "--out", str(out), "rounds=3", "checkpoint_every=0",
+    proc = run_cli(["run", "configs/quickstart_fedbuff.yaml", NUMPY_SITES,
+                    "--out", str(out), "rounds=3", "checkpoint_every=0",
                     "eval_every=0", "privacy.secure_aggregation=true", "influence.enabled=false",
                     "federation.buffer_size=2", "federation.round_deadline_s=60", "attack=garbage"], np=K + 1,
                    timeout=300)

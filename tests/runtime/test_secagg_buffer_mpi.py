@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, mpiexec
+from conftest import NUMPY_SITES, REPO, mpiexec
 
 from hpcfed.privacy.buffered import StalenessRule
 
@@ -37,8 +37,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("buffers")
     out, spy = tmp / "run", tmp / "spy"
     cmd = [mpiexec(), "-n", str(K + 1), sys.executable, str(SPY), str(spy), "run", "configs/quickstart_fedbuff.yaml",
-           "--out", str(out), "rounds=4", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
-           "influence.enabled=false", f"federation.slowdown={{{SLOW}: 4.0}}", "federation.round_deadline_s=60"]
+           NUMPY_SITES, "--out", str(out), "rounds=4", "checkpoint_every=0", "eval_every=0",
+           "privacy.secure_aggregation=true", "influence.enabled=false", f"federation.slowdown={{{SLOW}: 4.0}}",
+           "federation.round_deadline_s=60"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -145,7 +146,7 @@ def test_a_halted_secure_buffered_run_resumes_from_the_checkpoint_between_buffer
     from hpcfed.store import checkpoint as ck
 
     part = tmp_path / "part"
-    common = ["rounds=4", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
+    common = [NUMPY_SITES, "rounds=4", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
               "influence.enabled=false"]
     run_cli(["run", "configs/quickstart_fedbuff.yaml", "--out", str(part), *common, "halt_after_round=4"], np=4,
             timeout=240)
@@ -168,8 +169,9 @@ def test_a_buffers_members_are_answered_in_the_order_they_became_ready(tmp_path)
     orders differ, so the old id order fails here."""
     out, spy = tmp_path / "run", tmp_path / "spy"
     cmd = [mpiexec(), "-n", "4", sys.executable, str(SPY), str(spy), "run", "configs/quickstart_fedbuff.yaml",
-           "--out", str(out), "rounds=2", "checkpoint_every=0", "eval_every=0", "privacy.secure_aggregation=true",
-           "influence.enabled=false", "federation.buffer_size=3", "federation.round_deadline_s=60"]
+           NUMPY_SITES, "--out", str(out), "rounds=2", "checkpoint_every=0", "eval_every=0",
+           "privacy.secure_aggregation=true", "influence.enabled=false", "federation.buffer_size=3",
+           "federation.round_deadline_s=60"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32, "SPY_READY_DELAY": "1:0.6,0:1.2"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, mpiexec
+from conftest import NUMPY_SITES, REPO, mpiexec
 from cryptography.exceptions import InvalidSignature
 
 from hpcfed.comm.keys import generate_identity, load_authorized_keys
@@ -37,7 +37,7 @@ DEADLINE_S = 4
 def _run(out: Path, spy: Path, ranks: int = 5, silent: int = 3, args: tuple[str, ...] = (
         "rounds=3", "checkpoint_every=1", "federation.quorum=0.75")) -> subprocess.CompletedProcess:
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(SPY), str(spy), str(silent), "run",
-           "configs/quickstart.yaml", "--out", str(out), *args, "privacy.secure_aggregation=true",
+           "configs/quickstart.yaml", NUMPY_SITES, "--out", str(out), *args, "privacy.secure_aggregation=true",
            "influence.enabled=false", f"federation.round_deadline_s={DEADLINE_S}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32, "SPY_SILENT_S": str(DEADLINE_S + 2)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)

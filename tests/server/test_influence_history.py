@@ -1,5 +1,6 @@
-"""Bounded influence judges a refusal against the site's own history too: honest heterogeneity
-never makes one count, a site that jumps far beyond everything it and the others sent does."""
+"""Bounded influence judges a refusal against the site's own history too, and only a bound no honest
+step comes near counts toward eviction: a site that jumps beyond ten times the model's own scale
+after an accepted upload does; one beyond the typical and its own steps is refused, never counted."""
 
 from __future__ import annotations
 
@@ -41,13 +42,36 @@ def test_an_honest_site_whose_steps_stay_large_while_the_others_converge_is_neve
     assert guard.peak_ratio < 2
 
 
-def test_a_site_that_jumps_beyond_its_own_and_the_typical_steps_is_refused_with_evidence():
+def test_a_jump_beyond_its_own_and_the_typical_steps_is_refused_but_only_one_beyond_the_model_counts():
     guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
     for _ in range(3):
         _round(guard, {0: 1.0, 1: 1.0, 2: 1.0})
-    assert _round(guard, {0: 1.0, 1: 1.0, 2: 11.0}) == {0: "ok", 1: "ok", 2: "evidence"}
+    # 11 x the typical step: a statistic (an honest stale async site asked 144 x), refused, not counted
+    assert _round(guard, {0: 1.0, 1: 1.0, 2: 11.0}) == {0: "ok", 1: "ok", 2: "refused"}
+    # beyond 10 x the model's own scale (REF is all zeros: sqrt(P) = 2): no training step, evidence
+    assert _round(guard, {0: 1.0, 1: 1.0, 2: 21.0}) == {0: "ok", 1: "ok", 2: "evidence"}
     assert _round(guard, {0: 1.0, 1: 1.0, 2: 1e30}) == {0: "ok", 1: "ok", 2: "evidence"}  # refused again
     assert _round(guard, {0: 1.0, 1: 1.0, 2: 9.0}) == dict.fromkeys(range(3), "ok")  # clipped, in range
+
+
+def test_an_honest_site_sent_a_model_the_others_moved_on_from_is_never_counted_against():
+    """The async cells of tools/false_positives.py at 1,000 rounds: the others converge (their steps
+    shrink to 1/1000), a site away for a while comes back with a full-size step, again and again."""
+    guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
+    ref = np.full(4, 3.0, dtype=np.float32)  # a model of norm 6: its own scale is 6
+    outcomes = []
+    for rnd in range(1000):
+        small = 2.0 * 0.993**rnd
+        lengths = {0: small, 1: small * 1.1, 2: 2.0 if rnd % 50 == 0 else small}
+        guard.begin_round(set(lengths))
+        for cid, length in lengths.items():
+            try:
+                guard.bound(cid, ref + _step(length), ref)
+            except Refused as exc:
+                outcomes.append(exc.evidence)
+        guard.settle()
+    assert outcomes and not any(outcomes)  # refused, never evidence
+    assert guard.peak_ratio > 10
 
 
 def test_a_site_with_no_accepted_upload_is_refused_but_it_is_not_evidence():

@@ -68,11 +68,14 @@ def test_growing_honest_steps_are_followed_not_ratcheted_away():
     ref = np.zeros(64, dtype=np.float32)
     for rnd in range(12):
         guard.begin_round({0, 1, 2})
+        uploads = []
         for cid in range(3):
-            step = np.zeros(64, dtype=np.float32)
-            step[cid] = 2.0 ** rnd * (1 + 0.1 * cid)
-            guard.bound(cid, step, ref)  # raises Refused if refused
+            upload = ref.copy()
+            upload[cid] += 2.0 ** rnd * (1 + 0.1 * cid)
+            guard.bound(cid, upload, ref)  # raises Refused if refused
+            uploads.append(upload)
         guard.settle()
+        ref = np.mean(uploads, axis=0)  # the model follows the steps (FedAvg of the clipped uploads)
     assert guard.clipped < 3 * 12
 
 

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import NUMPY_SITES, run_cli
 
 from hpcfed.config import ConfigError, load
 from hpcfed.server.metrics import MetricsLog
@@ -64,7 +64,8 @@ def test_a_federation_tracked_live_in_both(tmp_path: Path, monkeypatch: pytest.M
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "run"
-    run_cli(["run", "configs/quickstart.yaml", "--out", str(out), "rounds=2", "tracking=tensorboard,mlflow"],
+    run_cli(["run", "configs/quickstart.yaml", NUMPY_SITES,
+             "--out", str(out), "rounds=2", "tracking=tensorboard,mlflow"],
             np=3, timeout=240)
     scalars = _scalars(out / "tensorboard")
     assert [step for step, _ in scalars["round_time_s/server"]] == [0, 1]

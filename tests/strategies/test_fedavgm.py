@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, mpiexec
+from conftest import NUMPY_SITES, REPO, mpiexec
 
 from hpcfed.config import ConfigError, DPConfig, from_mapping
 from hpcfed.privacy import dp
@@ -159,7 +159,7 @@ def test_under_secure_aggregation_each_round_model_follows_the_momentum_formula(
     mean delta Δ of what the sites fed the protocol (within fixed point), and it is not FedAvg's."""
     out, spy = tmp_path / "run", tmp_path / "spy"
     cmd = [mpiexec(), "-n", "4", sys.executable, str(SPY), str(spy), "-1", "run", "configs/quickstart.yaml",
-           "--out", str(out), "rounds=3", "checkpoint_every=1", "strategy.name=fedavgm",
+           NUMPY_SITES, "--out", str(out), "rounds=3", "checkpoint_every=1", "strategy.name=fedavgm",
            f"strategy.momentum={BETA}", f"strategy.server_lr={ETA}", "privacy.secure_aggregation=true",
            "influence.enabled=false", "federation.round_deadline_s=60"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HPCFED_PSK": "00" * 32}

@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import NUMPY_SITES, run_cli
 
 from hpcfed.config import ConfigError, from_mapping
 from hpcfed.registry import resolve
@@ -96,7 +96,7 @@ def test_fedbuff_under_mpiexec_applies_one_version_per_buffer_and_refuses_a_buff
     """Three sites, buffer 2, 12 uploads: 6 buffers, so the server reaches version 7; every site
     contributed and the model learned."""
     out = tmp_path / "run"
-    run_cli(["run", "configs/quickstart_fedbuff.yaml", "--out", str(out), "rounds=4", "checkpoint_every=0",
+    run_cli(["run", "configs/quickstart_fedbuff.yaml", NUMPY_SITES, "--out", str(out), "rounds=4", "checkpoint_every=0",
              "eval_every=0"], np=4, timeout=240)
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     versions = [e["value"] for e in events if e["name"] == "fedbuff_version"]
@@ -104,7 +104,7 @@ def test_fedbuff_under_mpiexec_applies_one_version_per_buffer_and_refuses_a_buff
     summary = json.loads((out / "summary.json").read_text())
     assert all(p["contributed"] >= 2 for p in summary["participation"].values())
     assert summary["mean"]["accuracy"] > 0.5
-    refused = run_cli(["run", "configs/quickstart_fedbuff.yaml", "--out", str(tmp_path / "big"),
+    refused = run_cli(["run", "configs/quickstart_fedbuff.yaml", NUMPY_SITES, "--out", str(tmp_path / "big"),
                        "federation.buffer_size=4"], np=3, timeout=120, check=False)
     assert refused.returncode != 0
     assert "federation.buffer_size is 4, more than the 2 sites of this run" in refused.stderr + refused.stdout
