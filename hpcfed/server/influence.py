@@ -45,10 +45,11 @@ the server bounds the two levers a site holds over a mean-based aggregate:
 *accepted* uploads (asked distances, before clipping) that asked for at most half the limit
 (``_OWN_SHARE``: a site far from the start, a sign flip x10, never builds such a history and stays
 judged by the typical step). That refusal keeps the upload out of the model, but it is a statistic,
-and honest heterogeneity crosses it: over 1,000 asynchronous rounds an honest site sent a model
-the others had moved on from asked for up to 144 x both the typical step and its own last ones
-(`tools/false_positives.py`, docs/benchmarks.md), and when such refusals counted, honest sites
-were evicted in each of the quickstart's asynchronous cells. So it never counts toward eviction.
+and honest heterogeneity crosses it: late in 1,000 asynchronous rounds an honest site's step
+jumped from the typical size to up to 144 x both it and the site's own last ones, from one upload
+to the next (`tools/false_positives.py`, docs/benchmarks.md), and when such refusals counted,
+honest sites would have been evicted in three of the quickstart's four asynchronous cells. So it
+never counts toward eviction.
 What counts (`Refused.evidence`, toward eviction past ``security.max_refused_updates``) is an upload
 beyond ``reject_factor`` x the model's own scale ``max(||θ_ref||, sqrt(P))`` (x1e30,
 finite but enormous parameters), from a site that has had an upload accepted: a local round that
@@ -235,8 +236,8 @@ class InfluenceGuard:
 
     def _refuse_beyond(self, cid: int, distance: float, typical: float) -> None:
         """Refuse an upload beyond ``reject_factor`` x the larger of the typical step and the site's own
-        recent ones. Never evidence: an honest asynchronous site sent a model the others had moved on
-        from asked for up to 144 x both (tools/false_positives.py, 1,000 rounds), so this judgement
+        recent ones. Never evidence: late in 1,000 asynchronous rounds an honest site's step jumped to
+        up to 144 x both from one upload to the next (tools/false_positives.py), so this judgement
         keeps such an upload out of the model but never evicts."""
         own = self._own(cid)
         scale = max(typical, own or 0.0, 1e-12)

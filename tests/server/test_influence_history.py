@@ -46,7 +46,7 @@ def test_a_jump_beyond_its_own_and_the_typical_steps_is_refused_but_only_one_bey
     guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
     for _ in range(3):
         _round(guard, {0: 1.0, 1: 1.0, 2: 1.0})
-    # 11 x the typical step: a statistic (an honest stale async site asked 144 x), refused, not counted
+    # 11 x the typical step: a statistic (an honest async site's step jumped to 144 x), refused, not counted
     assert _round(guard, {0: 1.0, 1: 1.0, 2: 11.0}) == {0: "ok", 1: "ok", 2: "refused"}
     # beyond 10 x the model's own scale (REF is all zeros: sqrt(P) = 2): no training step, evidence
     assert _round(guard, {0: 1.0, 1: 1.0, 2: 21.0}) == {0: "ok", 1: "ok", 2: "evidence"}
@@ -54,9 +54,9 @@ def test_a_jump_beyond_its_own_and_the_typical_steps_is_refused_but_only_one_bey
     assert _round(guard, {0: 1.0, 1: 1.0, 2: 9.0}) == dict.fromkeys(range(3), "ok")  # clipped, in range
 
 
-def test_an_honest_site_sent_a_model_the_others_moved_on_from_is_never_counted_against():
-    """The async cells of tools/false_positives.py at 1,000 rounds: the others converge (their steps
-    shrink to 1/1000), a site away for a while comes back with a full-size step, again and again."""
+def test_an_honest_step_that_jumps_late_in_a_long_run_is_never_counted_against():
+    """The async cells of tools/false_positives.py at 1,000 rounds: the steps converge (they shrink
+    to 1/1000), and now and then one site's jumps back to full size, again and again."""
     guard = InfluenceGuard(InfluenceConfig(), num_clients=3)
     ref = np.full(4, 3.0, dtype=np.float32)  # a model of norm 6: its own scale is 6
     outcomes = []
