@@ -210,7 +210,9 @@ def test_requeued_job_resumes_from_checkpoint_with_the_same_final_metrics(slurm_
     # it is being stopped, the second has rounds left to checkpoint one and then take SIGUSR2.
     common = ["rounds=8", "checkpoint_every=1", "federation.slowdown={0: 15, 1: 15}"]
     ref_out = tmp_path / "reference"
-    ref = start(ref_out, common)  # the uninterrupted run, side by side (plain mpiexec, same config)
+    # the uninterrupted run, side by side (plain mpiexec, the same config: the quickstart on torch, whose
+    # slowed rounds leave the second attempt time to take SIGUSR2)
+    ref = start(ref_out, common, torch_sites=True)
     out = tmp_path / "rq"
     log = tmp_path / "job.out"
     job = _sbatch(slurm_env, "slurm/requeue.sbatch", ["configs/quickstart.yaml", str(out), *common], log)
